@@ -17,7 +17,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m dflash_assets.demo
+	$(BIN)/python -m dagster_project.demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -1,0 +1,271 @@
+"""One store for all asset data, addressed by a root URI.
+
+Every stage reads and writes its data only through a :class:`Store`, so no
+stage depends on another host's filesystem (a prompt file at one path on the
+data-prep host and at another on the GPU host is the failure this prevents).
+
+Two backends behind one interface:
+
+- ``LocalStore``: a directory (``/path/to/root`` or ``file:///path``).
+  Writes go to a temporary file in the same directory, are fsynced, then
+  renamed over the target: a killed write leaves the old object or the new
+  one, never a partial file.
+- ``S3Store``: ``s3://bucket/prefix`` through a boto3 client (in Dagster,
+  dagster-aws's ``S3Resource`` builds it). A PUT, single or multipart, only
+  becomes visible once complete, so S3 writes are atomic by nature.
+
+Keys are relative POSIX paths such as ``raw_prompts/shard-00000.parquet``.
+Reads: ``read_bytes``, ``read_parquet``, ``read_json``, ``local_path`` (for
+memory-mapping; S3 objects are downloaded to a cache once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+__all__ = ["Store", "LocalStore", "S3Store", "open_store", "default_store_uri"]
+
+
+def default_store_uri() -> str:
+    """``$DFLASH_STORE``, else ``$DAGSTER_HOME/dflash-store``, else ``./.dflash/store``."""
+    if uri := os.environ.get("DFLASH_STORE"):
+        return uri
+    if home := os.environ.get("DAGSTER_HOME"):
+        return str(Path(home) / "dflash-store")
+    return str(Path(".dflash/store").resolve())
+
+
+class Store(Protocol):
+    uri: str
+
+    def write_bytes(self, key: str, data: bytes) -> None: ...
+    def read_bytes(self, key: str) -> bytes: ...
+    def exists(self, key: str) -> bool: ...
+    def list(self, prefix: str) -> list[str]: ...
+    def delete(self, key: str) -> None: ...
+    def upload_file(self, key: str, path: str | os.PathLike) -> None: ...
+    def local_path(self, key: str) -> Path: ...
+    def url(self, key: str) -> str: ...
+
+
+class _StoreHelpers:
+    """Format helpers shared by both backends (Parquet, JSON, staged files)."""
+
+    uri: str
+
+    def write_parquet(self, key: str, table: pa.Table, **kwargs: Any) -> None:
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression=kwargs.pop("compression", "zstd"), **kwargs)
+        self.write_bytes(key, buf.getvalue())  # type: ignore[attr-defined]
+
+    def read_parquet(self, key: str, columns: list[str] | None = None) -> pa.Table:
+        return pq.read_table(pa.BufferReader(self.read_bytes(key)), columns=columns)  # type: ignore[attr-defined]
+
+    def write_json(self, key: str, obj: Any) -> None:
+        self.write_bytes(key, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())  # type: ignore[attr-defined]
+
+    def read_json(self, key: str) -> Any:
+        return json.loads(self.read_bytes(key))  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def staged_file(self, key: str, suffix: str = "") -> Iterator[Path]:
+        """Yield a local scratch path; on clean exit its content becomes ``key`` atomically.
+
+        For writers that need a real file (safetensors, large Parquet). On an
+        exception nothing is published and the scratch file is removed.
+        """
+        tmpdir = Path(tempfile.mkdtemp(prefix="dflash-stage-"))
+        path = tmpdir / ("object" + suffix)
+        try:
+            yield path
+            self.upload_file(key, path)  # type: ignore[attr-defined]
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _clean_key(key: str) -> str:
+    key = key.strip("/")
+    if not key or any(part in ("", ".", "..") for part in key.split("/")):
+        raise ValueError(f"invalid store key {key!r}")
+    return key
+
+
+class LocalStore(_StoreHelpers):
+    def __init__(self, root: str | os.PathLike):
+        root = str(root)
+        if root.startswith("file://"):
+            root = root[len("file://") :]
+        self.root = Path(root).expanduser().resolve()
+        self.uri = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / _clean_key(key)
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(path.parent)
+
+    def upload_file(self, key: str, path: str | os.PathLike) -> None:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            shutil.copyfile(path, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(dest.parent)
+
+    def read_bytes(self, key: str) -> bytes:
+        path = self._path(key)
+        if not path.exists():
+            raise FileNotFoundError(f"no object {key!r} in store {self.uri}")
+        return path.read_bytes()
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        base = self.root / prefix.strip("/") if prefix.strip("/") else self.root
+        if not base.exists():
+            return []
+        out = []
+        for p in base.rglob("*"):
+            if p.is_file() and not p.name.startswith("."):
+                out.append(p.relative_to(self.root).as_posix())
+        return sorted(out)
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path(key).unlink()
+
+    def local_path(self, key: str) -> Path:
+        path = self._path(key)
+        if not path.exists():
+            raise FileNotFoundError(f"no object {key!r} in store {self.uri}")
+        return path
+
+    def url(self, key: str) -> str:
+        return self._path(key).as_uri()
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class S3Store(_StoreHelpers):
+    """``s3://bucket/prefix`` through a boto3 S3 client (credentials from the environment)."""
+
+    def __init__(self, uri: str, client: Any = None, *, endpoint_url: str | None = None,
+                 cache_dir: str | os.PathLike | None = None):
+        if not uri.startswith("s3://"):
+            raise ValueError(f"not an s3:// URI: {uri!r}")
+        bucket, _, prefix = uri[len("s3://") :].partition("/")
+        if not bucket:
+            raise ValueError(f"s3 URI has no bucket: {uri!r}")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.uri = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        if client is None:
+            import boto3
+
+            client = boto3.client("s3", endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None)
+        self.client = client
+        self.cache_dir = Path(cache_dir or Path(tempfile.gettempdir()) / "dflash-s3-cache")
+
+    def _key(self, key: str) -> str:
+        key = _clean_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def upload_file(self, key: str, path: str | os.PathLike) -> None:
+        # Multipart uploads only become visible on CompleteMultipartUpload: atomic.
+        self.client.upload_file(str(path), self.bucket, self._key(key))
+
+    def read_bytes(self, key: str) -> bytes:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except self.client.exceptions.NoSuchKey as e:
+            raise FileNotFoundError(f"no object {key!r} in store {self.uri}") from e
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+
+    def list(self, prefix: str) -> list[str]:
+        full = self._key(prefix) if prefix.strip("/") else self.prefix
+        full = full.rstrip("/") + "/" if full else ""
+        out = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
+            for obj in page.get("Contents", []):
+                k = obj["Key"]
+                out.append(k[len(self.prefix) + 1 :] if self.prefix else k)
+        return sorted(out)
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def local_path(self, key: str) -> Path:
+        """Download once into a content-addressed cache, for memory-mapping."""
+        head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        tag = hashlib.sha256(f"{self.uri}/{key}:{head['ETag']}".encode()).hexdigest()[:24]
+        dest = self.cache_dir / tag / Path(key).name
+        if not dest.exists():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_suffix(dest.suffix + ".part")
+            self.client.download_file(self.bucket, self._key(key), str(tmp))
+            os.replace(tmp, dest)
+        return dest
+
+    def url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._key(key)}"
+
+
+def open_store(uri: str | None = None, *, s3_client: Any = None, endpoint_url: str | None = None) -> LocalStore | S3Store:
+    """Open the store at ``uri`` (default: :func:`default_store_uri`)."""
+    uri = uri or default_store_uri()
+    if uri.startswith("s3://"):
+        return S3Store(uri, s3_client, endpoint_url=endpoint_url)
+    return LocalStore(uri)

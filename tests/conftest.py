@@ -1,0 +1,61 @@
+"""Shared fixtures: a store in a temp dir, an S3 store on moto's server, tiny targets."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from dflash_assets.store import LocalStore, S3Store
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def local_store(tmp_path) -> LocalStore:
+    return LocalStore(tmp_path / "store")
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """A real S3 HTTP endpoint (moto's ThreadedMotoServer) on 127.0.0.1."""
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_store(moto_endpoint, request) -> S3Store:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    bucket = "dflash-" + request.node.name.lower().replace("_", "-")[:40].strip("-[]")
+    bucket = "".join(c if c.isalnum() or c == "-" else "-" for c in bucket)
+    client.create_bucket(Bucket=bucket)
+    return S3Store(f"s3://{bucket}/root", client)
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_target():
+    from dflash_assets.tiny_targets import tiny_target_path
+
+    return tiny_target_path("dense")
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_target():
+    from dflash_assets.tiny_targets import tiny_target_path
+
+    return tiny_target_path("hybrid")
