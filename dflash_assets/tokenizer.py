@@ -39,6 +39,7 @@ import os
 import shutil
 import tempfile
 import unicodedata
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -159,21 +160,24 @@ def _tokenizer_json_path(cache_root: Path | None) -> Path:
     return target
 
 
-@functools.lru_cache(maxsize=4)
-def _build_cached(cache_root: str | None) -> "PreTrainedTokenizerFast":
+def _load(cache_root: Path | None, chat_template: str) -> "PreTrainedTokenizerFast":
     from transformers import PreTrainedTokenizerFast
 
-    path = _tokenizer_json_path(Path(cache_root) if cache_root is not None else None)
     return PreTrainedTokenizerFast(
-        tokenizer_file=str(path),
+        tokenizer_file=str(_tokenizer_json_path(cache_root)),
         eos_token=QWEN3_6_EOS_TOKEN,
         pad_token=QWEN3_6_PAD_TOKEN,
         mask_token=QWEN3_6_MASK_TOKEN,
-        chat_template=default_chat_template(),
+        chat_template=chat_template,
         model_max_length=262_144,
         padding_side="right",
         clean_up_tokenization_spaces=False,
     )
+
+
+@functools.lru_cache(maxsize=4)
+def _load_shared(cache_root: str | None) -> "PreTrainedTokenizerFast":
+    return _load(Path(cache_root) if cache_root is not None else None, default_chat_template())
 
 
 def build_qwen3_6_tokenizer(
@@ -182,24 +186,49 @@ def build_qwen3_6_tokenizer(
     """The Qwen3.5/3.6 fast tokenizer with `<|MASK|>` and a chat template.
 
     eos = `<|im_end|>` (ends every assistant turn), pad = `<|endoftext|>`,
-    mask = `<|MASK|>` (id 248077). `chat_template` replaces the packaged
-    template. Returns a fresh copy each call (the underlying build is cached
-    in-process and on disk), so callers may mutate it.
+    mask = `<|MASK|>` (id 248077); NFC normalization is part of its pipeline.
+    Without `chat_template` it returns one shared, in-process cached instance
+    carrying the packaged template: treat it as read-only. With
+    `chat_template` it returns a new instance carrying that template (~1 s).
+    The first build on a machine takes ~10 s; later processes load the cached
+    `tokenizer.json` in ~1 s.
     """
-    import copy
+    root = str(cache_root) if cache_root is not None else None
+    if chat_template is None:
+        return _load_shared(root)
+    return _load(Path(root) if root is not None else None, chat_template)
 
-    tok = copy.deepcopy(_build_cached(str(cache_root) if cache_root is not None else None))
-    if chat_template is not None:
-        tok.chat_template = chat_template
-    return tok
+
+_HASH_MEMO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _cheap_signature(tok: "PreTrainedTokenizerBase") -> tuple:
+    template = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template, sort_keys=True)
+    return (len(tok), template, json.dumps(tok.special_tokens_map, sort_keys=True, default=str))
 
 
 def tokenizer_hash(tok: "PreTrainedTokenizerBase") -> str:
-    """Stable 16-hex content hash of vocabulary, added/special tokens and chat template.
+    """Stable 16-hex content hash of vocabulary, added/special tokens, text pipeline and chat template.
 
     Two tokenizers with equal hashes map text to the same ids and render chats
-    the same way; used in hidden-state cache headers and code versions.
+    the same way; used in hidden-state cache headers and code versions. The
+    full hash takes ~0.6 s on a 248K vocabulary, so it is memoized per
+    tokenizer object and recomputed whenever its size, special tokens or
+    template change.
     """
+    signature = _cheap_signature(tok)
+    try:
+        memo = _HASH_MEMO.get(tok)
+    except TypeError:  # not weak-referenceable
+        return _tokenizer_hash(tok)
+    if memo is not None and memo[0] == signature:
+        return memo[1]
+    digest = _tokenizer_hash(tok)
+    _HASH_MEMO[tok] = (signature, digest)
+    return digest
+
+
+def _tokenizer_hash(tok: "PreTrainedTokenizerBase") -> str:
     h = hashlib.sha256()
     vocab = tok.get_vocab()
     h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode("utf-8"))
@@ -207,11 +236,9 @@ def tokenizer_hash(tok: "PreTrainedTokenizerBase") -> str:
     h.update(json.dumps(sorted(added.items()), ensure_ascii=False).encode("utf-8"))
     h.update(json.dumps(tok.special_tokens_map, sort_keys=True, default=str).encode("utf-8"))
     backend = getattr(tok, "backend_tokenizer", None)
-    if backend is not None:
-        spec = json.loads(backend.to_str())
-        for key in ("normalizer", "pre_tokenizer"):
-            h.update(json.dumps(spec.get(key), sort_keys=True).encode("utf-8"))
-        h.update(json.dumps(spec.get("model", {}).get("merges", [])[:0]).encode())  # merges follow from vocab
+    if backend is not None:  # the text pipeline around the BPE (merges follow from the ranks in vocab)
+        for part in (backend.normalizer, backend.pre_tokenizer):
+            h.update(part.__getstate__() if part is not None else b"null")
     template = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template, sort_keys=True)
     h.update((template or "").encode("utf-8"))
     return h.hexdigest()[:16]

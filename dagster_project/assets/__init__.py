@@ -1,0 +1,1 @@
+"""One module per stage; each holds its asset(s) and the checks that sit beside them."""

@@ -1,0 +1,118 @@
+"""The ``dflash`` command line (argparse; one subcommand per module, more get added).
+
+``dflash engine``: prints, or starts on this host (``--start``), the server
+that generates completions for the target:
+
+- ``--kind sglang`` (default when a target is given): ``python -m
+  sglang.launch_server --model-path ... --port ... --tp ... --host 127.0.0.1
+  --reasoning-parser qwen3``; reach it with endpoint kind ``sglang``.
+  SGLang needs a CUDA host (``pip install 'dflash-assets[sglang]'``).
+- ``--kind transformers`` (default with no target, the embedded default):
+  ``transformers serve <tiny target dir> --host 127.0.0.1 --port N``, which
+  pins and preloads that model; endpoint kind ``openai``.
+
+Target: ``--target``, else ``$DFLASH_TARGET``, else the tiny dense target
+(random weights, built locally). ``--start`` waits until the server is healthy
+and serves the target, prints one JSON line ``{"ready": url, "pid", "endpoint"}``,
+then stays in the foreground (Ctrl-C stops the server) or, with ``--detach``,
+returns and leaves it running. Reads/writes nothing but the optional log file.
+
+Adding a subcommand: write ``_add_<name>(subparsers)`` that sets
+``func=<callable(args) -> int>`` and append it to ``SUBCOMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import sys
+from typing import Callable
+
+__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+
+
+def _add_engine(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("engine", help="print or start the generation server for the target",
+                       description=__doc__.split("\n\n")[1])
+    p.add_argument("--kind", choices=["sglang", "transformers"], default=None,
+                   help="server to run (default: sglang with a target, transformers for the embedded default)")
+    p.add_argument("--target", default=None, help="model path or id (default: $DFLASH_TARGET, else the tiny target)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="default 30000 (sglang) / 8000 (transformers); 0: a free port")
+    p.add_argument("--tp", type=int, default=1, help="sglang tensor parallel size (GPUs per server)")
+    p.add_argument("--served-model-name", default=None, help="sglang: name to serve the target under")
+    p.add_argument("--start", action="store_true", help="start it on this host and wait until healthy")
+    p.add_argument("--detach", action="store_true", help="with --start: return once ready, leave the server running")
+    p.add_argument("--wait-s", type=float, default=600.0, help="with --start: give up after this many seconds")
+    p.add_argument("--log", default=None, help="with --start: append the server's output to this file")
+    p.add_argument("--max-concurrency", type=int, default=None, help="max_concurrency of the printed endpoint config")
+    p.add_argument("--json", action="store_true", help="print the command as JSON (argv, url, endpoint config)")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra arguments for the server")
+    p.set_defaults(func=_run_engine)
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    from dflash_assets.engines import local_engine_server
+
+    target = args.target or os.environ.get("DFLASH_TARGET") or None
+    kind = args.kind or ("sglang" if target else "transformers")
+    extra = [a for a in (args.extra or []) if a != "--"]
+    server = local_engine_server(kind, target, port=args.port, host=args.host, tp=args.tp,
+                                 served_model_name=args.served_model_name, log_path=args.log, extra_args=extra)
+    ep = server.endpoint_config(args.max_concurrency)
+    endpoint = {"url": ep.url, "kind": ep.kind, "max_concurrency": ep.max_concurrency}
+    if not args.start:
+        if args.json:
+            print(json.dumps({"argv": server.argv, "command": server.command, "url": server.url,
+                              "target_model": server.expect_model, "endpoint": endpoint}))
+        else:
+            print(server.command)
+        return 0
+    if kind == "sglang" and importlib.util.find_spec("sglang") is None:
+        print("SGLang is not installed on this host. On a GPU host: pip install 'dflash-assets[sglang]', then:\n"
+              f"  {server.command}", file=sys.stderr)
+        return 2
+    print(f"starting: {server.command}", file=sys.stderr, flush=True)
+    try:
+        server.start(wait_s=args.wait_s, detach=args.detach)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"engine failed to start: {e}", file=sys.stderr)
+        return 1
+    assert server.proc is not None
+    print(json.dumps({"ready": server.url, "pid": server.proc.pid, "kind": kind, "target_model": server.expect_model,
+                      "endpoint": endpoint}), flush=True)
+    if args.detach:
+        return 0
+
+    def forward(signum, _frame):  # stop the server with us
+        server.stop()
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return server.proc.wait()
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_engine]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description="dflash-assets: data and training pipeline for "
+                                     "DFlash speculative-decoding drafters.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,525 @@
+"""Regenerate every assistant turn of a prompt shard with the target, journaled and resumable.
+
+Input rows (from the ingest step): ``prompt_id``, optional ``system``,
+``user_turns`` (list of strings). Source assistant turns are never used: the
+assistant turns are regenerated in order, each request carrying the
+regenerated history (assistant contents only; earlier think blocks are left
+out, as the chat template does), up to ``GenerationConfig.max_turns`` turns.
+A turn cut by ``max_new_tokens`` ends the conversation when
+``stop_after_truncated_turn`` is set (its finish reason is kept).
+
+Writes, through the store:
+
+- ``completions/_journal/<shard>/<run>-<seq>.jsonl``: finished rows as they
+  arrive, one small object per flush (every ``flush_every`` rows or
+  ``flush_interval_s`` seconds). Each chunk is written atomically (LocalStore
+  rename, S3 PUT), so a ``kill -9`` loses at most the unflushed rows. A new
+  run reads the journal and regenerates only prompts without a journaled row
+  of the same ``config_hash``.
+- ``completions/<shard>.parquet``: exactly one row per prompt that succeeded
+  (``output_schema()``): ``messages`` (role/content/reasoning_content),
+  per-turn finish reasons, token counts, endpoints and latencies, served
+  model, timings, ``config_hash``.
+- ``completions/_failed/<shard>.parquet``: prompts that failed after retries
+  (or could not be generated), with reasons (``failed_schema()``); written
+  every run, empty when nothing failed.
+
+The journal is deleted once the final Parquet is written and nothing failed
+(``keep_journal`` keeps it); with failures it stays, so a re-run retries only
+the failed prompts. Progress (done/total, tokens/s, ETA) goes to a callback
+every few seconds; ``GenerationStats`` (tokens/s per endpoint, finish reason
+counts, empty answers, empty reasoning) comes back with the tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import pyarrow as pa
+
+from dflash_assets.engine_fleet import EngineFleet, EngineFleetConfig, FleetProbe, NoEngineAvailable
+from dflash_assets.engines import ChatResult, Engine, GenerationConfig, json_dumps, json_loads
+
+__all__ = [
+    "GenerationConfig",
+    "EngineFleetConfig",
+    "NoEngineAvailable",
+    "ProgressUpdate",
+    "GenerationStats",
+    "CompletionsResult",
+    "CompletionJournal",
+    "completions_key",
+    "failed_key",
+    "journal_prefix",
+    "output_schema",
+    "failed_schema",
+    "regenerate_shard",
+    "aregenerate_shard",
+]
+
+COMPLETIONS_PREFIX = "completions"
+
+
+def completions_key(shard: str) -> str:
+    return f"{COMPLETIONS_PREFIX}/{shard}.parquet"
+
+
+def failed_key(shard: str) -> str:
+    return f"{COMPLETIONS_PREFIX}/_failed/{shard}.parquet"
+
+
+def journal_prefix(shard: str) -> str:
+    return f"{COMPLETIONS_PREFIX}/_journal/{shard}"
+
+
+_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
+
+
+def output_schema() -> pa.Schema:
+    """Schema of ``completions/<shard>.parquet``."""
+    return pa.schema([
+        ("prompt_id", pa.string()),
+        ("messages", pa.list_(_MESSAGE)),
+        ("num_turns", pa.int32()),
+        ("finish_reasons", pa.list_(pa.string())),
+        ("prompt_tokens", pa.list_(pa.int32())),
+        ("completion_tokens", pa.list_(pa.int32())),
+        ("completion_tokens_total", pa.int64()),
+        ("turn_endpoints", pa.list_(pa.string())),
+        ("endpoint", pa.string()),
+        ("served_model", pa.string()),
+        ("turn_latency_s", pa.list_(pa.float64())),
+        ("started_at", pa.timestamp("ms", tz="UTC")),
+        ("finished_at", pa.timestamp("ms", tz="UTC")),
+        ("generation_s", pa.float64()),
+        ("attempts", pa.int32()),
+        ("config_hash", pa.string()),
+    ])
+
+
+def failed_schema() -> pa.Schema:
+    """Schema of ``completions/_failed/<shard>.parquet``."""
+    return pa.schema([
+        ("prompt_id", pa.string()),
+        ("reason", pa.string()),
+        ("errors", pa.list_(pa.string())),
+        ("turns_done", pa.int32()),
+        ("attempts", pa.int32()),
+        ("config_hash", pa.string()),
+    ])
+
+
+def _ts(x: float | None) -> datetime | None:
+    return datetime.fromtimestamp(x, tz=timezone.utc) if x is not None else None
+
+
+def _rows_to_table(rows: Sequence[dict]) -> pa.Table:
+    fixed = [{**r, "started_at": _ts(r.get("started_at")), "finished_at": _ts(r.get("finished_at"))} for r in rows]
+    return pa.Table.from_pylist(fixed, schema=output_schema())
+
+
+# ----------------------------------------------------------------------------
+# Progress and stats
+
+
+@dataclass(frozen=True)
+class ProgressUpdate:
+    shard: str
+    done: int  # prompts with a row (resumed ones included)
+    total: int
+    failed: int
+    resumed: int
+    completion_tokens: int  # generated in this run
+    tokens_per_s: float
+    elapsed_s: float
+    eta_s: float | None
+
+    def __str__(self) -> str:
+        eta = f"{self.eta_s:.0f}s" if self.eta_s is not None else "?"
+        return (f"[{self.shard}] {self.done}/{self.total} done, {self.failed} failed, "
+                f"{self.tokens_per_s:.0f} tok/s, ETA {eta}")
+
+
+@dataclass
+class GenerationStats:
+    shard: str
+    config_hash: str
+    prompts_total: int = 0
+    prompts_done: int = 0
+    prompts_generated: int = 0
+    prompts_resumed: int = 0
+    prompts_failed: int = 0
+    duplicates_dropped: int = 0
+    turns: int = 0
+    requests: int = 0
+    retries: int = 0
+    failovers: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+    tokens_per_s: float = 0.0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    empty_content: int = 0  # assistant turns with an empty answer
+    empty_reasoning: int = 0  # assistant turns with empty reasoning (thinking on)
+    journal_chunks_written: int = 0
+    endpoints: dict[str, dict] = field(default_factory=dict)
+
+    def to_metadata(self) -> dict[str, Any]:
+        """Flat numbers for logs and asset metadata."""
+        meta: dict[str, Any] = {k: v for k, v in asdict(self).items() if not isinstance(v, dict)}
+        for reason, n in sorted(self.finish_reasons.items()):
+            meta[f"finish_{reason}"] = n
+        for url, ep in self.endpoints.items():
+            meta[f"tokens_per_s[{url}]"] = round(ep.get("tokens_per_s", 0.0), 1)
+        return meta
+
+
+@dataclass
+class CompletionsResult:
+    shard: str
+    table: pa.Table
+    failed: pa.Table
+    stats: GenerationStats
+    probe: FleetProbe | None
+    output_key: str
+    failed_key: str
+    config_hash: str
+
+
+# ----------------------------------------------------------------------------
+# Journal
+
+
+class CompletionJournal:
+    """Finished rows, flushed to the store in small atomic JSONL chunks."""
+
+    def __init__(self, store: Any, shard: str, *, flush_every: int = 64, flush_interval_s: float = 10.0):
+        self.store = store
+        self.prefix = journal_prefix(shard)
+        self.flush_every = max(1, flush_every)
+        self.flush_interval_s = flush_interval_s
+        self.run_id = f"{int(time.time() * 1000):013d}-{secrets.token_hex(3)}"
+        self._buffer: list[dict] = []
+        self._seq = 0
+        self._last_flush = time.monotonic()
+        self._lock = asyncio.Lock()
+        self.chunks_written = 0
+        self.bad_lines = 0
+
+    def keys(self) -> list[str]:
+        return [k for k in self.store.list(self.prefix) if k.endswith(".jsonl")]
+
+    def load(self, config_hash: str) -> dict[str, dict]:
+        """Journaled rows with this config_hash, first per prompt_id."""
+        rows: dict[str, dict] = {}
+        for key in self.keys():
+            for line in self.store.read_bytes(key).splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    row = json_loads(line)
+                except ValueError:
+                    self.bad_lines += 1  # chunks are atomic; this only guards against foreign files
+                    continue
+                if row.get("config_hash") == config_hash and row.get("prompt_id") is not None:
+                    rows.setdefault(row["prompt_id"], row)
+        return rows
+
+    def add(self, row: dict) -> None:
+        self._buffer.append(row)
+
+    @property
+    def due(self) -> bool:
+        return bool(self._buffer) and (len(self._buffer) >= self.flush_every
+                                       or time.monotonic() - self._last_flush >= self.flush_interval_s)
+
+    async def flush(self) -> None:
+        async with self._lock:
+            if not self._buffer:
+                return
+            rows, self._buffer = self._buffer, []  # swapped before any await: no row is lost or written twice
+            self._seq += 1
+            key = f"{self.prefix}/{self.run_id}-{self._seq:06d}.jsonl"
+            data = b"\n".join(json_dumps(r) for r in rows) + b"\n"
+            self._last_flush = time.monotonic()
+            await asyncio.to_thread(self.store.write_bytes, key, data)
+            self.chunks_written += 1
+
+    def clear(self) -> None:
+        for key in self.store.list(self.prefix):
+            self.store.delete(key)
+
+
+# ----------------------------------------------------------------------------
+# One conversation = one fleet task
+
+
+class _Conversation:
+    """Regenerates the assistant turns of one prompt; keeps its progress across retries and failover."""
+
+    def __init__(self, prompt_id: str, system: str | None, user_turns: list[str], gen: GenerationConfig, config_hash: str):
+        self.key = prompt_id
+        self.prompt_id = prompt_id
+        self.user_turns = user_turns
+        self.gen = gen
+        self.config_hash = config_hash
+        self.history: list[dict] = [{"role": "system", "content": system}] if system else []
+        self.messages: list[dict] = [{"role": "system", "content": system, "reasoning_content": None}] if system else []
+        self.results: list[ChatResult] = []
+        self.attempts = 0
+        self.started_at: float | None = None
+
+    async def step(self, engine: Engine) -> tuple[bool, ChatResult]:
+        if self.started_at is None:
+            self.started_at = time.time()
+        self.attempts += 1
+        user = self.user_turns[len(self.results)]
+        request = self.history + [{"role": "user", "content": user}]
+        res = await engine.chat(request, self.gen)
+        # committed only after success: a failed request leaves the conversation where it was
+        self.history = request + [{"role": "assistant", "content": res.content}]
+        self.messages += [{"role": "user", "content": user, "reasoning_content": None},
+                          {"role": "assistant", "content": res.content, "reasoning_content": res.reasoning_content}]
+        self.results.append(res)
+        truncated = res.finish_reason == "length" and self.gen.stop_after_truncated_turn
+        return len(self.results) >= len(self.user_turns) or truncated, res
+
+    def row(self) -> dict:
+        r = self.results
+        now = time.time()
+        return {
+            "prompt_id": self.prompt_id,
+            "messages": self.messages,
+            "num_turns": len(r),
+            "finish_reasons": [x.finish_reason for x in r],
+            "prompt_tokens": [x.prompt_tokens for x in r],
+            "completion_tokens": [x.completion_tokens for x in r],
+            "completion_tokens_total": sum(x.completion_tokens for x in r),
+            "turn_endpoints": [x.endpoint for x in r],
+            "endpoint": r[-1].endpoint if r else "",
+            "served_model": r[-1].served_model if r else "",
+            "turn_latency_s": [round(x.latency_s, 6) for x in r],
+            "started_at": self.started_at,
+            "finished_at": now,
+            "generation_s": round(now - (self.started_at or now), 6),
+            "attempts": self.attempts,
+            "config_hash": self.config_hash,
+        }
+
+
+def _input_rows(prompts: Any) -> list[dict]:
+    if isinstance(prompts, pa.Table):
+        return prompts.to_pylist()
+    if hasattr(prompts, "to_arrow"):  # polars
+        return prompts.to_arrow().to_pylist()
+    return [dict(r) for r in prompts]
+
+
+def _resolve_tokenizer(tokenizer: Any, fleet: EngineFleetConfig) -> Any:
+    if tokenizer is not None or all(ep.kind == "openai" for ep in fleet.endpoints):
+        return tokenizer
+    path = Path(fleet.target_model)
+    if path.is_dir():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+    raise ValueError("sglang/transformers endpoints need the target's tokenizer: pass tokenizer= "
+                     f"(target {fleet.target_model!r} is not a local model dir)")
+
+
+def _turn_counts(rows: Iterable[dict], thinking: bool) -> tuple[dict[str, int], int, int, int]:
+    finish: dict[str, int] = {}
+    empty_content = empty_reasoning = turns = 0
+    for row in rows:
+        for reason in row["finish_reasons"]:
+            finish[reason] = finish.get(reason, 0) + 1
+        for m in row["messages"]:
+            if m["role"] != "assistant":
+                continue
+            turns += 1
+            empty_content += not (m["content"] or "").strip()
+            empty_reasoning += thinking and not (m["reasoning_content"] or "").strip()
+    return finish, empty_content, empty_reasoning, turns
+
+
+# ----------------------------------------------------------------------------
+# Entry points
+
+
+async def aregenerate_shard(
+    prompts: Any,
+    *,
+    shard: str,
+    store: Any,
+    fleet: EngineFleetConfig,
+    generation: GenerationConfig,
+    tokenizer: Any = None,
+    progress: Callable[[ProgressUpdate], None] | None = None,
+    progress_interval_s: float = 5.0,
+    flush_every: int = 64,
+    flush_interval_s: float = 10.0,
+    keep_journal: bool = False,
+    engines: Sequence[Engine] | None = None,
+) -> CompletionsResult:
+    """Async form of ``regenerate_shard``."""
+    t_start = time.perf_counter()
+    config_hash = generation.config_hash(fleet.target_model)
+    stats = GenerationStats(shard=shard, config_hash=config_hash)
+    journal = CompletionJournal(store, shard, flush_every=flush_every, flush_interval_s=flush_interval_s)
+
+    # Inputs: one task per distinct prompt_id, in input order.
+    order: list[str] = []
+    inputs: dict[str, dict] = {}
+    for row in _input_rows(prompts):
+        pid = str(row["prompt_id"])
+        if pid in inputs:
+            stats.duplicates_dropped += 1
+            continue
+        inputs[pid] = row
+        order.append(pid)
+    stats.prompts_total = len(order)
+
+    done_rows: dict[str, dict] = {pid: r for pid, r in journal.load(config_hash).items() if pid in inputs}
+    stats.prompts_resumed = len(done_rows)
+    failed: dict[str, dict] = {}
+    tasks: list[_Conversation] = []
+    for pid in order:
+        if pid in done_rows:
+            continue
+        row = inputs[pid]
+        turns = [str(t) for t in (row.get("user_turns") or [])][: generation.max_turns]
+        if not turns:
+            failed[pid] = {"prompt_id": pid, "reason": "no user turns", "errors": [], "turns_done": 0, "attempts": 0,
+                           "config_hash": config_hash}
+            continue
+        tasks.append(_Conversation(pid, row.get("system") or None, turns, generation, config_hash))
+
+    generated = {"tokens": 0, "rows": 0, "prompt_tokens": 0}
+    probe: FleetProbe | None = None
+    bg: set[asyncio.Task] = set()
+
+    def emit_progress() -> None:
+        if progress is None:
+            return
+        elapsed = time.perf_counter() - t_start
+        n_done = len(done_rows)
+        rate = generated["rows"] / elapsed if elapsed > 0 else 0.0
+        remaining = stats.prompts_total - n_done - len(failed)
+        eta = remaining / rate if rate > 0 else (0.0 if remaining == 0 else None)
+        progress(ProgressUpdate(shard, n_done, stats.prompts_total, len(failed), stats.prompts_resumed,
+                                generated["tokens"], generated["tokens"] / elapsed if elapsed > 0 else 0.0,
+                                elapsed, eta))
+
+    def schedule_flush() -> None:
+        t = asyncio.ensure_future(journal.flush())
+        bg.add(t)
+        t.add_done_callback(bg.discard)
+
+    def on_done(task: _Conversation) -> None:  # type: ignore[override]
+        row = task.row()
+        done_rows[task.prompt_id] = row
+        generated["rows"] += 1
+        generated["tokens"] += row["completion_tokens_total"]
+        generated["prompt_tokens"] += sum(row["prompt_tokens"])
+        journal.add(row)
+        if journal.due:
+            schedule_flush()
+
+    def on_failed(task: _Conversation, reason: str, errors: list[str]) -> None:  # type: ignore[override]
+        failed[task.prompt_id] = {"prompt_id": task.prompt_id, "reason": reason, "errors": errors[-5:],
+                                  "turns_done": len(task.results), "attempts": task.attempts,
+                                  "config_hash": config_hash}
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(min(1.0, progress_interval_s, flush_interval_s))
+            if journal.due:
+                schedule_flush()
+            if time.monotonic() - last >= progress_interval_s:
+                last = time.monotonic()
+                emit_progress()
+
+    if tasks:
+        fleet_runner = EngineFleet(fleet, _resolve_tokenizer(tokenizer, fleet), engines=engines)
+        tick = asyncio.ensure_future(ticker())
+        try:
+            async with fleet_runner:
+                probe = fleet_runner.probe
+                run = await fleet_runner.run(tasks, on_done=on_done, on_failed=on_failed)  # type: ignore[arg-type]
+            stats.requests, stats.retries, stats.failovers = run.requests, run.retries, run.failovers
+            stats.endpoints = {url: asdict(ep) for url, ep in run.endpoints.items()}
+        finally:
+            tick.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await tick
+            if bg:
+                await asyncio.gather(*list(bg), return_exceptions=True)
+            await journal.flush()  # whatever finished is kept, also when the run fails
+    stats.journal_chunks_written = journal.chunks_written
+
+    rows = [done_rows[pid] for pid in order if pid in done_rows]
+    table = _rows_to_table(rows)
+    failed_rows = [failed[pid] for pid in order if pid in failed]
+    failed_table = pa.Table.from_pylist(failed_rows, schema=failed_schema())
+    await asyncio.to_thread(store.write_parquet, completions_key(shard), table)
+    await asyncio.to_thread(store.write_parquet, failed_key(shard), failed_table)
+    if not failed_rows and not keep_journal:
+        await asyncio.to_thread(journal.clear)
+
+    stats.prompts_done = len(rows)
+    stats.prompts_generated = generated["rows"]
+    stats.prompts_failed = len(failed_rows)
+    stats.finish_reasons, stats.empty_content, stats.empty_reasoning, stats.turns = _turn_counts(
+        rows, generation.enable_thinking)
+    stats.completion_tokens = generated["tokens"]
+    stats.prompt_tokens = generated["prompt_tokens"]
+    stats.wall_s = time.perf_counter() - t_start
+    stats.tokens_per_s = stats.completion_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
+    emit_progress()
+    return CompletionsResult(shard, table, failed_table, stats, probe, completions_key(shard), failed_key(shard),
+                             config_hash)
+
+
+def regenerate_shard(
+    prompts: Any,
+    *,
+    shard: str,
+    store: Any,
+    fleet: EngineFleetConfig,
+    generation: GenerationConfig,
+    tokenizer: Any = None,
+    progress: Callable[[ProgressUpdate], None] | None = None,
+    progress_interval_s: float = 5.0,
+    flush_every: int = 64,
+    flush_interval_s: float = 10.0,
+    keep_journal: bool = False,
+) -> CompletionsResult:
+    """Regenerate the assistant turns of ``prompts`` (one shard) over the fleet; resume from the journal.
+
+    ``prompts``: Arrow table, polars frame or dicts with ``prompt_id``,
+    ``system`` (optional), ``user_turns``. ``tokenizer``: the target's
+    (needed for sglang/transformers endpoints; loaded from ``target_model``
+    when that is a local dir). Writes the journal, ``completions/<shard>.parquet``
+    and ``completions/_failed/<shard>.parquet``. Raises ``NoEngineAvailable``
+    when no endpoint serves the target, or when all die mid-run (the journal
+    keeps what was done).
+    """
+    return _run(aregenerate_shard(prompts, shard=shard, store=store, fleet=fleet, generation=generation,
+                                  tokenizer=tokenizer, progress=progress, progress_interval_s=progress_interval_s,
+                                  flush_every=flush_every, flush_interval_s=flush_interval_s,
+                                  keep_journal=keep_journal))
+
+
+def _run(coro):
+    from dflash_assets.engine_fleet import run_sync
+
+    return run_sync(coro)

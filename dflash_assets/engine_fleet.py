@@ -1,0 +1,573 @@
+"""The engine fleet: probe every configured endpoint, then spread work over the healthy ones.
+
+``EngineFleetConfig`` (pydantic) lists endpoints (url, kind
+sglang|openai|transformers, max_concurrency), the target model they must
+serve, timeouts and retries. ``probe_fleet`` asks each endpoint for health and
+identity and returns a ``FleetProbe`` table (endpoint, kind, served model,
+healthy, latency, status; also as markdown and Arrow). An endpoint that serves
+another model than the target is refused: ids are compared after
+normalization (``normalize_model_id``: basename, lower case, no revision),
+against the target and the optional ``served_model_name`` alias. With no
+usable endpoint, ``NoEngineAvailable`` is raised at once, its message holding
+the probe table. Nothing falls back to another engine silently.
+
+``EngineFleet.run(tasks)`` drives tasks (one conversation each; a task makes
+one request per ``step``) over all usable endpoints: a shared asyncio work
+queue, ``max_concurrency`` workers per endpoint (a semaphore by another name),
+each keeping a task on its endpoint until the task is done (prefix-cache
+locality for multi-turn chats). Retries with exponential backoff and jitter
+on 408/429/5xx, aborts and connection errors (``attempts_left`` per request,
+as in the OpenAI cookbook's parallel processor). An endpoint with N
+consecutive connection failures is marked dead: its in-flight requests are
+cancelled and their tasks go back to the queue without being charged, so
+other endpoints finish them; each task is resolved exactly once (done or
+failed). If every endpoint dies, the run stops with ``NoEngineAvailable``
+listing what is left. Failures stay on the task; the caller decides.
+
+Reads: HTTP endpoints. Writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dflash_assets.engines import (
+    ChatResult,
+    Engine,
+    EngineError,
+    EngineKind,
+    EngineProbe,
+    OpenAIEngine,
+    SGLangEngine,
+    TransformersEngine,
+    normalize_model_id,
+)
+
+__all__ = [
+    "EndpointConfig",
+    "EngineFleetConfig",
+    "EndpointStatus",
+    "FleetProbe",
+    "NoEngineAvailable",
+    "FleetTask",
+    "EndpointRunStats",
+    "FleetRunStats",
+    "EngineFleet",
+    "build_engine",
+    "probe_fleet",
+    "aprobe_fleet",
+    "serves_target",
+    "run_sync",
+]
+
+T = TypeVar("T")
+
+
+# ----------------------------------------------------------------------------
+# Config
+
+
+class EndpointConfig(BaseModel):
+    """One generation endpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="http(s)://host:port of the server; for kind 'transformers' a label (inprocess://...).")
+    kind: EngineKind = Field("sglang", description="sglang (native /generate), openai (/v1/chat/completions), "
+                             "transformers (in-process model.generate; explicit opt-in, slow).")
+    max_concurrency: int = Field(32, ge=1, description="Requests in flight at once on this endpoint.")
+    served_model_name: str | None = Field(None, description="Name this endpoint serves the target under "
+                                          "(overrides the fleet-wide alias).")
+    name: str | None = None
+    api_key: str | None = Field(None, description="Bearer token for OpenAI-compatible servers.")
+    extra_sampling_params: bool | None = Field(
+        None, description="openai kind: send top_k/min_p/... (SGLang, vLLM). None: on unless the probe "
+        "recognizes `transformers serve`, which rejects them.")
+    model_path: str | None = Field(None, description="transformers kind: model dir (default: the fleet's target_model).")
+    device: str = Field("cpu", description="transformers kind: torch device.")
+
+
+class EngineFleetConfig(BaseModel):
+    """Endpoints, the target they must serve, timeouts and retries."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoints: list[EndpointConfig] = Field(default_factory=list)
+    target_model: str = Field(description="Target model name or path; endpoints serving anything else are refused.")
+    served_model_name: str | None = Field(None, description="Also accept endpoints serving the target under this name.")
+    probe_timeout_s: float = Field(10.0, gt=0)
+    connect_timeout_s: float = Field(10.0, gt=0)
+    request_timeout_s: float = Field(1800.0, gt=0, description="Whole-request limit (one assistant turn).")
+    max_retries: int = Field(4, ge=0, description="Retries per request after the first attempt.")
+    backoff_initial_s: float = Field(1.0, ge=0)
+    backoff_max_s: float = Field(30.0, ge=0)
+    dead_after_failures: int = Field(3, ge=1, description="Consecutive connection failures that mark an endpoint dead.")
+
+    @model_validator(mode="after")
+    def _unique_urls(self) -> "EngineFleetConfig":
+        urls = [e.url.rstrip("/") for e in self.endpoints]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"duplicate endpoint urls: {urls}")
+        return self
+
+
+# ----------------------------------------------------------------------------
+# Probe report
+
+
+@dataclass(frozen=True)
+class EndpointStatus:
+    """One row of the probe table."""
+
+    endpoint: str
+    kind: str
+    served_model: str
+    healthy: bool
+    latency_ms: float | None
+    serves_target: bool
+    status: str  # ok | wrong_model | unhealthy | unreachable
+    detail: str = ""
+
+    @property
+    def usable(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass(frozen=True)
+class FleetProbe:
+    """The probe of every endpoint of a fleet, for logs and asset metadata."""
+
+    target_model: str
+    rows: tuple[EndpointStatus, ...]
+
+    @property
+    def usable(self) -> tuple[EndpointStatus, ...]:
+        return tuple(r for r in self.rows if r.usable)
+
+    def records(self) -> list[dict]:
+        return [{"endpoint": r.endpoint, "kind": r.kind, "served_model": r.served_model, "healthy": r.healthy,
+                 "latency_ms": r.latency_ms, "serves_target": r.serves_target, "status": r.status,
+                 "detail": r.detail} for r in self.rows]
+
+    def to_arrow(self):
+        import pyarrow as pa
+
+        return pa.Table.from_pylist(self.records(), schema=pa.schema([
+            ("endpoint", pa.string()), ("kind", pa.string()), ("served_model", pa.string()), ("healthy", pa.bool_()),
+            ("latency_ms", pa.float64()), ("serves_target", pa.bool_()), ("status", pa.string()),
+            ("detail", pa.string())]))
+
+    def markdown(self) -> str:
+        lines = [f"target: `{self.target_model}`", "",
+                 "| endpoint | kind | served model | healthy | latency | status |",
+                 "| --- | --- | --- | --- | --- | --- |"]
+        for r in self.rows:
+            lat = f"{r.latency_ms:.1f} ms" if r.latency_ms is not None else "-"
+            status = r.status + (f": {r.detail}" if r.detail else "")
+            status = status.replace("|", "\\|").replace("\n", " ")[:300]
+            lines.append(f"| {r.endpoint} | {r.kind} | {r.served_model or '-'} | {'yes' if r.healthy else 'no'} "
+                         f"| {lat} | {status} |")
+        if not self.rows:
+            lines.append("| (no endpoints configured) | | | | | |")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.markdown()
+
+
+class NoEngineAvailable(RuntimeError):
+    """No endpoint serves the target (or every endpoint died mid-run)."""
+
+    def __init__(self, message: str, probe: FleetProbe | None = None):
+        self.probe = probe
+        super().__init__(message + (f"\n\n{probe.markdown()}" if probe is not None else ""))
+
+
+def serves_target(served_models: Sequence[str], target_model: str, alias: str | None = None) -> str | None:
+    """The served name that is the target (exact or normalized match to target or alias), else None."""
+    wanted = {target_model.rstrip("/"), *([alias] if alias else [])}
+    for name in served_models:
+        if name.rstrip("/") in wanted:
+            return name
+    norm = {normalize_model_id(w) for w in wanted}
+    for name in served_models:
+        if normalize_model_id(name) in norm:
+            return name
+    return None
+
+
+def build_engine(ep: EndpointConfig, config: EngineFleetConfig, tokenizer: Any = None) -> Engine:
+    common = dict(max_concurrency=ep.max_concurrency, connect_timeout_s=config.connect_timeout_s,
+                  request_timeout_s=config.request_timeout_s, probe_timeout_s=config.probe_timeout_s, name=ep.name)
+    if ep.kind == "sglang":
+        return SGLangEngine(ep.url, tokenizer, **common)
+    if ep.kind == "openai":
+        return OpenAIEngine(ep.url, api_key=ep.api_key, extra_sampling_params=ep.extra_sampling_params, **common)
+    if ep.kind == "transformers":
+        return TransformersEngine(ep.model_path or config.target_model, device=ep.device, tokenizer=tokenizer, **common)
+    raise ValueError(f"unknown endpoint kind {ep.kind!r}")
+
+
+def _status_row(ep: EndpointConfig, engine: Engine, probe: EngineProbe, config: EngineFleetConfig) -> EndpointStatus:
+    latency = probe.latency_s * 1000 if probe.latency_s is not None else None
+    served = ", ".join(probe.served_models)
+    if not probe.served_models and probe.error:
+        return EndpointStatus(engine.url, ep.kind, "", False, latency, False, "unreachable", probe.error)
+    match = serves_target(probe.served_models, config.target_model, ep.served_model_name or config.served_model_name)
+    if match is None:
+        return EndpointStatus(engine.url, ep.kind, served, probe.healthy, latency, False, "wrong_model",
+                              f"serves {served or 'nothing'}, target is {config.target_model}")
+    engine.served_model = match  # the name to send as `model`
+    if not probe.healthy:
+        return EndpointStatus(engine.url, ep.kind, match, False, latency, True, "unhealthy", probe.error or "")
+    return EndpointStatus(engine.url, ep.kind, match, True, latency, True, "ok")
+
+
+async def _probe_engines(config: EngineFleetConfig, engines: list[Engine]) -> FleetProbe:
+    async def one(engine: Engine) -> EngineProbe:
+        try:
+            await engine.open()
+            return await engine.probe()
+        except Exception as e:  # noqa: BLE001 - goes into the table
+            return EngineProbe(engine.url, engine.kind, False, error=f"{type(e).__name__}: {e}")
+
+    probes = await asyncio.gather(*(one(e) for e in engines))
+    rows = tuple(_status_row(ep, eng, pr, config) for ep, eng, pr in zip(config.endpoints, engines, probes))
+    return FleetProbe(config.target_model, rows)
+
+
+async def aprobe_fleet(config: EngineFleetConfig, tokenizer: Any = None) -> FleetProbe:
+    engines = [build_engine(ep, config, tokenizer) for ep in config.endpoints]
+    try:
+        return await _probe_engines(config, engines)
+    finally:
+        await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
+
+
+def probe_fleet(config: EngineFleetConfig, tokenizer: Any = None) -> FleetProbe:
+    """Probe every endpoint (health, served model, latency); never raises for a bad endpoint."""
+    return run_sync(aprobe_fleet(config, tokenizer))
+
+
+def _new_loop_run(coro: Awaitable[T]) -> T:
+    try:  # uvloop roughly halves the client's per-request overhead
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    return uvloop.run(coro)  # type: ignore[arg-type]
+
+
+def run_sync(coro: Awaitable[T]) -> T:
+    """Run a coroutine to completion from sync code, also when this thread already runs a loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return _new_loop_run(coro)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = _new_loop_run(coro)
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="dflash-run-sync")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+# ----------------------------------------------------------------------------
+# Dispatch
+
+
+class FleetTask(Protocol):
+    """A unit of work: one conversation. ``step`` makes one request on ``engine``.
+
+    ``step`` returns (finished, result). It must keep its own progress: after
+    a failed step the task is retried, maybe on another endpoint, from where it was.
+    """
+
+    key: str
+
+    async def step(self, engine: Engine) -> tuple[bool, ChatResult]: ...
+
+
+@dataclass
+class EndpointRunStats:
+    endpoint: str
+    kind: str
+    served_model: str
+    requests: int = 0
+    ok: int = 0
+    errors: int = 0
+    connection_failures: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    busy_s: float = 0.0
+    dead: bool = False
+    dead_reason: str = ""
+    tokens_per_s: float = 0.0  # completion tokens / run wall time
+
+
+@dataclass
+class FleetRunStats:
+    tasks: int = 0
+    done: int = 0
+    failed: int = 0
+    unfinished: int = 0
+    requests: int = 0
+    retries: int = 0
+    failovers: int = 0
+    wall_s: float = 0.0
+    endpoints: dict[str, EndpointRunStats] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Job:
+    task: FleetTask
+    attempts_left: int
+    errors: list[str] = field(default_factory=list)
+    requests: int = 0
+    resolved: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(eq=False)
+class _Endpoint:
+    engine: Engine
+    stats: EndpointRunStats
+    consecutive_failures: int = 0
+    dead: bool = False
+    inflight: set = field(default_factory=set)
+
+
+class EngineFleet:
+    """Probed engines and the dispatcher over them. ``async with EngineFleet(cfg, tokenizer) as fleet``.
+
+    Entering probes every endpoint (``fleet.probe``) and raises
+    ``NoEngineAvailable`` when none is usable.
+    """
+
+    def __init__(self, config: EngineFleetConfig, tokenizer: Any = None, *, engines: Sequence[Engine] | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self._engines = list(engines) if engines is not None else None
+        self.probe: FleetProbe | None = None
+        self._endpoints: list[_Endpoint] = []
+
+    async def __aenter__(self) -> "EngineFleet":
+        if not self.config.endpoints:
+            raise NoEngineAvailable("no generation endpoint configured", FleetProbe(self.config.target_model, ()))
+        if self._engines is None:
+            self._engines = [build_engine(ep, self.config, self.tokenizer) for ep in self.config.endpoints]
+        self.probe = await _probe_engines(self.config, self._engines)
+        self._endpoints = [
+            _Endpoint(eng, EndpointRunStats(eng.url, eng.kind, row.served_model))
+            for eng, row in zip(self._engines, self.probe.rows) if row.usable
+        ]
+        if not self._endpoints:
+            await self.close()
+            raise NoEngineAvailable(f"no endpoint serves the target {self.config.target_model!r}", self.probe)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._engines:
+            await asyncio.gather(*(e.close() for e in self._engines), return_exceptions=True)
+
+    @property
+    def live_endpoints(self) -> list[Engine]:
+        return [ep.engine for ep in self._endpoints if not ep.dead]
+
+    async def run(self, tasks: Iterable[FleetTask], *,
+                  on_done: Callable[[FleetTask], None] | None = None,
+                  on_failed: Callable[[FleetTask, str, list[str]], None] | None = None) -> FleetRunStats:
+        """Run every task to done or failed over the live endpoints.
+
+        ``on_done(task)`` / ``on_failed(task, reason, errors)`` are called
+        exactly once per task, on the event loop. Raises ``NoEngineAvailable``
+        if every endpoint dies with tasks left (those get neither callback).
+        """
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[_Job | None] = asyncio.Queue()
+        pending: set[_Job] = set()
+        stats = FleetRunStats(endpoints={ep.engine.url: ep.stats for ep in self._endpoints})
+        state = {"aborted": False}
+        all_stopped = asyncio.Event()
+        max_attempts = cfg.max_retries + 1
+        for task in tasks:
+            job = _Job(task, max_attempts)
+            pending.add(job)
+            queue.put_nowait(job)
+        stats.tasks = len(pending)
+        workers_total = sum(ep.engine.max_concurrency for ep in self._endpoints)
+        t_start = time.perf_counter()
+
+        def stop_all() -> None:
+            for _ in range(workers_total):
+                queue.put_nowait(None)
+            all_stopped.set()
+
+        def resolve(job: _Job) -> None:
+            job.resolved = True
+            pending.discard(job)
+            if not pending:
+                stop_all()
+
+        def finish(job: _Job) -> None:
+            resolve(job)
+            stats.done += 1
+            if on_done is not None:
+                on_done(job.task)
+
+        def fail(job: _Job, reason: str) -> None:
+            resolve(job)
+            stats.failed += 1
+            if on_failed is not None:
+                on_failed(job.task, reason, list(job.errors))
+
+        def enqueue(job: _Job) -> None:
+            job.timer = None
+            if not job.resolved and not state["aborted"]:
+                queue.put_nowait(job)
+
+        def requeue(job: _Job, delay: float) -> None:
+            if delay <= 0:
+                enqueue(job)
+            else:
+                job.timer = loop.call_later(delay, enqueue, job)
+
+        def mark_dead(ep: _Endpoint, reason: str) -> None:
+            if ep.dead:
+                return
+            ep.dead = True
+            ep.stats.dead, ep.stats.dead_reason = True, reason
+            for t in list(ep.inflight):  # hung requests move to other endpoints now, not at their timeout
+                t.cancel()
+            if all(e.dead for e in self._endpoints):
+                state["aborted"] = True
+                for job in pending:
+                    if job.timer is not None:
+                        job.timer.cancel()
+                stop_all()
+
+        def on_error(ep: _Endpoint, job: _Job, err: EngineError) -> None:
+            ep.stats.errors += 1
+            job.errors.append(str(err)[:500])
+            if state["aborted"]:
+                return
+            if err.connection:
+                ep.consecutive_failures += 1
+                ep.stats.connection_failures += 1
+                if ep.consecutive_failures >= cfg.dead_after_failures:
+                    mark_dead(ep, str(err)[:300])
+                if ep.dead:  # failover: the endpoint's fault, not the task's
+                    stats.failovers += 1
+                    if not state["aborted"]:
+                        requeue(job, 0)
+                    return
+            if not err.retryable:
+                fail(job, str(err)[:500])
+                return
+            job.attempts_left -= 1
+            if job.attempts_left <= 0:
+                fail(job, f"gave up after {max_attempts} attempts: {str(err)[:400]}")
+                return
+            stats.retries += 1
+            n = max_attempts - job.attempts_left
+            delay = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2 ** (n - 1)) * random.uniform(0.5, 1.0)
+            requeue(job, delay)
+
+        async def drive(ep: _Endpoint, job: _Job) -> None:
+            while True:
+                if ep.dead:
+                    stats.failovers += 1
+                    requeue(job, 0)
+                    return
+                t0 = time.perf_counter()
+                ep.stats.requests += 1
+                stats.requests += 1
+                job.requests += 1
+                step = asyncio.ensure_future(job.task.step(ep.engine))
+                ep.inflight.add(step)
+                try:
+                    finished, result = await step
+                except asyncio.CancelledError:
+                    ep.inflight.discard(step)
+                    me = asyncio.current_task()
+                    if me is not None and me.cancelling():  # the worker itself is being cancelled
+                        raise
+                    ep.stats.busy_s += time.perf_counter() - t0
+                    if not state["aborted"]:
+                        stats.failovers += 1
+                        requeue(job, 0)
+                    return
+                except EngineError as e:
+                    ep.inflight.discard(step)
+                    ep.stats.busy_s += time.perf_counter() - t0
+                    on_error(ep, job, e)
+                    return
+                except Exception as e:  # noqa: BLE001 - a bug in the task: fail it, keep the run going
+                    ep.inflight.discard(step)
+                    job.errors.append(f"{type(e).__name__}: {e}")
+                    fail(job, f"task error: {type(e).__name__}: {e}")
+                    return
+                ep.inflight.discard(step)
+                ep.stats.busy_s += time.perf_counter() - t0
+                ep.stats.ok += 1
+                ep.stats.prompt_tokens += result.prompt_tokens
+                ep.stats.completion_tokens += result.completion_tokens
+                ep.consecutive_failures = 0
+                job.attempts_left = max_attempts  # retries are counted per request
+                if finished:
+                    finish(job)
+                    return
+
+        async def worker(ep: _Endpoint) -> None:
+            while True:
+                job = await queue.get()
+                if job is None:
+                    return
+                if job.resolved or state["aborted"]:
+                    continue
+                if ep.dead:
+                    queue.put_nowait(job)
+                    return
+                await drive(ep, job)
+
+        if not pending:
+            all_stopped.set()
+            return stats
+        workers = [asyncio.ensure_future(worker(ep)) for ep in self._endpoints for _ in range(ep.engine.max_concurrency)]
+        try:
+            await all_stopped.wait()
+            if state["aborted"]:
+                for w in workers:
+                    w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        finally:
+            for w in workers:
+                w.cancel()
+        stats.wall_s = time.perf_counter() - t_start
+        for ep in self._endpoints:
+            ep.stats.tokens_per_s = ep.stats.completion_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
+        if state["aborted"]:
+            stats.unfinished = len(pending)
+            deaths = "; ".join(f"{ep.engine.url}: {ep.stats.dead_reason}" for ep in self._endpoints)
+            raise NoEngineAvailable(
+                f"every endpoint died mid-run; {len(pending)} of {stats.tasks} tasks unfinished "
+                f"({stats.done} done, {stats.failed} failed). Deaths: {deaths}", self.probe)
+        return stats

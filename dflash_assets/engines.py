@@ -1,0 +1,822 @@
+"""Generation engine clients: one interface over three kinds of engine.
+
+- ``SGLangEngine``: SGLang's native API. ``POST /generate`` with ``input_ids``
+  (the prompt rendered with the target's chat template and generation prompt,
+  tokenized here) and ``sampling_params``; reads ``output_ids`` (or ``text``)
+  and ``meta_info`` (``finish_reason`` {type: stop|length|abort},
+  ``prompt_tokens``, ``completion_tokens``, ``e2e_latency``). Identity from
+  ``GET /get_model_info`` (``model_path``) and, when present, ``GET /v1/models``;
+  liveness from ``GET /health``. The reasoning split is done here: the
+  generation prompt ends with ``<think>\\n``, so the output is
+  ``reasoning </think> content <|im_end|>`` and is cut at the ``</think>`` id.
+  Also works behind sglang-router (same API, one URL).
+- ``OpenAIEngine``: ``POST /v1/chat/completions`` (SGLang, vLLM,
+  ``transformers serve``) with ``chat_template_kwargs: {enable_thinking}``;
+  reads ``reasoning_content`` and ``content``, and splits a ``<think>`` block
+  out of ``content`` itself when the server has no reasoning parser.
+  Identity from ``GET /v1/models``.
+- ``TransformersEngine``: in-process ``model.generate`` for small runs on a
+  host that has nothing else. Explicit opt-in only (an endpoint of kind
+  ``transformers`` in the fleet config); nothing ever falls back to it.
+
+Every engine answers ``probe()`` (health, served model, latency) and
+``chat(messages, generation) -> ChatResult``; failures raise ``EngineError``
+whose ``retryable``/``connection`` flags drive the fleet's retry and failover
+(``engine_fleet.py``). ``GenerationConfig`` (pydantic) holds the sampling
+settings and gives the ``config_hash`` stored with every completion row.
+
+Also here: the launch command of a server for a target
+(``engine_server_command``) and ``EngineServer``, which starts one on this
+host and waits until it is healthy and serves the target (used by the
+``dflash engine`` CLI and the demo).
+
+Reads: HTTP endpoints, a tokenizer object (for the native and in-process
+paths), a model directory (in-process path). Writes nothing.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+try:  # orjson is ~5x faster on the request/response hot path; json is the fallback.
+    import orjson
+
+    def json_dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+    json_loads = orjson.loads
+except ImportError:  # pragma: no cover - exercised only without orjson
+
+    def json_dumps(obj: Any) -> bytes:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+    json_loads = json.loads
+
+__all__ = [
+    "EngineKind",
+    "GenerationConfig",
+    "ChatResult",
+    "EngineProbe",
+    "EngineError",
+    "ChatTokenizer",
+    "Engine",
+    "SGLangEngine",
+    "OpenAIEngine",
+    "TransformersEngine",
+    "normalize_model_id",
+    "split_reasoning_text",
+    "engine_server_command",
+    "EngineServer",
+    "local_engine_server",
+    "embedded_default_target",
+]
+
+EngineKind = Literal["sglang", "openai", "transformers"]
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+# HTTP statuses worth another try: timeout, rate limit, server-side errors.
+RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+
+
+# ----------------------------------------------------------------------------
+# Config
+
+
+class GenerationConfig(BaseModel):
+    """Sampling settings of the regeneration; hashed into every completion row.
+
+    Defaults follow Qwen3's advice for thinking mode (temperature 0.6, top_p
+    0.95, top_k 20). ``top_k``/``min_p``/``repetition_penalty`` are not
+    OpenAI fields: SGLang and vLLM accept them, ``transformers serve`` rejects
+    them, so the OpenAI client leaves them out for that server (see
+    ``EndpointConfig.extra_sampling_params``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: int = Field(2048, ge=1, description="Cap on generated tokens per assistant turn.")
+    temperature: float = Field(0.6, ge=0.0)
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    top_k: int | None = Field(20, description="None or -1: not sent / disabled.")
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    enable_thinking: bool = Field(True, description="Thinking mode of the target's chat template.")
+    max_turns: int = Field(8, ge=1, description="Regenerate at most this many assistant turns per conversation.")
+    stop_token_ids: tuple[int, ...] = Field((), description="Extra stop ids (the template's end-of-turn ids are added).")
+    seed: int | None = Field(None, description="Per-request seed where the engine supports one.")
+    skip_special_tokens: bool = Field(False, description="SGLang native: passed through; ids are decoded here anyway.")
+    stop_after_truncated_turn: bool = Field(
+        True, description="End a conversation at a turn cut by max_new_tokens (later user turns are dropped)."
+    )
+
+    def config_hash(self, target_model: str | None = None) -> str:
+        """16 hex chars over every field and the (normalized) target model id."""
+        payload = {"generation": self.model_dump(mode="json"), "target": normalize_model_id(target_model or "")}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def normalize_model_id(model: str) -> str:
+    """Comparable id of a model: basename of a path or repo id, lower-case, no revision.
+
+    ``/models/Qwen3.6-27B/``, ``Qwen/Qwen3.6-27B`` and ``qwen3.6-27b@main`` all
+    give ``qwen3.6-27b``.
+    """
+    model = (model or "").strip().rstrip("/")
+    if "@" in model and not os.path.exists(model):
+        model = model.split("@", 1)[0]
+    return model.rsplit("/", 1)[-1].lower()
+
+
+# ----------------------------------------------------------------------------
+# Results and errors
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """One generated assistant turn."""
+
+    content: str
+    reasoning_content: str
+    finish_reason: str  # stop | length | abort | other server value
+    prompt_tokens: int
+    completion_tokens: int
+    latency_s: float
+    endpoint: str
+    served_model: str
+
+
+@dataclass(frozen=True)
+class EngineProbe:
+    """What one endpoint said about itself."""
+
+    endpoint: str
+    kind: str
+    healthy: bool
+    served_models: tuple[str, ...] = ()
+    latency_s: float | None = None
+    error: str | None = None
+    dialect: str | None = None  # openai: "transformers_serve" | "openai"
+
+    @property
+    def served_model(self) -> str:
+        return self.served_models[0] if self.served_models else ""
+
+
+class EngineError(RuntimeError):
+    """A failed request. ``retryable``: worth another try; ``connection``: the endpoint may be gone."""
+
+    def __init__(self, message: str, *, status: int | None = None, retryable: bool = False,
+                 connection: bool = False, endpoint: str = ""):
+        super().__init__(message)
+        self.status = status
+        self.retryable = retryable or connection
+        self.connection = connection
+        self.endpoint = endpoint
+
+
+# ----------------------------------------------------------------------------
+# Tokenizer adapter (native and in-process paths)
+
+
+class ChatTokenizer:
+    """Renders chats to prompt ids and decodes outputs with any HF-style tokenizer.
+
+    Needs only ``apply_chat_template(messages, tokenize=False,
+    add_generation_prompt=True, enable_thinking=...)``, ``encode`` /
+    ``decode`` and ``convert_tokens_to_ids``; a fast tokenizer's Rust backend
+    is used for encoding when present (about 1.5x faster).
+    """
+
+    def __init__(self, tokenizer: Any):
+        if isinstance(tokenizer, ChatTokenizer):
+            tokenizer = tokenizer.tokenizer
+        self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.think_start_id = self._token_id(THINK_START)
+        self.think_end_id = self._token_id(THINK_END)
+        stops = {self._token_id("<|im_end|>"), self._token_id("<|endoftext|>"), getattr(tokenizer, "eos_token_id", None)}
+        self.stop_ids = frozenset(i for i in stops if isinstance(i, int))
+
+    def _token_id(self, token: str) -> int | None:
+        try:
+            idx = self.tokenizer.convert_tokens_to_ids(token)
+        except Exception:
+            return None
+        if not isinstance(idx, int) or idx == getattr(self.tokenizer, "unk_token_id", None):
+            return None
+        return idx
+
+    def render(self, messages: Sequence[dict], enable_thinking: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+        )
+
+    def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, messages: Sequence[dict], enable_thinking: bool) -> list[int]:
+        return self.encode(self.render(messages, enable_thinking))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def split_output_ids(self, ids: Sequence[int], enable_thinking: bool,
+                         extra_stop_ids: Sequence[int] = ()) -> tuple[str, str]:
+        """(reasoning, content) of generated ids, cut at ``</think>``; trailing stop ids dropped.
+
+        With thinking on and no ``</think>`` (cut by max_new_tokens, or the
+        model stopped while thinking) everything is reasoning, as SGLang's
+        qwen3 reasoning parser does.
+        """
+        ids = list(ids)
+        stops = self.stop_ids | set(extra_stop_ids)
+        while ids and ids[-1] in stops:
+            ids.pop()
+        end = self.think_end_id
+        if end is not None and end in ids:
+            cut = ids.index(end)
+            reasoning, content = ids[:cut], ids[cut + 1 :]
+        elif enable_thinking:
+            reasoning, content = ids, []
+        else:
+            reasoning, content = [], ids
+        if reasoning and reasoning[0] == self.think_start_id:
+            reasoning = reasoning[1:]
+        return self.decode(reasoning).strip("\n"), self.decode(content).lstrip("\n")
+
+
+def split_reasoning_text(text: str, enable_thinking: bool) -> tuple[str, str]:
+    """(reasoning, content) of generated text whose prompt ended with ``<think>\\n``.
+
+    ``R</think>C`` -> (R, C); a leading ``<think>`` is dropped; with thinking
+    on and no ``</think>``, all text is reasoning (see ``split_output_ids``).
+    """
+    text = text or ""
+    if THINK_END in text:
+        reasoning, _, content = text.partition(THINK_END)
+    elif enable_thinking:
+        reasoning, content = text, ""
+    else:
+        return "", text.lstrip("\n")
+    reasoning = reasoning.split(THINK_START, 1)[-1] if THINK_START in reasoning else reasoning
+    return reasoning.strip("\n"), content.lstrip("\n")
+
+
+def _strip_stop_text(text: str) -> str:
+    for marker in ("<|im_end|>", "<|endoftext|>"):
+        if text.endswith(marker):
+            text = text[: -len(marker)]
+    return text
+
+
+# ----------------------------------------------------------------------------
+# Engines
+
+
+class Engine(abc.ABC):
+    """One generation endpoint. Use as ``async with engine:``; ``probe`` then ``chat``."""
+
+    kind: str = ""
+
+    def __init__(self, url: str, *, max_concurrency: int = 32, connect_timeout_s: float = 10.0,
+                 request_timeout_s: float = 1800.0, probe_timeout_s: float = 10.0, name: str | None = None):
+        self.url = url.rstrip("/")
+        self.name = name or self.url
+        self.max_concurrency = max_concurrency
+        self.connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.probe_timeout_s = probe_timeout_s
+        self.served_model = ""
+        self._session = None
+
+    async def __aenter__(self) -> "Engine":
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        import aiohttp
+
+        if self._session is not None:
+            return
+        # One pooled keep-alive connection per concurrent request; no per-host cap beyond that.
+        connector = aiohttp.TCPConnector(limit=self.max_concurrency + 4, limit_per_host=0,
+                                         keepalive_timeout=60, ttl_dns_cache=300, enable_cleanup_closed=True)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s),
+            skip_auto_headers=("User-Agent",),
+            json_serialize=lambda o: json_dumps(o).decode(),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- HTTP helpers --------------------------------------------------------
+
+    async def _request(self, method: str, path: str, payload: Any = None, *, timeout_s: float | None = None,
+                       headers: dict | None = None) -> Any:
+        """JSON request; maps every failure to ``EngineError`` with the right flags."""
+        import aiohttp
+
+        if self._session is None:
+            await self.open()
+        kwargs: dict[str, Any] = {"headers": {"Content-Type": "application/json", **(headers or {})}}
+        if payload is not None:
+            kwargs["data"] = json_dumps(payload)
+        if timeout_s is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.connect_timeout_s))
+        try:
+            async with self._session.request(method, self.url + path, **kwargs) as resp:
+                body = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, OSError) as e:
+            raise EngineError(f"{method} {self.url}{path}: {type(e).__name__}: {e}", connection=True,
+                              endpoint=self.url) from e
+        if status >= 400:
+            snippet = body[:300].decode("utf-8", "replace")
+            raise EngineError(f"{method} {self.url}{path}: HTTP {status}: {snippet}", status=status,
+                              retryable=status in RETRYABLE_STATUS, endpoint=self.url)
+        if not body:
+            return None
+        try:
+            return json_loads(body)
+        except ValueError as e:
+            raise EngineError(f"{method} {self.url}{path}: invalid JSON reply: {body[:200]!r}", retryable=True,
+                              endpoint=self.url) from e
+
+    async def _get_ok(self, path: str) -> None:
+        await self._request("GET", path, timeout_s=self.probe_timeout_s)
+
+    # -- interface -----------------------------------------------------------
+
+    @abc.abstractmethod
+    async def probe(self) -> EngineProbe:
+        """Liveness and identity; never raises."""
+
+    @abc.abstractmethod
+    async def chat(self, messages: Sequence[dict], generation: GenerationConfig) -> ChatResult:
+        """Generate the next assistant turn for ``messages`` (role/content dicts)."""
+
+
+def _sglang_sampling_params(gen: GenerationConfig, stop_ids: Sequence[int], ignore_eos: bool = False) -> dict:
+    params: dict[str, Any] = {
+        "max_new_tokens": gen.max_new_tokens,
+        "temperature": gen.temperature,
+        "top_p": gen.top_p,
+        "skip_special_tokens": gen.skip_special_tokens,
+        "no_stop_trim": False,
+    }
+    if gen.top_k is not None and gen.top_k > 0:
+        params["top_k"] = gen.top_k
+    if gen.min_p is not None:
+        params["min_p"] = gen.min_p
+    if gen.repetition_penalty is not None:
+        params["repetition_penalty"] = gen.repetition_penalty
+    if stop_ids:
+        params["stop_token_ids"] = sorted(set(stop_ids))
+    if gen.seed is not None:
+        params["sampling_seed"] = gen.seed
+    if ignore_eos:
+        params["ignore_eos"] = True
+    return params
+
+
+def _finish_type(finish: Any) -> str:
+    if finish is None:
+        return "stop"
+    if isinstance(finish, dict):
+        return str(finish.get("type") or "stop")
+    return str(finish)
+
+
+class SGLangEngine(Engine):
+    """SGLang's native ``/generate`` API (also sglang-router)."""
+
+    kind = "sglang"
+
+    def __init__(self, url: str, tokenizer: Any, **kwargs):
+        super().__init__(url, **kwargs)
+        if tokenizer is None:
+            raise ValueError("the SGLang native engine needs the target's tokenizer (chat template) to build input_ids")
+        self.tok = ChatTokenizer(tokenizer)
+
+    async def probe(self) -> EngineProbe:
+        t0 = time.perf_counter()
+        try:
+            await self._get_ok("/health")
+            latency = time.perf_counter() - t0
+            info = await self._request("GET", "/get_model_info", timeout_s=self.probe_timeout_s) or {}
+        except EngineError as e:
+            return EngineProbe(self.url, self.kind, False, error=str(e))
+        names = [str(info.get("model_path") or "")]
+        with contextlib.suppress(EngineError):  # served-model-name lives in /v1/models on newer SGLang
+            models = await self._request("GET", "/v1/models", timeout_s=self.probe_timeout_s) or {}
+            names += [str(m.get("id")) for m in models.get("data", []) if m.get("id")]
+        names = tuple(dict.fromkeys(n for n in names if n))
+        self.served_model = names[0] if names else ""
+        return EngineProbe(self.url, self.kind, True, names, latency, None if names else "no model_path in /get_model_info")
+
+    def _stop_ids(self, gen: GenerationConfig) -> list[int]:
+        return sorted(self.tok.stop_ids | set(gen.stop_token_ids))
+
+    def _result(self, out: dict, gen: GenerationConfig, t0: float) -> ChatResult:
+        meta = out.get("meta_info") or {}
+        finish = _finish_type(meta.get("finish_reason"))
+        if finish == "abort":
+            message = (meta.get("finish_reason") or {}).get("message", "") if isinstance(meta.get("finish_reason"), dict) else ""
+            raise EngineError(f"{self.url}/generate aborted the request: {message}", retryable=True, endpoint=self.url)
+        ids = out.get("output_ids")
+        if ids is not None:
+            reasoning, content = self.tok.split_output_ids(ids, gen.enable_thinking, gen.stop_token_ids)
+            n_out = int(meta.get("completion_tokens", len(ids)))
+        else:  # older SGLang: text only
+            reasoning, content = split_reasoning_text(_strip_stop_text(out.get("text", "")), gen.enable_thinking)
+            n_out = int(meta.get("completion_tokens", 0))
+        latency = float(meta.get("e2e_latency") or (time.perf_counter() - t0))
+        return ChatResult(content, reasoning, finish, int(meta.get("prompt_tokens", 0)), n_out, latency,
+                          self.url, self.served_model)
+
+    async def generate_ids(self, input_ids: list[int] | list[list[int]], generation: GenerationConfig, *,
+                           ignore_eos: bool = False) -> Any:
+        """Raw ``POST /generate`` for one prompt or a batch of prompts (a list of id lists)."""
+        payload = {"input_ids": input_ids,
+                   "sampling_params": _sglang_sampling_params(generation, self._stop_ids(generation), ignore_eos)}
+        return await self._request("POST", "/generate", payload)
+
+    async def chat(self, messages: Sequence[dict], generation: GenerationConfig, *, ignore_eos: bool = False) -> ChatResult:
+        ids = self.tok.prompt_ids(messages, generation.enable_thinking)
+        t0 = time.perf_counter()
+        out = await self.generate_ids(ids, generation, ignore_eos=ignore_eos)
+        if isinstance(out, list):
+            out = out[0]
+        if not isinstance(out, dict):
+            raise EngineError(f"{self.url}/generate: unexpected reply {str(out)[:200]}", retryable=True, endpoint=self.url)
+        return self._result(out, generation, t0)
+
+    async def chat_batch(self, conversations: Sequence[Sequence[dict]], generation: GenerationConfig) -> list[ChatResult]:
+        """Several prompts in one ``/generate`` call (``input_ids`` as a batch)."""
+        batch = [self.tok.prompt_ids(m, generation.enable_thinking) for m in conversations]
+        t0 = time.perf_counter()
+        outs = await self.generate_ids(batch, generation)
+        if not isinstance(outs, list) or len(outs) != len(batch):
+            raise EngineError(f"{self.url}/generate: batch of {len(batch)} got {str(outs)[:200]}", retryable=True,
+                              endpoint=self.url)
+        return [self._result(o, generation, t0) for o in outs]
+
+
+class OpenAIEngine(Engine):
+    """``/v1/chat/completions`` of SGLang, vLLM or ``transformers serve``."""
+
+    kind = "openai"
+
+    def __init__(self, url: str, *, api_key: str | None = None, extra_sampling_params: bool | None = None, **kwargs):
+        super().__init__(url, **kwargs)
+        self.api_key = api_key
+        self.extra_sampling_params = extra_sampling_params  # None: decided by the probe
+        self.dialect: str | None = None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def probe(self) -> EngineProbe:
+        t0 = time.perf_counter()
+        try:
+            models = await self._request("GET", "/v1/models", timeout_s=self.probe_timeout_s, headers=self._headers) or {}
+            latency = time.perf_counter() - t0
+        except EngineError as e:
+            return EngineProbe(self.url, self.kind, False, error=str(e))
+        data = models.get("data", []) if isinstance(models, dict) else []
+        names = tuple(str(m["id"]) for m in data if m.get("id"))
+        # `transformers serve` tags its /v1/models entries with a non-OpenAI `status` object.
+        self.dialect = "transformers_serve" if any(isinstance(m.get("status"), dict) for m in data) else "openai"
+        if self.extra_sampling_params is None:
+            self.extra_sampling_params = self.dialect != "transformers_serve"
+        healthy, error = True, None
+        try:
+            await self._request("GET", "/health", timeout_s=self.probe_timeout_s, headers=self._headers)
+        except EngineError as e:
+            if e.status != 404:  # vLLM/SGLang/transformers have /health; some proxies do not
+                healthy, error = False, str(e)
+        if not names:
+            error = error or "GET /v1/models lists no model"
+        self.served_model = names[0] if names else ""
+        return EngineProbe(self.url, self.kind, healthy, names, latency, error, self.dialect)
+
+    def _payload(self, messages: Sequence[dict], gen: GenerationConfig, ignore_eos: bool = False) -> dict:
+        payload: dict[str, Any] = {
+            "model": self.served_model or None,
+            "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+            "max_tokens": gen.max_new_tokens,
+            "temperature": gen.temperature,
+            "top_p": gen.top_p,
+            "stream": False,
+            "chat_template_kwargs": {"enable_thinking": gen.enable_thinking},
+        }
+        if payload["model"] is None:
+            del payload["model"]
+        if gen.seed is not None:
+            payload["seed"] = gen.seed
+        if self.extra_sampling_params:
+            if gen.top_k is not None and gen.top_k > 0:
+                payload["top_k"] = gen.top_k
+            if gen.min_p is not None:
+                payload["min_p"] = gen.min_p
+            if gen.repetition_penalty is not None:
+                payload["repetition_penalty"] = gen.repetition_penalty
+            if gen.stop_token_ids:
+                payload["stop_token_ids"] = list(gen.stop_token_ids)
+            payload["skip_special_tokens"] = gen.skip_special_tokens
+            if ignore_eos:
+                payload["ignore_eos"] = True
+        return payload
+
+    async def chat(self, messages: Sequence[dict], generation: GenerationConfig, *, ignore_eos: bool = False) -> ChatResult:
+        t0 = time.perf_counter()
+        out = await self._request("POST", "/v1/chat/completions", self._payload(messages, generation, ignore_eos),
+                                  headers=self._headers)
+        latency = time.perf_counter() - t0
+        try:
+            choice = out["choices"][0]
+            msg = choice.get("message") or {}
+        except (KeyError, IndexError, TypeError) as e:
+            raise EngineError(f"{self.url}/v1/chat/completions: unexpected reply {str(out)[:200]}", retryable=True,
+                              endpoint=self.url) from e
+        content = _strip_stop_text(msg.get("content") or "")
+        reasoning = msg.get("reasoning_content")
+        if reasoning is None:
+            reasoning = msg.get("reasoning")  # vLLM >= 0.10 names it `reasoning`
+        if reasoning is None:  # no reasoning parser on the server: split here
+            reasoning, content = split_reasoning_text(content, generation.enable_thinking)
+        else:
+            reasoning, content = reasoning.strip("\n"), content.lstrip("\n")
+        finish = str(choice.get("finish_reason") or "stop")
+        if finish == "abort":
+            raise EngineError(f"{self.url}: request aborted", retryable=True, endpoint=self.url)
+        usage = out.get("usage") or {}
+        return ChatResult(content, reasoning, finish, int(usage.get("prompt_tokens", 0)),
+                          int(usage.get("completion_tokens", 0)), latency, self.url,
+                          str(out.get("model") or self.served_model))
+
+
+class TransformersEngine(Engine):
+    """In-process ``model.generate`` on this host. Slow; only when explicitly configured."""
+
+    kind = "transformers"
+
+    def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str = "auto", tokenizer: Any = None,
+                 **kwargs):
+        kwargs.setdefault("max_concurrency", 1)
+        super().__init__(f"inprocess://{Path(model_path)}", **kwargs)
+        self.model_path = str(model_path)
+        self.device = device
+        self.dtype = dtype
+        self._tokenizer = tokenizer
+        self.tok: ChatTokenizer | None = None
+        self.model = None
+        self._lock = asyncio.Lock()
+
+    async def open(self) -> None:
+        if self.model is None:
+            await asyncio.to_thread(self._load)
+
+    async def close(self) -> None:
+        self.model = None
+
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tok = ChatTokenizer(self._tokenizer or AutoTokenizer.from_pretrained(self.model_path))
+        dtype = "auto" if self.dtype == "auto" else getattr(torch, self.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
+
+    async def probe(self) -> EngineProbe:
+        t0 = time.perf_counter()
+        try:
+            await self.open()
+        except Exception as e:  # noqa: BLE001 - reported in the probe table
+            return EngineProbe(self.url, self.kind, False, error=f"{type(e).__name__}: {e}")
+        self.served_model = self.model_path
+        return EngineProbe(self.url, self.kind, True, (self.model_path,), time.perf_counter() - t0)
+
+    def _generate(self, ids: list[int], gen: GenerationConfig, stop_ids: list[int]) -> list[int]:
+        import torch
+
+        kwargs: dict[str, Any] = {"max_new_tokens": gen.max_new_tokens, "eos_token_id": stop_ids,
+                                  "pad_token_id": stop_ids[0] if stop_ids else None}
+        if gen.temperature > 0:
+            kwargs.update(do_sample=True, temperature=gen.temperature, top_p=gen.top_p)
+            if gen.top_k is not None and gen.top_k > 0:
+                kwargs["top_k"] = gen.top_k
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if gen.seed is not None:
+            torch.manual_seed(gen.seed)
+        with torch.inference_mode():
+            x = torch.tensor([ids], device=self.model.device)
+            out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs)
+        return out[0, len(ids):].tolist()
+
+    async def chat(self, messages: Sequence[dict], generation: GenerationConfig) -> ChatResult:
+        await self.open()
+        assert self.tok is not None
+        ids = self.tok.prompt_ids(messages, generation.enable_thinking)
+        stop_ids = sorted(self.tok.stop_ids | set(generation.stop_token_ids))
+        t0 = time.perf_counter()
+        async with self._lock:  # one generate at a time: the model is not re-entrant
+            try:
+                out = await asyncio.to_thread(self._generate, ids, generation, stop_ids)
+            except Exception as e:  # noqa: BLE001
+                raise EngineError(f"{self.url}: generate failed: {type(e).__name__}: {e}", endpoint=self.url) from e
+        finish = "stop" if out and out[-1] in stop_ids else "length"
+        reasoning, content = self.tok.split_output_ids(out, generation.enable_thinking, generation.stop_token_ids)
+        return ChatResult(content, reasoning, finish, len(ids), len(out), time.perf_counter() - t0, self.url,
+                          self.model_path)
+
+
+# ----------------------------------------------------------------------------
+# Launching a server on this host
+
+
+def engine_server_command(kind: Literal["sglang", "transformers"], model_path: str | os.PathLike, *, port: int,
+                          host: str = "127.0.0.1", tp: int = 1, served_model_name: str | None = None,
+                          reasoning_parser: str = "qwen3", extra_args: Sequence[str] = (),
+                          python: str | None = None) -> list[str]:
+    """argv that serves ``model_path`` on ``host:port``.
+
+    - ``sglang``: ``python -m sglang.launch_server --model-path P --port N
+      --tp T --host H --reasoning-parser qwen3`` (speak to it with kind
+      ``sglang`` at ``/generate`` or kind ``openai``).
+    - ``transformers``: ``transformers serve P --host H --port N`` (pinned to P,
+      which it loads at start; OpenAI-compatible, kind ``openai``).
+    """
+    python = python or sys.executable
+    model_path = str(model_path)
+    if kind == "sglang":
+        argv = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--port", str(port),
+                "--tp", str(tp), "--host", host, "--reasoning-parser", reasoning_parser]
+        if served_model_name:
+            argv += ["--served-model-name", served_model_name]
+    elif kind == "transformers":
+        exe = Path(python).with_name("transformers")
+        head = [str(exe)] if exe.exists() else [python, "-m", "transformers.cli.transformers"]
+        argv = head + ["serve", model_path, "--host", host, "--port", str(port)]
+    else:
+        raise ValueError(f"unknown server kind {kind!r}; expected sglang or transformers")
+    return argv + list(extra_args)
+
+
+class EngineServer:
+    """A server process started on this host; ``start()`` returns once it is healthy and serves the model.
+
+    Use as a context manager (stops the process on exit) or call
+    ``start``/``stop``. ``endpoint_kind`` is the fleet kind to reach it with.
+    """
+
+    def __init__(self, argv: Sequence[str], *, url: str, endpoint_kind: EngineKind, expect_model: str,
+                 log_path: str | os.PathLike | None = None, env: dict | None = None):
+        self.argv = list(argv)
+        self.url = url.rstrip("/")
+        self.endpoint_kind = endpoint_kind
+        self.expect_model = expect_model
+        self.log_path = Path(log_path) if log_path else None
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+    def endpoint_config(self, max_concurrency: int | None = None):
+        """The fleet's ``EndpointConfig`` for this server."""
+        from dflash_assets.engine_fleet import EndpointConfig
+
+        if max_concurrency is None:
+            max_concurrency = 64 if self.endpoint_kind == "sglang" else 4
+        return EndpointConfig(url=self.url, kind=self.endpoint_kind, max_concurrency=max_concurrency)
+
+    def start(self, wait_s: float = 600.0, detach: bool = False) -> "EngineServer":
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **(self.env or {})}, start_new_session=detach)
+        finally:
+            if self.log_path:
+                log.close()
+        try:
+            self.wait_ready(wait_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, wait_s: float) -> EngineProbe:
+        """Poll until the server answers its probe and serves ``expect_model``."""
+        deadline = time.monotonic() + wait_s
+        last = "not started"
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"engine server exited with code {self.proc.returncode}: {self.command}"
+                                   + (f" (log: {self.log_path})" if self.log_path else ""))
+            probe = asyncio.run(_probe_once(self.endpoint_kind, self.url))
+            if probe.healthy and probe.served_models:
+                want = normalize_model_id(self.expect_model)
+                if any(normalize_model_id(m) == want for m in probe.served_models):
+                    return probe
+                last = f"serves {probe.served_models}, expected {self.expect_model}"
+            else:
+                last = probe.error or "unhealthy"
+            time.sleep(0.5)
+        raise TimeoutError(f"engine at {self.url} not ready after {wait_s:.0f}s ({last}): {self.command}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout_s)
+
+    def __enter__(self) -> "EngineServer":
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+async def _probe_once(kind: EngineKind, url: str) -> EngineProbe:
+    engine: Engine
+    if kind == "sglang":
+        engine = _IdentityOnlySGLang(url, probe_timeout_s=5.0)
+    else:
+        engine = OpenAIEngine(url, probe_timeout_s=5.0)
+    async with engine:
+        return await engine.probe()
+
+
+class _IdentityOnlySGLang(SGLangEngine):
+    """SGLang probe without a tokenizer (for readiness checks only; cannot chat)."""
+
+    def __init__(self, url: str, **kwargs):
+        Engine.__init__(self, url, **kwargs)
+
+
+def default_server_port(kind: str) -> int:
+    return 30000 if kind == "sglang" else 8000
+
+
+def embedded_default_target() -> Path:
+    """The tiny dense target (random weights), the engine of the embedded default."""
+    from dflash_assets.tiny_targets import tiny_target_path
+
+    return tiny_target_path("dense")
+
+
+def local_engine_server(kind: Literal["sglang", "transformers"] = "transformers",
+                        target: str | os.PathLike | None = None, *, port: int | None = None, host: str = "127.0.0.1",
+                        tp: int = 1, served_model_name: str | None = None, log_path: str | os.PathLike | None = None,
+                        extra_args: Sequence[str] = ()) -> EngineServer:
+    """An ``EngineServer`` (not started) for ``target`` on this host; the tiny dense target when None.
+
+    ``kind='transformers'`` runs ``transformers serve`` (reach it with
+    endpoint kind ``openai``); ``kind='sglang'`` runs SGLang (endpoint kind
+    ``sglang``). ``port=0`` picks a free port.
+    """
+    model = str(target) if target is not None else str(embedded_default_target())
+    if port is None:
+        port = default_server_port(kind)
+    if port == 0:
+        import socket
+
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    argv = engine_server_command(kind, model, port=port, host=host, tp=tp, served_model_name=served_model_name,
+                                 extra_args=extra_args)
+    return EngineServer(argv, url=f"http://{host}:{port}", endpoint_kind="sglang" if kind == "sglang" else "openai",
+                        expect_model=served_model_name or model, log_path=log_path)

@@ -1,0 +1,211 @@
+"""How long will regenerating the corpus take? Measured, not assumed.
+
+``ameasure_throughput`` probes the fleet, then sends each usable endpoint a
+short burst (``requests`` requests, ``concurrency`` at a time, each of
+``max_new_tokens`` with ``ignore_eos`` where the engine supports it) built
+from a fixed long-answer prompt, all endpoints at once as in a real run, and
+measures completion tokens per second of wall time per endpoint.
+``estimate_generation_time`` turns that into the wall time of the whole
+corpus: prompts x turns x expected output tokens / summed throughput, with
+each endpoint taking a share proportional to its throughput (so all finish
+together), plus the time each endpoint would need alone.
+``plan_generation`` does both. The expected output length is an input; take
+it from a measured sample (``mean_output_tokens`` of a completions table)
+rather than a guess. Results are a frozen dataclass with ``markdown()`` and
+``to_metadata()``.
+
+Reads: HTTP endpoints (a few requests each). Writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from dflash_assets.engine_fleet import EngineFleet, EngineFleetConfig, FleetProbe, run_sync
+from dflash_assets.engines import Engine, EngineError, GenerationConfig
+
+__all__ = [
+    "EndpointThroughput",
+    "EndpointEstimate",
+    "GenerationEstimate",
+    "ameasure_throughput",
+    "measure_throughput",
+    "estimate_generation_time",
+    "plan_generation",
+    "mean_output_tokens",
+    "format_duration",
+]
+
+PROBE_PROMPT = ("Explain, step by step and in detail, how a compiler turns source code into machine code: "
+                "lexing, parsing, semantic analysis, intermediate representations, optimization passes, "
+                "register allocation and code generation. Give an example for each stage.")
+
+
+@dataclass(frozen=True)
+class EndpointThroughput:
+    """One endpoint's measured burst."""
+
+    endpoint: str
+    kind: str
+    served_model: str
+    concurrency: int
+    requests: int
+    ok: int
+    completion_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    requests_per_s: float
+    mean_latency_s: float
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class EndpointEstimate:
+    endpoint: str
+    tokens_per_s: float
+    share: float  # fraction of the corpus's tokens it generates
+    tokens: float
+    alone_wall_s: float  # if this endpoint did everything
+
+
+@dataclass(frozen=True)
+class GenerationEstimate:
+    prompts: int
+    turns_per_prompt: float
+    output_tokens_per_turn: float
+    total_output_tokens: float
+    total_tokens_per_s: float
+    wall_s: float
+    per_endpoint: tuple[EndpointEstimate, ...]
+    measurements: tuple[EndpointThroughput, ...]
+    probe: FleetProbe | None = None
+    probe_max_new_tokens: int | None = None
+
+    def markdown(self) -> str:
+        lines = [
+            f"**Estimated wall time: {format_duration(self.wall_s)}** for {self.prompts:,} prompts x "
+            f"{self.turns_per_prompt:g} turns x {self.output_tokens_per_turn:,.0f} output tokens = "
+            f"{self.total_output_tokens:,.0f} tokens at {self.total_tokens_per_s:,.0f} tok/s (measured).",
+            "",
+            "| endpoint | kind | concurrency | measured tok/s | req/s | mean latency | share | alone |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        est = {e.endpoint: e for e in self.per_endpoint}
+        for m in self.measurements:
+            e = est.get(m.endpoint)
+            share = f"{e.share:.0%}" if e else "-"
+            alone = format_duration(e.alone_wall_s) if e else (m.error or "-").replace("|", "\\|")[:120]
+            lines.append(f"| {m.endpoint} | {m.kind} | {m.concurrency} | {m.tokens_per_s:,.1f} | "
+                         f"{m.requests_per_s:,.2f} | {m.mean_latency_s:.2f} s | {share} | {alone} |")
+        if self.probe_max_new_tokens:
+            lines += ["", f"Burst: {self.probe_max_new_tokens} new tokens per request."]
+        return "\n".join(lines)
+
+    def to_metadata(self) -> dict[str, Any]:
+        return {"estimated_wall_s": round(self.wall_s, 1), "estimated_wall": format_duration(self.wall_s),
+                "total_output_tokens": int(self.total_output_tokens),
+                "measured_tokens_per_s": round(self.total_tokens_per_s, 1), "prompts": self.prompts,
+                **{f"tokens_per_s[{m.endpoint}]": round(m.tokens_per_s, 1) for m in self.measurements}}
+
+
+def format_duration(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "never (no throughput)"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def mean_output_tokens(completions: Any) -> float:
+    """Mean generated tokens per assistant turn of a completions table (Arrow or rows)."""
+    rows = completions.to_pylist() if hasattr(completions, "to_pylist") else list(completions)
+    counts = [n for r in rows for n in r["completion_tokens"]]
+    return sum(counts) / len(counts) if counts else 0.0
+
+
+async def _burst(engine: Engine, gen: GenerationConfig, requests: int, concurrency: int,
+                 messages: list[dict]) -> EndpointThroughput:
+    sem = asyncio.Semaphore(concurrency)
+    tokens, latencies, errors = [], [], []
+
+    async def one() -> None:
+        async with sem:
+            t0 = time.perf_counter()
+            try:
+                kwargs = {"ignore_eos": True} if engine.kind in ("sglang", "openai") else {}
+                res = await engine.chat(messages, gen, **kwargs)
+            except EngineError as e:
+                errors.append(str(e))
+                return
+            tokens.append(res.completion_tokens)
+            latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(requests)))
+    wall = time.perf_counter() - t0
+    n_tok = sum(tokens)
+    return EndpointThroughput(
+        engine.url, engine.kind, engine.served_model, concurrency, requests, len(tokens), n_tok, wall,
+        n_tok / wall if wall > 0 else 0.0, len(tokens) / wall if wall > 0 else 0.0,
+        sum(latencies) / len(latencies) if latencies else 0.0,
+        f"{len(errors)} of {requests} failed: {errors[0][:200]}" if errors else None)
+
+
+async def ameasure_throughput(config: EngineFleetConfig, *, tokenizer: Any = None, max_new_tokens: int = 256,
+                              requests: int | None = None, concurrency: int | None = None,
+                              generation: GenerationConfig | None = None,
+                              prompt: str = PROBE_PROMPT) -> tuple[FleetProbe, list[EndpointThroughput]]:
+    """Probe the fleet and measure each usable endpoint's throughput with one burst (all endpoints at once).
+
+    ``concurrency`` defaults to each endpoint's ``max_concurrency`` (the load
+    a real run puts on it), ``requests`` to twice that.
+    """
+    gen = (generation or GenerationConfig()).model_copy(update={"max_new_tokens": max_new_tokens})
+    messages = [{"role": "user", "content": prompt}]
+    async with EngineFleet(config, tokenizer) as fleet:
+        engines = fleet.live_endpoints
+        bursts = [
+            _burst(e, gen, requests or 2 * (concurrency or e.max_concurrency), concurrency or e.max_concurrency, messages)
+            for e in engines
+        ]
+        results = await asyncio.gather(*bursts)
+        assert fleet.probe is not None
+        return fleet.probe, list(results)
+
+
+def measure_throughput(config: EngineFleetConfig, **kwargs) -> tuple[FleetProbe, list[EndpointThroughput]]:
+    return run_sync(ameasure_throughput(config, **kwargs))
+
+
+def estimate_generation_time(measurements: Sequence[EndpointThroughput], *, prompts: int,
+                             output_tokens_per_turn: float, turns_per_prompt: float = 1.0,
+                             probe: FleetProbe | None = None, probe_max_new_tokens: int | None = None
+                             ) -> GenerationEstimate:
+    """Wall time of ``prompts`` x ``turns_per_prompt`` x ``output_tokens_per_turn`` over the measured endpoints."""
+    total_tokens = prompts * turns_per_prompt * output_tokens_per_turn
+    usable = [m for m in measurements if m.tokens_per_s > 0]
+    total_tps = sum(m.tokens_per_s for m in usable)
+    wall = total_tokens / total_tps if total_tps > 0 else float("inf")
+    per = tuple(EndpointEstimate(m.endpoint, m.tokens_per_s, m.tokens_per_s / total_tps,
+                                 total_tokens * m.tokens_per_s / total_tps, total_tokens / m.tokens_per_s)
+                for m in usable)
+    return GenerationEstimate(prompts, turns_per_prompt, output_tokens_per_turn, total_tokens, total_tps, wall, per,
+                              tuple(measurements), probe, probe_max_new_tokens)
+
+
+def plan_generation(config: EngineFleetConfig, *, prompts: int, output_tokens_per_turn: float,
+                    turns_per_prompt: float = 1.0, tokenizer: Any = None, max_new_tokens: int = 256,
+                    requests: int | None = None, concurrency: int | None = None,
+                    generation: GenerationConfig | None = None) -> GenerationEstimate:
+    """Measure the fleet (``measure_throughput``) and estimate the corpus's wall time."""
+    probe, measured = measure_throughput(config, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
+                                         requests=requests, concurrency=concurrency, generation=generation)
+    return estimate_generation_time(measured, prompts=prompts, output_tokens_per_turn=output_tokens_per_turn,
+                                    turns_per_prompt=turns_per_prompt, probe=probe, probe_max_new_tokens=max_new_tokens)

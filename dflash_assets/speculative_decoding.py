@@ -1,0 +1,254 @@
+"""Greedy speculative decoding of a target with a DFlash drafter, and the acceptance length tau.
+
+Each round: the drafter drafts a block in one forward (block = [last accepted token, MASK x
+(B-1)], context = the target hidden states of the prefix, appended to the drafter's context
+cache), the target verifies the whole block in one forward (with a KV cache cropped to the
+accepted prefix), and the longest prefix of the draft that matches the target's own greedy
+tokens is accepted, plus one bonus token from the target. tau = mean tokens produced per
+verification. Greedy decoding with the target alone must give the same tokens (lossless);
+`evaluate_drafter` checks that for every prompt against a plain greedy loop.
+
+Reads: a drafter checkpoint directory and a target model directory (HF format, loaded with
+transformers), or already-loaded models. Writes nothing.
+
+Imports only torch, numpy and safetensors at module level (transformers lazily).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from dflash_assets.drafter import DFlashDrafter, DraftCache, TargetHead, load_drafter
+from dflash_assets.drafter_training import LayerCapture
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    input_ids: tuple[int, ...]  # the rendered prompt (chat template + generation prompt), token ids
+    category: str = "default"
+    prompt_id: str = ""
+
+
+@dataclass
+class SpecOutput:
+    output_ids: list[int]  # generated tokens only (prompt excluded)
+    acceptance_lengths: list[int]  # tokens produced by each verification (accepted draft + 1 bonus)
+
+    @property
+    def tau(self) -> float:
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+
+def supports_cache_crop(target) -> bool:
+    """Only attention layers can be rolled back by cropping; linear-attention state cannot."""
+    cfg = getattr(target.config, "text_config", None) or target.config
+    types = getattr(cfg, "layer_types", None) or ["full_attention"]
+    return all(t in ("full_attention", "sliding_attention") for t in types)
+
+
+class TargetRunner:
+    """The target with hooks on the captured layers; incremental with a KV cache where it can be
+    cropped, else by re-running the whole sequence (hybrid linear-attention targets)."""
+
+    def __init__(self, target, layer_ids: Sequence[int], use_cache: bool = True):
+        self.target = target
+        self.capture = LayerCapture(target, layer_ids)
+        self.use_cache = use_cache and supports_cache_crop(target)
+        self.device = next(target.parameters()).device
+        self.ids: list[int] = []  # tokens the target has processed (committed)
+        self.cache = None
+
+    def close(self):
+        self.capture.remove()
+
+    def _forward(self, new_ids: list[int]):
+        """Logits (T, V) and captured features (T, n*H) of new_ids appended to the committed prefix."""
+        if self.use_cache:
+            from transformers import DynamicCache
+
+            if self.cache is None:
+                self.cache = DynamicCache(config=self.target.config)
+                if hasattr(self.cache, "activate_past_recording"):  # sliding-window layers can roll back
+                    self.cache.activate_past_recording()
+            x = torch.tensor([new_ids], device=self.device)
+            pos = torch.arange(len(self.ids), len(self.ids) + len(new_ids), device=self.device)[None]
+            out = self.target(input_ids=x, position_ids=pos, past_key_values=self.cache, use_cache=True)
+            return out.logits[0], self.capture.features()[0]
+        x = torch.tensor([self.ids + new_ids], device=self.device)
+        out = self.target(input_ids=x, use_cache=False)
+        T = len(new_ids)
+        return out.logits[0, -T:], self.capture.features()[0, -T:]
+
+    def extend(self, new_ids: list[int], keep: int | None = None):
+        """Run new_ids; commit only the first `keep` of them (default all)."""
+        logits, feats = self._forward(new_ids)
+        keep = len(new_ids) if keep is None else keep
+        self.commit(new_ids[:keep])
+        return logits, feats
+
+    def commit(self, ids: list[int]):
+        self.ids += ids
+        if self.cache is not None:
+            extra = self.cache.get_seq_length() - len(self.ids)
+            if extra > 0:
+                self.cache.crop(-extra)  # a negative count removes that many tokens (transformers 4 and 5)
+
+
+class SpeculativeDecoder:
+    def __init__(self, target, drafter: DFlashDrafter, head: TargetHead | None = None, use_cache: bool = True):
+        self.target, self.drafter = target, drafter.eval()
+        cfg = drafter.config
+        self.block_size, self.mask_token_id, self.layer_ids = cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids
+        self.head = head or TargetHead(target.get_input_embeddings().weight.detach(),
+                                       target.get_output_embeddings().weight.detach())
+        self.use_cache = use_cache
+
+    @torch.no_grad()
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> SpecOutput:
+        B, stop = self.block_size, set(stop_token_ids)
+        runner = TargetRunner(self.target, self.layer_ids, self.use_cache)
+        dev = runner.device
+        try:
+            logits, feats = runner._forward(list(input_ids))  # prefill
+            runner.commit(list(input_ids))
+            token = int(logits[-1].argmax())
+            out, lengths = [token], []
+            ctx, ctx_start = feats, 0  # context not yet in the drafter's cache, and its first position
+            dcache = DraftCache(len(self.drafter.layers))
+            start = len(input_ids)  # position of `token`, the next block's anchor
+            while len(out) < max_new_tokens and token not in stop:
+                # draft: one forward over [token, MASK x (B-1)] with the new context appended
+                block = torch.tensor([[token] + [self.mask_token_id] * (B - 1)], device=dev)
+                x = self.head.embed(block).to(ctx.dtype)  # (1, B, H)
+                pos = torch.arange(ctx_start, start + B, device=dev)[None]  # (1, ctx + B)
+                h = self.drafter(x, ctx[None].to(x.dtype), pos, mask=None, cache=dcache)
+                draft = self.head.logits(h[0, 1:]).argmax(-1).tolist()  # (B-1,)
+                # verify: the target's greedy token after each block prefix
+                verify = [token] + draft
+                logits, feats = runner._forward(verify)
+                post = logits.argmax(-1).tolist()  # post[j] follows verify[: j + 1]
+                a = 0
+                while a < B - 1 and draft[a] == post[a]:
+                    a += 1
+                new = draft[:a] + [post[a]]
+                # stop tokens and the length budget cut the round short
+                for j, t in enumerate(new):
+                    if t in stop:
+                        new = new[: j + 1]
+                        break
+                new = new[: max_new_tokens - len(out)]
+                runner.commit(verify[: len(new)])  # token, d1..d_a: their KV stays in the cache
+                ctx, ctx_start = feats[: len(new)], start
+                start += len(new)
+                out += new
+                lengths.append(len(new))
+                token = new[-1]
+            return SpecOutput(out[:max_new_tokens], lengths)
+        finally:
+            runner.close()
+
+
+@torch.no_grad()
+def greedy_generate(target, input_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+                    use_cache: bool = True) -> list[int]:
+    """The target alone, one token per forward: the reference speculative decoding must equal."""
+    from transformers import DynamicCache
+
+    dev = next(target.parameters()).device
+    stop = set(stop_token_ids)
+    use_cache = use_cache and supports_cache_crop(target)
+    ids, out = list(input_ids), []
+    cache = DynamicCache(config=target.config) if use_cache else None
+    step_ids = ids
+    while len(out) < max_new_tokens:
+        x = torch.tensor([step_ids if use_cache else ids], device=dev)
+        logits = target(input_ids=x, past_key_values=cache, use_cache=use_cache).logits
+        t = int(logits[0, -1].argmax())
+        out.append(t)
+        ids.append(t)
+        step_ids = [t]
+        if t in stop:
+            break
+    return out
+
+
+@dataclass
+class EvalResult:
+    tau: float  # mean tokens per verification over all prompts (pooled)
+    tau_by_category: dict[str, float]
+    lossless: bool  # every prompt's output equals the target's own greedy output
+    num_mismatches: int
+    num_verifications: int
+    num_new_tokens: int
+    per_prompt: list[dict[str, Any]] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def metrics(self) -> dict[str, Any]:
+        return {"tau": self.tau, "tau_by_category": self.tau_by_category, "lossless": self.lossless,
+                "num_mismatches": self.num_mismatches, "num_verifications": self.num_verifications,
+                "num_new_tokens": self.num_new_tokens, "num_prompts": len(self.per_prompt), "wall_s": self.wall_s}
+
+
+def load_target(target_dir: str | Path, device=None, dtype=None):
+    """The target for evaluation: fp32 on CPU (exact comparisons), bf16 on GPU by default."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval()
+
+
+def _pooled(rows: list[dict[str, Any]]) -> float:
+    n = sum(r["verifications"] for r in rows)
+    return sum(r["accepted_tokens"] for r in rows) / n if n else 0.0
+
+
+def evaluate_drafter(
+    drafter: DFlashDrafter | str | Path,
+    target: Any,
+    prompts: Sequence[EvalPrompt],
+    *,
+    max_new_tokens: int = 256,
+    stop_token_ids: Sequence[int] = (),
+    check_lossless: bool = True,
+    use_cache: bool = True,
+    device=None,
+) -> EvalResult:
+    """tau of `drafter` on `target` (a loaded HF model or a directory) over held-out prompts."""
+    t0 = time.perf_counter()
+    if isinstance(target, (str, Path)):
+        target = load_target(target, device)
+    dev = next(target.parameters()).device
+    dtype = next(target.parameters()).dtype
+    if isinstance(drafter, (str, Path)):
+        drafter = load_drafter(drafter, device=dev, dtype=dtype)
+    drafter = drafter.to(dev, dtype)
+    dec = SpeculativeDecoder(target, drafter, use_cache=use_cache)
+    rows = []
+    for p in prompts:
+        so = dec.generate(p.input_ids, max_new_tokens, stop_token_ids)
+        row = {"prompt_id": p.prompt_id, "category": p.category, "tau": so.tau,
+               "verifications": len(so.acceptance_lengths), "accepted_tokens": sum(so.acceptance_lengths),
+               "new_tokens": len(so.output_ids)}
+        if check_lossless:
+            ref = greedy_generate(target, p.input_ids, max_new_tokens, stop_token_ids, use_cache)
+            row["lossless"] = ref == so.output_ids
+            if not row["lossless"]:
+                row["first_mismatch"] = next((i for i, (a, b) in enumerate(zip(ref, so.output_ids)) if a != b),
+                                             min(len(ref), len(so.output_ids)))
+        rows.append(row)
+    cats = sorted({r["category"] for r in rows})
+    mism = sum(1 for r in rows if r.get("lossless") is False)
+    return EvalResult(
+        tau=_pooled(rows), tau_by_category={c: _pooled([r for r in rows if r["category"] == c]) for c in cats},
+        lossless=mism == 0, num_mismatches=mism, num_verifications=sum(r["verifications"] for r in rows),
+        num_new_tokens=sum(r["new_tokens"] for r in rows), per_prompt=rows, wall_s=time.perf_counter() - t0)
+
+
+__all__ = ["EvalPrompt", "EvalResult", "SpecOutput", "SpeculativeDecoder", "TargetRunner", "evaluate_drafter",
+           "greedy_generate", "load_target", "supports_cache_crop"]

@@ -1,0 +1,334 @@
+"""What the pipeline needs to know about a target model, resolved and checked.
+
+`TargetModelSpec` (pydantic v2) names a target: a local model directory (or a
+hub id already present in the local Hugging Face cache: nothing is downloaded
+unless `allow_download=True`), its tokenizer, an optional chat-template
+override file, chat-template kwargs, dtype, the DFlash target layers and the
+mask token. It reads the target's `config.json`, tokenizer files and template
+file; it writes nothing.
+
+- `dflash_target_layer_ids(L, n)`: the public DFlash / SpecForge rule,
+  `round(1 + i * (L - 4) / (n - 1))` for i < n (evenly from layer 1 to L-3,
+  Python rounding), `[L // 2]` for n = 1. Layer id i is the output of decoder
+  layer i = HF `hidden_states[i + 1]`. An explicit `target_layer_ids` always
+  wins.
+- `TargetModelSpec.validate()` resolves everything into a frozen
+  `TargetFacts` or raises `TargetModelError` (a ValueError) with the reason.
+- `TargetModelSpec.config_fingerprint()`: short hash of what changes pipeline
+  outputs, for Dagster code versions.
+
+Mask token: by default `<|MASK|>` must be in the tokenizer (the tiny targets
+have it at 248077). For a production tokenizer without it either set
+`mask_token_id` (e.g. 248070, what published Qwen3.5/3.6 drafters use) or
+`add_mask_token=True`, which appends `<|MASK|>` as a special token at id
+`len(tokenizer)` the way SpecForge does (151669 for Qwen3, 248077 for
+Qwen3.5/3.6); the id must fit the model's embedding rows either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dflash_assets.chat_template import load_chat_template, template_hash
+from dflash_assets.tokenizer import QWEN3_6_MASK_TOKEN, tokenizer_hash
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_NUM_TARGET_LAYERS = 5
+
+
+class TargetModelError(ValueError):
+    """A target model, tokenizer or template that the pipeline cannot use."""
+
+
+def dflash_target_layer_ids(num_hidden_layers: int, n: int = DEFAULT_NUM_TARGET_LAYERS) -> list[int]:
+    """`n` target layer ids evenly spaced from 1 to L-3 (the public DFlash rule).
+
+    36 layers -> [1, 9, 17, 25, 33]; 64 -> [1, 16, 31, 46, 61]. Raises
+    TargetModelError when the target is too shallow for `n` distinct layers.
+    """
+    if n < 1:
+        raise TargetModelError(f"need at least one target layer, got n={n}")
+    if num_hidden_layers < 1:
+        raise TargetModelError(f"num_hidden_layers must be positive, got {num_hidden_layers}")
+    if n == 1:
+        return [num_hidden_layers // 2]
+    start, end = 1, num_hidden_layers - 3
+    ids = [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
+    if end < start or len(set(ids)) != n:
+        raise TargetModelError(
+            f"a {num_hidden_layers}-layer target has no {n} distinct layers in [1, {end}] "
+            f"(rule gives {ids}); set target_layer_ids explicitly or lower num_target_layers"
+        )
+    return ids
+
+
+def text_config_of(config: "PretrainedConfig") -> "PretrainedConfig":
+    """The decoder text config: `config` itself, or its nested `text_config` (Qwen3.5 VL-style)."""
+    get = getattr(config, "get_text_config", None)
+    text = get(decoder=True) if get is not None else getattr(config, "text_config", None) or config
+    return text
+
+
+def token_id(tok: "PreTrainedTokenizerBase", token: str) -> int | None:
+    """Id of `token` in `tok`, or None; avoids building the 248K-entry vocab dict."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.token_to_id(token)
+    return tok.get_vocab().get(token)
+
+
+def _dir_stamp(path: str) -> tuple:
+    """(name, size, mtime_ns) of the files of a local directory; () for hub ids."""
+    base = Path(path)
+    if not base.is_dir():
+        return ()
+    return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in base.iterdir() if f.is_file()))
+
+
+def _load_tokenizer(path: str, stamp: tuple, template: str | None, add_mask: bool, mask_token: str,
+                    allow_download: bool) -> "PreTrainedTokenizerBase":
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=not allow_download)
+    except (OSError, ValueError) as e:
+        raise TargetModelError(f"cannot load the tokenizer {path!r}: {e}") from e
+    if template is not None:
+        tok.chat_template = template
+    if add_mask and token_id(tok, mask_token) is None:
+        tok.add_special_tokens({"mask_token": mask_token})
+    return tok
+
+
+_load_tokenizer_cached = functools.lru_cache(maxsize=8)(_load_tokenizer)
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """Resolved facts about a validated target (what downstream stages record)."""
+
+    model_path: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    model_vocab_size: int  # embedding rows of the model
+    tokenizer_vocab_size: int  # len(tokenizer), added tokens included
+    layer_ids: tuple[int, ...]
+    mask_token: str | None  # None when only an id was configured and it has no token here
+    mask_token_id: int
+    eos_token_id: int | None
+    tokenizer_hash: str
+    template_hash: str
+    dtype: str
+
+
+class TargetModelSpec(BaseModel):
+    """A target LLM as the pipeline sees it. Nothing is loaded until a method asks."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    model_path: str = Field(description="Local model directory, or a hub id present in the local HF cache.")
+    tokenizer_path: str | None = Field(None, description="Tokenizer directory or id; defaults to model_path.")
+    chat_template_path: str | None = Field(None, description="Jinja file replacing the tokenizer's chat template.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=lambda: {"enable_thinking": True},
+        description="Extra variables for the chat template (e.g. enable_thinking).",
+    )
+    dtype: Literal["bfloat16", "float32", "auto"] = Field("bfloat16", description="Model weights dtype.")
+    target_layer_ids: list[int] | None = Field(None, description="Explicit DFlash target layers; always wins.")
+    num_target_layers: int = Field(DEFAULT_NUM_TARGET_LAYERS, ge=1, description="Layers picked by the DFlash rule.")
+    mask_token: str = Field(QWEN3_6_MASK_TOKEN, description="Mask token string looked up in the tokenizer.")
+    mask_token_id: int | None = Field(None, ge=0, description="Explicit mask id; wins over the token lookup.")
+    add_mask_token: bool = Field(False, description="Append mask_token to the tokenizer when it is missing.")
+    allow_download: bool = Field(False, description="Let transformers fetch files from the hub.")
+
+    # -- loading ---------------------------------------------------------------------------
+
+    @property
+    def resolved_tokenizer_path(self) -> str:
+        return self.tokenizer_path or self.model_path
+
+    def load_config(self) -> "PretrainedConfig":
+        """The model's (outer) config; see `text_config_of` for the decoder part."""
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(self.model_path, local_files_only=not self.allow_download)
+        except (OSError, ValueError) as e:
+            raise TargetModelError(f"cannot read the config of target {self.model_path!r}: {e}") from e
+
+    def load_tokenizer(self, fresh: bool = False) -> "PreTrainedTokenizerBase":
+        """The tokenizer, with the chat-template override and (if asked) the mask token applied.
+
+        Loads are cached per process (keyed by path, file mtimes, template and
+        mask settings) and the cached instance is shared: treat it as
+        read-only, or pass `fresh=True` for a private copy.
+        """
+        template = None
+        if self.chat_template_path is not None:
+            try:
+                template = load_chat_template(self.chat_template_path)
+            except (OSError, ValueError) as e:
+                raise TargetModelError(f"cannot read chat template {self.chat_template_path!r}: {e}") from e
+        key = (self.resolved_tokenizer_path, _dir_stamp(self.resolved_tokenizer_path), template,
+               self.add_mask_token, self.mask_token, self.allow_download)
+        if fresh:
+            return _load_tokenizer(*key)
+        return _load_tokenizer_cached(*key)
+
+    def torch_dtype(self, dtype: str | None = None) -> "torch.dtype | str":
+        import torch
+
+        name = dtype or self.dtype
+        return "auto" if name == "auto" else {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+    def load_model(self, device: "str | torch.device" = "cpu", dtype: str | None = None) -> "PreTrainedModel":
+        """`AutoModelForCausalLM` in eval mode on `device`, in `dtype` (default: the spec's)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=self.torch_dtype(dtype), local_files_only=not self.allow_download
+        )
+        return model.to(device).eval()
+
+    # -- resolution ------------------------------------------------------------------------
+
+    def layer_ids(self, config: "PretrainedConfig | None" = None) -> list[int]:
+        """The DFlash target layer ids: the explicit list, else the rule on the model depth."""
+        if self.target_layer_ids is not None:
+            return list(self.target_layer_ids)
+        text = text_config_of(config if config is not None else self.load_config())
+        return self.layer_ids_for_depth(text.num_hidden_layers)
+
+    def mask_token_id_for(self, tok: "PreTrainedTokenizerBase") -> int:
+        """The mask id: the explicit `mask_token_id`, else `mask_token` looked up in `tok`."""
+        if self.mask_token_id is not None:
+            return self.mask_token_id
+        index = token_id(tok, self.mask_token)
+        if index is None:
+            raise TargetModelError(
+                f"mask token {self.mask_token!r} is not in tokenizer {self.resolved_tokenizer_path!r}; "
+                "set mask_token_id, or add_mask_token=True to append it"
+            )
+        return index
+
+    def mask_token_id_resolved(self) -> int:
+        """The mask id, loading the tokenizer when no explicit id is set."""
+        if self.mask_token_id is not None:
+            return self.mask_token_id
+        return self.mask_token_id_for(self.load_tokenizer())
+
+    def render_chat(self, tok: "PreTrainedTokenizerBase", messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """`messages` rendered with the tokenizer's template and this spec's template kwargs."""
+        return tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs
+        )
+
+    def validate(self) -> TargetFacts:
+        """Load config and tokenizer (not weights), check they fit together, return the facts."""
+        config = self.load_config()
+        text = text_config_of(config)
+        num_layers, hidden, model_vocab = (getattr(text, k, None) for k in ("num_hidden_layers", "hidden_size", "vocab_size"))
+        if not all(isinstance(v, int) and v > 0 for v in (num_layers, hidden, model_vocab)):
+            raise TargetModelError(
+                f"config of {self.model_path!r} lacks num_hidden_layers/hidden_size/vocab_size "
+                f"(got {num_layers}, {hidden}, {model_vocab})"
+            )
+        tok = self.load_tokenizer()
+        template = tok.chat_template
+        if not isinstance(template, str) or not template.strip():
+            raise TargetModelError(
+                f"tokenizer {self.resolved_tokenizer_path!r} has no chat template; set chat_template_path"
+            )
+        if len(tok) > model_vocab:
+            raise TargetModelError(
+                f"tokenizer has {len(tok)} tokens but the model's embedding has only {model_vocab} rows"
+            )
+        layer_ids = self._checked_layer_ids(num_layers)
+        mask_id = self.mask_token_id_for(tok)
+        if mask_id >= model_vocab:
+            raise TargetModelError(f"mask token id {mask_id} is outside the model's {model_vocab} embedding rows")
+        mask_token = tok.convert_ids_to_tokens(mask_id) if mask_id < len(tok) else None
+        eos = tok.eos_token_id
+        return TargetFacts(
+            model_path=self.model_path,
+            model_type=text.model_type,
+            num_layers=num_layers,
+            hidden_size=hidden,
+            model_vocab_size=model_vocab,
+            tokenizer_vocab_size=len(tok),
+            layer_ids=tuple(layer_ids),
+            mask_token=mask_token,
+            mask_token_id=mask_id,
+            eos_token_id=eos if isinstance(eos, int) else None,
+            tokenizer_hash=tokenizer_hash(tok),
+            template_hash=template_hash(template),
+            dtype=self.dtype,
+        )
+
+    def _checked_layer_ids(self, num_layers: int) -> list[int]:
+        ids = self.layer_ids_for_depth(num_layers)
+        if not ids:
+            raise TargetModelError("target_layer_ids is empty")
+        bad = [i for i in ids if not 0 <= i < num_layers]
+        if bad:
+            raise TargetModelError(f"target layer ids {bad} out of range for a {num_layers}-layer target [0, {num_layers - 1}]")
+        if len(set(ids)) != len(ids):
+            raise TargetModelError(f"target layer ids {ids} contain duplicates")
+        if ids != sorted(ids):
+            raise TargetModelError(f"target layer ids {ids} must be in increasing order")
+        return ids
+
+    def layer_ids_for_depth(self, num_layers: int) -> list[int]:
+        """The explicit list, else the DFlash rule for a `num_layers`-deep target (unchecked)."""
+        if self.target_layer_ids is not None:
+            return list(self.target_layer_ids)
+        return dflash_target_layer_ids(num_layers, self.num_target_layers)
+
+    # -- identity --------------------------------------------------------------------------
+
+    def _template_text(self) -> str:
+        """Template content without loading the tokenizer (override file, else local tokenizer files)."""
+        if self.chat_template_path is not None:
+            return load_chat_template(self.chat_template_path)
+        base = Path(self.resolved_tokenizer_path)
+        if (base / "chat_template.jinja").is_file():
+            return (base / "chat_template.jinja").read_text("utf-8")
+        cfg = base / "tokenizer_config.json"
+        if cfg.is_file():
+            template = json.loads(cfg.read_text("utf-8")).get("chat_template")
+            return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+        return ""
+
+    def config_fingerprint(self) -> str:
+        """16-hex hash of what changes outputs: model (path and config.json), tokenizer path,
+        template content, template kwargs, layer choice, dtype and mask settings."""
+        config_file = Path(self.model_path) / "config.json"
+        payload = {
+            "model_path": self.model_path,
+            "config_json": hashlib.sha256(config_file.read_bytes()).hexdigest() if config_file.is_file() else None,
+            "tokenizer_path": self.resolved_tokenizer_path,
+            "template": template_hash(self._template_text()),
+            "template_kwargs": self.chat_template_kwargs,
+            "layers": self.target_layer_ids if self.target_layer_ids is not None else f"rule:{self.num_target_layers}",
+            "dtype": self.dtype,
+            "mask": [self.mask_token, self.mask_token_id, self.add_mask_token],
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def default_target_spec(cache_dir: str | Path | None = None) -> TargetModelSpec:
+    """The embedded default: the tiny dense Qwen3 target (built on first use), float32 for CPU."""
+    from dflash_assets.tiny_targets import tiny_target_path
+
+    return TargetModelSpec(model_path=str(tiny_target_path("dense", cache_dir)), dtype="float32")

@@ -1,0 +1,184 @@
+"""Tiny random-weight target models for tests and the embedded default.
+
+Builds, once per machine, two deterministic (fixed seed) random-weight
+causal LMs that use the Qwen3.5/3.6 tokenizer of `dflash_assets.tokenizer`
+and load with `AutoModelForCausalLM.from_pretrained(dir)`:
+
+- "dense":  `qwen3` (Qwen3ForCausalLM), 8 layers, hidden 64, 4 heads, 2 KV heads,
+  head_dim 16, intermediate 128.
+- "hybrid": `qwen3_5_text` (Qwen3_5ForCausalLM), 8 layers, layer_types
+  3 x linear_attention + full_attention, twice; same widths.
+
+Eight layers each, so the DFlash default rule (5 layers evenly from 1 to L-3)
+gives the distinct ids [1, 2, 3, 4, 5] and layers 6-7 come after the last
+captured one. Both have vocab_size 248,320 (the real Qwen3.5/3.6 embedding size, a
+multiple of 128, covering the tokenizer's 248,078 ids incl. `<|MASK|>`),
+untied embed_tokens / lm_head (like the real targets, so code that confuses
+the two fails), and are stored as bf16 safetensors (~64 MB per target; the
+two 248K x 64 matrices dominate). Each directory also holds the tokenizer
+files, `chat_template.jinja` and `generation_config.json`, so
+`AutoTokenizer.from_pretrained(dir)` and `transformers serve <dir>` work.
+
+Writes `<cache>/<kind>-<version>-<digest>/` where cache is `cache_dir`, else
+`$DFLASH_CACHE/targets`, else `~/.cache/dflash-assets/targets`. A target is
+built in a temp dir beside it and renamed into place, so concurrent processes
+never see a partial directory; the digest covers the version string, the
+architecture settings, the tokenizer source and the chat template, so any
+change builds a new directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from dflash_assets.chat_template import default_chat_template, template_hash
+from dflash_assets.tokenizer import (
+    QWEN3_6_EOS_TOKEN,
+    QWEN3_6_MASK_TOKEN_ID,
+    QWEN3_6_PAD_TOKEN,
+    _BUILD_VERSION as _TOKENIZER_BUILD_VERSION,
+    _source_digest as _tokenizer_source_digest,
+    build_qwen3_6_tokenizer,
+    default_cache_root,
+)
+
+TargetKind = Literal["dense", "hybrid"]
+
+TINY_TARGETS_VERSION = "v2"
+TINY_TARGET_SEED = 1234
+TINY_VOCAB_SIZE = 248_320  # = real Qwen3.5/3.6; multiple of 128, > QWEN3_6_MASK_TOKEN_ID
+COMPLETE_MARKER = "dflash_tiny_target.json"
+
+_COMMON = dict(
+    vocab_size=TINY_VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    bos_token_id=None,
+    eos_token_id=248046,  # <|im_end|>
+    pad_token_id=248044,  # <|endoftext|>
+)
+
+TINY_TARGET_SETTINGS: dict[str, dict] = {
+    "dense": dict(_COMMON, model_type="qwen3", num_hidden_layers=8, rope_theta=1_000_000.0),
+    "hybrid": dict(
+        _COMMON,
+        model_type="qwen3_5_text",
+        num_hidden_layers=8,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    ),
+}
+
+
+def default_targets_dir() -> Path:
+    """`$DFLASH_CACHE/targets`, else `~/.cache/dflash-assets/targets`."""
+    return default_cache_root() / "targets"
+
+
+def _digest(kind: str) -> str:
+    payload = {
+        "version": TINY_TARGETS_VERSION,
+        "seed": TINY_TARGET_SEED,
+        "settings": TINY_TARGET_SETTINGS[kind],
+        "tokenizer": [_TOKENIZER_BUILD_VERSION, _tokenizer_source_digest()],
+        "template": template_hash(default_chat_template()),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _make_config(kind: str):
+    from transformers import Qwen3_5TextConfig, Qwen3Config
+
+    settings = dict(TINY_TARGET_SETTINGS[kind])
+    model_type = settings.pop("model_type")
+    if model_type == "qwen3":
+        theta = settings.pop("rope_theta")
+        return Qwen3Config(**settings, rope_parameters={"rope_type": "default", "rope_theta": theta})
+    return Qwen3_5TextConfig(**settings)
+
+
+def _build(kind: str, out: Path) -> None:
+    """Write model, tokenizer, chat template and generation config into `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config = _make_config(kind)
+    torch.manual_seed(TINY_TARGET_SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(torch.bfloat16).eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=[248046, 248044],  # <|im_end|>, <|endoftext|>
+        pad_token_id=248044,
+        do_sample=False,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+
+    tok = build_qwen3_6_tokenizer()
+    tok.save_pretrained(out)
+    # A plain fast-tokenizer class: a model-specific class (Qwen2Tokenizer) would
+    # rebuild its own pre-tokenizer in v5 and drift from the Qwen3.5 pattern.
+    cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    # Listing the added tokens here (as real Qwen checkpoints do) spares AutoTokenizer a
+    # ~2 s pure-Python parse of the 33 MB tokenizer.json on every load.
+    tok_cfg["added_tokens_decoder"] = {
+        str(index): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized,
+                     "rstrip": t.rstrip, "single_word": t.single_word, "special": t.special}
+        for index, t in sorted(tok.added_tokens_decoder.items())
+    }
+    cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
+    template_file = out / "chat_template.jinja"
+    if not template_file.exists():
+        template_file.write_text(default_chat_template(), "utf-8")
+
+
+def tiny_target_path(kind: TargetKind = "dense", cache_dir: str | Path | None = None) -> Path:
+    """Directory of the tiny `kind` target, building it on first use (a few seconds).
+
+    Safe under concurrent processes: each builds into its own temp dir and
+    renames it into place; the loser of the race discards its copy.
+    """
+    if kind not in TINY_TARGET_SETTINGS:
+        raise ValueError(f"unknown tiny target kind {kind!r}; expected one of {sorted(TINY_TARGET_SETTINGS)}")
+    root = Path(cache_dir) if cache_dir is not None else default_targets_dir()
+    final = root / f"{kind}-{TINY_TARGETS_VERSION}-{_digest(kind)}"
+    if (final / COMPLETE_MARKER).exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{kind}-building-"))
+    try:
+        _build(kind, tmp)
+        marker = {"kind": kind, "version": TINY_TARGETS_VERSION, "seed": TINY_TARGET_SEED,
+                  "settings": TINY_TARGET_SETTINGS[kind], "mask_token_id": QWEN3_6_MASK_TOKEN_ID,
+                  "eos_token": QWEN3_6_EOS_TOKEN, "pad_token": QWEN3_6_PAD_TOKEN}
+        (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2))
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the target is shared, read-only data
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / COMPLETE_MARKER).exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

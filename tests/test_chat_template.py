@@ -1,0 +1,108 @@
+"""The Qwen3.5/3.6-style chat template: exact renders through tokenizer.apply_chat_template."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_assets.chat_template import (
+    ASSISTANT_THINK_HEADER,
+    GENERATION_PROMPT_NO_THINKING,
+    GENERATION_PROMPT_THINKING,
+    default_chat_template,
+    load_chat_template,
+    render_chat,
+    template_hash,
+)
+from dflash_assets.tokenizer import build_qwen3_6_tokenizer
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+U1 = {"role": "user", "content": "What is 2+2?"}
+A1 = {"role": "assistant", "content": "4.", "reasoning_content": "Add them."}
+U2 = {"role": "user", "content": "And 3+3?"}
+A2 = {"role": "assistant", "content": "6.", "reasoning_content": "\nAdd again.\n"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_qwen3_6_tokenizer()
+
+
+def render(tok, messages, **kwargs) -> str:
+    return tok.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+CASES = [
+    pytest.param([U1], {"add_generation_prompt": True},
+                 "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n", id="gen-thinking"),
+    pytest.param([U1], {"add_generation_prompt": True, "enable_thinking": True},
+                 "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n", id="gen-thinking-explicit"),
+    pytest.param([SYSTEM, U1], {"add_generation_prompt": True, "enable_thinking": False},
+                 "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+                 "<|im_start|>assistant\n<think>\n\n</think>\n\n", id="gen-no-thinking-system"),
+    pytest.param([U1, A1], {},
+                 "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+                 "<|im_start|>assistant\n<think>\nAdd them.\n</think>\n\n4.<|im_end|>\n", id="single-turn"),
+    pytest.param([SYSTEM, U1, A1, U2, A2], {},
+                 "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+                 "<|im_start|>assistant\n4.<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n"
+                 "<|im_start|>assistant\n<think>\nAdd again.\n</think>\n\n6.<|im_end|>\n", id="multi-turn"),
+    pytest.param([U1, A1, U2], {"add_generation_prompt": True},
+                 "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4.<|im_end|>\n"
+                 "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n<think>\n", id="multi-turn-gen"),
+    pytest.param([U1, {"role": "assistant", "content": "4."}], {},
+                 "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n4.<|im_end|>\n",
+                 id="final-without-reasoning"),
+    pytest.param([U1, {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n4."}], {},
+                 "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\nAdd them.\n</think>\n\n4.<|im_end|>\n",
+                 id="inline-think-in-content"),
+    pytest.param([{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
+                 {"add_generation_prompt": True},
+                 "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n<think>\n", id="content-parts"),
+    pytest.param(
+        [U1, {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
+              "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]},
+         {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4.", "reasoning_content": "Got it."}],
+        {},
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\nUse the tool.\n</think>\n\n"
+        '\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nGot it.\n</think>\n\n4.<|im_end|>\n", id="tool-round"),
+]
+
+
+@pytest.mark.parametrize("messages,kwargs,expected", CASES)
+def test_exact_render(tok, messages, kwargs, expected):
+    assert render(tok, messages, **kwargs) == expected
+    assert render_chat(messages, **kwargs) == expected  # same engine without a tokenizer
+
+
+def test_generation_prompt_constants(tok):
+    assert render(tok, [U1], add_generation_prompt=True).endswith(GENERATION_PROMPT_THINKING)
+    assert render(tok, [U1], add_generation_prompt=True, enable_thinking=False).endswith(GENERATION_PROMPT_NO_THINKING)
+    assert ASSISTANT_THINK_HEADER == GENERATION_PROMPT_THINKING
+
+
+def test_segmentwise_encoding_equals_whole(tok):
+    """The loss-mask convention relies on encoding prefix and supervised span separately."""
+    text = render(tok, [SYSTEM, U1, A1, U2, {"role": "assistant", "content": " Six, 六 🎲.", "reasoning_content": "3+3 = 6"}])
+    cut = text.rindex(ASSISTANT_THINK_HEADER) + len(ASSISTANT_THINK_HEADER)
+    whole = tok.encode(text, add_special_tokens=False)
+    parts = tok.encode(text[:cut], add_special_tokens=False) + tok.encode(text[cut:], add_special_tokens=False)
+    assert parts == whole
+    assert tok.convert_ids_to_tokens(whole[-2:]) == ["<|im_end|>", "Ċ"]
+
+
+def test_load_chat_template_override(tmp_path, tok):
+    assert load_chat_template(None) == default_chat_template()
+    custom = tmp_path / "plain.jinja"
+    custom.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    text = load_chat_template(str(custom))
+    assert render_chat([U1], template=text) == "[user] What is 2+2?\n"
+    overridden = build_qwen3_6_tokenizer(chat_template=text)
+    assert render(overridden, [U1, A1]) == "[user] What is 2+2?\n[assistant] 4.\n"
+    assert template_hash(text) != template_hash(default_chat_template())
+    with pytest.raises(FileNotFoundError):
+        load_chat_template(tmp_path / "missing.jinja")
+    (tmp_path / "empty.jinja").write_text("  \n")
+    with pytest.raises(ValueError, match="empty"):
+        load_chat_template(tmp_path / "empty.jinja")

@@ -1,0 +1,317 @@
+"""DFlash drafter model: parameter names, config.json layout, save/load, attention paths and masks.
+
+Also holds the helpers the other drafter test modules import: a small-vocab Qwen3 target
+(`mini_target`), the target's own greedy continuations, and a hidden-state cache file written in
+the real format (`hidden_state_format`) from HF `output_hidden_states`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dflash_assets.drafter import (
+    DFlashDrafter,
+    DraftCache,
+    DrafterConfig,
+    TargetHead,
+    default_target_layer_ids,
+    load_drafter,
+    load_target_config,
+    resolve_mask_token_id,
+    save_drafter,
+)
+from dflash_assets.drafter_training import (
+    Batch,
+    block_labels,
+    collate,
+    dflash_dense_mask,
+    drafter_forward_loss,
+    sample_anchors,
+    Sample,
+)
+
+# ----------------------------------------------------------------------------------------------
+# helpers shared by test_drafter_training.py and test_speculative_decoding.py
+
+MINI_VOCAB = 512
+MINI_MASK = MINI_VOCAB - 1
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These tests are tiny: one thread avoids oversubscription on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def mini_target(out_dir: Path, seed: int = 0, layers: int = 6) -> Path:
+    """A small-vocab (512) random Qwen3 target in fp32, saved with save_pretrained (safetensors)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if (out_dir / "config.json").exists():
+        return out_dir
+    cfg = Qwen3Config(vocab_size=MINI_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                      tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(cfg).eval().save_pretrained(out_dir)
+    return out_dir
+
+
+def greedy_sequences(target, n: int, prompt_len: int, new_tokens: int, seed: int, vocab_hi: int):
+    """(input_ids, loss_mask) pairs: a random prompt + the target's own greedy continuation."""
+    from dflash_assets.speculative_decoding import greedy_generate
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        prompt = torch.randint(0, vocab_hi, (prompt_len,), generator=g).tolist()
+        cont = greedy_generate(target, prompt, new_tokens)
+        out.append((prompt + cont, [0] * prompt_len + [1] * len(cont)))
+    return out
+
+
+def write_cache(path: Path, target, seqs, layer_ids, dtype=torch.float32) -> Path:
+    """A hidden-state cache partition in the real format, features from HF output_hidden_states."""
+    from dflash_assets.hidden_state_format import SafetensorsStreamWriter, ShardMetadata, shard_tensor_specs
+
+    H = target.config.hidden_size
+    T = sum(len(ids) for ids, _ in seqs)
+    meta = ShardMetadata(target_model="test", layer_ids=tuple(layer_ids), dtype=str(dtype).removeprefix("torch."),
+                         hidden_size=H, prompt_ids=tuple(f"p{i}" for i in range(len(seqs))))
+    cu = [0]
+    with SafetensorsStreamWriter(path, shard_tensor_specs(T, len(seqs), len(layer_ids), H, dtype),
+                                 meta.to_header(), fsync=False) as w:
+        for ids, lm in seqs:
+            with torch.no_grad():
+                hs = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            w.write("hidden", torch.cat([hs[i + 1][0] for i in layer_ids], -1).to(dtype).contiguous())
+            w.write("input_ids", torch.tensor(ids, dtype=torch.int32))
+            w.write("loss_mask", torch.tensor(lm, dtype=torch.uint8))
+            cu.append(cu[-1] + len(ids))
+        w.write("cu_seqlens", torch.tensor(cu, dtype=torch.int64))
+    return path
+
+
+def small_config(**kw) -> DrafterConfig:
+    d = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+             vocab_size=64, target_layer_ids=[1, 3], num_target_layers=6, mask_token_id=63, num_hidden_layers=2,
+             block_size=4)
+    d.update(kw)
+    return DrafterConfig(**d)
+
+
+def random_head(config: DrafterConfig, seed: int = 0) -> TargetHead:
+    g = torch.Generator().manual_seed(seed)
+    V, H = config.vocab_size, config.hidden_size
+    return TargetHead(torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.1)
+
+
+def random_batch(config: DrafterConfig, lengths=(20, 13), n_anchors=4, seed=0) -> Batch:
+    rng = __import__("numpy").random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    n = len(config.target_layer_ids)
+    samples, anchors = [], []
+    for T in lengths:
+        ids = rng.integers(0, config.vocab_size - 1, T)
+        lm = rng.random(T) < 0.8
+        samples.append(Sample(ids, lm, torch.randn(T, n * config.hidden_size, generator=g)))
+        anchors.append(sample_anchors(lm, config.block_size, n_anchors, rng))
+    return collate(samples, anchors)
+
+
+# ----------------------------------------------------------------------------------------------
+# layer ids, config, names
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert default_target_layer_ids(64) == [1, 16, 31, 46, 61]  # Qwen3.6-27B
+    assert default_target_layer_ids(8) == [1, 2, 3, 4, 5]  # the tiny targets
+
+
+def test_config_from_tiny_targets(tiny_dense_target, tiny_hybrid_target):
+    from dflash_assets.tokenizer import QWEN3_6_MASK_TOKEN_ID  # <|MASK|> in the target's tokenizer.json
+
+    for target in (tiny_dense_target, tiny_hybrid_target):
+        cfg = DrafterConfig.from_target_config(load_target_config(target), mask_token_id=resolve_mask_token_id(target))
+        assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 4, 2, 16)
+        assert cfg.target_layer_ids == [1, 2, 3, 4, 5] and cfg.num_target_layers == 8
+        assert cfg.mask_token_id == QWEN3_6_MASK_TOKEN_ID and cfg.vocab_size == 248320
+    assert resolve_mask_token_id(tiny_dense_target, 7) == 7  # an explicit id wins
+
+
+def test_parameter_names_exactly_the_public_ones():
+    cfg = small_config(num_hidden_layers=2)
+    names = set(DFlashDrafter(cfg).state_dict())
+    expected = {"norm.weight", "fc.weight", "hidden_norm.weight"}
+    for i in range(2):
+        p = f"layers.{i}."
+        expected |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
+        expected |= {p + f"self_attn.{x}_norm.weight" for x in "qk"}
+        expected |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+        expected |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+    assert names == expected  # no embed_tokens / lm_head / rotary buffers
+    m = DFlashDrafter(cfg)
+    assert m.fc.weight.shape == (32, 2 * 32) and m.fc.bias is None
+
+
+def test_checkpoint_layout_loads_as_qwen3_config(tmp_path):
+    from transformers import Qwen3Config
+
+    cfg = small_config(bos_token_id=1, eos_token_id=[2, 3])
+    out = save_drafter(DFlashDrafter(cfg), tmp_path / "ckpt")
+    d = json.loads((out / "config.json").read_text())
+    assert d["architectures"] == ["DFlashDraftModel"]
+    assert d["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
+    assert d["model_type"] == "qwen3" and d["block_size"] == 4 and d["num_target_layers"] == 6
+    assert d["dflash_config"] == {"mask_token_id": 63, "target_layer_ids": [1, 3]}
+    assert d["layer_types"] == ["full_attention"] * 2 and d["tie_word_embeddings"] is False
+    q = Qwen3Config.from_pretrained(out)  # what the public inference code builds the model from
+    assert q.hidden_size == 32 and q.num_hidden_layers == 2 and q.head_dim == 8
+    assert q.dflash_config["target_layer_ids"] == [1, 3] and q.block_size == 4
+    assert q.rope_parameters["rope_theta"] == cfg.rope_theta
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(DFlashDrafter(cfg).state_dict())
+        assert f.metadata()["format"] == "pt"
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temp dirs left behind
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_save_load_round_trips_exactly(tmp_path, dtype):
+    cfg = small_config()
+    torch.manual_seed(3)
+    m = DFlashDrafter(cfg)
+    with torch.no_grad():  # non-trivial norm weights too
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    save_drafter(m, tmp_path / "a", dtype=dtype)
+    back = load_drafter(tmp_path / "a")
+    assert back.config == cfg
+    want = {k: v.to(dtype) for k, v in m.state_dict().items()}
+    got = back.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert got[k].dtype == dtype and torch.equal(got[k], want[k]), k
+    # the same forward, bit for bit, once both are in the same dtype
+    b = random_batch(cfg)
+    head = random_head(cfg)
+    ref = m.to(dtype)
+    for model in (ref, back):
+        model.eval()
+    x = head.embed(b.input_ids[:, :4]).to(dtype)
+    pos = torch.arange(b.input_ids.shape[1] + 4).expand(2, -1)
+    torch.testing.assert_close(back(x, b.hidden.to(dtype), pos), ref(x, b.hidden.to(dtype), pos), rtol=0, atol=0)
+    # a second save over the same directory replaces it atomically
+    save_drafter(back, tmp_path / "a", dtype=dtype)
+    assert load_drafter(tmp_path / "a").config == cfg
+
+
+def test_target_head_comes_from_target_weights(tiny_dense_target):
+    from transformers import AutoModelForCausalLM
+
+    head = TargetHead.from_target_dir(tiny_dense_target, dtype=torch.float32)
+    target = AutoModelForCausalLM.from_pretrained(tiny_dense_target, dtype=torch.float32)
+    assert torch.equal(head.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert torch.equal(head.lm_head.weight, target.get_output_embeddings().weight)
+    assert not torch.equal(head.embed_tokens.weight, head.lm_head.weight)  # untied: both read correctly
+    assert not any(p.requires_grad for p in head.parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# attention: mask semantics, flex == SDPA, training layout == inference per block
+
+
+def test_dense_mask_semantics():
+    anchors = torch.tensor([[2, 5, 0]])
+    keep = torch.tensor([[True, True, False]])
+    S, B = 8, 3
+    m = dflash_dense_mask(anchors, keep, S, B)[0, 0]  # (9, 17)
+    for q in range(9):
+        blk = q // B
+        for kv in range(S + 9):
+            if kv < S:
+                want = bool(keep[0, blk]) and kv < int(anchors[0, blk])  # context strictly before the anchor
+            else:
+                want = (kv - S) // B == blk  # its own block, bidirectional; never another block
+            assert bool(m[q, kv]) == want, (q, kv)
+
+
+def test_flex_attention_matches_sdpa_on_cpu():
+    cfg = small_config()
+    torch.manual_seed(0)
+    m = DFlashDrafter(cfg)
+    head = random_head(cfg)
+    b = random_batch(cfg, lengths=(20, 13), n_anchors=5)
+    outs = {}
+    for attn in ("sdpa", "flex"):
+        m.zero_grad()
+        so = drafter_forward_loss(m, head, b, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                                  gamma=7.0, attention=attn)
+        (so.loss_sum / so.weight_sum).backward()
+        outs[attn] = (so.loss_sum.detach(), [p.grad.clone() for p in m.parameters()], so.correct_by_pos)
+    torch.testing.assert_close(outs["flex"][0], outs["sdpa"][0], rtol=1e-5, atol=1e-5)
+    for gf, gs in zip(outs["flex"][1], outs["sdpa"][1]):
+        torch.testing.assert_close(gf, gs, rtol=1e-4, atol=1e-6)
+    assert torch.equal(outs["flex"][2], outs["sdpa"][2])
+
+
+def test_training_layout_equals_per_block_inference():
+    """Every block of the packed training forward equals a separate inference-style forward that
+    sees only the context before its anchor (the same computation public DFlash decoding does)."""
+    cfg = small_config()
+    torch.manual_seed(1)
+    m = DFlashDrafter(cfg).eval()
+    head = random_head(cfg)
+    b = random_batch(cfg, lengths=(20, 13), n_anchors=4, seed=2)
+    B, S = cfg.block_size, b.input_ids.shape[1]
+    from dflash_assets.drafter_training import block_layout
+
+    noise, block_pos = block_layout(b.input_ids, b.anchors, b.keep, B, cfg.mask_token_id)
+    pos = torch.cat([torch.arange(S).expand(2, S), block_pos], 1)
+    with torch.no_grad():
+        packed = m(head.embed(noise), b.hidden, pos, dflash_dense_mask(b.anchors, b.keep, S, B))
+        for i in range(2):
+            for j in range(b.anchors.shape[1]):
+                if not b.keep[i, j]:
+                    continue
+                a = int(b.anchors[i, j])
+                x = head.embed(noise[i : i + 1, j * B : (j + 1) * B])
+                one = m(x, b.hidden[i : i + 1, :a], torch.arange(a + B)[None])  # no mask: sees all it gets
+                torch.testing.assert_close(packed[i, j * B : (j + 1) * B], one[0], rtol=1e-5, atol=1e-5)
+
+
+def test_draft_cache_equals_full_context():
+    cfg = small_config()
+    torch.manual_seed(2)
+    m = DFlashDrafter(cfg).eval()
+    head = random_head(cfg)
+    hidden = torch.randn(1, 12, 2 * cfg.hidden_size)
+    block = torch.tensor([[5] + [cfg.mask_token_id] * 3])
+    x = head.embed(block)
+    with torch.no_grad():
+        cache = DraftCache(2)
+        m(x, hidden[:, :7], torch.arange(7 + 4)[None], cache=cache)  # first round: context 0..6
+        inc = m(x, hidden[:, 7:12], torch.arange(7, 12 + 4)[None], cache=cache)  # second: adds 7..11
+        full = m(x, hidden, torch.arange(12 + 4)[None])
+    assert cache.length == 12
+    torch.testing.assert_close(inc, full, rtol=1e-5, atol=1e-6)
+
+
+def test_block_labels_decay_and_mask():
+    ids = torch.arange(10)[None]
+    lm = torch.ones(1, 10, dtype=torch.bool)
+    lm[0, 4] = False
+    labels, w = block_labels(ids, lm, torch.tensor([[1, 0]]), torch.tensor([[True, False]]), 4, gamma=7.0)
+    assert labels[0, 0].tolist() == [2, 3, 4]
+    k = torch.arange(1, 4).float()
+    torch.testing.assert_close(w[0, 0], torch.exp(-(k - 1) / 7.0) * torch.tensor([1.0, 1.0, 0.0]))
+    assert w[0, 1].sum() == 0  # padding block

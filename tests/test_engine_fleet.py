@@ -1,0 +1,219 @@
+"""The fleet: probe table, refusal of wrong models, NoEngineAvailable, retries, failover when an
+endpoint is SIGKILLed mid-partition, and the measured wall-time estimate. Real HTTP servers only."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from dflash_assets.completions import aregenerate_shard, regenerate_shard
+from dflash_assets.engine_fleet import (
+    EndpointConfig,
+    EngineFleetConfig,
+    NoEngineAvailable,
+    probe_fleet,
+    serves_target,
+)
+from dflash_assets.engines import GenerationConfig
+from dflash_assets.generation_plan import estimate_generation_time, format_duration, plan_generation
+from dflash_assets.sglang_loopback import LoopbackProcess, LoopbackServer
+from dflash_assets.store import LocalStore
+
+TARGET = "/models/Qwen3.6-27B"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dense_target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_dense_target))
+
+
+def dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompts(n: int, turns: int = 2) -> list[dict]:
+    return [{"prompt_id": f"p{i:04d}", "system": "Be brief." if i % 3 == 0 else None,
+             "user_turns": [f"question {i} part {t}" for t in range(turns)]} for i in range(n)]
+
+
+@pytest.mark.parametrize("served,alias,expected", [
+    (["/models/Qwen3.6-27B"], None, "/models/Qwen3.6-27B"),
+    (["Qwen/Qwen3.6-27B"], None, "Qwen/Qwen3.6-27B"),
+    (["qwen3.6-27b"], None, "qwen3.6-27b"),
+    (["/models/Qwen3-8B"], None, None),
+    (["prod-drafter-target"], None, None),
+    (["prod-drafter-target"], "prod-drafter-target", "prod-drafter-target"),
+    (["other", "/m/Qwen3.6-27B"], None, "/m/Qwen3.6-27B"),
+])
+def test_serves_target(served, alias, expected):
+    assert serves_target(served, TARGET, alias) == expected
+
+
+def test_probe_table_refuses_wrong_model_and_reports_unreachable(tok):
+    with LoopbackServer(model_path=TARGET) as good, LoopbackServer(model_path="/models/Llama-3-8B") as wrong, \
+            LoopbackServer(model_path="/x/y", served_model_name="prod-target") as aliased:
+        down = f"http://127.0.0.1:{dead_port()}"
+        cfg = EngineFleetConfig(target_model=TARGET, probe_timeout_s=3, endpoints=[
+            EndpointConfig(url=good.url, kind="sglang"), EndpointConfig(url=wrong.url, kind="sglang"),
+            EndpointConfig(url=down, kind="openai"),
+            EndpointConfig(url=aliased.url, kind="openai", served_model_name="prod-target")])
+        probe = probe_fleet(cfg, tok)
+    by_url = {r.endpoint: r for r in probe.rows}
+    assert by_url[good.url].status == "ok" and by_url[good.url].latency_ms > 0
+    assert by_url[wrong.url].status == "wrong_model" and by_url[wrong.url].healthy
+    assert "Llama-3-8B" in by_url[wrong.url].detail
+    assert by_url[down].status == "unreachable" and not by_url[down].healthy
+    assert by_url[aliased.url].status == "ok" and by_url[aliased.url].served_model == "prod-target"
+    assert [r.endpoint for r in probe.usable] == [good.url, aliased.url]
+    md = probe.markdown()
+    assert "| endpoint | kind | served model | healthy | latency | status |" in md
+    assert md.count("\n| http://") == 4 and "wrong_model" in md
+    table = probe.to_arrow()
+    assert table.num_rows == 4 and table.column_names[:5] == ["endpoint", "kind", "served_model", "healthy", "latency_ms"]
+
+
+def test_no_engine_raises_at_once_with_probe_table(tok, local_store):
+    with LoopbackServer(model_path="/models/Llama-3-8B") as wrong:
+        down = f"http://127.0.0.1:{dead_port()}"
+        cfg = EngineFleetConfig(target_model=TARGET, endpoints=[EndpointConfig(url=wrong.url), EndpointConfig(url=down)])
+        t0 = time.perf_counter()
+        with pytest.raises(NoEngineAvailable) as info:
+            regenerate_shard(prompts(3), shard="s", store=local_store, fleet=cfg, generation=GenerationConfig(),
+                             tokenizer=tok)
+        assert time.perf_counter() - t0 < 5
+    msg = str(info.value)
+    assert wrong.url in msg and down in msg and "wrong_model" in msg and "unreachable" in msg
+    assert info.value.probe is not None and not info.value.probe.usable
+    assert not local_store.exists("completions/s.parquet")  # nothing written
+    with pytest.raises(NoEngineAvailable, match="no generation endpoint configured"):
+        regenerate_shard(prompts(1), shard="s", store=local_store, fleet=EngineFleetConfig(target_model=TARGET),
+                         generation=GenerationConfig(), tokenizer=tok)
+
+
+def test_retries_on_503_then_succeed(tok, local_store):
+    with LoopbackServer(model_path=TARGET, fail_every=3, fail_status=503) as srv:
+        cfg = EngineFleetConfig(target_model=TARGET, backoff_initial_s=0.01, backoff_max_s=0.05,
+                                endpoints=[EndpointConfig(url=srv.url, max_concurrency=4)])
+        res = regenerate_shard(prompts(12, turns=1), shard="r", store=local_store, fleet=cfg,
+                               generation=GenerationConfig(max_new_tokens=64), tokenizer=tok)
+        assert srv.stats.failed > 0
+    assert res.table.num_rows == 12 and res.failed.num_rows == 0
+    assert res.stats.retries == srv.stats.failed and res.stats.requests == 12 + srv.stats.failed
+    assert sorted(res.table["attempts"].to_pylist()) != [1] * 12
+
+
+@pytest.mark.parametrize("status,reason", [(400, "HTTP 400"), (503, "gave up after 3 attempts")])
+def test_failures_are_reported_not_dropped(tok, local_store, status, reason):
+    with LoopbackServer(model_path=TARGET, fail_every=1, fail_status=status) as srv:
+        cfg = EngineFleetConfig(target_model=TARGET, max_retries=2, backoff_initial_s=0.01, backoff_max_s=0.02,
+                                endpoints=[EndpointConfig(url=srv.url, max_concurrency=2)])
+        res = regenerate_shard(prompts(4, turns=1), shard="f", store=local_store, fleet=cfg,
+                               generation=GenerationConfig(), tokenizer=tok)
+    assert res.table.num_rows == 0 and res.failed.num_rows == 4
+    assert all(reason in r for r in res.failed["reason"].to_pylist())
+    assert local_store.read_parquet("completions/_failed/f.parquet").num_rows == 4
+    assert local_store.list("completions/_journal/f") == []  # nothing finished, nothing journaled
+
+
+def _expected_rows(tok, rows, gen, tmp_path) -> dict[str, list]:
+    """The same shard on an undisturbed loopback: the deterministic reference."""
+    with LoopbackServer(model_path=TARGET) as ref:
+        cfg = EngineFleetConfig(target_model=TARGET, endpoints=[EndpointConfig(url=ref.url, max_concurrency=8)])
+        res = regenerate_shard(rows, shard="ref", store=LocalStore(tmp_path / "ref"), fleet=cfg, generation=gen,
+                               tokenizer=tok)
+    return {r["prompt_id"]: r["messages"] for r in res.table.to_pylist()}
+
+
+def test_endpoint_killed_mid_partition_loses_and_duplicates_nothing(tok, local_store, tmp_path):
+    rows = prompts(48, turns=2)
+    gen = GenerationConfig(max_new_tokens=64, stop_after_truncated_turn=False)
+    with LoopbackProcess("--model-path", TARGET, "--delay-s", "0.05") as a, \
+            LoopbackProcess("--model-path", TARGET, "--delay-s", "0.05") as b:
+        cfg = EngineFleetConfig(target_model=TARGET, backoff_initial_s=0.05, backoff_max_s=0.2,
+                                endpoints=[EndpointConfig(url=a.url, max_concurrency=4),
+                                           EndpointConfig(url=b.url, max_concurrency=4)])
+
+        async def scenario():
+            import aiohttp
+
+            gen_task = asyncio.ensure_future(aregenerate_shard(rows, shard="k", store=local_store, fleet=cfg,
+                                                               generation=gen, tokenizer=tok, flush_every=8))
+            async with aiohttp.ClientSession() as s:
+                while True:  # kill b once it has answered some requests and holds more in flight
+                    async with s.get(b.url + "/loopback/stats") as r:
+                        if (await r.json())["generate_requests"] >= 12:
+                            break
+                    await asyncio.sleep(0.02)
+            os.kill(b.pid, signal.SIGKILL)
+            return await gen_task
+
+        res = asyncio.run(scenario())
+    got = res.table.to_pylist()
+    assert len(got) == 48 and len({r["prompt_id"] for r in got}) == 48 and res.failed.num_rows == 0
+    eps = res.stats.endpoints
+    assert eps[b.url]["dead"] and not eps[a.url]["dead"] and res.stats.failovers > 0
+    assert eps[b.url]["ok"] >= 10  # b did real work before dying ...
+    assert any(b.url in r["turn_endpoints"] for r in got)
+    assert all(r["turn_endpoints"][-1] == a.url or b.url in r["turn_endpoints"] for r in got)
+    # ... and the conversations are exactly what an undisturbed run produces
+    assert {r["prompt_id"]: r["messages"] for r in got} == _expected_rows(tok, rows, gen, tmp_path)
+    assert all(r["num_turns"] == 2 for r in got)
+
+
+def test_all_endpoints_dead_mid_run_raises_and_keeps_journal(tok, local_store):
+    rows = prompts(40, turns=1)
+    gen = GenerationConfig(max_new_tokens=64)
+    with LoopbackProcess("--model-path", TARGET, "--delay-s", "0.05") as a:
+        cfg = EngineFleetConfig(target_model=TARGET, backoff_initial_s=0.05,
+                                endpoints=[EndpointConfig(url=a.url, max_concurrency=2)])
+
+        async def scenario():
+            task = asyncio.ensure_future(aregenerate_shard(rows, shard="d", store=local_store, fleet=cfg,
+                                                           generation=gen, tokenizer=tok, flush_every=2))
+            while len(local_store.list("completions/_journal/d")) < 2:
+                await asyncio.sleep(0.02)
+            a.kill()
+            return await task
+
+        with pytest.raises(NoEngineAvailable, match="every endpoint died mid-run"):
+            asyncio.run(scenario())
+    assert len(local_store.list("completions/_journal/d")) >= 2
+    with LoopbackServer(model_path=TARGET) as fresh:
+        cfg2 = cfg.model_copy(update={"endpoints": [EndpointConfig(url=fresh.url, max_concurrency=4)]})
+        res = regenerate_shard(rows, shard="d", store=local_store, fleet=cfg2, generation=gen, tokenizer=tok)
+        assert fresh.stats.generate_requests == 40 - res.stats.prompts_resumed
+    assert res.stats.prompts_resumed >= 4 and res.table.num_rows == 40
+
+
+def test_generation_plan_measures_each_endpoint(tok):
+    with LoopbackServer(model_path=TARGET, per_token_s=0.0005) as fast, \
+            LoopbackServer(model_path=TARGET, per_token_s=0.003) as slow:
+        cfg = EngineFleetConfig(target_model=TARGET, endpoints=[EndpointConfig(url=fast.url, max_concurrency=4),
+                                                                EndpointConfig(url=slow.url, max_concurrency=4)])
+        est = plan_generation(cfg, prompts=914_000, output_tokens_per_turn=3000, turns_per_prompt=1.5,
+                              tokenizer=tok, max_new_tokens=32, requests=8)
+    m = {x.endpoint: x for x in est.measurements}
+    assert m[fast.url].completion_tokens == 8 * 32 == m[slow.url].completion_tokens  # ignore_eos honoured
+    assert m[fast.url].tokens_per_s > 2 * m[slow.url].tokens_per_s
+    total = m[fast.url].tokens_per_s + m[slow.url].tokens_per_s
+    assert est.total_tokens_per_s == pytest.approx(total)
+    assert est.wall_s == pytest.approx(914_000 * 1.5 * 3000 / total)
+    shares = {e.endpoint: e.share for e in est.per_endpoint}
+    assert shares[fast.url] > 0.66 and sum(shares.values()) == pytest.approx(1.0)
+    md = est.markdown()
+    assert "Estimated wall time" in md and fast.url in md and format_duration(est.wall_s) in md
+    assert est.to_metadata()["estimated_wall_s"] == round(est.wall_s, 1)
+
+
+def test_estimate_without_throughput_is_infinite():
+    est = estimate_generation_time([], prompts=10, output_tokens_per_turn=100)
+    assert est.wall_s == float("inf") and "never" in est.markdown()

@@ -1,0 +1,245 @@
+"""Engine clients against real servers on 127.0.0.1: the SGLang-shaped loopback, `transformers serve`
+with the tiny target, and the in-process Transformers engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dflash_assets.engines import (
+    ChatTokenizer,
+    EngineError,
+    GenerationConfig,
+    OpenAIEngine,
+    SGLangEngine,
+    TransformersEngine,
+    local_engine_server,
+    normalize_model_id,
+    split_reasoning_text,
+)
+from dflash_assets.sglang_loopback import QWEN3_6_IDS, LoopbackServer, _Generator, _prompt_key
+
+THINK_END, IM_END = QWEN3_6_IDS["think_end"], QWEN3_6_IDS["im_end"]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dense_target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_dense_target))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# -- pure functions ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,thinking,expected", [
+    ("step one\n</think>\n\nFour.", True, ("step one", "Four.")),
+    ("<think>\nstep\n</think>\n\nFour.", True, ("step", "Four.")),
+    ("still thinking, cut off", True, ("still thinking, cut off", "")),
+    ("Four.", False, ("", "Four.")),
+    ("\n</think>\n\nFour.", True, ("", "Four.")),
+    ("", True, ("", "")),
+])
+def test_split_reasoning_text(text, thinking, expected):
+    assert split_reasoning_text(text, thinking) == expected
+
+
+@pytest.mark.parametrize("a,b", [
+    ("/models/Qwen3.6-27B/", "Qwen/Qwen3.6-27B"),
+    ("qwen3.6-27b@main", "Qwen3.6-27B"),
+    ("Qwen3-8B", "/data/ckpt/qwen3-8b"),
+])
+def test_normalize_model_id_matches(a, b):
+    assert normalize_model_id(a) == normalize_model_id(b)
+
+
+def test_normalize_model_id_distinguishes():
+    assert normalize_model_id("Qwen/Qwen3-8B") != normalize_model_id("Qwen/Qwen3.6-27B")
+
+
+def test_config_hash_tracks_every_setting_and_target():
+    g = GenerationConfig()
+    assert g.config_hash("t") == GenerationConfig().config_hash("t")
+    assert g.config_hash("t") != g.config_hash("other")
+    assert g.config_hash("t") != GenerationConfig(temperature=0.7).config_hash("t")
+    assert g.config_hash("t") != GenerationConfig(enable_thinking=False).config_hash("t")
+    assert g.config_hash("/m/Qwen3-8B") == g.config_hash("Qwen/Qwen3-8B")  # normalized target id
+
+
+def test_chat_tokenizer_renders_generation_prompt_and_splits_ids(tok):
+    ct = ChatTokenizer(tok)
+    ids = ct.prompt_ids(MESSAGES, enable_thinking=True)
+    assert ids[-2:] == [QWEN3_6_IDS["think_start"], tok.encode("\n", add_special_tokens=False)[0]]
+    no_think = ct.prompt_ids(MESSAGES, enable_thinking=False)
+    assert tok.decode(no_think).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert ct.think_end_id == THINK_END and IM_END in ct.stop_ids
+
+    r = tok.encode("Let me add.\n", add_special_tokens=False)
+    c = tok.encode("\n\nFour.", add_special_tokens=False)
+    assert ct.split_output_ids(r + [THINK_END] + c + [IM_END], True) == ("Let me add.", "Four.")
+    assert ct.split_output_ids(r, True) == ("Let me add.", "")  # cut inside the think block
+    assert ct.split_output_ids(c + [IM_END], False) == ("", "Four.")
+
+
+# -- SGLang native against the loopback -----------------------------------------
+
+
+def _expected(tok, prompt_ids, max_new, seed=None):
+    """What the loopback generates for prompt_ids: the same deterministic function, decoded."""
+    out, finish = _Generator(LoopbackServer().cfg).generate(_prompt_key(prompt_ids, None, seed),
+                                                           {"max_new_tokens": max_new})
+    return ChatTokenizer(tok).split_output_ids(out, True), finish["type"], len(out)
+
+
+def test_sglang_native_chat_probe_and_sampling_params(tok):
+    gen = GenerationConfig(max_new_tokens=64, top_k=20, stop_token_ids=(7,))
+    with LoopbackServer(model_path="/models/Qwen3.6-27B") as srv:
+
+        async def go():
+            async with SGLangEngine(srv.url, tok) as eng:
+                probe = await eng.probe()
+                res = await eng.chat(MESSAGES, gen)
+                return probe, res
+
+        probe, res = run(go())
+        body = srv.stats.last_body
+    assert probe.healthy and probe.served_models[0] == "/models/Qwen3.6-27B" and probe.latency_s > 0
+    prompt_ids = ChatTokenizer(tok).prompt_ids(MESSAGES, True)
+    assert body["input_ids"] == prompt_ids
+    sp = body["sampling_params"]
+    assert sp["max_new_tokens"] == 64 and sp["temperature"] == 0.6 and sp["top_p"] == 0.95 and sp["top_k"] == 20
+    assert {IM_END, 7} <= set(sp["stop_token_ids"])
+    (reasoning, content), finish, n = _expected(tok, prompt_ids, 64)
+    assert (res.reasoning_content, res.content) == (reasoning, content)
+    assert res.finish_reason == finish == "stop"
+    assert res.prompt_tokens == len(prompt_ids) and res.completion_tokens == n
+    assert res.served_model == "/models/Qwen3.6-27B" and res.endpoint == srv.url
+
+
+def test_sglang_native_length_batch_and_text_only_agree(tok, tiny_dense_target):
+    gen = GenerationConfig(max_new_tokens=3)
+    convs = [MESSAGES, [{"role": "user", "content": "Another one"}]]
+    with LoopbackServer() as ids_srv, LoopbackServer(output_ids=False,
+                                                     tokenizer_json=str(tiny_dense_target / "tokenizer.json")) as txt:
+
+        async def go():
+            async with SGLangEngine(ids_srv.url, tok) as a, SGLangEngine(txt.url, tok) as b:
+                await a.probe(), await b.probe()
+                single = [await a.chat(m, gen) for m in convs]
+                batch = await a.chat_batch(convs, gen)
+                text = [await b.chat(m, GenerationConfig(max_new_tokens=64)) for m in convs]
+                full = [await a.chat(m, GenerationConfig(max_new_tokens=64)) for m in convs]
+                return single, batch, text, full
+
+        single, batch, text, full = run(go())
+        assert ids_srv.stats.generate_requests == 2 + 1 + 2 and ids_srv.stats.generate_prompts == 6
+    assert [r.finish_reason for r in single] == ["length", "length"]
+    assert all(r.completion_tokens == 3 for r in single)
+    assert [(r.content, r.reasoning_content, r.completion_tokens) for r in batch] == \
+        [(r.content, r.reasoning_content, r.completion_tokens) for r in single]
+    # older SGLang (text only): the text split gives what the id split gives
+    assert [(r.reasoning_content, r.content) for r in text] == [(r.reasoning_content, r.content) for r in full]
+    assert all(r.content for r in full)
+
+
+@pytest.mark.parametrize("status,retryable", [(503, True), (429, True), (400, False)])
+def test_http_errors_are_classified(tok, status, retryable):
+    with LoopbackServer(fail_every=1, fail_status=status) as srv:
+
+        async def go():
+            async with SGLangEngine(srv.url, tok) as eng:
+                await eng.chat(MESSAGES, GenerationConfig(max_new_tokens=4))
+
+        with pytest.raises(EngineError) as info:
+            run(go())
+    assert info.value.status == status and info.value.retryable is retryable and not info.value.connection
+
+
+def test_connection_refused_is_a_connection_error(tok):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def go():
+        async with SGLangEngine(f"http://127.0.0.1:{port}", tok, connect_timeout_s=2) as eng:
+            probe = await eng.probe()
+            assert not probe.healthy and "Cannot connect" in probe.error
+            await eng.chat(MESSAGES, GenerationConfig(max_new_tokens=4))
+
+    with pytest.raises(EngineError) as info:
+        run(go())
+    assert info.value.connection and info.value.retryable
+
+
+def test_openai_engine_splits_think_when_server_has_no_reasoning_parser():
+    with LoopbackServer(reasoning_field=False) as raw, LoopbackServer() as parsed:
+
+        async def go():
+            out = []
+            for url in (raw.url, parsed.url):
+                async with OpenAIEngine(url) as eng:
+                    probe = await eng.probe()
+                    out.append((probe, await eng.chat(MESSAGES, GenerationConfig(max_new_tokens=64))))
+            return out
+
+        (p_raw, r_raw), (p_parsed, r_parsed) = run(go())
+        body = parsed.stats.last_body
+    assert p_raw.dialect == "openai" and body["chat_template_kwargs"] == {"enable_thinking": True}
+    assert body["top_k"] == 20 and body["max_tokens"] == 64 and body["model"] == p_parsed.served_model
+    assert "</think>" not in r_raw.content and r_raw.reasoning_content
+    assert (r_raw.reasoning_content, r_raw.content) == (r_parsed.reasoning_content, r_parsed.content)
+
+
+# -- real servers ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def transformers_serve(tiny_dense_target, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    server = local_engine_server("transformers", tiny_dense_target, port=0, log_path=log)
+    with server.start(wait_s=300):
+        yield server
+
+
+@pytest.mark.slow
+def test_openai_engine_against_transformers_serve(transformers_serve, tiny_dense_target, tok):
+    gen = GenerationConfig(max_new_tokens=8, enable_thinking=True)
+
+    async def go():
+        async with OpenAIEngine(transformers_serve.url) as eng:
+            probe = await eng.probe()
+            res = await eng.chat(MESSAGES, gen)
+            return probe, res, eng
+
+    probe, res, eng = run(go())
+    assert probe.healthy and probe.dialect == "transformers_serve"
+    assert normalize_model_id(probe.served_model) == normalize_model_id(str(tiny_dense_target))
+    assert eng.extra_sampling_params is False  # top_k would be a 422 there
+    assert res.finish_reason in ("length", "stop") and 1 <= res.completion_tokens <= 8
+    assert res.prompt_tokens == len(ChatTokenizer(tok).prompt_ids(MESSAGES, True))
+    # random weights: garbage, but the thinking prompt puts it in the reasoning unless </think> appeared
+    assert isinstance(res.content, str) and isinstance(res.reasoning_content, str)
+    assert res.reasoning_content or res.content
+
+
+def test_transformers_engine_in_process(tiny_dense_target, tok):
+    gen = GenerationConfig(max_new_tokens=5, temperature=0.0)
+
+    async def go():
+        async with TransformersEngine(tiny_dense_target, tokenizer=tok) as eng:
+            probe = await eng.probe()
+            return probe, await eng.chat(MESSAGES, gen), await eng.chat(MESSAGES, gen)
+
+    probe, a, b = run(go())
+    assert probe.healthy and probe.served_model == str(tiny_dense_target)
+    assert a.prompt_tokens == len(ChatTokenizer(tok).prompt_ids(MESSAGES, True))
+    assert 1 <= a.completion_tokens <= 5 and a.finish_reason in ("length", "stop")
+    assert (a.content, a.reasoning_content) == (b.content, b.reasoning_content)  # greedy is deterministic

@@ -1,0 +1,237 @@
+"""Tests for dflash_assets.prompt_sources: formats, compression, truncation, bad bytes.
+
+Every source here is a real file (or bytes) in JSON, JSONL or Parquet, written
+plainly, gzip- or zstd-compressed; S3 sources are tested in test_raw_prompts.py.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from dflash_assets import prompt_sources
+from dflash_assets.prompt_sources import (
+    SourceFormatError,
+    embedded_sharegpt_path,
+    read_source,
+)
+
+RECORDS = [
+    {"id": "a_0", "conversations": [{"from": "human", "value": "héllo 日本 🎉"}, {"from": "gpt", "value": "hi"}]},
+    {"id": "b_0", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+                               {"role": "assistant", "content": "4"}]},
+    {"id": "c_1", "conversations": [{"from": "gpt", "value": "…continued"}, {"from": "human", "value": "more"}]},
+]
+
+
+def _json_array(records: list, indent: int | None = 2) -> bytes:
+    return json.dumps(records, indent=indent, ensure_ascii=False).encode()
+
+
+def _jsonl(records: list) -> bytes:
+    return b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in records)
+
+
+def _parquet(records: list) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(records), buf)
+    return buf.getvalue()
+
+
+COMPRESS = {
+    "none": lambda b: b,
+    "gzip": gzip.compress,
+    "zstd": lambda b: zstandard.ZstdCompressor().compress(b),
+}
+
+
+def _read_all(src, **kw):
+    reader = read_source(src, **kw)
+    items = list(reader)
+    return items, reader.summary
+
+
+def test_embedded_path_is_the_package_file():
+    path = embedded_sharegpt_path()
+    assert path.name == "ShareGPT_V3_unfiltered_cleaned_split.json"
+    assert path.stat().st_size > 100_000_000
+    with open(path, "rb") as f:
+        assert f.read(1) == b"["
+
+
+@pytest.mark.parametrize("compression", sorted(COMPRESS))
+@pytest.mark.parametrize("fmt", ["json_array", "jsonl"])
+def test_formats_and_compression_by_magic_bytes(tmp_path, fmt, compression):
+    data = _json_array(RECORDS) if fmt == "json_array" else _jsonl(RECORDS)
+    # a misleading name: detection must use the bytes, not the extension
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(COMPRESS[compression](data))
+    items, summary = _read_all(path)
+    assert [i.record for i in items] == RECORDS
+    assert [i.index for i in items] == [0, 1, 2]
+    assert (summary.format, summary.compression) == (fmt, compression)
+    assert summary.finished and not summary.truncated and summary.items == 3
+
+
+@pytest.mark.parametrize("compression", sorted(COMPRESS))
+def test_parquet_sources_both_shapes(tmp_path, compression):
+    sharegpt = [r for r in RECORDS if "conversations" in r]
+    openai = [r for r in RECORDS if "messages" in r]
+    for records in (sharegpt, openai):
+        path = tmp_path / f"p-{compression}.parquet"
+        path.write_bytes(COMPRESS[compression](_parquet(records)))
+        items, summary = _read_all(f"file://{path}")
+        assert summary.format == "parquet" and summary.compression == compression
+        assert [i.record for i in items] == records
+
+
+def test_bytes_and_streams_are_sources():
+    data = gzip.compress(_jsonl(RECORDS))
+    assert [i.record for i in _read_all(data)[0]] == RECORDS
+    assert [i.record for i in _read_all(io.BytesIO(data))[0]] == RECORDS
+
+
+def test_utf8_bom_and_leading_blank_space(tmp_path):
+    for body in (_json_array(RECORDS), _jsonl(RECORDS)):
+        items, _ = _read_all(b"\xef\xbb\xbf" + b"\n \n" + body)
+        assert [i.record for i in items] == RECORDS
+
+
+def _element_spans(text: bytes) -> list[tuple[int, int]]:
+    """Byte spans of the top-level elements of a JSON array, found independently."""
+    s = text.decode()
+    dec = json.JSONDecoder()
+    spans, i = [], s.index("[") + 1
+    while True:
+        while s[i] in " \n\t,":
+            i += 1
+        if s[i] == "]":
+            return spans
+        _, j = dec.raw_decode(s, i)
+        spans.append((len(s[:i].encode()), len(s[:j].encode())))
+        i = j
+
+
+@pytest.mark.parametrize("chunk", [5, 64, 4 * 1024 * 1024])
+def test_json_array_cut_anywhere_yields_complete_records(monkeypatch, chunk):
+    """Cut the array at every byte: every complete record comes out; the cut is reported, never raised."""
+    monkeypatch.setattr(prompt_sources, "_CHUNK", chunk)
+    data = _json_array(RECORDS)
+    spans = _element_spans(data)
+    for cut in range(data.index(b"[") + 1, len(data) + 1):
+        items, summary = _read_all(data[:cut])
+        complete = [k for k, (_, end) in enumerate(spans) if end <= cut]
+        assert [i.record for i in items] == [RECORDS[k] for k in complete], cut
+        assert all(i.problem is None for i in items)
+        if cut == len(data):
+            assert not summary.truncated
+            continue
+        assert summary.truncated, cut
+        partial = [start for start, end in spans if end > cut and start < cut]
+        if partial:  # cut inside a record: the offset is where that record starts
+            assert summary.truncated_at_byte == partial[0], cut
+            assert summary.truncated_tail_bytes == cut - partial[0]
+        else:  # between records or before ']': the source simply ends
+            assert summary.truncated_at_byte == cut and summary.truncated_tail_bytes == 0
+
+
+def test_json_array_syntax_error_stops_with_a_problem_item():
+    good = _json_array(RECORDS[:2], indent=None)
+    data = good[:-1] + b', {"id": "x", "conversations": [oops]}, ' + _json_array(RECORDS[2:], indent=None)[1:]
+    items, summary = _read_all(data)
+    assert [i.record for i in items[:2]] == RECORDS[:2]
+    assert items[2].problem == "malformed_json" and "oops" in items[2].raw
+    assert items[2].byte_offset == len(good[:-1]) + 2
+    assert len(items) == 3 and summary.parse_error and not summary.truncated
+
+
+def test_json_array_invalid_utf8_marks_only_that_record(monkeypatch):
+    monkeypatch.setattr(prompt_sources, "_CHUNK", 16)
+    records = [{"id": str(k), "conversations": [{"from": "human", "value": f"q{k} é"}]} for k in range(4)]
+    data = _json_array(records, indent=None).replace("q2 é".encode(), b"q2 \xff\xfe")
+    items, summary = _read_all(data)
+    assert [i.problem for i in items] == [None, None, "invalid_utf8", None]
+    assert "\\xff" in items[2].raw  # raw text stays printable
+    assert items[2].byte_offset == data.index(b'{"id": "2"')
+    assert [i.record for i in items if i.problem is None] == [records[k] for k in (0, 1, 3)]
+    assert summary.finished and not summary.truncated
+
+
+def test_json_array_oversize_element():
+    big = {"id": "big", "conversations": [{"from": "human", "value": "x" * 5000}]}
+    items, _ = _read_all(_json_array([RECORDS[0], big, RECORDS[1]]), max_raw_record_chars=2000)
+    assert [i.problem for i in items] == [None, "oversize", None]
+    assert items[1].raw_chars > 5000 and len(items[1].raw) <= 4096
+
+
+def test_json_array_record_longer_than_the_window_cap_stops(monkeypatch):
+    """A record that never ends within max_raw_record_chars must not pull the whole file into memory."""
+    monkeypatch.setattr(prompt_sources, "_CHUNK", 1000)
+    big = {"id": "big", "conversations": [{"from": "human", "value": "x" * 50_000}]}
+    data = _json_array([RECORDS[0], big, RECORDS[1]])
+    items, summary = _read_all(data, max_raw_record_chars=8000)
+    assert [i.problem for i in items] == [None, "oversize"]
+    assert "reading stopped" in summary.parse_error
+
+
+def test_jsonl_bad_lines_do_not_stop_the_read():
+    lines = [
+        json.dumps(RECORDS[0]).encode(),
+        b"",  # blank lines are not records
+        b'{"id": "m", "conversations": [}',  # malformed
+        b'{"id": "u", "conversations": [{"from": "human", "value": "\xc3\x28"}]}',  # invalid UTF-8
+        b'{"id": "big", "conversations": [{"from": "human", "value": "' + b"y" * 3000 + b'"}]}',
+        json.dumps(RECORDS[1]).encode(),
+        b'{"id": "t", "conversations": [{"from": "hum',  # truncated last line, no newline
+    ]
+    data = b"\n".join(lines)
+    items, summary = _read_all(data, max_raw_record_chars=1000)
+    assert [i.problem for i in items] == [None, "malformed_json", "invalid_utf8", "oversize", None]
+    assert [i.index for i in items] == [0, 1, 2, 3, 4]
+    assert items[0].record == RECORDS[0] and items[4].record == RECORDS[1]
+    assert items[1].byte_offset == data.index(b'{"id": "m"')
+    assert items[2].byte_offset == data.index(b'{"id": "u"')
+    assert summary.truncated and summary.truncated_at_byte == data.index(b'{"id": "t"')
+
+
+def test_jsonl_last_line_without_newline_is_a_record():
+    data = _jsonl(RECORDS).rstrip(b"\n")
+    items, summary = _read_all(data)
+    assert [i.record for i in items] == RECORDS and not summary.truncated
+    # a complete but malformed last line is malformed, not truncated
+    items, summary = _read_all(data + b"\n{bad}")
+    assert items[-1].problem == "malformed_json" and not summary.truncated
+
+
+def test_parquet_invalid_utf8_row():
+    good = pa.array([b"ok", b"bad \xff", b"fine"], pa.binary())
+    ids = pa.Array.from_buffers(pa.string(), 3, good.buffers())  # unvalidated string column
+    conv = pa.array([[{"from": "human", "value": v}] for v in ("a", "b", "c")])
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"id": ids, "conversations": conv}), buf)
+    items, _ = _read_all(buf.getvalue())
+    assert [i.problem for i in items] == [None, "invalid_utf8", None]
+    assert items[0].record["id"] == "ok" and items[2].record["id"] == "fine"
+    assert "bad" in items[1].raw and '"b"' in items[1].raw
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"", "empty"),
+    (b"   \n", "empty"),
+    (b"hello world", "unknown format"),
+    (gzip.compress(b"<xml/>"), "unknown format"),
+])
+def test_unreadable_sources_raise_a_clear_error(data, message):
+    with pytest.raises(SourceFormatError, match=message):
+        read_source(data)
+
+
+def test_missing_file_raises(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_source(tmp_path / "nope.json")
