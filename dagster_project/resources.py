@@ -29,3 +29,39 @@ class StoreResource(dg.ConfigurableResource):
             client = S3Resource(endpoint_url=self.endpoint_url, region_name=self.region_name).get_client()
             return open_store(self.uri, s3_client=client)
         return open_store(self.uri)
+
+
+class TargetModelResource(dg.ConfigurableResource):
+    """The target LLM: weights, tokenizer, chat template and DFlash layer choice.
+
+    Leave ``model_path`` unset for the embedded default (a tiny random-weight
+    Qwen3 with the real Qwen3.6 tokenizer, built locally on first use). For a
+    real target, point it at a local model directory (e.g. Qwen3.6-27B).
+    """
+
+    model_path: Optional[str] = Field(default=None, description="Local model directory; None = embedded tiny target.")
+    tokenizer_path: Optional[str] = Field(default=None, description="Tokenizer directory; defaults to model_path.")
+    chat_template_path: Optional[str] = Field(default=None, description="Jinja file replacing the target's template.")
+    enable_thinking: bool = Field(default=True, description="Render prompts with thinking on (reasoning traces).")
+    dtype: str = Field(default="auto", description="bfloat16 | float32 | auto (float32 for the tiny target).")
+    target_layer_ids: Optional[list[int]] = Field(default=None, description="Explicit DFlash layers; always wins.")
+    num_target_layers: int = Field(default=5, description="Layers picked by the DFlash rule when no list is given.")
+    mask_token: str = Field(default="<|MASK|>", description="DFlash mask token in the tokenizer.")
+    mask_token_id: Optional[int] = Field(default=None, description="Explicit mask token id; wins over the lookup.")
+
+    def spec(self):
+        from dflash_assets.target_model import TargetModelSpec, default_target_spec
+
+        base = default_target_spec() if self.model_path is None else None
+        dtype = self.dtype if self.dtype != "auto" else ("float32" if base is not None else "bfloat16")
+        return TargetModelSpec(
+            model_path=base.model_path if base is not None else self.model_path,
+            tokenizer_path=self.tokenizer_path,
+            chat_template_path=self.chat_template_path,
+            chat_template_kwargs={"enable_thinking": self.enable_thinking},
+            dtype=dtype,
+            target_layer_ids=self.target_layer_ids,
+            num_target_layers=self.num_target_layers,
+            mask_token=self.mask_token,
+            mask_token_id=self.mask_token_id,
+        )

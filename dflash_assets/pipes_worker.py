@@ -169,6 +169,8 @@ def _pipes_metadata(values: Mapping[str, Any]) -> dict[str, Any]:
     """Raw values as Pipes metadata: scalars inferred, mappings/lists as JSON, tables as markdown."""
     out: dict[str, Any] = {}
     for key, value in values.items():
+        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # numpy / torch scalars
+            value = value.item()
         if value is None:
             continue
         if isinstance(value, (Mapping, list, tuple)):

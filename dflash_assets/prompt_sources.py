@@ -35,6 +35,7 @@ import re
 import shutil
 import tempfile
 import threading
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -138,6 +139,85 @@ class _Prefixed(io.RawIOBase):
         n = len(data)
         b[:n] = data
         return n
+
+
+class _ZstdReader(io.RawIOBase):
+    """zstd frames, one after another, decompressed; knows when the input stops mid-frame.
+
+    (``ZstdDecompressor.stream_reader`` returns a cut-off stream's data as if it were complete.)
+    """
+
+    def __init__(self, f: Any):
+        import zstandard
+
+        self._f = f
+        self._dctx = zstandard.ZstdDecompressor()
+        self._obj = self._dctx.decompressobj()
+        self._out = memoryview(b"")
+        self._in_frame = False
+        self.error: str | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        import zstandard
+
+        while not len(self._out):
+            data = self._f.read(1 << 20)
+            if not data:
+                if self._in_frame:
+                    self.error = "zstd stream ends inside a frame"
+                return 0
+            out = []
+            try:
+                while data:
+                    self._in_frame = True
+                    out.append(self._obj.decompress(data))
+                    data = b""
+                    if self._obj.eof:  # frame done: the rest starts the next one
+                        data = self._obj.unused_data
+                        self._obj = self._dctx.decompressobj()
+                        self._in_frame = False
+            except zstandard.ZstdError as e:
+                self.error = f"zstd: {e}"
+                self._out = memoryview(b"".join(out))
+                self._f = io.BytesIO()
+                if not len(self._out):
+                    return 0
+                break
+            self._out = memoryview(b"".join(out))
+        n = min(len(b), len(self._out))
+        b[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+
+class _GzipReader(io.RawIOBase):
+    """gzip members decompressed; a cut-off or corrupt stream ends early with ``error`` set."""
+
+    def __init__(self, f: Any):
+        self._g = gzip.GzipFile(fileobj=f, mode="rb")
+        self.error: str | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self.error:
+            return 0
+        try:
+            data = self._g.read1(len(b))  # read1: a cut-off stream still hands out what it has
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            self.error = f"gzip: {e}"
+            return 0
+        n = len(data)
+        b[:n] = data
+        return n
+
+    def close(self) -> None:
+        self._g.close()
+        super().close()
 
 
 def _read_upto(f: Any, n: int) -> bytes:
@@ -259,18 +339,28 @@ class SourceReader:
         self.summary = SourceSummary(uri=source_label(src))
         self.max_raw = max_raw_record_chars
         self._closers: list[Any] = []
+        self._stream_bytes = 0  # decompressed bytes consumed so far
         raw, local = _open_raw(src, s3_client, store)
         self._closers.append(raw)
+        try:
+            self._sniff(raw, local)
+        except BaseException:
+            self.close()
+            raise
+
+    def _sniff(self, raw: Any, local: Path | None) -> None:
+        """Find compression and format; set up the stream the format reader consumes."""
         head = _read_upto(raw, 4)
         stream: Any = _put_back(head, raw)
+        self._decompressor: _GzipReader | _ZstdReader | None = None
         if head.startswith(GZIP_MAGIC):
             self.summary.compression = "gzip"
-            stream = gzip.GzipFile(fileobj=stream, mode="rb")
+            self._decompressor = _GzipReader(stream)
         elif head.startswith(ZSTD_MAGIC):
-            import zstandard
-
             self.summary.compression = "zstd"
-            stream = zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True)
+            self._decompressor = _ZstdReader(stream)
+        if self._decompressor is not None:
+            stream = io.BufferedReader(self._decompressor, buffer_size=1 << 20)
         self._closers.append(stream)
         head = b""
         while True:  # up to the first significant byte (skipping a BOM and blank space)
@@ -290,6 +380,7 @@ class SourceReader:
                 tmp = tempfile.TemporaryFile(prefix="dflash-source-")
                 tmp.write(head)
                 shutil.copyfileobj(stream, tmp, 1 << 20)
+                self._stream_bytes = tmp.tell()
                 tmp.seek(0)
                 self._closers.append(tmp)
                 self._parquet_src = tmp
@@ -331,8 +422,20 @@ class SourceReader:
                 self.summary.items += 1
                 yield item
             self.summary.finished = True
+            self._note_stream_error()
         finally:
             self.close()
+
+    def _note_stream_error(self) -> None:
+        """A compressed stream that ended early is a truncated source, even at a record boundary."""
+        error = self._decompressor.error if self._decompressor is not None else None
+        if error is None:
+            return
+        s = self.summary
+        if not s.truncated:
+            s.truncated = True
+            s.truncated_at_byte = self._stream_bytes
+        s.parse_error = f"{error} (after {self._stream_bytes} decompressed bytes)"
 
     # JSON array: a sliding window of decoded text, parsed one element at a time.
     def _iter_json_array(self) -> Iterator[SourceItem]:
@@ -345,6 +448,7 @@ class SourceReader:
         errors_before = getattr(_decode_errors, "count", 0)
         data = f.read(_CHUNK)
         fed += len(data)
+        self._stream_bytes = fed
         eof = not data
         buf = dec.decode(data, final=eof)
         dirty = getattr(_decode_errors, "count", 0) != errors_before  # invalid bytes: check each record span
@@ -402,6 +506,7 @@ class SourceReader:
                     return
                 data = f.read(_CHUNK)
                 fed += len(data)
+                self._stream_bytes = fed
                 eof = not data
                 errors_before = getattr(_decode_errors, "count", 0)
                 buf = buf[pos:] + dec.decode(data, final=eof)
@@ -432,6 +537,7 @@ class SourceReader:
                 return
             start = offset
             offset += len(line)
+            self._stream_bytes = offset
             if first:
                 first = False
                 if line.startswith(UTF8_BOM):

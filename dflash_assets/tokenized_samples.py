@@ -204,8 +204,10 @@ class ChatRenderer:
     @classmethod
     def from_tokenizer(cls, tokenizer, template: str | None = None, **template_kwargs: Any) -> "ChatRenderer":
         """The tokenizer's template (or `template`) with its special tokens as template variables."""
-        kwargs = {**tokenizer.special_tokens_map, **template_kwargs}
-        return cls(template if template is not None else tokenizer.chat_template, **kwargs)
+        template = template if template is not None else tokenizer.chat_template
+        if not isinstance(template, str):
+            raise ValueError("the tokenizer has no (single) chat template; pass `template`")
+        return cls(template, **{**tokenizer.special_tokens_map, **template_kwargs})
 
     def __call__(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
         messages = [_alias_reasoning(m) for m in messages]

@@ -2,6 +2,7 @@
 
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -162,3 +163,20 @@ def test_settings_table_covers_every_variable_read():
     source = Path(deployment.__file__).read_text()
     read = set(re.findall(r'"(DFLASH_[A-Z_]+)"', source)) - {"DFLASH_PROFILE"}
     assert read <= set(deployment.SETTINGS)
+
+
+def test_cluster_env_example_sets_every_required_variable(monkeypatch):
+    """deploy/cluster/dflash.env.example, sourced by a shell, is a complete cluster profile."""
+    example = REPO / "deploy" / "cluster" / "dflash.env.example"
+    out = subprocess.run(["bash", "-c", f"set -a; . {example}; env -0"], capture_output=True, check=True,
+                         env={"PATH": "/usr/bin:/bin"}).stdout.decode()
+    env = dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
+    known = set(deployment.SETTINGS) | set(postgres_env("h", 1, "u", "p", "d")) | {
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"}
+    ours = {k for k in env if k.startswith(("DFLASH_", "DAGSTER_PG_", "AWS_"))}
+    assert ours <= known
+    for key in ours:
+        monkeypatch.setenv(key, env[key])
+    assert get_profile() == "cluster" and missing_settings("cluster") == []
+    gpu = resources_for_profile()["gpu_launcher"]
+    assert gpu.hosts == ["gpu-1", "gpu-2", "gpu-3", "gpu-4"] and gpu.env == {"HF_HOME": "/nvme/hf"}

@@ -161,7 +161,7 @@ def test_endpoint_killed_mid_partition_loses_and_duplicates_nothing(tok, local_s
     assert len(got) == 48 and len({r["prompt_id"] for r in got}) == 48 and res.failed.num_rows == 0
     eps = res.stats.endpoints
     assert eps[b.url]["dead"] and not eps[a.url]["dead"] and res.stats.failovers > 0
-    assert eps[b.url]["ok"] >= 10  # b did real work before dying ...
+    assert eps[b.url]["ok"] >= 8  # b did real work before dying (12 received, at most 4 in flight) ...
     assert any(b.url in r["turn_endpoints"] for r in got)
     assert all(r["turn_endpoints"][-1] == a.url or b.url in r["turn_endpoints"] for r in got)
     # ... and the conversations are exactly what an undisturbed run produces

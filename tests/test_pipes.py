@@ -128,6 +128,16 @@ def test_unwired_stage_fails_clearly(monkeypatch):
         pipes_worker.resolve_stage("no_such_stage")
 
 
+def test_stage_metadata_becomes_pipes_metadata():
+    import numpy as np
+
+    meta = pipes_worker._pipes_metadata({"n": np.int64(7), "tau": np.float32(2.5), "ok": True, "skip": None,
+                                         "counts": {"a": 1}, "table": "| a |\n| - |", "name": "x"})
+    assert meta == {"n": 7, "tau": 2.5, "ok": True, "counts": {"raw_value": {"a": 1}, "type": "json"},
+                    "table": {"raw_value": "| a |\n| - |", "type": "md"}, "name": "x"}
+    assert type(meta["n"]) is int
+
+
 def test_worker_refuses_to_run_outside_pipes():
     proc = subprocess.run([sys.executable, "-m", "dflash_assets.pipes_worker", "selftest"], cwd=REPO,
                           capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=60)

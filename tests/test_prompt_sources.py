@@ -235,3 +235,44 @@ def test_unreadable_sources_raise_a_clear_error(data, message):
 def test_missing_file_raises(tmp_path):
     with pytest.raises(FileNotFoundError):
         read_source(tmp_path / "nope.json")
+
+
+def _flushed_parts(kind: str, lines: list[bytes]) -> list[bytes]:
+    """A compressed stream flushed after every line: cutting it between parts ends output at a line end."""
+    if kind == "zstd":
+        cobj = zstandard.ZstdCompressor(write_checksum=True).compressobj()
+        return [cobj.compress(line) + cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK) for line in lines]
+    buf = io.BytesIO()
+    g = gzip.GzipFile(fileobj=buf, mode="wb")
+    parts, last = [], 0
+    for line in lines:
+        g.write(line)
+        g.flush()  # Z_SYNC_FLUSH
+        parts.append(buf.getvalue()[last:])
+        last = len(buf.getvalue())
+    return parts
+
+
+@pytest.mark.parametrize("kind", ["gzip", "zstd"])
+def test_cut_compressed_stream_is_a_truncated_source(kind):
+    lines = [json.dumps({"id": str(k), "conversations": [{"from": "human", "value": f"q{k} " * 40}]}).encode() + b"\n"
+             for k in range(50)]
+    parts = _flushed_parts(kind, lines)
+    # cut at a line boundary: the JSONL layer sees a clean end, the decompressor does not
+    items, summary = _read_all(b"".join(parts[:20]))
+    assert [i.record["id"] for i in items] == [str(k) for k in range(20)]
+    assert summary.truncated and summary.truncated_at_byte == sum(map(len, lines[:20]))
+    assert kind in summary.parse_error
+    # cut inside a record of a JSON array
+    text = _json_array([json.loads(line) for line in lines])
+    pieces = _flushed_parts(kind, [text[i : i + 100] for i in range(0, len(text), 100)])
+    items, summary = _read_all(b"".join(pieces[: len(pieces) // 2]))
+    assert 0 < len(items) < 50 and all(i.problem is None for i in items)
+    assert summary.truncated and kind in summary.parse_error
+
+
+def test_corrupt_gzip_stops_without_raising():
+    data = bytearray(gzip.compress(_jsonl(RECORDS * 50)))
+    data[-6] ^= 0xFF  # the CRC trailer
+    items, summary = _read_all(bytes(data))
+    assert len(items) == 150 and summary.truncated and "CRC" in summary.parse_error

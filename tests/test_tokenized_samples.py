@@ -79,7 +79,7 @@ def assert_one_span(row):
 
 
 def test_renderer_equals_apply_chat_template(tok, sharegpt):
-    renderer = ChatRenderer()
+    renderer, from_tok = ChatRenderer(), ChatRenderer.from_tokenizer(tok)
     convs = [m for m in sharegpt.column("messages").to_pylist()[:200] if m] + [
         [SYSTEM, user("q"), assistant("a", "r")],
         [user("q1"), assistant("a1", "r1"), user("q2"), assistant("<think>\ninline r\n</think>\n\na2")],
@@ -87,6 +87,7 @@ def test_renderer_equals_apply_chat_template(tok, sharegpt):
     for messages in convs:
         want = tok.apply_chat_template(messages, tokenize=False)
         assert renderer(messages) == want
+        assert from_tok(messages) == want
         assert render_chat(messages) == want
     assert renderer([user("q")], add_generation_prompt=True).endswith("<|im_start|>assistant\n<think>\n")
 

@@ -1,0 +1,231 @@
+"""Regenerated completions of a shard: output table, failures, stats, progress, journal and resume
+(also after kill -9 of the generating process), local store and S3 (moto). Real HTTP servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_assets.completions import (
+    GenerationConfig,
+    completions_key,
+    failed_key,
+    journal_prefix,
+    output_schema,
+    regenerate_shard,
+)
+from dflash_assets.engine_fleet import EndpointConfig, EngineFleetConfig
+from dflash_assets.sglang_loopback import LoopbackServer
+from dflash_assets.store import LocalStore
+
+TARGET = "/models/Qwen3.6-27B"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dense_target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_dense_target))
+
+
+def fleet(*servers, concurrency: int = 4) -> EngineFleetConfig:
+    return EngineFleetConfig(target_model=TARGET, backoff_initial_s=0.01,
+                             endpoints=[EndpointConfig(url=s.url, max_concurrency=concurrency) for s in servers])
+
+
+def prompts(n: int) -> list[dict]:
+    """n prompts with 1..3 user turns, every third with a system prompt."""
+    return [{"prompt_id": f"p{i:04d}", "system": "Answer briefly." if i % 3 == 0 else None,
+             "user_turns": [f"q{i}.{t}" for t in range(1 + i % 3)]} for i in range(n)]
+
+
+def test_output_table_rows_failures_and_stats(tok, local_store):
+    rows = prompts(5) + [
+        {"prompt_id": "p0001", "system": None, "user_turns": ["duplicate id, dropped"]},
+        {"prompt_id": "empty", "system": None, "user_turns": []},
+        {"prompt_id": "long", "system": "S", "user_turns": [f"turn {t}" for t in range(5)]},
+    ]
+    gen = GenerationConfig(max_new_tokens=64, max_turns=3)
+    with LoopbackServer(model_path=TARGET) as srv:
+        res = regenerate_shard(rows, shard="shard-00000", store=local_store, fleet=fleet(srv), generation=gen,
+                               tokenizer=tok)
+        requests = srv.stats.generate_requests
+    table = local_store.read_parquet(completions_key("shard-00000"))
+    assert table.schema.equals(output_schema()) and table.equals(res.table)
+    got = {r["prompt_id"]: r for r in table.to_pylist()}
+    assert list(got) == ["p0000", "p0001", "p0002", "p0003", "p0004", "long"]  # input order, one row each
+    assert got["p0001"]["messages"][0]["content"] == "q1.0"  # first occurrence kept
+    assert got["long"]["num_turns"] == 3  # max_turns
+    for r in got.values():
+        roles = [m["role"] for m in r["messages"]]
+        n = r["num_turns"]
+        assert roles == (["system"] if roles[0] == "system" else []) + ["user", "assistant"] * n
+        assert len(r["finish_reasons"]) == len(r["prompt_tokens"]) == len(r["completion_tokens"]) == n
+        assert r["completion_tokens_total"] == sum(r["completion_tokens"]) > 0
+        assert all(m["reasoning_content"] for m in r["messages"] if m["role"] == "assistant")
+        assert all(m["reasoning_content"] is None for m in r["messages"] if m["role"] != "assistant")
+        assert r["prompt_tokens"] == sorted(r["prompt_tokens"])  # history grows turn by turn
+        assert r["endpoint"] == srv.url and r["served_model"] == TARGET and r["config_hash"] == res.config_hash
+        assert r["started_at"] <= r["finished_at"] and r["attempts"] == n
+    assert res.config_hash == gen.config_hash(TARGET)
+    assert res.failed.to_pylist()[0]["prompt_id"] == "empty" and res.failed["reason"].to_pylist() == ["no user turns"]
+    assert local_store.read_parquet(failed_key("shard-00000")).num_rows == 1
+    s = res.stats
+    turns = sum(r["num_turns"] for r in got.values())
+    assert (s.prompts_total, s.prompts_done, s.prompts_failed, s.duplicates_dropped) == (7, 6, 1, 1)
+    assert s.turns == turns == requests == s.requests and sum(s.finish_reasons.values()) == turns
+    assert s.completion_tokens == sum(r["completion_tokens_total"] for r in got.values())
+    assert s.endpoints[srv.url]["completion_tokens"] == s.completion_tokens and s.tokens_per_s > 0
+    meta = s.to_metadata()
+    assert meta["prompts_done"] == 6 and meta["finish_stop"] == turns and f"tokens_per_s[{srv.url}]" in meta
+    # a failure stays: the journal is kept so a re-run retries only what failed
+    assert local_store.list(journal_prefix("shard-00000"))
+
+
+def test_history_carries_regenerated_answers_without_think_blocks(tok, local_store):
+    rows = [{"prompt_id": "a", "system": None, "user_turns": ["first", "second"]}]
+    with LoopbackServer(model_path=TARGET) as srv:
+        res = regenerate_shard(rows, shard="h", store=local_store, fleet=fleet(srv),
+                               generation=GenerationConfig(max_new_tokens=64), tokenizer=tok)
+        last_ids = srv.stats.last_body["input_ids"]
+    msgs = res.table.to_pylist()[0]["messages"]
+    prompt = tok.decode(last_ids)
+    assert msgs[1]["content"] in prompt and msgs[1]["reasoning_content"] not in prompt
+    assert prompt.endswith("<|im_start|>user\nsecond<|im_end|>\n<|im_start|>assistant\n<think>\n")
+
+
+def test_truncated_turn_ends_conversation_and_empty_counts(tok, local_store):
+    rows = prompts(6)
+    with LoopbackServer(model_path=TARGET) as srv:
+        cut = regenerate_shard(rows, shard="t", store=local_store, fleet=fleet(srv),
+                               generation=GenerationConfig(max_new_tokens=3), tokenizer=tok)
+        keep = regenerate_shard(rows, shard="t2", store=local_store, fleet=fleet(srv),
+                                generation=GenerationConfig(max_new_tokens=3, stop_after_truncated_turn=False),
+                                tokenizer=tok)
+    assert cut.table["num_turns"].to_pylist() == [1] * 6 and cut.stats.finish_reasons == {"length": 6}
+    assert keep.table["num_turns"].to_pylist() == [1 + i % 3 for i in range(6)]
+    # cut inside the think block: reasoning only, empty answers, counted
+    assert cut.stats.empty_content == 6 and cut.stats.empty_reasoning == 0
+    with LoopbackServer(model_path=TARGET, reasoning_tokens=(0, 0)) as srv:
+        res = regenerate_shard(rows, shard="e", store=local_store, fleet=fleet(srv),
+                               generation=GenerationConfig(max_new_tokens=64), tokenizer=tok)
+    assert res.stats.empty_reasoning == res.stats.turns > 0 and res.stats.empty_content == 0
+
+
+def test_resume_reuses_only_rows_of_the_same_config_hash(tok, local_store):
+    rows = prompts(9)
+    a = GenerationConfig(max_new_tokens=64)
+    b = GenerationConfig(max_new_tokens=64, temperature=0.7)
+    turns = sum(len(r["user_turns"]) for r in rows)
+    with LoopbackServer(model_path=TARGET) as srv:
+        first = regenerate_shard(rows, shard="c", store=local_store, fleet=fleet(srv), generation=a, tokenizer=tok,
+                                 keep_journal=True, flush_every=4)
+        assert srv.stats.generate_requests == turns and first.stats.journal_chunks_written >= 2
+        chunks = local_store.list(journal_prefix("c"))
+        assert len(chunks) == first.stats.journal_chunks_written
+        assert sum(len(local_store.read_bytes(k).splitlines()) for k in chunks) == 9
+        again = regenerate_shard(rows, shard="c", store=local_store, fleet=fleet(srv), generation=a, tokenizer=tok,
+                                 keep_journal=True)
+        assert srv.stats.generate_requests == turns  # nothing regenerated
+        other = regenerate_shard(rows, shard="c", store=local_store, fleet=fleet(srv), generation=b, tokenizer=tok)
+        assert srv.stats.generate_requests == 2 * turns  # a new config regenerates everything
+    assert again.stats.prompts_resumed == 9 and again.stats.prompts_generated == 0 and again.table.equals(first.table)
+    assert other.stats.prompts_resumed == 0 and set(other.table["config_hash"].to_pylist()) == {b.config_hash(TARGET)}
+    assert local_store.list(journal_prefix("c")) == []  # success without keep_journal: journal removed
+
+
+def test_progress_callback(tok, local_store):
+    updates = []
+    with LoopbackServer(model_path=TARGET, delay_s=0.03) as srv:
+        regenerate_shard(prompts(12), shard="g", store=local_store, fleet=fleet(srv, concurrency=2),
+                         generation=GenerationConfig(max_new_tokens=64), tokenizer=tok,
+                         progress=updates.append, progress_interval_s=0.05)
+    assert len(updates) >= 3
+    assert [u.done for u in updates] == sorted(u.done for u in updates)
+    last = updates[-1]
+    assert (last.done, last.total, last.failed, last.eta_s) == (12, 12, 0, 0.0) and last.tokens_per_s > 0
+    assert any(u.eta_s and u.eta_s > 0 for u in updates[:-1]) and "12/12 done" in str(last)
+
+
+def test_journal_and_resume_on_s3(tok, s3_store):
+    rows = prompts(7)
+    with LoopbackServer(model_path=TARGET) as srv:
+        first = regenerate_shard(rows, shard="s3", store=s3_store, fleet=fleet(srv),
+                                 generation=GenerationConfig(max_new_tokens=64), tokenizer=tok, keep_journal=True,
+                                 flush_every=3)
+        n = srv.stats.generate_requests
+        chunks = s3_store.list(journal_prefix("s3"))
+        again = regenerate_shard(rows, shard="s3", store=s3_store, fleet=fleet(srv),
+                                 generation=GenerationConfig(max_new_tokens=64), tokenizer=tok)
+        assert srv.stats.generate_requests == n
+    assert len(chunks) >= 2 and all(k.startswith("completions/_journal/s3/") and k.endswith(".jsonl") for k in chunks)
+    assert again.stats.prompts_resumed == 7 and again.table.equals(first.table)
+    assert s3_store.read_parquet("completions/s3.parquet").num_rows == 7
+    assert s3_store.list(journal_prefix("s3")) == []
+
+
+_CHILD = textwrap.dedent("""
+    import sys
+    from transformers import AutoTokenizer
+    from dflash_assets.completions import GenerationConfig, regenerate_shard
+    from dflash_assets.engine_fleet import EndpointConfig, EngineFleetConfig
+    from dflash_assets.store import LocalStore
+    store_dir, url, tok_dir, target, rows_json = sys.argv[1:6]
+    import json
+    rows = json.loads(open(rows_json).read())
+    fleet = EngineFleetConfig(target_model=target, endpoints=[EndpointConfig(url=url, max_concurrency=2)])
+    regenerate_shard(rows, shard="kill", store=LocalStore(store_dir), fleet=fleet,
+                     generation=GenerationConfig(max_new_tokens=64), tokenizer=AutoTokenizer.from_pretrained(tok_dir),
+                     flush_every=4)
+""")
+
+
+def test_kill_9_then_resume_regenerates_only_the_missing(tok, tiny_dense_target, local_store, tmp_path):
+    rows = prompts(90)
+    turns = {r["prompt_id"]: len(r["user_turns"]) for r in rows}
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    (tmp_path / "child.py").write_text(_CHILD)
+    with LoopbackServer(model_path=TARGET, delay_s=0.03) as srv:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        child = subprocess.Popen([sys.executable, str(tmp_path / "child.py"), str(local_store.root), srv.url,
+                                  str(tiny_dense_target), TARGET, str(tmp_path / "rows.json")], env=env,
+                                 stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while len(local_store.list(journal_prefix("kill"))) < 3:
+            assert child.poll() is None, child.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "child wrote no journal chunks"
+            time.sleep(0.02)
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        assert child.returncode == -signal.SIGKILL
+        assert not local_store.exists(completions_key("kill"))  # killed long before the end
+        time.sleep(0.2)  # let requests the child left in flight land at the server
+        before = srv.stats.generate_requests
+        journaled = set()
+        for key in local_store.list(journal_prefix("kill")):
+            journaled |= {json.loads(line)["prompt_id"] for line in local_store.read_bytes(key).splitlines()}
+
+        res = regenerate_shard(rows, shard="kill", store=local_store, fleet=fleet(srv), tokenizer=tok,
+                               generation=GenerationConfig(max_new_tokens=64))
+        resumed_requests = srv.stats.generate_requests - before
+
+    assert 12 <= len(journaled) < 90 and res.stats.prompts_resumed == len(journaled)
+    # exactly the turns of the prompts that were not journaled: fewer requests, nothing generated twice
+    assert resumed_requests == sum(t for pid, t in turns.items() if pid not in journaled) < sum(turns.values())
+    table = local_store.read_parquet(completions_key("kill"))
+    ids = table["prompt_id"].to_pylist()
+    assert ids == [r["prompt_id"] for r in rows]  # one row per prompt, none lost, none duplicated
+    assert local_store.list(journal_prefix("kill")) == []
+    with LoopbackServer(model_path=TARGET) as ref:
+        clean = regenerate_shard(rows, shard="kill", store=LocalStore(tmp_path / "ref"), fleet=fleet(ref),
+                                 generation=GenerationConfig(max_new_tokens=64), tokenizer=tok)
+    assert table["messages"].to_pylist() == clean.table["messages"].to_pylist()

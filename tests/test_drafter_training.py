@@ -1,0 +1,221 @@
+"""Drafter training: chunked head CE, anchors, loss goes down, resume after SIGKILL, DDP, online mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_assets.drafter import load_drafter
+from dflash_assets.drafter_training import (
+    DrafterRecipe,
+    TargetFeatures,
+    anchor_rng,
+    head_cross_entropy,
+    latest_state_dir,
+    sample_anchors,
+    train_drafter,
+)
+from test_drafter import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, one_thread, write_cache  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def mini(tmp_path_factory):
+    """Small-vocab target, 16 of its own greedy continuations, and their hidden-state cache."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    base = tmp_path_factory.mktemp("mini")
+    tdir = mini_target(base / "target")
+    target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
+    seqs = greedy_sequences(target, n=16, prompt_len=8, new_tokens=40, seed=0, vocab_hi=MINI_VOCAB - 12)
+    cache = write_cache(base / "part-0.safetensors", target, seqs, layer_ids=[1, 3])
+    return {"target_dir": tdir, "target": target, "seqs": seqs, "cache": cache}
+
+
+def mini_recipe(**kw) -> DrafterRecipe:
+    d = dict(name="mini", num_layers=2, block_size=8, epochs=3, batch_size=2, max_anchors=8, lr=3e-3,
+             mask_token_id=MINI_MASK, save_every=2, seed=5)
+    d.update(kw)
+    return DrafterRecipe(**d)
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_head_cross_entropy_matches_torch(chunk):
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(50, 16, generator=g)
+    h = torch.randn(23, 16, generator=g, requires_grad=True)
+    y = torch.randint(0, 50, (23,), generator=g)
+    w = torch.rand(23, generator=g)
+    loss, correct = head_cross_entropy(h, W, y, w, chunk=chunk)
+    loss.backward()
+    h2 = h.detach().clone().requires_grad_(True)
+    logits = h2 @ W.T
+    ref = (F.cross_entropy(logits, y, reduction="none") * w).sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(h.grad, h2.grad)
+    assert torch.equal(correct, logits.argmax(-1) == y)
+
+
+def test_sample_anchors_rules():
+    lm = np.zeros(40, dtype=bool)
+    lm[10:] = True
+    B = 8
+    for seed in range(5):
+        a = sample_anchors(lm, B, 12, anchor_rng(3, 0, seed))
+        assert len(a) == 12 and len(set(a.tolist())) == 12 and (np.diff(a) > 0).all()
+        assert lm[a].all() and a.max() <= 40 - B  # loss_mask = 1 and position <= len - B
+    assert len(sample_anchors(lm, B, 512, anchor_rng(0, 0, 0))) == 40 - B + 1 - 10  # all of them
+    assert np.array_equal(sample_anchors(lm, B, 5, anchor_rng(1, 2, 3)), sample_anchors(lm, B, 5, anchor_rng(1, 2, 3)))
+    assert len(sample_anchors(np.ones(5, bool), B, 4, anchor_rng(0, 0, 0))) == 0  # too short
+
+
+def test_recipe_defaults_and_round_trip():
+    r = DrafterRecipe(name="x")
+    assert (r.block_size, r.num_layers, r.epochs, r.lr, r.warmup_ratio, r.max_length, r.max_anchors) == (
+        16, 5, 6, 6e-4, 0.04, 3072, 512)
+    assert r.loss_gamma == 7.0
+    assert DrafterRecipe(name="x", block_size=10).loss_gamma == 5.0
+    assert DrafterRecipe(name="x", block_size=8).loss_gamma == 4.0
+    r2 = DrafterRecipe(name="y", partitions=("a", "b"), target_layer_ids=(1, 2))
+    assert DrafterRecipe.from_dict(json.loads(json.dumps(r2.to_dict()))) == r2
+    assert r2.fingerprint() == DrafterRecipe.from_dict(r2.to_dict()).fingerprint()
+    assert r2.fingerprint() != DrafterRecipe(name="y", partitions=("a",), target_layer_ids=(1, 2)).fingerprint()
+
+
+def test_loss_decreases_on_tiny_target(tiny_dense_target, tmp_path):
+    """The real tiny target (248K vocab, bf16 cache): a drafter memorizes two continuations."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_dense_target, dtype=torch.float32).eval()
+    seqs = greedy_sequences(target, n=2, prompt_len=6, new_tokens=18, seed=1, vocab_hi=248000)
+    cache = write_cache(tmp_path / "p.safetensors", target, seqs, [1, 2, 3, 4, 5], dtype=torch.bfloat16)
+    r = DrafterRecipe(name="tiny", num_layers=1, block_size=8, epochs=12, batch_size=2, max_anchors=3, lr=3e-3,
+                      warmup_ratio=0.1, save_every=100)
+    res = train_drafter(r, [cache], tiny_dense_target, tmp_path / "out")
+    assert res.finished and res.steps == 12 and len(res.losses) == 12
+    # a random target's logits are nearly flat (CE ~ ln 248320 = 12.4), so the drop is in absolute nats
+    assert np.mean(res.losses[-3:]) < np.mean(res.losses[:3]) - 0.4, res.losses
+    assert len(res.accuracy_by_position) == 7 and all(0 <= a <= 1 for a in res.accuracy_by_position)
+    d = load_drafter(res.checkpoint_dir)
+    assert d.config.target_layer_ids == [1, 2, 3, 4, 5]  # from the cache's header
+    assert d.config.mask_token_id == 248077  # the tokenizer's <|MASK|>
+
+
+def test_resume_after_sigkill_continues_the_same_run(mini, tmp_path):
+    r = mini_recipe()
+    full = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "full")
+    assert full.steps == full.total_steps == 24  # 16 sequences / batch 2 x 3 epochs
+
+    out = tmp_path / "killed"
+    code = (
+        "import os, signal, torch\n"
+        "torch.set_num_threads(1)\n"
+        "from dflash_assets.drafter_training import DrafterRecipe, train_drafter\n"
+        f"r = DrafterRecipe.from_dict({r.to_dict()!r})\n"
+        "def log(m):\n"
+        "    if m['step'] == 5:\n"  # the state of step 4 is on disk; step 5 is lost
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"train_drafter(r, [{str(mini['cache'])!r}], {str(mini['target_dir'])!r}, {str(out)!r}, log=log)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert latest_state_dir(out / "state").name == "step-00000004"
+    assert not (out / "drafter").exists()
+
+    resumed = train_drafter(r, [mini["cache"]], mini["target_dir"], out)
+    assert resumed.resumed_from_step == 4 and resumed.steps == 24
+    assert resumed.losses == full.losses  # the same run, bit for bit (CPU, one thread)
+    assert resumed.accuracy_by_position == full.accuracy_by_position
+    a, b = load_drafter(full.checkpoint_dir).state_dict(), load_drafter(resumed.checkpoint_dir).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # a finished run resumes to a no-op; a changed recipe refuses to continue another run's state
+    again = train_drafter(r, [mini["cache"]], mini["target_dir"], out)
+    assert again.resumed_from_step == 24 and again.losses == full.losses
+    with pytest.raises(ValueError, match="different run"):
+        train_drafter(mini_recipe(lr=1e-3), [mini["cache"]], mini["target_dir"], out)
+
+
+def test_max_steps_stops_with_a_resumable_state(mini, tmp_path):
+    r = mini_recipe(epochs=1, save_every=100)
+    part = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "o", max_steps=3)
+    assert part.steps == 3 and not part.finished and part.checkpoint_dir is None
+    assert latest_state_dir(tmp_path / "o" / "state").name == "step-00000003"
+    rest = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "o")
+    full = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "full")
+    assert rest.finished and rest.losses == full.losses
+
+
+def test_ddp_two_processes_match_one_process(mini, tmp_path):
+    """torchrun with 2 gloo processes x batch 1 trains the same run as 1 process x batch 2."""
+    recipe_file = tmp_path / "recipe.json"
+    common = ["--data", str(mini["cache"]), "--target", str(mini["target_dir"]), "--recipe", str(recipe_file)]
+    recipe_file.write_text(json.dumps(mini_recipe(batch_size=1, epochs=2, save_every=100).to_dict()))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "dflash_assets.drafter_training", *common, "--out", str(tmp_path / "ddp"),
+           "--result", str(tmp_path / "ddp.json")]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ddp = json.loads((tmp_path / "ddp.json").read_text())
+
+    one = train_drafter(mini_recipe(batch_size=2, epochs=2, save_every=100), [mini["cache"]], mini["target_dir"],
+                        tmp_path / "one")
+    assert ddp["world_size"] == 2 and ddp["steps"] == one.steps == 16
+    np.testing.assert_allclose(ddp["losses"], one.losses, rtol=2e-4, atol=1e-5)
+    a = load_drafter(tmp_path / "ddp" / "drafter", dtype=torch.float32).state_dict()
+    b = load_drafter(one.checkpoint_dir, dtype=torch.float32).state_dict()
+    for k in a:  # bf16 checkpoints of (nearly) the same weights
+        torch.testing.assert_close(a[k], b[k], rtol=0.02, atol=2e-3)
+
+
+def test_online_mode_matches_the_cache(mini, tmp_path):
+    """Online hidden states (hooks, target cut after its last captured layer) train the same run as
+    the cache written from HF output_hidden_states; tokenized samples come from Parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"input_ids": [ids for ids, _ in mini["seqs"]],
+                             "loss_mask": [lm for _, lm in mini["seqs"]]}), tmp_path / "samples.parquet")
+    r = mini_recipe(epochs=1, target_layer_ids=(1, 3))
+    offline = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "off")
+    online = train_drafter(DrafterRecipe.from_dict({**r.to_dict(), "online": True}), [tmp_path / "samples.parquet"],
+                           mini["target_dir"], tmp_path / "on")
+    np.testing.assert_allclose(online.losses, offline.losses, rtol=1e-5, atol=1e-6)
+    # safetensors samples in the cache layout work online too (the `hidden` tensor is not read)
+    online2 = train_drafter(DrafterRecipe.from_dict({**r.to_dict(), "online": True}), [mini["cache"]],
+                            mini["target_dir"], tmp_path / "on2")
+    np.testing.assert_allclose(online2.losses, offline.losses, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_target_features_equal_hf_hidden_states(kind, tiny_dense_target, tiny_hybrid_target):
+    from transformers import AutoModelForCausalLM
+
+    tdir = tiny_dense_target if kind == "dense" else tiny_hybrid_target
+    ids = torch.tensor([[11, 2000, 30000, 5, 77, 248046, 9, 12]])
+    feats = TargetFeatures(tdir, [1, 3, 5], "cpu", torch.float32)
+    assert len(feats.model.layers) == 6  # layers 6 and 7 are gone
+    got = feats(ids)
+    full = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hs = full(ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(got, torch.cat([hs[2], hs[4], hs[6]], -1), rtol=1e-5, atol=1e-5)
