@@ -237,13 +237,23 @@ def compute_alone(model, layer_ids, samples, iters, packed, device, warmup):
         return dt, target.float().cpu()
 
 
-def states_diff(a, b, n_layers=1):
-    """Mean |a-b| / mean |b| per captured layer (columns split in n_layers blocks), and max |a-b|."""
+def states_diff(a, b, n_layers=1, first_len=None):
+    """Mean |a-b| / mean |b| per captured layer (columns split in n_layers blocks), and max |a-b|.
+
+    With ``first_len``: the same for the first sample's rows and for the rest. In a packed row the
+    first sample cannot see any other, so if the others differ much more, attention leaks across samples.
+    """
     a, b = a.float(), b.float()
     d = (a - b).abs()
-    per_layer = [round(float(x.mean() / y.abs().mean().clamp_min(1e-30)), 6)
-                 for x, y in zip(d.chunk(n_layers, -1), b.chunk(n_layers, -1))]
-    return {"max_abs": float(d.max()), "rel_mean_per_layer": per_layer, "ref_mean_abs": float(b.abs().mean())}
+
+    def rel(x, y):
+        return round(float(x.mean() / y.abs().mean().clamp_min(1e-30)), 6)
+    out = {"max_abs": float(d.max()), "ref_mean_abs": float(b.abs().mean()),
+           "rel_mean_per_layer": [rel(x, y) for x, y in zip(d.chunk(n_layers, -1), b.chunk(n_layers, -1))]}
+    if first_len:
+        out["rel_mean_first_sample"] = rel(d[:first_len], b[:first_len])
+        out["rel_mean_other_samples"] = rel(d[first_len:], b[first_len:])
+    return out
 
 
 def disk_write_gbps(out_dir, gib, quick):
@@ -323,7 +333,8 @@ def main():
         print("partial: " + json.dumps(res, separators=(",", ":")), flush=True)
 
     if args.hybrid_only:  # child process of section d
-        section("hybrid", lambda: hybrid_section(quick, device, dtype, seq, nb, iters, warmup))
+        section("hybrid", lambda: hybrid_section(quick, device, dtype, seq, nb, iters, warmup,
+                                                 not (quick or device == "cpu" or args.no_compile)))
         return
 
     peak = {"peak_tflops": None}
@@ -386,7 +397,7 @@ def main():
                         r["mfu"] = mfu(cap_flops["flops"] * iters, dt, P)
                     out[prefix + label + "_compute_only"] = r
                     if "naive" in ref:
-                        out[prefix + label + "_vs_naive"] = states_diff(states, ref["naive"], len(layer_ids))
+                        out[prefix + label + "_vs_naive"] = states_diff(states, ref["naive"], len(layer_ids), seq)
             best = max((v["tok_per_s"], k) for k, v in out.items()
                        if isinstance(v, dict) and "tok_per_s" in v and not k.endswith("compute_only"))
             out["best"] = {"variant": best[1], "tok_per_s": best[0]}
@@ -476,12 +487,13 @@ def main():
     free_cuda()
 
     if "d" in sections:
-        section("d_hybrid", lambda: hybrid_section(quick, device, dtype, seq, nb, iters, warmup))
+        section("d_hybrid", lambda: hybrid_section(quick, device, dtype, seq, nb, iters, warmup,
+                                                   not (quick or device == "cpu" or args.no_compile)))
         h = res["d_hybrid"]
         if "error" not in h:
             if dense_tok_s and h.get("stacked", {}).get("tok_per_s"):
                 h["ratio_to_dense"] = round(h["stacked"]["tok_per_s"] / dense_tok_s, 3)  # both eager, stacked rows
-            if any(h.get("kernels", {}).values()):  # also measure without the kernels, in a fresh process
+            if any(v is True for v in h.get("kernels", {}).values()):  # also without the kernels, fresh process
                 cmd = [sys.executable, __file__, "--hybrid-only", "--no-kernels", "--device", device,
                        "--seq-len", str(seq), "--samples-per-batch", str(nb), "--iters", str(iters),
                        "--warmup", str(warmup)] + (["--quick"] if quick else [])
@@ -504,24 +516,35 @@ def main():
         Path(args.json_out).write_text(json.dumps(res, indent=1))
 
 
-def hybrid_section(quick, device, dtype, seq, nb, iters, warmup):
+def hybrid_section(quick, device, dtype, seq, nb, iters, warmup, compile_ok=False):
     cfg, layer_ids = hybrid_config(quick)
     model = build_model(cfg, device, dtype)
     samples = make_samples(nb, seq, cfg.vocab_size, seed=2)
     lengths = [seq] * nb
     kernels = hsc.linear_attention_kernels()
+    try:  # what transformers will actually resolve for the Gated DeltaNet layers
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+
+        kernels["fla_ops_import"] = "ok"
+    except Exception as e:
+        kernels["fla_ops_import"] = f"{type(e).__name__}: {e}"[:200]
     out = {"kernels": kernels, "layer_ids": layer_ids, "flops_per_batch": run_flops(model, max(layer_ids) + 1, lengths)}
     # Equal-length samples stack as rows: exact with or without kernels.
     st = capture_only(model, layer_ids, samples, iters, False, warmup)
     out["stacked"] = {"tok_per_s": round(st.tokens_per_second), "seconds_per_batch": round(st.seconds / iters, 4)}
+    _, stacked_states = compute_alone(model, layer_ids, samples, 1, False, device, 0)
     if hsc.resolve_packing(model, device, "auto"):  # fla + causal-conv1d on CUDA: packed rows with cu_seqlens
         st = capture_only(model, layer_ids, samples, iters, True, warmup)
         out["packed"] = {"tok_per_s": round(st.tokens_per_second), "seconds_per_batch": round(st.seconds / iters, 4)}
         _, packed_states = compute_alone(model, layer_ids, samples, 1, True, device, 0)
-        _, stacked_states = compute_alone(model, layer_ids, samples, 1, False, device, 0)
-        out["packed_vs_stacked"] = states_diff(packed_states, stacked_states)
+        out["packed_vs_stacked"] = states_diff(packed_states, stacked_states, len(layer_ids), seq)
     else:
         out["packed"] = {"skipped": "needs flash-linear-attention and causal-conv1d on CUDA"}
+    if compile_ok:
+        out["compiled_modules"] = hsc.compile_elementwise(model)
+        st = capture_only(model, layer_ids, samples, iters, False, warmup + 1)
+        out["compiled_stacked"] = {"tok_per_s": round(st.tokens_per_second),
+                                   "seconds_per_batch": round(st.seconds / iters, 4)}
     del model
     return out
 

@@ -4,8 +4,6 @@ Each class converts to the library's own config object, so a notebook and the
 Dagster UI accept the same settings.
 """
 
-from __future__ import annotations
-
 import os
 from typing import Optional
 
@@ -20,7 +18,12 @@ class IngestConfig(dg.Config):
         "Default: $DFLASH_PROMPT_SOURCE, else the embedded ShareGPT file.",
     )
     max_prompts_per_shard: int = Field(default=1024, description="At most this many prompts per prompt_shards partition.")
-    max_record_chars: int = Field(default=200_000, description="Records longer than this are quarantined as oversize.")
+    max_record_chars: int = Field(default=65_536, description="Records longer than this are quarantined as oversize.")
+    leading_assistant: str = Field(
+        default="drop",
+        description="Conversations that start with an assistant turn: 'drop' the leading assistant turns "
+        "(counted) or 'quarantine' the record.",
+    )
     limit: Optional[int] = Field(
         default=None, description="Keep only the first N valid prompts (for demos). Counts still cover the whole source."
     )
@@ -34,5 +37,7 @@ class IngestConfig(dg.Config):
         from dflash_assets.raw_prompts import IngestConfig as LibIngestConfig
 
         return LibIngestConfig(
-            max_prompts_per_shard=self.max_prompts_per_shard, max_record_chars=self.max_record_chars, limit=self.limit
+            max_prompts_per_shard=self.max_prompts_per_shard, max_record_chars=self.max_record_chars,
+            leading_assistant=self.leading_assistant,
+            limit=self.limit,
         )

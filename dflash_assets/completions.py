@@ -39,7 +39,6 @@ import os
 import secrets
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -117,13 +116,16 @@ def failed_schema() -> pa.Schema:
     ])
 
 
-def _ts(x: float | None) -> datetime | None:
-    return datetime.fromtimestamp(x, tz=timezone.utc) if x is not None else None
-
-
 def _rows_to_table(rows: Sequence[dict]) -> pa.Table:
-    fixed = [{**r, "started_at": _ts(r.get("started_at")), "finished_at": _ts(r.get("finished_at"))} for r in rows]
-    return pa.Table.from_pylist(fixed, schema=output_schema())
+    """Column by column (rows hold epoch seconds for the timestamps, as journaled)."""
+    schema = output_schema()
+    arrays = []
+    for f in schema:
+        values = [r.get(f.name) for r in rows]
+        if pa.types.is_timestamp(f.type):
+            values = [round(v * 1000) if v is not None else None for v in values]
+        arrays.append(pa.array(values, type=f.type))
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 # ----------------------------------------------------------------------------

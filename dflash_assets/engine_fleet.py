@@ -501,31 +501,31 @@ class EngineFleet:
                 ep.stats.requests += 1
                 stats.requests += 1
                 job.requests += 1
-                step = asyncio.ensure_future(job.task.step(ep.engine))
-                ep.inflight.add(step)
+                me = asyncio.current_task()
+                ep.inflight.add(me)  # mark_dead cancels the worker mid-request (hung endpoints)
                 try:
-                    finished, result = await step
+                    finished, result = await job.task.step(ep.engine)
                 except asyncio.CancelledError:
-                    ep.inflight.discard(step)
-                    me = asyncio.current_task()
-                    if me is not None and me.cancelling():  # the worker itself is being cancelled
+                    ep.inflight.discard(me)
+                    if not ep.dead or state["aborted"]:  # the run is being torn down
                         raise
+                    if me is not None:
+                        me.uncancel()
                     ep.stats.busy_s += time.perf_counter() - t0
-                    if not state["aborted"]:
-                        stats.failovers += 1
-                        requeue(job, 0)
+                    stats.failovers += 1
+                    requeue(job, 0)
                     return
                 except EngineError as e:
-                    ep.inflight.discard(step)
+                    ep.inflight.discard(me)
                     ep.stats.busy_s += time.perf_counter() - t0
                     on_error(ep, job, e)
                     return
                 except Exception as e:  # noqa: BLE001 - a bug in the task: fail it, keep the run going
-                    ep.inflight.discard(step)
+                    ep.inflight.discard(me)
                     job.errors.append(f"{type(e).__name__}: {e}")
                     fail(job, f"task error: {type(e).__name__}: {e}")
                     return
-                ep.inflight.discard(step)
+                ep.inflight.discard(me)
                 ep.stats.busy_s += time.perf_counter() - t0
                 ep.stats.ok += 1
                 ep.stats.prompt_tokens += result.prompt_tokens

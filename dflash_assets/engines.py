@@ -92,6 +92,7 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 # HTTP statuses worth another try: timeout, rate limit, server-side errors.
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 # ----------------------------------------------------------------------------
@@ -212,6 +213,8 @@ class ChatTokenizer:
         self.think_end_id = self._token_id(THINK_END)
         stops = {self._token_id("<|im_end|>"), self._token_id("<|endoftext|>"), getattr(tokenizer, "eos_token_id", None)}
         self.stop_ids = frozenset(i for i in stops if isinstance(i, int))
+        self._render = None
+        self._render = self._fast_renderer()
 
     def _token_id(self, token: str) -> int | None:
         try:
@@ -222,10 +225,43 @@ class ChatTokenizer:
             return None
         return idx
 
-    def render(self, messages: Sequence[dict], enable_thinking: bool) -> str:
+    def _slow_render(self, messages: Sequence[dict], enable_thinking: bool) -> str:
         return self.tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
         )
+
+    def _fast_renderer(self):
+        """The compiled template called directly (what apply_chat_template does for plain string
+        messages, minus its per-call bookkeeping: ~2x faster). Used only if it renders sample chats
+        exactly as apply_chat_template does."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not isinstance(template, str):
+            return None
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            compiled = _compile_jinja_template(template)
+            extra = dict(getattr(self.tokenizer, "special_tokens_map", {}) or {})
+
+            def render(messages: Sequence[dict], enable_thinking: bool) -> str:
+                return compiled.render(messages=list(messages), tools=None, documents=None,
+                                       add_generation_prompt=True, enable_thinking=enable_thinking, **extra)
+
+            samples = [[{"role": "user", "content": "Hi"}],
+                       [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+                        {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]]
+            for chat in samples:
+                for thinking in (True, False):
+                    if render(chat, thinking) != self._slow_render(chat, thinking):
+                        return None
+            return render
+        except Exception:  # noqa: BLE001 - any doubt: the slow, exact path
+            return None
+
+    def render(self, messages: Sequence[dict], enable_thinking: bool) -> str:
+        if self._render is not None:
+            return self._render(messages, enable_thinking)
+        return self._slow_render(messages, enable_thinking)
 
     def encode(self, text: str) -> list[int]:
         if self._backend is not None:
@@ -306,6 +342,7 @@ class Engine(abc.ABC):
         self.probe_timeout_s = probe_timeout_s
         self.served_model = ""
         self._session = None
+        self._urls: dict[str, Any] = {}
 
     async def __aenter__(self) -> "Engine":
         await self.open()
@@ -325,7 +362,8 @@ class Engine(abc.ABC):
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s),
-            skip_auto_headers=("User-Agent",),
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),  # no compressed replies: CPU on both sides
+            cookie_jar=aiohttp.DummyCookieJar(),
             json_serialize=lambda o: json_dumps(o).decode(),
         )
 
@@ -343,13 +381,18 @@ class Engine(abc.ABC):
 
         if self._session is None:
             await self.open()
-        kwargs: dict[str, Any] = {"headers": {"Content-Type": "application/json", **(headers or {})}}
+        kwargs: dict[str, Any] = {"headers": {**_JSON_HEADERS, **headers} if headers else _JSON_HEADERS}
         if payload is not None:
             kwargs["data"] = json_dumps(payload)
         if timeout_s is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.connect_timeout_s))
+        url = self._urls.get(path)
+        if url is None:  # parsed once per path: yarl parsing is a visible share of a fast request
+            from yarl import URL
+
+            url = self._urls[path] = URL(self.url + path)
         try:
-            async with self._session.request(method, self.url + path, **kwargs) as resp:
+            async with self._session.request(method, url, **kwargs) as resp:
                 body = await resp.read()
                 status = resp.status
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, OSError) as e:

@@ -454,7 +454,10 @@ def _describe_mismatch(text: str, a: np.ndarray, b: np.ndarray) -> str:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
     at = int(diff[0]) if len(diff) else n
-    return f"text {text[:60]!r}...: first difference at token {at} (tiktoken {a[at:at + 4].tolist()} vs hf {b[at:at + 4].tolist()})"
+    return (
+        f"text {text[:60]!r}...: first difference at token {at} "
+        f"(tiktoken {a[at:at + 4].tolist()} vs hf {b[at:at + 4].tolist()})"
+    )
 
 
 # -- deriving tiktoken parts from a tokenizer.json ----------------------------------
@@ -462,7 +465,7 @@ def _describe_mismatch(text: str, a: np.ndarray, b: np.ndarray) -> str:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):

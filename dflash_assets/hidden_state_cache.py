@@ -850,6 +850,7 @@ def _run_workers(samples: Sequence[TokenizedSample], batches: Sequence[Batch], s
                 return
 
     stop = threading.Event()
+    ready = threading.Barrier(len(devices))  # every device loaded before any pulls work: even split
     results: dict[int, WorkerStats] = {}
     errors: list[BaseException] = []
 
@@ -858,11 +859,15 @@ def _run_workers(samples: Sequence[TokenizedSample], batches: Sequence[Batch], s
             model = models[k] if models is not None else load_target(spec.target, device, spec.dtype)
             if spec.compile:
                 compile_elementwise(model)
+            ready.wait()
             results[k] = capture_batches(model, samples, pull(), spec.layer_ids, sink,
                                          queue_depth=spec.queue_depth, stop=stop)
-        except BaseException as e:
+        except threading.BrokenBarrierError as e:  # another worker failed first
             errors.append(e)
+        except BaseException as e:
+            errors.insert(0, e)
             stop.set()
+            ready.abort()
 
     if len(devices) == 1:
         run(0, devices[0])

@@ -5,7 +5,11 @@ binary stream; writes nothing (Parquet that does not arrive as a local file is
 spooled to a temporary file, because Parquet needs random access).
 
 - Compression is found from magic bytes, not the name: gzip (``1f 8b``) and
-  zstd (``28 b5 2f fd``) are decompressed as a stream.
+  zstd (``28 b5 2f fd``) are decompressed as a stream. A compressed stream
+  that is cut off (or fails its gzip CRC) ends the read like a truncated
+  file: ``truncated`` is set and ``parse_error`` names the decompressor's
+  complaint, even when the cut falls between two records. (Network errors
+  while reading from S3 are raised: a retry should not see a partial source.)
 - Format is found from the first bytes after decompression: ``PAR1`` is
   Parquet, ``[`` a JSON array, ``{`` JSONL (one object per line).
 - A JSON array is parsed element by element with ``json.JSONDecoder.raw_decode``

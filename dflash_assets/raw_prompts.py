@@ -57,10 +57,13 @@ reason are in the report. Zero valid prompts raises :class:`NoValidPromptsError`
 
 Sharding: a prompt keeps its shard forever. New prompts, in source order,
 fill the highest-numbered shard up to ``max_prompts_per_shard``, then open
-new shards (``shard-00000``, ``shard-00001``, ...). A prompt that is no longer
-in the source stays in its shard (the corpus only grows; counted as
-``kept_not_in_source``); start a new store prefix to drop prompts. Lowering
-``max_prompts_per_shard`` later leaves fuller existing shards as they are.
+new shards (``shard-00000``, ``shard-00001``, ...). A shard that gains
+prompts is reported in ``changed_shards`` (its downstream partitions are
+stale); ``fill_last_shard=False`` never touches an existing shard. A prompt
+that is no longer in the source stays in its shard (the corpus only grows;
+counted as ``kept_not_in_source``); start a new store prefix to drop
+prompts. Lowering ``max_prompts_per_shard`` later leaves fuller existing
+shards as they are.
 One ingest at a time per store: the index is read at the start and
 overwritten at the end.
 """
@@ -74,7 +77,7 @@ import re
 import time
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -177,6 +180,9 @@ class IngestConfig:
     limit: int | None = None  # keep only the first N valid (unique) prompts of the source
     source_name: str | None = None  # default: the file name without extensions
     leading_assistant: Literal["drop", "quarantine"] = "drop"
+    # New prompts first fill the last shard if it has room. False: they always open
+    # new shards, so no shard whose completions were generated ever changes.
+    fill_last_shard: bool = True
     category_field: str = "category"
     max_raw_record_chars: int = DEFAULT_MAX_RAW_RECORD_CHARS  # a record's raw text, before parsing
     quarantine_raw_chars: int = 4096  # raw JSON kept per quarantined record
@@ -244,6 +250,30 @@ class IngestReport:
         return sum(self.quarantined.values())
 
     @property
+    def num_valid(self) -> int:
+        return self.valid
+
+    def metadata(self) -> dict[str, Any]:
+        """Flat values for asset metadata (per-shard lists left out: ~900 shards for 914K prompts)."""
+        sizes = list(self.shard_sizes.values())
+        out: dict[str, Any] = {
+            "source_uri": self.source_uri, "source_name": self.source_name,
+            "source_format": self.source_format, "compression": self.compression,
+            "generation": self.generation, "records_read": self.records_read, "valid": self.valid,
+            "duplicates": self.duplicates, "quarantined_total": self.quarantined_total,
+            "quarantined": self.quarantined, "truncated": self.truncated,
+            "truncated_at_byte": self.truncated_at_byte, "parse_error": self.parse_error,
+            "limit_reached": self.limit_reached, "new_prompts": self.new_prompts,
+            "existing_prompts": self.existing_prompts, "kept_not_in_source": self.kept_not_in_source,
+            "corpus_prompts": self.corpus_prompts, "num_shards": len(sizes),
+            "shard_size_min": min(sizes, default=0), "shard_size_max": max(sizes, default=0),
+            "new_shards": len(self.new_shards), "changed_shards": ", ".join(self.changed_shards) or "none",
+            "notes": self.notes, "roles": self.roles, "quarantine_key": self.quarantine_key,
+            "seconds": self.seconds,
+        }
+        return out
+
+    @property
     def shards_to_materialize(self) -> list[str]:
         return sorted(self.new_shards + self.changed_shards)
 
@@ -252,7 +282,9 @@ class IngestReport:
 
 
 @dataclass(frozen=True)
-class ShardStats:
+class ShardStats(Mapping):
+    """What one ``raw_prompts`` partition holds; also a read-only mapping of these fields."""
+
     shard: str
     key: str  # raw_prompts/<shard>.parquet
     num_prompts: int
@@ -269,6 +301,17 @@ class ShardStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.__dataclass_fields__)
+
+    def __len__(self) -> int:
+        return len(self.__dataclass_fields__)
 
 
 def shard_name(n: int) -> str:
@@ -529,7 +572,7 @@ class _ShardBuilder:
 
     def __init__(self, shard: str, existing: pa.Table | None, capacity: int):
         self.shard = shard
-        self.existing = existing
+        self.existing = existing.cast(PROMPT_SCHEMA) if existing is not None else None
         self.free = capacity - (existing.num_rows if existing is not None else 0)
         self.cols: dict[str, list[Any]] = {f.name: [] for f in PROMPT_SCHEMA}
 
@@ -617,7 +660,7 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
     shards = dict(index.shards)
     next_shard = max((_shard_number(k) for k in shards), default=-1) + 1
     last = shard_name(next_shard - 1) if shards else None
-    if last is not None and shards[last].num_prompts < cap:  # fill the last shard first
+    if last is not None and config.fill_last_shard and shards[last].num_prompts < cap:  # fill it first
         builder = _ShardBuilder(last, store.read_parquet(shards[last].key), cap)
     else:
         builder = _ShardBuilder(shard_name(next_shard), None, cap)

@@ -16,6 +16,7 @@ Imports only torch, numpy and safetensors at module level (transformers lazily).
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,11 @@ class SpecOutput:
     @property
     def tau(self) -> float:
         return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+
+def _cache_kwarg(target) -> str:
+    """transformers >= 5.2x names the KV cache argument `cache`; older versions `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
 def supports_cache_crop(target) -> bool:
@@ -77,7 +83,7 @@ class TargetRunner:
                     self.cache.activate_past_recording()
             x = torch.tensor([new_ids], device=self.device)
             pos = torch.arange(len(self.ids), len(self.ids) + len(new_ids), device=self.device)[None]
-            out = self.target(input_ids=x, position_ids=pos, past_key_values=self.cache, use_cache=True)
+            out = self.target(input_ids=x, position_ids=pos, use_cache=True, **{_cache_kwarg(self.target): self.cache})
             return out.logits[0], self.capture.features()[0]
         x = torch.tensor([self.ids + new_ids], device=self.device)
         out = self.target(input_ids=x, use_cache=False)
@@ -167,7 +173,8 @@ def greedy_generate(target, input_ids: Sequence[int], max_new_tokens: int, stop_
     step_ids = ids
     while len(out) < max_new_tokens:
         x = torch.tensor([step_ids if use_cache else ids], device=dev)
-        logits = target(input_ids=x, past_key_values=cache, use_cache=use_cache).logits
+        kw = {_cache_kwarg(target): cache} if use_cache else {}
+        logits = target(input_ids=x, use_cache=use_cache, **kw).logits
         t = int(logits[0, -1].argmax())
         out.append(t)
         ids.append(t)

@@ -204,7 +204,10 @@ class TargetModelSpec(BaseModel):
     # -- resolution ------------------------------------------------------------------------
 
     def layer_ids(self, config: "PretrainedConfig | None" = None) -> list[int]:
-        """The DFlash target layer ids: the explicit list, else the rule on the model depth."""
+        """The DFlash target layer ids: the explicit list, else the rule on the model depth.
+
+        An explicit list is returned as given; `validate()` checks it against the depth.
+        """
         if self.target_layer_ids is not None:
             return list(self.target_layer_ids)
         text = text_config_of(config if config is not None else self.load_config())
@@ -228,7 +231,9 @@ class TargetModelSpec(BaseModel):
             return self.mask_token_id
         return self.mask_token_id_for(self.load_tokenizer())
 
-    def render_chat(self, tok: "PreTrainedTokenizerBase", messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render_chat(
+        self, tok: "PreTrainedTokenizerBase", messages: list[dict], add_generation_prompt: bool = False
+    ) -> str:
         """`messages` rendered with the tokenizer's template and this spec's template kwargs."""
         return tok.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs
@@ -238,7 +243,9 @@ class TargetModelSpec(BaseModel):
         """Load config and tokenizer (not weights), check they fit together, return the facts."""
         config = self.load_config()
         text = text_config_of(config)
-        num_layers, hidden, model_vocab = (getattr(text, k, None) for k in ("num_hidden_layers", "hidden_size", "vocab_size"))
+        num_layers, hidden, model_vocab = (
+            getattr(text, k, None) for k in ("num_hidden_layers", "hidden_size", "vocab_size")
+        )
         if not all(isinstance(v, int) and v > 0 for v in (num_layers, hidden, model_vocab)):
             raise TargetModelError(
                 f"config of {self.model_path!r} lacks num_hidden_layers/hidden_size/vocab_size "
@@ -282,7 +289,9 @@ class TargetModelSpec(BaseModel):
             raise TargetModelError("target_layer_ids is empty")
         bad = [i for i in ids if not 0 <= i < num_layers]
         if bad:
-            raise TargetModelError(f"target layer ids {bad} out of range for a {num_layers}-layer target [0, {num_layers - 1}]")
+            raise TargetModelError(
+                f"target layer ids {bad} out of range for a {num_layers}-layer target [0, {num_layers - 1}]"
+            )
         if len(set(ids)) != len(ids):
             raise TargetModelError(f"target layer ids {ids} contain duplicates")
         if ids != sorted(ids):

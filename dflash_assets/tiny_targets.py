@@ -42,10 +42,9 @@ from dflash_assets.tokenizer import (
     QWEN3_6_EOS_TOKEN,
     QWEN3_6_MASK_TOKEN_ID,
     QWEN3_6_PAD_TOKEN,
-    _BUILD_VERSION as _TOKENIZER_BUILD_VERSION,
-    _source_digest as _tokenizer_source_digest,
     build_qwen3_6_tokenizer,
     default_cache_root,
+    qwen3_6_build_id,
 )
 
 TargetKind = Literal["dense", "hybrid"]
@@ -97,7 +96,7 @@ def _digest(kind: str) -> str:
         "version": TINY_TARGETS_VERSION,
         "seed": TINY_TARGET_SEED,
         "settings": TINY_TARGET_SETTINGS[kind],
-        "tokenizer": [_TOKENIZER_BUILD_VERSION, _tokenizer_source_digest()],
+        "tokenizer": qwen3_6_build_id(),
         "template": template_hash(default_chat_template()),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]

@@ -48,7 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dflash_assets.chat_template import ASSISTANT_THINK_HEADER
-from dflash_assets.fast_encoder import FastEncoder
+from dflash_assets.fast_encoder import EncodedBatch, FastEncoder
 
 __all__ = [
     "ASSISTANT_HEADER",
@@ -415,7 +415,7 @@ def tokenize_completions(
     return out, stats
 
 
-def _build_batch(enc, max_length: int) -> tuple[dict[str, pa.Array], dict[str, Any]]:
+def _build_batch(enc: EncodedBatch, max_length: int) -> tuple[dict[str, pa.Array], dict[str, Any]]:
     """Truncate, mask and pack one encoded batch; all per-token work in numpy."""
     lengths = enc.lengths  # (S,) tokens per rendered sample
     bounds = enc.boundaries.reshape(-1, 2)  # (S, 2) supervised token span [start, end)
@@ -578,7 +578,8 @@ def truncation_ratio_check(table: pa.Table, ceiling: float = 0.05) -> CheckOutco
         "mean_num_tokens": round(float(tokens.mean()), 1) if n else 0.0,
         "examples": _examples(table, truncated),
     }
-    return CheckOutcome(ratio <= ceiling, metadata, f"{count}/{n} samples ({ratio:.2%}) truncated (ceiling {ceiling:.2%})")
+    description = f"{count}/{n} samples ({ratio:.2%}) truncated (ceiling {ceiling:.2%})"
+    return CheckOutcome(ratio <= ceiling, metadata, description)
 
 
 def schema_check(table: pa.Table, max_length: int | None = None) -> CheckOutcome:
@@ -690,13 +691,11 @@ def sharegpt_completions(n: int) -> pa.Table:
     ``prompt_id`` is ``sharegpt-<id>``.
     """
     records = sharegpt_records(n)
-    messages = [
-        [
-            {"role": _SHAREGPT_ROLES.get(m.get("from", ""), m.get("from", "")), "content": m.get("value", ""), "reasoning_content": None}
-            for m in r.get("conversations", [])
-        ]
-        for r in records
-    ]
+    def message(m: dict) -> dict:
+        role = m.get("from", "")
+        return {"role": _SHAREGPT_ROLES.get(role, role), "content": m.get("value", ""), "reasoning_content": None}
+
+    messages = [[message(m) for m in r.get("conversations", [])] for r in records]
     return pa.table(
         {
             "prompt_id": pa.array([f"sharegpt-{r.get('id', i)}" for i, r in enumerate(records)], pa.string()),

@@ -18,7 +18,8 @@ that existing special token as the mask rather than adding a token; the DFlash
 inference code only reads `dflash_config.mask_token_id` and never needs a
 token string. Here `<|MASK|>` is added as a new special token at the first
 free id, 248077 (`QWEN3_6_MASK_TOKEN_ID`), so the tokenizer owns a token that
-no text or multimodal input can produce. Real Qwen3.5/3.6 checkpoints have
+no text or multimodal input can produce. That is also what SpecForge does
+(it appends `<|MASK|>` at `len(tokenizer)`: 151669 for Qwen3, 248077 here). Real Qwen3.5/3.6 checkpoints have
 248,320 embedding rows, so 248077 exists there too. The mask id is never
 hard-wired: `TargetModelSpec.mask_token_id` overrides it and it is recorded in
 every drafter config; set it to `PUBLISHED_QWEN3_6_DFLASH_MASK_TOKEN_ID`
@@ -36,7 +37,6 @@ import functools
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 import unicodedata
 import weakref
@@ -118,12 +118,14 @@ def qwen3_6_tiktoken_parts(include_mask: bool = True) -> tuple[dict[bytes, int],
     return _mergeable_ranks(), qwen3_6_pat_str(), qwen3_6_special_tokens(include_mask)
 
 
-def _source_digest() -> str:
+@functools.lru_cache(maxsize=1)
+def qwen3_6_build_id() -> str:
+    """`<build version>-<digest of ranks, pattern and specials>`: changes whenever the built tokenizer would."""
     h = hashlib.sha256(_BUILD_VERSION.encode())
     h.update(qwen3_6_tiktoken_path().read_bytes())
     h.update(qwen3_6_pat_str().encode())
     h.update(json.dumps(qwen3_6_special_tokens(), sort_keys=True).encode())
-    return h.hexdigest()[:16]
+    return f"{_BUILD_VERSION}-{h.hexdigest()[:16]}"
 
 
 def _convert_backend():
@@ -145,7 +147,7 @@ def _convert_backend():
 def _tokenizer_json_path(cache_root: Path | None) -> Path:
     """Path of the cached `tokenizer.json`, building it (atomically) when absent."""
     root = Path(cache_root) if cache_root is not None else default_cache_root()
-    target = root / "tokenizers" / f"{_BUILD_VERSION}-{_source_digest()}" / "tokenizer.json"
+    target = root / "tokenizers" / qwen3_6_build_id() / "tokenizer.json"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -202,8 +204,15 @@ def build_qwen3_6_tokenizer(
 _HASH_MEMO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def _template_text(tok: "PreTrainedTokenizerBase") -> str:
+    template = tok.chat_template
+    if template is None or isinstance(template, str):
+        return template or ""
+    return json.dumps(template, sort_keys=True)  # named templates (dict)
+
+
 def _cheap_signature(tok: "PreTrainedTokenizerBase") -> tuple:
-    template = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template, sort_keys=True)
+    template = _template_text(tok)
     return (len(tok), template, json.dumps(tok.special_tokens_map, sort_keys=True, default=str))
 
 
@@ -239,6 +248,5 @@ def _tokenizer_hash(tok: "PreTrainedTokenizerBase") -> str:
     if backend is not None:  # the text pipeline around the BPE (merges follow from the ranks in vocab)
         for part in (backend.normalizer, backend.pre_tokenizer):
             h.update(part.__getstate__() if part is not None else b"null")
-    template = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template, sort_keys=True)
-    h.update((template or "").encode("utf-8"))
+    h.update(_template_text(tok).encode("utf-8"))
     return h.hexdigest()[:16]

@@ -291,6 +291,7 @@ def _materialize_all(store):
     for shard in list_shard_keys(store):
         t, stats = materialize_prompt_shard(store, shard)
         assert stats.num_prompts == t.num_rows and stats.shard == shard
+        assert dict(stats)["num_prompts"] == stats["num_prompts"] == t.num_rows  # a mapping, for metadata helpers
         out[shard] = t.column("source_id").to_pylist()
         assert store.read_parquet(f"raw_prompts/{shard}.parquet").equals(t)
     return out
@@ -316,6 +317,9 @@ def test_reingest_with_added_prompts_never_moves_a_prompt(tmp_path, store):
                               "shard-00004": 1}
     assert r2.shards_to_materialize == ["shard-00002", "shard-00003", "shard-00004"]
     assert r2.corpus_prompts == 13 and r2.generation == 2
+    meta = r2.metadata()  # flat values for asset metadata
+    assert (meta["changed_shards"], meta["new_shards"], meta["num_shards"]) == ("shard-00002", 2, 5)
+    assert meta["valid"] == r2.num_valid == 12 and meta["quarantined"] == {}
     index2 = store.read_json(CORPUS_INDEX_KEY)
     for shard in ("shard-00000", "shard-00001"):  # untouched shards keep the very same object
         assert index2["shards"][shard] == index1["shards"][shard]
@@ -333,6 +337,14 @@ def test_reingest_with_added_prompts_never_moves_a_prompt(tmp_path, store):
     assert r4.changed_shards == ["shard-00004"] and r4.new_shards == ["shard-00005"]
     assert r4.shard_sizes["shard-00004"] == 4 and r4.shard_sizes["shard-00005"] == 3
     assert {pid: s for pid, s in _manifest(store).items() if pid in after} == after
+
+
+def test_fill_last_shard_off_leaves_existing_shards_alone(tmp_path, store):
+    _ingest(tmp_path, store, range(4), cap=3)
+    r = _ingest(tmp_path, store, range(6), cap=3, fill_last_shard=False)
+    assert r.changed_shards == [] and r.new_shards == ["shard-00002"]
+    assert _materialize_all(store) == {"shard-00000": ["p0", "p1", "p2"], "shard-00001": ["p3"],
+                                       "shard-00002": ["p4", "p5"]}
 
 
 def test_old_generations_are_collected(tmp_path, store):
@@ -435,7 +447,8 @@ def test_embedded_sharegpt_counts(sharegpt):
     q = store.read_parquet(report.quarantine_key)
     details = Counter(d.split(" (")[0] for d in q.filter(pc.equal(q["reason"], "no_user_turn"))["detail"]
                       .to_pylist())
-    system_only = sum(1 for r in records if r["conversations"] and {t["from"] for t in r["conversations"]} == {"system"})
+    system_only = sum(1 for r in records
+                      if r["conversations"] and {t["from"] for t in r["conversations"]} == {"system"})
     assert details["system-only"] == system_only == 12
     assistant_only = sum(1 for r in records if r["conversations"]
                          and not {t["from"] for t in r["conversations"]} & (_USER | {"system"}))
@@ -508,7 +521,8 @@ def s3():
 
 def test_s3_source_and_s3_store(s3):
     records = _prompts(range(5)) + [conv(id="empty")]
-    s3.put_object(Bucket="sources", Key="in/corpus.jsonl.zst", Body=zstandard.ZstdCompressor().compress(_jsonl(records)))
+    body = zstandard.ZstdCompressor().compress(_jsonl(records))
+    s3.put_object(Bucket="sources", Key="in/corpus.jsonl.zst", Body=body)
     store = S3Store("s3://store/run1", s3)
     report = ingest_prompt_source("s3://sources/in/corpus.jsonl.zst", store, IngestConfig(max_prompts_per_shard=2))
     assert (report.compression, report.source_format, report.source_name) == ("zstd", "jsonl", "corpus")

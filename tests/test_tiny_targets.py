@@ -31,6 +31,7 @@ def test_layout_config_and_tokenizer(kind, tiny_dense_target, tiny_hybrid_target
     assert config.model_type == {"dense": "qwen3", "hybrid": "qwen3_5_text"}[kind]
     assert config.vocab_size == 248_320 and config.vocab_size % 128 == 0 and config.vocab_size > QWEN3_6_MASK_TOKEN_ID
     assert config.hidden_size == 64 and config.tie_word_embeddings is False
+    assert config.num_hidden_layers == 8
     if kind == "hybrid":
         assert set(config.layer_types) == {"linear_attention", "full_attention"} and config.num_hidden_layers == 8
 
@@ -56,12 +57,16 @@ def test_load_forward_speed_and_greedy_generate(kind, tiny_dense_target, tiny_hy
     ids = torch.randint(0, 248_000, (1, 3072), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(ids[:, :32], logits_to_keep=1)  # warm-up
-        start = time.perf_counter()
-        out = model(ids, logits_to_keep=1, output_hidden_states=True)
-        elapsed = time.perf_counter() - start
+        timings = []
+        for _ in range(3):
+            start = time.perf_counter()
+            out = model(ids, logits_to_keep=1, output_hidden_states=True)
+            timings.append(time.perf_counter() - start)
     assert len(out.hidden_states) == model.config.num_hidden_layers + 1
     assert out.hidden_states[-2].shape == (1, 3072, 64) and torch.isfinite(out.logits).all()
-    assert elapsed < 3.0, f"3K-token forward took {elapsed:.2f}s"  # ~0.1-0.2 s on an idle 2-core box
+    # ~0.1 s (dense) / ~0.2 s (hybrid) on an idle 2-core box; the bound only leaves room for a
+    # loaded CI machine while still catching a target that grew 10x.
+    assert min(timings) < 2.5, f"3K-token forward took {min(timings):.2f}s at best"
 
     tok = AutoTokenizer.from_pretrained(path)
     prompt = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -71,6 +76,7 @@ def test_load_forward_speed_and_greedy_generate(kind, tiny_dense_target, tiny_hy
     assert torch.equal(runs[0][:, :n], prompt["input_ids"])
 
 
+@pytest.mark.slow  # two fresh builds: ~7 s idle, ~25 s on a loaded 2-core box
 def test_concurrent_builds_are_atomic_and_deterministic(tmp_path, tiny_dense_target):
     code = "import sys; from dflash_assets.tiny_targets import tiny_target_path; print(tiny_target_path('dense', sys.argv[1]))"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,

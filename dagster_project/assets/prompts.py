@@ -6,12 +6,10 @@ stable shards and registers the shards as ``prompt_shards`` partitions.
 ``raw_prompts`` writes one shard per partition as Parquet.
 """
 
-from __future__ import annotations
-
 import dagster as dg
 
 from dagster_project.config import IngestConfig
-from dagster_project.metadata import preview_table, to_metadata
+from dagster_project.metadata import markdown_counts, preview_table, to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import StoreResource
 from dflash_assets.raw_prompts import ingest_prompt_source, materialize_prompt_shard
@@ -34,8 +32,17 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: IngestConfig, store
     new = [s for s in report.shard_keys if s not in existing]
     if new:
         context.instance.add_dynamic_partitions(prompt_shards.name, new)
-    context.log.info(f"ingested {report.num_valid} prompts into {len(report.shard_keys)} shards ({len(new)} new)")
-    return dg.MaterializeResult(metadata={**to_metadata(report.metadata()), "new_partitions": len(new)})
+    context.log.info(
+        f"ingested {report.records_read} records: {report.valid} valid, {report.duplicates} duplicates, "
+        f"quarantined {report.quarantined or 'none'}; {len(report.shard_keys)} shards ({len(new)} new, "
+        f"changed: {report.changed_shards or 'none'})"
+    )
+    if report.truncated:
+        context.log.warning(f"source is truncated at byte {report.truncated_at_byte}: every complete record was kept")
+    shard_sizes = dg.MetadataValue.md(markdown_counts(report.shard_sizes, "shard", "prompts"))
+    return dg.MaterializeResult(
+        metadata={**to_metadata(report.metadata()), "new_partitions": len(new), "shard_sizes": shard_sizes}
+    )
 
 
 @dg.asset(
@@ -45,12 +52,10 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: IngestConfig, store
     kinds={"python", "parquet"},
     owners=["team:ml-data"],
     code_version="1",
-    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=64),
 )
 def raw_prompts(context: dg.AssetExecutionContext, store: StoreResource) -> dg.MaterializeResult:
     """Normalized prompts of one shard (system + user turns, no assistant turns), as Parquet."""
-    results = [materialize_prompt_shard(store.open(), key) for key in context.partition_keys]
-    table, stats = results[-1]
+    table, stats = materialize_prompt_shard(store.open(), context.partition_key)
     return dg.MaterializeResult(
-        metadata={**to_metadata(stats), "preview": preview_table(table, ["prompt_id", "num_user_turns", "first_user_turn"])}
+        metadata={**to_metadata(stats), "preview": preview_table(table, ["prompt_id", "num_user_turns", "user_turns"])}
     )

@@ -1,0 +1,106 @@
+"""Greedy speculative decoding with a DFlash drafter: lossless against the target alone, tau."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_assets.drafter import DFlashDrafter, DrafterConfig, load_target_config, resolve_mask_token_id
+from dflash_assets.drafter_training import DrafterRecipe, train_drafter
+from dflash_assets.speculative_decoding import (
+    EvalPrompt,
+    SpeculativeDecoder,
+    evaluate_drafter,
+    greedy_generate,
+    load_target,
+)
+from test_drafter import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, one_thread, write_cache  # noqa: F401
+
+EOS = (248046, 248044)
+
+
+def untrained_drafter(target_dir, block_size=8, seed=0) -> DFlashDrafter:
+    cfg = DrafterConfig.from_target_config(load_target_config(target_dir), num_layers=2, block_size=block_size,
+                                           mask_token_id=resolve_mask_token_id(target_dir))
+    torch.manual_seed(seed)
+    return DFlashDrafter(cfg)
+
+
+def prompts(n: int, length: int, seed: int, hi: int, categories=("chat", "code")) -> list[EvalPrompt]:
+    g = torch.Generator().manual_seed(seed)
+    return [EvalPrompt(tuple(torch.randint(0, hi, (length,), generator=g).tolist()), categories[i % len(categories)],
+                       f"p{i}") for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_dense_target):
+    torch.set_num_threads(1)
+    return load_target(tiny_dense_target, "cpu")
+
+
+def test_greedy_reference_equals_generate(dense):
+    p = prompts(1, 10, seed=3, hi=248000)[0].input_ids
+    ref = dense.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p):].tolist()
+    assert greedy_generate(dense, p, 24, EOS) == ref
+    assert greedy_generate(dense, p, 24, EOS, use_cache=False) == ref
+
+
+def test_lossless_on_the_dense_target(dense, tiny_dense_target):
+    ps = prompts(3, 10, seed=0, hi=248000)
+    res = evaluate_drafter(untrained_drafter(tiny_dense_target), dense, ps, max_new_tokens=16, stop_token_ids=EOS)
+    assert res.lossless and res.num_mismatches == 0, res.per_prompt
+    assert all(r["lossless"] for r in res.per_prompt)
+    assert res.tau >= 1.0 and set(res.tau_by_category) == {"chat", "code"}
+    # pooled: accepted tokens / verifications, overall and per category
+    rows = res.per_prompt
+    assert res.tau == pytest.approx(sum(r["accepted_tokens"] for r in rows) / sum(r["verifications"] for r in rows))
+    chat = [r for r in rows if r["category"] == "chat"]
+    assert res.tau_by_category["chat"] == pytest.approx(
+        sum(r["accepted_tokens"] for r in chat) / sum(r["verifications"] for r in chat))
+    # the KV-cache path and the recompute-everything path produce the same tokens
+    d = untrained_drafter(tiny_dense_target)
+    for p in ps[:1]:
+        a = SpeculativeDecoder(dense, d, use_cache=True).generate(p.input_ids, 16, EOS)
+        b = SpeculativeDecoder(dense, d, use_cache=False).generate(p.input_ids, 16, EOS)
+        assert a.output_ids == b.output_ids and a.acceptance_lengths == b.acceptance_lengths
+        assert sum(a.acceptance_lengths) == len(a.output_ids) - 1  # the first token comes from the prefill
+
+
+def test_lossless_on_the_hybrid_target(tiny_hybrid_target):
+    target = load_target(tiny_hybrid_target, "cpu")  # linear attention: no cache crop, recompute path
+    ps = prompts(2, 8, seed=1, hi=248000)
+    res = evaluate_drafter(untrained_drafter(tiny_hybrid_target), target, ps, max_new_tokens=12, stop_token_ids=EOS)
+    assert res.lossless, res.per_prompt
+    assert res.num_new_tokens == 24
+
+
+def test_stop_tokens_and_length_budget(dense, tiny_dense_target):
+    p = prompts(1, 10, seed=0, hi=248000)[0].input_ids
+    ref = greedy_generate(dense, p, 30)
+    stop = ref[7]
+    d = untrained_drafter(tiny_dense_target)
+    out = SpeculativeDecoder(dense, d).generate(p, 30, stop_token_ids=[stop])
+    assert out.output_ids == ref[: ref.index(stop) + 1]
+    out = SpeculativeDecoder(dense, d).generate(p, 5)
+    assert out.output_ids == ref[:5] and sum(out.acceptance_lengths) == 4
+
+
+def test_trained_drafter_accepts_more_than_untrained(tmp_path):
+    """Train on the hidden states of the target's own greedy continuations; tau must rise."""
+    tdir = mini_target(tmp_path / "target")
+    target = load_target(tdir, "cpu")
+    seqs = greedy_sequences(target, n=8, prompt_len=8, new_tokens=40, seed=0, vocab_hi=MINI_VOCAB - 12)
+    cache = write_cache(tmp_path / "part.safetensors", target, seqs, layer_ids=[1, 3])
+    r = DrafterRecipe(name="tau", num_layers=2, block_size=8, epochs=40, batch_size=4, max_anchors=16, lr=3e-3,
+                      mask_token_id=MINI_MASK, save_every=10_000)
+    res = train_drafter(r, [cache], tdir, tmp_path / "out")
+    ps = [EvalPrompt(tuple(ids[:8]), "chat" if i % 2 else "code", f"p{i}") for i, (ids, _) in enumerate(seqs[:4])]
+
+    cfg = DrafterConfig.from_target_config(load_target_config(tdir), num_layers=2, block_size=8,
+                                           mask_token_id=MINI_MASK, target_layer_ids=[1, 3])
+    torch.manual_seed(0)
+    before = evaluate_drafter(DFlashDrafter(cfg), target, ps, max_new_tokens=32, check_lossless=False)
+    after = evaluate_drafter(res.checkpoint_dir, target, ps, max_new_tokens=32)
+    assert after.lossless, after.per_prompt
+    assert before.tau < 1.3 and after.tau > before.tau + 1.0, (before.tau, after.tau, res.metrics())
+    assert min(after.tau_by_category.values()) > before.tau + 0.5
