@@ -12,7 +12,8 @@
 (b) End-to-end tokens/s through ``transformers serve`` with the tiny target:
     the orchestrator vs a bare asyncio loop sending the same requests
     (same prompts, greedy, same max_tokens, same concurrency), alternated
-    ``--rounds`` times; the median of each is reported.
+    ``--tiny-rounds`` pairs in ABBA order; medians and the median of the
+    paired ratios are reported (the host is shared: pairs cancel its drift).
 
 Usage: .venv/bin/python bench/generation_client.py [--part a|b|all] [--requests 20000] ...
 """
@@ -126,6 +127,10 @@ def part_a(args, tokenizer) -> dict:
     for name, results in runs.items():
         out[name] = max(results, key=lambda x: x["req_per_s"])  # best of rounds: least disturbed by neighbours
         out[name]["req_per_s_rounds"] = [x["req_per_s"] for x in results]
+        out[name]["req_per_s_median"] = statistics.median(x["req_per_s"] for x in results)
+        # CPU the client spent per request: the capacity of one dedicated core is 1e6 / this
+        out[name]["client_cpu_us_per_request"] = round(
+            statistics.median(x["client_cpu_s"] / x["requests"] for x in results) * 1e6, 1)
     t0 = time.perf_counter()
     for r in rows[:2000]:
         ct.prompt_ids([{"role": "user", "content": r["user_turns"][0]}], True)
@@ -147,19 +152,29 @@ def part_b(args, tiny_target: Path) -> dict:
             await bare_loop(server.url, "/v1/chat/completions", payloads[: args.tiny_concurrency],
                             args.tiny_concurrency)  # warm-up
             bare, orch = [], []
-            for _ in range(args.rounds):
-                bare.append(await bare_loop(server.url, "/v1/chat/completions", payloads, args.tiny_concurrency))
-                orch.append(await orchestrator(server.url, "openai", rows, args.tiny_concurrency, gen, None,
-                                               str(tiny_target)))
+            for i in range(args.tiny_rounds):  # ABBA order: drift of the shared machine hits both arms alike
+                for arm in (("bare", "orch") if i % 2 == 0 else ("orch", "bare")):
+                    if arm == "bare":
+                        bare.append(await bare_loop(server.url, "/v1/chat/completions", payloads,
+                                                    args.tiny_concurrency))
+                    else:
+                        orch.append(await orchestrator(server.url, "openai", rows, args.tiny_concurrency, gen, None,
+                                                       str(tiny_target)))
             return bare, orch
 
         bare, orch = run_sync(go())
     b = statistics.median(x["tokens_per_s"] for x in bare)
     o = statistics.median(x["tokens_per_s"] for x in orch)
+    pair_ratios = [round(y["tokens_per_s"] / x["tokens_per_s"], 3) for x, y in zip(bare, orch)]
     return {"requests": len(rows), "concurrency": args.tiny_concurrency, "max_new_tokens": gen.max_new_tokens,
             "bare_tokens_per_s_median": b, "orchestrator_tokens_per_s_median": o,
             "orchestrator_vs_bare": round(o / b, 3) if b else None,
+            "orchestrator_vs_bare_paired_median": statistics.median(pair_ratios), "pair_ratios": pair_ratios,
             "bare_rounds": [x["tokens_per_s"] for x in bare], "orchestrator_rounds": [x["tokens_per_s"] for x in orch],
+            "client_cpu_ms_per_request_bare": round(statistics.median(x["client_cpu_s"] for x in bare) / len(rows) * 1e3, 2),
+            "client_cpu_ms_per_request_orchestrator": round(
+                statistics.median(x["client_cpu_s"] for x in orch) / len(rows) * 1e3, 2),
+            "seconds_per_request_orchestrator": round(statistics.median(x["wall_s"] for x in orch) / len(rows), 3),
             "completion_tokens_bare": bare[0]["completion_tokens"],
             "completion_tokens_orchestrator": orch[0]["completion_tokens"]}
 
@@ -169,7 +184,8 @@ def main() -> None:
     p.add_argument("--part", choices=["a", "b", "all"], default="all")
     p.add_argument("--requests", type=int, default=20000)
     p.add_argument("--concurrency", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="(a): rounds of each measurement")
+    p.add_argument("--tiny-rounds", type=int, default=8, help="(b): bare/orchestrator pairs, alternated ABBA")
     p.add_argument("--tiny-requests", type=int, default=16)
     p.add_argument("--tiny-concurrency", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)

@@ -41,3 +41,49 @@ class IngestConfig(dg.Config):
             leading_assistant=self.leading_assistant,
             limit=self.limit,
         )
+
+
+class TokenizeStageConfig(dg.Config):
+    max_length: int = Field(default=3072, description="Samples are cut (and flagged) at this many tokens.")
+    supervise: str = Field(
+        default="last_turn",
+        description="last_turn: one sample per conversation, supervising its final assistant turn; "
+        "every_turn: one sample per assistant turn (about 2.6x the tokens on ShareGPT).",
+    )
+    min_loss_tokens: int = Field(default=16, description="A supervised span shorter than this counts as empty.")
+    max_empty_ratio: float = Field(default=0.02, description="empty_response_ratio fails above this share.")
+    thinking_floor: float = Field(default=0.9, description="thinking_ratio fails below this share (thinking on).")
+    truncation_ceiling: float = Field(default=0.05, description="truncation_ratio warns above this share.")
+
+    def to_library(self):
+        from dflash_assets.tokenized_samples import TokenizeConfig
+
+        return TokenizeConfig(max_length=self.max_length, supervise=self.supervise)
+
+    def thresholds(self, thinking_requested: bool):
+        from dflash_assets.tokenized_samples import QualityThresholds
+
+        return QualityThresholds(
+            min_loss_tokens=self.min_loss_tokens, max_empty_ratio=self.max_empty_ratio,
+            thinking_requested=thinking_requested, thinking_floor=self.thinking_floor,
+            truncation_ceiling=self.truncation_ceiling, max_length=self.max_length,
+        )
+
+
+class GenerationStageConfig(dg.Config):
+    """Sampling of the regenerated completions; hashed into every row (a changed config is visible)."""
+
+    max_new_tokens: int = Field(default=2048, description="Cap on generated tokens per assistant turn.")
+    temperature: float = Field(default=0.6, description="Qwen3 thinking-mode advice: 0.6.")
+    top_p: float = Field(default=0.95, description="Nucleus sampling.")
+    top_k: Optional[int] = Field(default=20, description="None: not sent (transformers serve rejects it anyway).")
+    max_turns: int = Field(default=8, description="Regenerate at most this many assistant turns per conversation.")
+    seed: Optional[int] = Field(default=None, description="Per-request seed where the engine supports one.")
+
+    def to_library(self, enable_thinking: bool):
+        from dflash_assets.engines import GenerationConfig
+
+        return GenerationConfig(
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_turns=self.max_turns, seed=self.seed, enable_thinking=enable_thinking,
+        )

@@ -1,13 +1,26 @@
-"""The code location: every asset, check, resource, job and sensor of dflash-assets."""
+"""The code location: every asset, check, resource, job and sensor of dflash-assets.
 
-from __future__ import annotations
+``DFLASH_PROFILE`` (``local`` by default, or ``cluster``) picks the store,
+the GPU launcher and the engine fleet; see ``deployment.py``.
+"""
 
 import dagster as dg
 
-from dagster_project.assets import prompts
-from dagster_project.resources import StoreResource
+from dagster_project.assets import generation, prompts, tokenization
+from dagster_project.deployment import get_profile, resources_for_profile
+from dagster_project.jobs import ALL_JOBS
+from dagster_project.resources import EngineFleetResource, TargetModelResource
+from dagster_project.sensors import prompt_source_sensor
+
+PROFILE = get_profile()
 
 defs = dg.Definitions(
-    assets=dg.load_assets_from_modules([prompts]),
-    resources={"store": StoreResource()},
+    assets=dg.load_assets_from_modules([prompts, generation, tokenization]),
+    resources={
+        **resources_for_profile(PROFILE),
+        "target": TargetModelResource(),
+        "engines": EngineFleetResource(),
+    },
+    jobs=ALL_JOBS,
+    sensors=[prompt_source_sensor],
 )

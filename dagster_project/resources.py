@@ -5,8 +5,8 @@ The store is addressed by one URI (a local directory by default, or
 with credentials from the environment (never logged).
 """
 
-from __future__ import annotations
 
+import os
 from typing import Optional
 
 import dagster as dg
@@ -64,4 +64,41 @@ class TargetModelResource(dg.ConfigurableResource):
             num_target_layers=self.num_target_layers,
             mask_token=self.mask_token,
             mask_token_id=self.mask_token_id,
+        )
+
+
+class EngineFleetResource(dg.ConfigurableResource):
+    """The generation endpoints: SGLang hosts, one sglang-router URL, or OpenAI-compatible servers.
+
+    Each endpoint is a URL, optionally prefixed by its kind (``sglang:``,
+    ``openai:``, ``transformers:``); unprefixed URLs get ``default_kind``.
+    Endpoints are probed at every materialization; one that serves another
+    model than the target is refused, and with none serving it the run fails
+    at once with the probe table. There is no silent fallback.
+    """
+
+    endpoints: list[str] = Field(
+        default_factory=lambda: [u for u in os.environ.get("DFLASH_ENGINE_URLS", "").split(",") if u.strip()],
+        description="Endpoint URLs (default: $DFLASH_ENGINE_URLS, comma-separated).",
+    )
+    default_kind: str = Field(default_factory=lambda: os.environ.get("DFLASH_ENGINE_KIND", "openai"),
+                              description="sglang | openai | transformers, for URLs without a kind prefix.")
+    max_concurrency: int = Field(default_factory=lambda: int(os.environ.get("DFLASH_ENGINE_CONCURRENCY", "32")),
+                                 description="Requests in flight per endpoint.")
+    served_model_name: Optional[str] = Field(default=None, description="Also accept endpoints serving this name.")
+    request_timeout_s: float = Field(default=1800.0, description="Limit for one assistant turn.")
+    max_retries: int = Field(default=4, description="Retries per request (408/429/5xx, connection errors).")
+
+    def fleet_config(self, target_model: str):
+        from dflash_assets.engine_fleet import EndpointConfig, EngineFleetConfig
+
+        endpoints = []
+        for entry in self.endpoints:
+            kind, sep, url = entry.strip().partition(":")
+            if not sep or kind not in ("sglang", "openai", "transformers"):
+                kind, url = self.default_kind, entry.strip()
+            endpoints.append(EndpointConfig(url=url, kind=kind, max_concurrency=self.max_concurrency))
+        return EngineFleetConfig(
+            endpoints=endpoints, target_model=target_model, served_model_name=self.served_model_name,
+            request_timeout_s=self.request_timeout_s, max_retries=self.max_retries,
         )

@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +266,8 @@ _compiled_flex = None
 def _flex(q, k, v, block_mask):
     """flex_attention; compiled on GPU (the eager version materializes the full score matrix)."""
     global _compiled_flex
+    if torch.compiler.is_compiling():  # inside a compiled layer: traced into that graph
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     if q.is_cuda:
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention)
@@ -536,29 +538,9 @@ def load_drafter(ckpt_dir: str | Path, device=None, dtype: torch.dtype | None = 
     return model
 
 
-def drafter_flops_per_token(config: DrafterConfig, ctx_len: int, n_anchors: int, vocab: int,
-                            avg_visible_ctx: float) -> dict[str, float]:
-    """Training FLOPs of one sequence (see bench/README_drafter.md for the formula)."""
-    H, I, L, B = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.block_size
-    nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    n = len(config.target_layer_ids)
-    Tq = n_anchors * B
-    block_lin = Tq * L * (H * nh * hd * 2 + 2 * H * nkv * hd + 3 * H * I)  # MACs: q, o, k, v, mlp
-    ctx_lin = ctx_len * L * 2 * H * nkv * hd  # k/v of the context tokens
-    fc = ctx_len * n * H * H
-    head = n_anchors * (B - 1) * H * vocab
-    attn = L * Tq * (avg_visible_ctx + B) * nh * hd * 2  # QK^T and PV
-    return {
-        "drafter": 6.0 * (block_lin + ctx_lin),  # fwd + dX + dW, 2 FLOPs per MAC
-        "fc": 4.0 * fc,  # fwd + dW (its input, the target features, needs no grad)
-        "lm_head": 4.0 * head,  # frozen: fwd + dX
-        "attention": 6.0 * attn,  # fwd + 2x bwd
-    }
-
-
 __all__ = [
     "DFlashDrafter", "DrafterConfig", "DraftCache", "TargetHead", "attend", "default_target_layer_ids",
-    "drafter_flops_per_token", "drafter_state_dict", "load_drafter", "load_target_config",
+    "drafter_state_dict", "load_drafter", "load_target_config",
     "load_target_tensors", "loss_gamma", "resolve_mask_token_id", "save_drafter", "BlockMask",
     "create_block_mask",
 ]

@@ -44,7 +44,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from dflash_assets.drafter import (
     DFlashDrafter,
@@ -88,7 +87,7 @@ class DrafterRecipe:
     mask_token_id: int | None = None  # None: the target tokenizer's <|MASK|> / known family id
     save_every: int = 500  # steps between resumable training states
     attention: str = "auto"  # auto (flex on GPU, sdpa on CPU) | flex | sdpa
-    compile: bool = False  # torch.compile the decoder layers and the loss chunks
+    compile: bool = True  # GPU only: torch.compile the decoder layers and the loss chunks
     checkpoint_dtype: str = "bfloat16"  # dtype of the published drafter weights
 
     @property
@@ -364,19 +363,54 @@ def dflash_dense_mask(anchors, keep, S: int, block_size: int) -> torch.Tensor:
     return (ctx | own[None])[:, None]
 
 
-def dflash_block_mask(anchors, keep, S: int, block_size: int):
-    """The same visibility as `dflash_dense_mask`, as a flex_attention BlockMask (built once per step)."""
-    b, N = anchors.shape
+def _dflash_mask_mod(anchors, keep, S: int, block_size: int):
+    """mask_mod over [context (S) | blocks] keys. Only tensors are closed over (S and N as 0-d
+    tensors), so a compiled graph is reused across steps instead of specializing on their values."""
     B = block_size
+    S_t = torch.tensor(S, device=anchors.device)
+    last = torch.tensor(anchors.shape[1] - 1, device=anchors.device)
 
     def mask_mod(bi, h, q_idx, kv_idx):
-        blk = (q_idx // B).clamp(max=N - 1)
-        anchor = anchors[bi, blk]
-        ctx = (kv_idx < S) & (kv_idx < anchor) & keep[bi, blk]
-        own = (kv_idx >= S) & ((kv_idx - S) // B == blk)
+        blk = torch.minimum(q_idx // B, last)
+        ctx = (kv_idx < S_t) & (kv_idx < anchors[bi, blk]) & keep[bi, blk]
+        own = (kv_idx >= S_t) & ((kv_idx - S_t) // B == blk)
         return ctx | own
 
-    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=N * B, KV_LEN=S + N * B, device=anchors.device)
+    return mask_mod
+
+
+def dflash_block_mask(anchors, keep, S: int, block_size: int, tile: int = 128):
+    """The same visibility as `dflash_dense_mask`, as a flex_attention BlockMask (built once per step).
+
+    When the layout is tile aligned (S and N*B multiples of the 128 tile, B dividing it) the tile
+    lists are computed directly from the anchors: for the G = tile/B blocks of a query tile,
+    context tiles below min(anchor) are full, those below max(anchor) partial, plus the one
+    diagonal tile holding those blocks' own keys. Otherwise `create_block_mask` evaluates the mask.
+    """
+    b, N = anchors.shape
+    B, T = block_size, tile
+    Q, KV = N * B, S + N * B
+    mask_mod = _dflash_mask_mod(anchors, keep, S, B)
+    if S % T or Q % T or T % B:
+        return create_block_mask(mask_mod, B=b, H=None, Q_LEN=Q, KV_LEN=KV, device=anchors.device)
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n_q, n_kv, G = Q // T, KV // T, T // B
+    a = anchors.view(b, n_q, G)
+    k = keep.view(b, n_q, G)
+    a_min = torch.where(k, a, torch.full_like(a, KV)).amin(-1)  # (b, n_q)
+    a_max = torch.where(k, a, torch.zeros_like(a)).amax(-1)
+    n_full = torch.where(k.all(-1), a_min // T, torch.zeros_like(a_min))  # tiles every query sees fully
+    n_part = (a_max + T - 1) // T - n_full  # tiles some query sees in part
+    idx = torch.arange(n_kv, device=anchors.device)
+    diag = (S // T + torch.arange(n_q, device=anchors.device))[None, :, None]  # own-block tile
+    kv_indices = torch.where(idx < n_part[..., None], n_full[..., None] + idx,
+                             torch.where(idx == n_part[..., None], diag, torch.zeros_like(idx)))
+    full_indices = idx.expand(b, n_q, n_kv)
+    i32 = torch.int32
+    return BlockMask.from_kv_blocks(
+        (n_part + 1)[:, None].to(i32), kv_indices[:, None].to(i32), n_full[:, None].to(i32),
+        full_indices[:, None].to(i32).contiguous(), BLOCK_SIZE=T, mask_mod=mask_mod, seq_lengths=(Q, KV))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -460,6 +494,11 @@ def drafter_forward_loss(drafter, head: TargetHead, batch: Batch, *, block_size:
     hidden = batch.hidden if hidden is None else hidden  # (b, S, n*H)
     b, S = batch.input_ids.shape
     N = batch.anchors.shape[1]
+    # labels first: selecting the rows that carry one syncs with the host, cheapest before the forward
+    labels, w = block_labels(batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, B, gamma)
+    labels, w = labels.reshape(-1), w.reshape(-1)  # (b*N*(B-1),)
+    sel = torch.nonzero(w > 0).squeeze(1)
+    k = torch.arange(B - 1, device=w.device).repeat(b * N).index_select(0, sel)  # block position - 1
     noise_ids, block_pos = block_layout(batch.input_ids, batch.anchors, batch.keep, B, mask_token_id)
     ctx_pos = torch.arange(S, device=block_pos.device).expand(b, S)
     position_ids = torch.cat([ctx_pos, block_pos], dim=1)  # (b, S + N*B)
@@ -469,18 +508,34 @@ def drafter_forward_loss(drafter, head: TargetHead, batch: Batch, *, block_size:
         mask = dflash_dense_mask(batch.anchors, batch.keep, S, B)
     x = head.embed(noise_ids)  # (b, N*B, H)
     out = drafter(x, hidden, position_ids, mask)  # (b, N*B, H)
-    labels, w = block_labels(batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, B, gamma)
-    rows = out.view(b, N, B, -1)[:, :, 1:].reshape(-1, out.shape[-1])  # (b*N*(B-1), H)
-    labels, w = labels.reshape(-1), w.reshape(-1)
-    pos = torch.arange(1, B, device=w.device).repeat(b * N)  # block position k of each row
-    sel = torch.nonzero(w > 0).squeeze(1)  # only rows that carry a label
-    loss_sum, correct = head_cross_entropy(rows.index_select(0, sel), head.lm_head.weight,
-                                           labels.index_select(0, sel), w.index_select(0, sel),
-                                           compiled=compiled_loss)
-    k = pos.index_select(0, sel) - 1
+    rows = out.view(b, N, B, -1)[:, :, 1:].reshape(-1, out.shape[-1])  # (b*N*(B-1), H): predictions k=1..B-1
+    loss_sum, correct = head_cross_entropy(rows.index_select(0, sel), head.lm_head.weight, labels.index_select(0, sel),
+                                           w.index_select(0, sel), compiled=compiled_loss)
     correct_by_pos = torch.zeros(B - 1, device=w.device).index_add_(0, k, correct.float())
     count_by_pos = torch.zeros(B - 1, device=w.device).index_add_(0, k, torch.ones_like(k, dtype=torch.float))
     return StepOutput(loss_sum, w.sum(), correct_by_pos, count_by_pos)
+
+
+def train_step(model, head: TargetHead, optimizer, batch: Batch, hidden, *, block_size: int, mask_token_id: int,
+               gamma: float, attention: str, grad_clip: float, compiled_loss: bool = False, world: int = 1):
+    """Forward, backward (loss normalized over the global batch), clip, AdamW step.
+
+    Returns (stats, w_total): stats = [loss_sum, correct_by_pos (B-1), count_by_pos (B-1)] of this rank,
+    w_total = the global sum of loss weights (the step's loss is all-reduced loss_sum / w_total)."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=hidden.is_cuda):
+        so = drafter_forward_loss(model, head, batch, block_size=block_size, mask_token_id=mask_token_id,
+                                  gamma=gamma, attention=attention, hidden=hidden, compiled_loss=compiled_loss)
+    w_total = so.weight_sum.detach().float().clone()
+    if world > 1:
+        dist.all_reduce(w_total)
+    loss = so.loss_sum / w_total.clamp_min(1e-6)
+    (loss * world).backward()  # DDP averages gradients over ranks: this makes it the global mean
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    stats = torch.cat([so.loss_sum.detach().float().view(1), so.correct_by_pos, so.count_by_pos])
+    return stats, w_total
 
 
 # ----------------------------------------------------------------------------------------------
@@ -672,7 +727,7 @@ def load_training_state(state_dir: Path, drafter, optimizer, scheduler, device) 
     from safetensors.torch import load_file
 
     doc = json.loads((state_dir / "trainer.json").read_text())
-    _unwrap(drafter).load_state_dict(load_file(str(state_dir / "drafter.safetensors"), device=str(device)), strict=False)
+    _unwrap(drafter).load_state_dict(load_file(str(state_dir / "drafter.safetensors"), device=str(device)), strict=True)
     flat = load_file(str(state_dir / "optimizer.safetensors"), device="cpu")
     index = {n: i for i, (n, _) in enumerate(_unwrap(drafter).named_parameters())}
     state: dict[int, dict[str, torch.Tensor]] = {}
@@ -709,6 +764,15 @@ def lr_lambda(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
         return 0.5 * (1.0 + math.cos(math.pi * min(t, 1.0)))
 
     return f
+
+
+def _allow_recompiles(limit: int = 64):
+    """Sequence length and anchor count vary per batch (padded to multiples of 128 / 8): let dynamo
+    recompile (it turns those dims dynamic after the first change) instead of falling back to eager."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < limit:
+            setattr(cfg, name, limit)
 
 
 def _dist_info() -> tuple[int, int, int]:
@@ -764,7 +828,9 @@ def train_drafter(
     features = None
     if recipe.online:
         features = TargetFeatures(target_dir, config.target_layer_ids, device, torch.bfloat16 if cuda else torch.float32)
-    if recipe.compile:
+    compiled = recipe.compile and cuda
+    if compiled:
+        _allow_recompiles()
         for layer in drafter.layers:
             layer.compile()
     model = drafter
@@ -801,25 +867,14 @@ def train_drafter(
         hidden = features(batch.input_ids) if features is not None else batch.hidden
         if not cuda:
             hidden = hidden.float()  # fp32 on CPU (the cache may hold bf16)
-        # normalize by the weight of the whole global batch, so ranks x batch = one big batch
-        _, w = block_labels(batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, B, gamma)
-        w_total = w.sum().float()
-        if world > 1:
-            dist.all_reduce(w_total)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            so = drafter_forward_loss(model, head, batch, block_size=B, mask_token_id=config.mask_token_id,
-                                      gamma=gamma, attention=attention, hidden=hidden, compiled_loss=recipe.compile)
-        loss = so.loss_sum / w_total.clamp_min(1e-6)
-        (loss * world).backward()  # DDP averages gradients over ranks
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), recipe.grad_clip)
-        optimizer.step()
+        stats, w_total = train_step(model, head, optimizer, batch, hidden, block_size=B,
+                                    mask_token_id=config.mask_token_id, gamma=gamma, attention=attention,
+                                    grad_clip=recipe.grad_clip, compiled_loss=compiled, world=world)
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         step += 1
 
         # metrics over the global batch
-        stats = torch.cat([so.loss_sum.detach().float().view(1), so.correct_by_pos, so.count_by_pos,
-                           torch.tensor([float(batch.num_tokens)], device=device)])
+        stats = torch.cat([stats, torch.tensor([float(batch.num_tokens)], device=device)])
         if world > 1:
             dist.all_reduce(stats)
         stats = stats.cpu()
@@ -833,7 +888,7 @@ def train_drafter(
         acc_counts["count"] = [a + float(c) for a, c in zip(acc_counts["count"], stats[B : 2 * B - 1])]
         if log is not None and rank == 0:
             el = time.perf_counter() - t_loop
-            log({"step": step, "total_steps": total, "epoch": epoch, "loss": step_loss,
+            log({"step": step, "total_steps": total, "epoch": epoch, "loss": step_loss, "tokens": int(stats[-1]),
                  "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / max(el, 1e-9),
                  "acc_by_pos": (stats[1:B] / stats[B : 2 * B - 1].clamp_min(1)).tolist()})
         if step % recipe.save_every == 0 or step == stop:

@@ -66,6 +66,7 @@ __all__ = [
     "check_budget",
     "part_file_name",
     "torch_dtype",
+    "start_writeback",
 ]
 
 FORMAT_NAME = "dflash-hidden-states/v1"

