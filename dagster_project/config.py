@@ -87,3 +87,23 @@ class GenerationStageConfig(dg.Config):
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             max_turns=self.max_turns, seed=self.seed, enable_thinking=enable_thinking,
         )
+
+
+class HiddenStateCacheConfig(dg.Config):
+    devices: list[str] = Field(
+        default_factory=lambda: ["cpu"],
+        description="Devices on the GPU host, one worker each (e.g. ['cuda:0', 'cuda:1']); cpu for the tiny target.",
+    )
+    tokens_per_batch: int = Field(default=16384, description="Samples are packed into batches of this many tokens.")
+    budget_gb: Optional[float] = Field(
+        default=None, description="Refuse to compute when the cache would grow past this many GB (None: no limit)."
+    )
+    max_part_gb: float = Field(default=16.0, description="Split a partition's safetensors file above this size.")
+    scratch_dir: Optional[str] = Field(default=None, description="Fast local disk on the GPU host for staging.")
+
+    def to_stage_payload(self) -> dict:
+        return {
+            "devices": self.devices, "tokens_per_batch": self.tokens_per_batch,
+            "budget_bytes": int(self.budget_gb * 1e9) if self.budget_gb is not None else None,
+            "max_part_bytes": int(self.max_part_gb * 2**30), "scratch_dir": self.scratch_dir,
+        }

@@ -924,3 +924,75 @@ def write_hidden_state_cache(store: Any, key_prefix: str, samples: Any, spec: Ca
         if ours.fullmatch(old) and old not in keys:
             store.delete(old)
     return dataclasses.replace(result, keys=tuple(keys))
+
+
+# ----------------------------------------------------------------------------
+# The partition as a stage: what the `hidden_state_cache` asset runs on the GPU host
+
+CACHE_PREFIX = "hidden_state_cache"
+
+
+def cache_keys(store: Any, shard: str) -> list[str]:
+    """The safetensors part keys of one partition (one key unless split by size)."""
+    ours = re.compile(rf"{CACHE_PREFIX}/{re.escape(shard)}(-\d{{5}}-of-\d{{5}})?\.safetensors")
+    return [k for k in store.list(CACHE_PREFIX) if ours.fullmatch(k)]
+
+
+def cache_partition_for_shard(store: Any, shard: str, target: Any, *, devices: Sequence[str] = ("cpu",),
+                              tokens_per_batch: int = 16384, budget_bytes: int | None = None,
+                              max_part_bytes: int = 16 * 2**30, scratch_dir: str | None = None,
+                              log: Callable[[str], None] = logger.info) -> dict[str, Any]:
+    """Capture one ``tokenized_samples`` partition into ``hidden_state_cache/<shard>*.safetensors``.
+
+    ``target`` is a ``TargetModelSpec``. Refuses (``QualityGateFailed``) a
+    partition whose blocking sample checks failed, and (``StorageBudgetExceeded``)
+    one that would push the cache past ``budget_bytes``. Returns metadata:
+    the capture's numbers, GB of this partition, and the projected size of
+    the whole corpus's cache at this partition's tokens per sample.
+    """
+    from dflash_assets.hidden_state_format import bytes_per_token, projected_corpus_bytes
+    from dflash_assets.tokenized_samples import require_quality_gate, samples_key
+
+    gate = require_quality_gate(store, shard)
+    facts = target.validate()
+    table = store.read_parquet(samples_key(shard), columns=["prompt_id", "input_ids", "loss_mask", "num_tokens"])
+    used = sum(store.size(k) for k in store.list(CACHE_PREFIX) if k not in cache_keys(store, shard))
+    dtype = "float32" if all(str(d).startswith("cpu") for d in devices) and target.dtype != "bfloat16" else "bfloat16"
+    spec = CaptureSpec(
+        target=target.model_path, layer_ids=tuple(facts.layer_ids), target_id=target.model_path, dtype=dtype,
+        tokens_per_batch=tokens_per_batch, max_part_bytes=max_part_bytes, budget_bytes=budget_bytes,
+        tokenizer_hash=facts.tokenizer_hash, upstream_data_version=gate["data_version"],
+    )
+    log(f"{shard}: capturing layers {list(facts.layer_ids)} of {table.num_rows} samples on {list(devices)} ({dtype})")
+    result = write_hidden_state_cache(store, CACHE_PREFIX, table, spec, stem=shard, devices=devices,
+                                      scratch_dir=scratch_dir, used_bytes=used)
+    per_token = bytes_per_token(len(facts.layer_ids), facts.hidden_size, dtype)
+    corpus_samples = _corpus_prompts(store) or table.num_rows
+    projected = projected_corpus_bytes(corpus_samples, result.num_tokens / max(1, result.num_samples),
+                                       len(facts.layer_ids), facts.hidden_size, dtype)
+    log(f"{shard}: {result.num_tokens} tokens at {result.tokens_per_second:.0f} tok/s, "
+        f"{result.bytes / 1e9:.3f} GB; whole corpus projected at {projected / 1e12:.3f} TB")
+    return {**result.metadata(), "bytes_per_token_hidden": per_token, "dtype": dtype,
+            "cache_used_gb_before": round(used / 1e9, 3), "corpus_samples": corpus_samples,
+            "projected_corpus_tb": round(projected / 1e12, 6), "upstream_data_version": gate["data_version"],
+            "target": target.model_path}
+
+
+def _corpus_prompts(store: Any) -> int | None:
+    """Prompts in the whole corpus (the ingest's index), for the projected cache size."""
+    try:
+        shards = store.read_json("prompt_corpus/index.json")["shards"]
+    except (FileNotFoundError, KeyError, ValueError):
+        return None
+    return sum(int(s["num_prompts"]) for s in shards.values()) or None
+
+
+def pipes_stage(call: Any) -> Any:
+    """Entry point of ``python -m dflash_assets.pipes_worker hidden_state_cache`` (see pipes_worker)."""
+    from dflash_assets.pipes_worker import StageResult
+    from dflash_assets.target_model import TargetModelSpec
+
+    cfg = dict(call.config)
+    target = TargetModelSpec(**cfg.pop("target"))
+    meta = cache_partition_for_shard(call.store, call.partition_key, target, log=call.log.info, **cfg)
+    return StageResult(metadata=meta, data_version=meta["upstream_data_version"])

@@ -53,6 +53,7 @@ class Store(Protocol):
     def write_bytes(self, key: str, data: bytes) -> None: ...
     def read_bytes(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
+    def size(self, key: str) -> int: ...
     def list(self, prefix: str) -> list[str]: ...
     def delete(self, key: str) -> None: ...
     def upload_file(self, key: str, path: str | os.PathLike) -> None: ...
@@ -154,6 +155,9 @@ class LocalStore(_StoreHelpers):
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
+    def size(self, key: str) -> int:
+        return self.local_path(key).stat().st_size
+
     def list(self, prefix: str) -> list[str]:
         base = self.root / prefix.strip("/") if prefix.strip("/") else self.root
         if not base.exists():
@@ -233,6 +237,9 @@ class S3Store(_StoreHelpers):
             if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return False
             raise
+
+    def size(self, key: str) -> int:
+        return int(self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"])
 
     def list(self, prefix: str) -> list[str]:
         full = self._key(prefix) if prefix.strip("/") else self.prefix

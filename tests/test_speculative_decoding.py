@@ -71,7 +71,7 @@ def test_lossless_on_the_hybrid_target(tiny_hybrid_target):
     ps = prompts(2, 8, seed=1, hi=248000)
     res = evaluate_drafter(untrained_drafter(tiny_hybrid_target), target, ps, max_new_tokens=12, stop_token_ids=EOS)
     assert res.lossless, res.per_prompt
-    assert res.num_new_tokens == 24
+    assert 0 < res.num_new_tokens <= 24 and res.num_verifications > 0
 
 
 def test_stop_tokens_and_length_budget(dense, tiny_dense_target):

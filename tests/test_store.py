@@ -34,6 +34,7 @@ def test_roundtrip_and_listing(store):
     assert store.read_json("meta/x.json") == {"k": [1, 2]}
     assert store.read_parquet("t/p.parquet").equals(table)
     assert store.exists("a/two.bin") and not store.exists("a/three.bin")
+    assert store.size("a/two.bin") == 2
     store.delete("a/two.bin")
     assert not store.exists("a/two.bin")
     with pytest.raises(FileNotFoundError, match="no object"):
