@@ -107,3 +107,16 @@ class HiddenStateCacheConfig(dg.Config):
             "budget_bytes": int(self.budget_gb * 1e9) if self.budget_gb is not None else None,
             "max_part_bytes": int(self.max_part_gb * 2**30), "scratch_dir": self.scratch_dir,
         }
+
+
+class DrafterTrainingConfig(dg.Config):
+    device: Optional[str] = Field(default=None, description="Training device on the GPU host (None: cuda if present).")
+    work_dir: Optional[str] = Field(
+        default=None, description="Persistent dir on the GPU host for resumable training states (None: cache dir)."
+    )
+
+
+class DrafterEvalConfig(dg.Config):
+    num_prompts: int = Field(default=16, description="Held-out prompts decoded speculatively.")
+    max_new_tokens: int = Field(default=128, description="Tokens generated per prompt.")
+    device: Optional[str] = Field(default=None, description="Device on the GPU host (None: cuda if present).")

@@ -6,7 +6,7 @@ the GPU launcher and the engine fleet; see ``deployment.py``.
 
 import dagster as dg
 
-from dagster_project.assets import generation, hidden_states, prompts, tokenization
+from dagster_project.assets import drafter, generation, hidden_states, prompts, tokenization
 from dagster_project.deployment import get_profile, resources_for_profile
 from dagster_project.jobs import ALL_JOBS
 from dagster_project.resources import EngineFleetResource, TargetModelResource
@@ -15,7 +15,7 @@ from dagster_project.sensors import prompt_source_sensor
 PROFILE = get_profile()
 
 defs = dg.Definitions(
-    assets=dg.load_assets_from_modules([prompts, generation, tokenization, hidden_states]),
+    assets=dg.load_assets_from_modules([prompts, generation, tokenization, hidden_states, drafter]),
     resources={
         **resources_for_profile(PROFILE),
         "target": TargetModelResource(),

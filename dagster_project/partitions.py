@@ -9,3 +9,13 @@ import dagster as dg
 
 prompt_shards = dg.DynamicPartitionsDefinition(name="prompt_shards")
 drafter_recipes = dg.DynamicPartitionsDefinition(name="drafter_recipes")
+
+
+def register_recipe(instance: dg.DagsterInstance, store, recipe) -> str:
+    """Save ``recipe`` (a ``DrafterRecipe``) to the store and add its ``drafter_recipes`` partition."""
+    from dflash_assets.drafter_stages import save_recipe
+
+    save_recipe(store, recipe)
+    if not instance.has_dynamic_partition(drafter_recipes.name, recipe.name):
+        instance.add_dynamic_partitions(drafter_recipes.name, [recipe.name])
+    return recipe.name

@@ -135,13 +135,13 @@ def _selftest(call: StageCall) -> StageResult:
 STAGES: dict[str, StageFn | str] = {
     "selftest": _selftest,
     "hidden_state_cache": "dflash_assets.hidden_state_cache:pipes_stage",
-    "drafter_checkpoint": "dflash_assets.drafter_training:pipes_stage",
-    "drafter_eval": "dflash_assets.speculative_decoding:pipes_stage",
+    "drafter_checkpoint": "dflash_assets.drafter_stages:pipes_stage_train",
+    "drafter_eval": "dflash_assets.drafter_stages:pipes_stage_eval",
 }
 
 # Check names each stage reports: the asset that launches it must declare these
 # as check specs (dagster_project.pipes.check_specs_for builds them).
-STAGE_CHECKS: dict[str, tuple[str, ...]] = {"selftest": ("selftest_roundtrip",)}
+STAGE_CHECKS: dict[str, tuple[str, ...]] = {"selftest": ("selftest_roundtrip",), "drafter_eval": ("lossless",)}
 
 
 def register_stage(name: str, fn: StageFn | str, checks: tuple[str, ...] = ()) -> None:

@@ -1,0 +1,229 @@
+"""The drafter stages over the store: recipes, training a checkpoint, measuring acceptance length.
+
+Recipes (one ``drafter_recipes`` partition each) live in the store as
+``drafter_recipes/<name>.json`` (a :class:`DrafterRecipe`); the partition key
+is the recipe's name, which carries its version (``demo-v1``).
+
+- :func:`train_recipe` reads the hidden-state cache partitions the recipe
+  selects (or, for an online recipe, the tokenized samples, after checking
+  their quality gate), trains in a work directory on the GPU host (resumable:
+  a killed run continues from its last saved state there), and publishes
+  ``drafter_checkpoint/<recipe>/{model.safetensors,config.json}`` plus
+  ``train_metrics.json``.
+- :func:`eval_recipe` downloads that checkpoint, renders held-out prompts
+  (shards the recipe did not train on) with the target's chat template, runs
+  greedy speculative decoding against the target, checks losslessness, and
+  writes ``drafter_eval/<recipe>.json``.
+
+``pipes_stage_train`` / ``pipes_stage_eval`` are the entry points of the
+Pipes worker on the GPU host. Imports torch and transformers lazily through
+the training and decoding modules; pyarrow only where Parquet is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from dflash_assets.drafter_training import DrafterRecipe
+
+logger = logging.getLogger(__name__)
+
+RECIPES_PREFIX = "drafter_recipes"
+CHECKPOINT_PREFIX = "drafter_checkpoint"
+EVAL_PREFIX = "drafter_eval"
+CHECKPOINT_FILES = ("model.safetensors", "config.json")
+
+
+def recipe_key(name: str) -> str:
+    return f"{RECIPES_PREFIX}/{name}.json"
+
+
+def save_recipe(store: Any, recipe: DrafterRecipe) -> str:
+    """Store a recipe under its name (the partition key); returns the key."""
+    if not recipe.name or "/" in recipe.name:
+        raise ValueError(f"recipe name must be a non-empty partition key without '/': {recipe.name!r}")
+    store.write_json(recipe_key(recipe.name), recipe.to_dict())
+    return recipe_key(recipe.name)
+
+
+def load_recipe(store: Any, name: str) -> DrafterRecipe:
+    if not store.exists(recipe_key(name)):
+        raise FileNotFoundError(f"no recipe {name!r} in the store ({recipe_key(name)}); register it first")
+    return DrafterRecipe.from_dict(store.read_json(recipe_key(name)))
+
+
+def _cached_shards(store: Any) -> list[str]:
+    from dflash_assets.hidden_state_cache import CACHE_PREFIX
+
+    parts = (re.fullmatch(r"(.+?)(-\d{5}-of-\d{5})?\.safetensors", Path(k).name) for k in store.list(CACHE_PREFIX))
+    return sorted({m.group(1) for m in parts if m})
+
+
+def training_shards(store: Any, recipe: DrafterRecipe) -> list[str]:
+    """The shards a recipe trains on: its explicit selection, else every shard with a cache (or samples)."""
+    if recipe.partitions:
+        return list(recipe.partitions)
+    if recipe.online:
+        from dflash_assets.tokenized_samples import SAMPLES_PREFIX
+
+        return sorted(Path(k).name[: -len(".parquet")] for k in store.list(SAMPLES_PREFIX) if k.endswith(".parquet"))
+    return _cached_shards(store)
+
+
+def _training_files(store: Any, recipe: DrafterRecipe, shards: list[str]) -> list[Path]:
+    if recipe.online:
+        from dflash_assets.tokenized_samples import require_quality_gate, samples_key
+
+        for shard in shards:
+            require_quality_gate(store, shard)
+        return [store.local_path(samples_key(s)) for s in shards]
+    from dflash_assets.hidden_state_cache import cache_keys
+
+    files = []
+    for shard in shards:
+        keys = cache_keys(store, shard)
+        if not keys:
+            raise FileNotFoundError(f"recipe {recipe.name!r} selects {shard!r}, which has no hidden-state cache; "
+                                    f"materialize hidden_state_cache for it first")
+        files += [store.local_path(k) for k in keys]
+    return files
+
+
+def default_work_dir() -> Path:
+    from dflash_assets.tokenizer import default_cache_root
+
+    return default_cache_root() / "train"
+
+
+def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = None, device: str | None = None,
+                 max_steps: int | None = None, log: Callable[[str], None] = logger.info,
+                 log_every: int = 10) -> dict[str, Any]:
+    """Train the recipe ``name`` against ``target`` (a ``TargetModelSpec``); returns metadata."""
+    from dflash_assets.drafter_training import train_drafter
+
+    recipe = load_recipe(store, name)
+    shards = training_shards(store, recipe)
+    if not shards:
+        raise FileNotFoundError(f"recipe {name!r}: no training data in the store yet")
+    files = _training_files(store, recipe, shards)
+    work = Path(work_dir or default_work_dir()) / f"{name}-{recipe.fingerprint()}"
+    log(f"recipe {name}: {len(shards)} shards, {len(files)} files, work dir {work} (resumes from its last state)")
+
+    def on_step(m: dict[str, Any]) -> None:
+        if m["step"] % log_every == 0 or m["step"] == 1:
+            log(f"step {m['step']}: loss {m['loss']:.4f}, lr {m['lr']:.2e}, {m.get('tokens_per_s', 0):.0f} tok/s")
+
+    result = train_drafter(recipe, files, target.model_path, work, resume=True, log=on_step, device=device,
+                           max_steps=max_steps)
+    if result.checkpoint_dir is None:
+        raise RuntimeError(f"recipe {name}: stopped at step {result.steps}/{result.total_steps} before the end; "
+                           f"run again to resume from {result.state_dir}")
+    prefix = f"{CHECKPOINT_PREFIX}/{name}"
+    for fname in CHECKPOINT_FILES:
+        store.upload_file(f"{prefix}/{fname}", Path(result.checkpoint_dir) / fname)
+    metrics = result.metrics()
+    store.write_json(f"{prefix}/train_metrics.json", {**metrics, "losses": result.losses, "recipe": recipe.to_dict(),
+                                                      "shards": shards, "target": target.model_path})
+    losses = result.losses
+    stride = max(1, len(losses) // 20)
+    curve = "\n".join(["| step | loss |", "| ---: | ---: |"]
+                      + [f"| {i + 1} | {losses[i]:.4f} |" for i in range(0, len(losses), stride)])
+    acc = "\n".join(["| block position k | accuracy |", "| ---: | ---: |"]
+                    + [f"| {k + 1} | {a:.3f} |" for k, a in enumerate(result.accuracy_by_position)])
+    return {
+        "recipe": name, "recipe_fingerprint": recipe.fingerprint(), "shards": shards,
+        "steps": result.steps, "total_steps": result.total_steps,
+        "first_loss": float(losses[0]) if losses else float("nan"), "final_loss": float(metrics["final_loss"]),
+        "tokens_per_s": round(float(result.tokens_per_s), 1), "mean_accuracy": round(float(metrics["mean_accuracy"]), 4),
+        "resumed_from_step": result.resumed_from_step if result.resumed_from_step is not None else 0,
+        "wall_s": round(result.wall_s, 1), "num_sequences": result.num_sequences,
+        "loss_curve": curve, "accuracy_by_position": acc, "checkpoint": store.url(prefix),
+    }
+
+
+def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts: int) -> tuple[list[Any], bool]:
+    """Rendered prompts from shards the recipe did not train on; (prompts, held_out)."""
+    from dflash_assets.raw_prompts import RAW_PROMPTS_PREFIX
+    from dflash_assets.speculative_decoding import EvalPrompt
+
+    trained = set(training_shards(store, recipe))
+    shards = sorted(Path(k).name[: -len(".parquet")] for k in store.list(RAW_PROMPTS_PREFIX) if k.endswith(".parquet"))
+    held = [s for s in shards if s not in trained]
+    held_out = bool(held)
+    tok = target.load_tokenizer()
+    prompts: list[EvalPrompt] = []
+    for shard in held or shards[-1:]:
+        table = store.read_parquet(f"{RAW_PROMPTS_PREFIX}/{shard}.parquet",
+                                   columns=["prompt_id", "system", "user_turns", "category"])
+        for row in table.to_pylist():
+            messages = ([{"role": "system", "content": row["system"]}] if row["system"] else [])
+            messages.append({"role": "user", "content": row["user_turns"][0]})
+            text = target.render_chat(tok, messages, add_generation_prompt=True)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            prompts.append(EvalPrompt(tuple(ids[-1024:]), row["category"] or "unknown", row["prompt_id"]))
+            if len(prompts) >= num_prompts:
+                return prompts, held_out
+    return prompts, held_out
+
+
+def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, max_new_tokens: int = 128,
+                device: str | None = None, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
+    """Acceptance length tau of the recipe's checkpoint on held-out prompts, and the lossless check."""
+    from dflash_assets.speculative_decoding import evaluate_drafter
+
+    recipe = load_recipe(store, name)
+    prompts, held_out = heldout_prompts(store, recipe, target, num_prompts)
+    if not held_out:
+        log(f"recipe {name} trained on every shard: evaluating on training prompts (tau is optimistic)")
+    tok = target.load_tokenizer()
+    stop = sorted({i for i in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if isinstance(i, int)})
+    with tempfile.TemporaryDirectory(prefix="dflash-eval-") as tmp:
+        for fname in CHECKPOINT_FILES:
+            Path(tmp, fname).write_bytes(store.read_bytes(f"{CHECKPOINT_PREFIX}/{name}/{fname}"))
+        log(f"recipe {name}: speculative decoding of {len(prompts)} prompts, {max_new_tokens} new tokens each")
+        result = evaluate_drafter(tmp, target.model_path, prompts, max_new_tokens=max_new_tokens,
+                                  stop_token_ids=stop, check_lossless=True, device=device)
+    metrics = result.metrics()
+    store.write_json(f"{EVAL_PREFIX}/{name}.json", {**metrics, "per_prompt": result.per_prompt, "held_out": held_out})
+    log(f"recipe {name}: tau {result.tau:.3f}, lossless {result.lossless}")
+    by_cat = "\n".join(["| category | tau |", "| --- | ---: |"]
+                       + [f"| {c} | {t:.3f} |" for c, t in sorted(result.tau_by_category.items())])
+    return {
+        "tau": round(float(result.tau), 4), "tau_by_category": by_cat, "lossless": bool(result.lossless),
+        "num_mismatches": int(result.num_mismatches), "num_verifications": int(result.num_verifications),
+        "num_new_tokens": int(result.num_new_tokens), "num_prompts": len(prompts), "held_out": held_out,
+        "wall_s": round(float(result.wall_s), 1),
+    }
+
+
+def pipes_stage_train(call: Any) -> Any:
+    """``python -m dflash_assets.pipes_worker drafter_checkpoint``."""
+    from dflash_assets.pipes_worker import StageResult
+    from dflash_assets.target_model import TargetModelSpec
+
+    cfg = dict(call.config)
+    target = TargetModelSpec(**cfg.pop("target"))
+    meta = train_recipe(call.store, call.partition_key, target, log=call.log.info, **cfg)
+    return StageResult(metadata=meta, data_version=meta["recipe_fingerprint"])
+
+
+def pipes_stage_eval(call: Any) -> Any:
+    """``python -m dflash_assets.pipes_worker drafter_eval``; reports the ``lossless`` check."""
+    from dflash_assets.pipes_worker import CheckOutcome, StageResult
+    from dflash_assets.target_model import TargetModelSpec
+
+    cfg = dict(call.config)
+    target = TargetModelSpec(**cfg.pop("target"))
+    meta = eval_recipe(call.store, call.partition_key, target, log=call.log.info, **cfg)
+    check = CheckOutcome("lossless", passed=meta["lossless"], severity="ERROR",
+                         metadata={"num_mismatches": meta["num_mismatches"], "num_prompts": meta["num_prompts"]})
+    return StageResult(metadata=meta, checks=[check])
+
+
+def recipe_from_json(text: str) -> DrafterRecipe:
+    return DrafterRecipe.from_dict(json.loads(text))
