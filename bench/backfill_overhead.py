@@ -55,7 +55,8 @@ from dagster_project.resources import StoreResource  # noqa: E402
 from dflash_assets.raw_prompts import materialize_prompt_shard  # noqa: E402
 
 LOCATION_ENV = "DFLASH_BENCH_LOCATION"
-POLICY_ENV = "DFLASH_BENCH_POLICY"  # "single_run" | "multi_run:<N>" | "project"
+POLICY_ENV = "DFLASH_BENCH_POLICY"  # "single_run" | "multi_run:<N>" | "none" | "project"
+METADATA_ENV = "DFLASH_BENCH_METADATA"  # "0": no per-partition metadata (measures what it costs)
 
 
 def policy_from_spec(spec: str) -> dg.BackfillPolicy | None:
@@ -68,7 +69,7 @@ def policy_from_spec(spec: str) -> dg.BackfillPolicy | None:
     raise ValueError(f"unknown policy {spec!r}")
 
 
-def batched_raw_prompts(policy: dg.BackfillPolicy | None) -> dg.AssetsDefinition:
+def batched_raw_prompts(policy: dg.BackfillPolicy | None, per_partition_metadata: bool = True) -> dg.AssetsDefinition:
     """``raw_prompts`` as proposed for a batching backfill policy (the project asset's body, looped)."""
 
     @dg.asset(
@@ -86,6 +87,8 @@ def batched_raw_prompts(policy: dg.BackfillPolicy | None) -> dg.AssetsDefinition
         opened = store.open()
         for key in context.partition_keys:  # one key in a single-partition run, a range under the policy
             table, stats = materialize_prompt_shard(opened, key)
+            if not per_partition_metadata:
+                continue
             context.add_asset_metadata(
                 {**to_metadata(stats), "preview": preview_table(table, ["prompt_id", "num_user_turns", "user_turns"])},
                 partition_key=key,
@@ -107,7 +110,8 @@ def project_raw_prompts_if_batched() -> dg.AssetsDefinition | None:
 
 def bench_definitions() -> dg.Definitions:
     spec = os.environ.get(POLICY_ENV, "multi_run:500")
-    asset = project_raw_prompts_if_batched() if spec == "project" else batched_raw_prompts(policy_from_spec(spec))
+    metadata = os.environ.get(METADATA_ENV, "1") != "0"
+    asset = project_raw_prompts_if_batched() if spec == "project" else batched_raw_prompts(policy_from_spec(spec), metadata)
     if asset is None:
         raise RuntimeError("--policy project: the project's raw_prompts has no batching BackfillPolicy yet")
     return dg.Definitions(assets=[prompt_corpus, asset], resources={"store": StoreResource()})
@@ -140,10 +144,26 @@ def run_loop(source: Path, store_dir: Path) -> dict:
     return {"loop_s": time.perf_counter() - t0, "ingest_s": ingest_s, "partitions": len(report.shard_keys)}
 
 
-def run_daemon(source: Path, workdir: Path, policy_spec: str, timeout_s: float) -> dict:
+def run_daemon(source: Path, workdir: Path, policy_spec: str, timeout_s: float, storage: str, metadata: bool) -> dict:
+    if storage == "postgres":
+        from tests.postgres_fixture import running_postgres
+
+        with running_postgres() as pg:
+            saved = {k: os.environ.get(k) for k in pg.env()}
+            os.environ.update(pg.env())  # this process reads the instance too
+            try:
+                return _run_daemon(source, workdir, policy_spec, timeout_s, pg.env(), metadata)
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return _run_daemon(source, workdir, policy_spec, timeout_s, None, metadata)
+
+
+def _run_daemon(source: Path, workdir: Path, policy_spec: str, timeout_s: float, pg_env: dict | None,
+                metadata: bool) -> dict:
     from dagster._core.storage.dagster_run import RunsFilter
 
-    from tests.dagster_dev import dagster_dev, instance_yaml
+    from tests.dagster_dev import POSTGRES_STORAGE_YAML, dagster_dev, instance_yaml
 
     workspace = workdir / "workspace.yaml"
     workspace.write_text(
@@ -153,11 +173,12 @@ def run_daemon(source: Path, workdir: Path, policy_spec: str, timeout_s: float) 
         f"      working_directory: {REPO_ROOT}\n"
         "      location_name: dflash_assets\n"
     )
-    env = {LOCATION_ENV: "1", POLICY_ENV: policy_spec, "DFLASH_STORE": str(workdir / "dagster-store"),
-           "DFLASH_PROMPT_SOURCE": str(source)}
+    env = {LOCATION_ENV: "1", POLICY_ENV: policy_spec, METADATA_ENV: "1" if metadata else "0",
+           "DFLASH_STORE": str(workdir / "dagster-store"), "DFLASH_PROMPT_SOURCE": str(source), **(pg_env or {})}
+    storage_yaml = POSTGRES_STORAGE_YAML if pg_env else ""
     t_start = time.perf_counter()
     with dagster_dev(workdir / "home", env=env, workspace=workspace,
-                     dagster_yaml=instance_yaml(max_concurrent_runs=2)) as dev:
+                     dagster_yaml=instance_yaml(max_concurrent_runs=2, storage_yaml=storage_yaml)) as dev:
         startup_s = time.perf_counter() - t_start
         t0 = time.perf_counter()
         run_id = dev.launch_run(["prompt_corpus"], {"ops": {"prompt_corpus": {"config": {"max_prompts_per_shard": 1}}}})
@@ -220,6 +241,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--policy", default="multi_run", choices=["multi_run", "single_run", "project", "none"],
                         help="BackfillPolicy of raw_prompts (project: the project's own asset)")
     parser.add_argument("--max-partitions-per-run", type=int, default=500, help="for --policy multi_run")
+    parser.add_argument("--storage", default="sqlite", choices=["sqlite", "postgres"],
+                        help="instance storage: SQLite under DAGSTER_HOME (local profile) or a throwaway "
+                             "PostgreSQL (tests/postgres_fixture.py: fsync off) like the cluster profile")
+    parser.add_argument("--no-partition-metadata", action="store_true",
+                        help="skip per-partition add_asset_metadata (to measure its cost)")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--workdir", help="keep everything here (default: a temp dir, removed)")
     parser.add_argument("--goal", type=float, default=0.25, help="overhead goal: (daemon - loop) / loop")
@@ -233,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         source = workdir / "prompts.jsonl"
         write_source(source, args.partitions)
         loop = run_loop(source, workdir / "loop-store")
-        daemon = run_daemon(source, workdir, spec, args.timeout)
+        daemon = run_daemon(source, workdir, spec, args.timeout, args.storage, not args.no_partition_metadata)
         n = daemon["partitions"]
         expected_runs = (n if spec == "none" else 1 if spec == "single_run"
                          else math.ceil(n / args.max_partitions_per_run) if args.policy == "multi_run" else None)
@@ -242,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
             "asset": "raw_prompts",
             "partitions": n,
             "policy": spec,
+            "instance_storage": args.storage + (" (fsync=off, synchronous_commit=off)" if args.storage == "postgres" else ""),
+            "per_partition_metadata": not args.no_partition_metadata,
             "expected_runs": expected_runs,
             "loop_s": round(loop["loop_s"], 2),
             "daemon_to_materialized_s": round(daemon["to_materialized_s"], 2),

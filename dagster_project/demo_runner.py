@@ -36,18 +36,15 @@ def demo_run_config(max_new_tokens: int, max_turns: int) -> dict[str, Any]:
 
 
 def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int = 8, max_new_tokens: int = 96,
-             max_turns: int = 2, engine_concurrency: int = 2) -> dict[str, Any]:
+             max_turns: int = 2, engine_concurrency: int = 2, eval_prompts: int = 4,
+             eval_new_tokens: int = 48) -> dict[str, Any]:
     from dagster_project.definitions import defs
     from dagster_project.partitions import register_recipe
     from dagster_project.resources import EngineFleetResource
-    from dflash_assets.engines import EngineServer, engine_server_command
-    from dflash_assets.tiny_targets import tiny_target_path
+    from dflash_assets.engines import local_engine_server
 
-    target_dir = tiny_target_path("dense")
-    port = _free_port()
-    argv = engine_server_command("transformers", target_dir, port=port, extra_args=["--dtype", "float32"])
-    log.info("starting the engine: %s", " ".join(argv))
-    server = EngineServer(argv, url=f"http://127.0.0.1:{port}", endpoint_kind="openai", expect_model=str(target_dir))
+    server = local_engine_server("transformers", port=0)  # the tiny target, on 127.0.0.1
+    log.info("starting the engine: %s", server.command)
     with server:
         resources = {**defs.resources, "engines": EngineFleetResource(
             endpoints=[f"openai:{server.url}"], max_concurrency=engine_concurrency)}
@@ -73,17 +70,10 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
     store = resources["store"].open()
     recipe = demo_recipe(good)
     register_recipe(instance, store, recipe)
-    train = materialize(["drafter_checkpoint", "drafter_eval"], recipe.name)
+    train = materialize(["drafter_checkpoint", "drafter_eval"], recipe.name, {"ops": {
+        "drafter_eval": {"config": {"num_prompts": eval_prompts, "max_new_tokens": eval_new_tokens}}}})
     tau = None
     for m in train.asset_materializations_for_node("drafter_eval") if train.success else []:
         tau = m.metadata["tau"].value
     return {"shards": shards, "failed_shards": failed, "recipe": recipe.name, "tau": tau,
             "drafter_ok": train.success}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import secrets
 import time
 from dataclasses import asdict, dataclass, field

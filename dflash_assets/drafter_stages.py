@@ -22,6 +22,7 @@ the training and decoding modules; pyarrow only where Parquet is read.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -111,7 +112,9 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
     if not shards:
         raise FileNotFoundError(f"recipe {name!r}: no training data in the store yet")
     files = _training_files(store, recipe, shards)
-    work = Path(work_dir or default_work_dir()) / f"{name}-{recipe.fingerprint()}"
+    # The work dir is keyed by the recipe and its data, so changed data never resumes a stale run.
+    data_tag = hashlib.sha256(json.dumps([(str(f.name), f.stat().st_size) for f in files]).encode()).hexdigest()[:8]
+    work = Path(work_dir or default_work_dir()) / f"{name}-{recipe.fingerprint()}-{data_tag}"
     log(f"recipe {name}: {len(shards)} shards, {len(files)} files, work dir {work} (resumes from its last state)")
 
     def on_step(m: dict[str, Any]) -> None:

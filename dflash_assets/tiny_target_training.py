@@ -59,6 +59,7 @@ class ChatFormatTraining:
     reasoning_tokens: tuple[int, int] = (12, 32)
     answer_tokens: tuple[int, int] = (16, 44)
     sentence_cut: bool = False  # end reasoning/answer at the last sentence end inside the drawn length
+    format_weight: float = 1.0  # loss weight of the format tokens: first reasoning token, "\n</think>\n\n", <|im_end|>
     steps: int = 300
     batch_tokens: int = 1536  # padded tokens per step; samples of similar length are batched together
     lr: float = 1e-2
@@ -128,6 +129,7 @@ def _pairs(records: list[dict]) -> list[tuple[str, str]]:
     return pairs
 
 
+THINK_END_ID = 248_069  # `</think>` in the Qwen3.5/3.6 tokenizer
 _SENTENCE_END = (".", "!", "?", "\u3002", "\n")
 
 
@@ -150,6 +152,7 @@ def _text(tok: "PreTrainedTokenizerBase", ids: list[int]) -> str:
 class _Sample:
     ids: list[int]
     start: int  # first supervised position (the token after `<think>\n`)
+    format_pos: tuple[int, ...] = ()  # positions of the format tokens (see `format_weight`)
 
 
 def build_samples(tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> list[_Sample]:
@@ -168,12 +171,12 @@ def build_samples(tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> li
         encoded.append((user_ids, reply_ids))
         longest = cfg.long_prompt_tokens if rng.random() < cfg.long_prompt_frac else cfg.prompt_tokens[1]
         prompt = _text(tok, user_ids[: rng.randint(cfg.prompt_tokens[0], longest)])
-        answer_ids = _cut_ids(tok, reply_ids, rng.randint(*cfg.answer_tokens), cfg.answer_tokens[0] // 2,
+        answer_ids = _cut_ids(tok, reply_ids, rng.randint(*cfg.answer_tokens), cfg.answer_tokens[0],
                               cfg.sentence_cut)
         rest = reply_ids[len(answer_ids) + rng.randint(0, 8) :]
         if len(rest) < cfg.reasoning_tokens[1]:
             rest = user_ids
-        reasoning_ids = _cut_ids(tok, rest, rng.randint(*cfg.reasoning_tokens), cfg.reasoning_tokens[0] // 2,
+        reasoning_ids = _cut_ids(tok, rest, rng.randint(*cfg.reasoning_tokens), cfg.reasoning_tokens[0],
                                  cfg.sentence_cut)
         answer, reasoning = _text(tok, answer_ids), _text(tok, reasoning_ids)
         if not (prompt and answer and reasoning):
@@ -192,7 +195,8 @@ def build_samples(tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> li
         ids = tok.encode(full[: -len("\n")], add_special_tokens=False)  # generation stops at <|im_end|>
         if ids[: len(prefix_ids)] != prefix_ids:
             raise ValueError("prompt ids are not a prefix of the conversation ids")
-        samples.append(_Sample(ids, len(prefix_ids)))
+        end = ids.index(THINK_END_ID, len(prefix_ids))
+        samples.append(_Sample(ids, len(prefix_ids), (len(prefix_ids), end - 1, end, end + 1, len(ids) - 1)))
     return samples
 
 
@@ -280,16 +284,20 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
         ids = torch.full((len(batch), T), 0, dtype=torch.long)
         mask = torch.zeros((len(batch), T), dtype=torch.long)
         sup = torch.zeros((len(batch), T), dtype=torch.bool)  # position predicts a supervised token
+        weight = torch.ones((len(batch), T))  # weight of the token predicted at each position
         for b, s in enumerate(batch):
             ids[b, : len(s.ids)] = torch.tensor(s.ids)
             mask[b, : len(s.ids)] = 1
             sup[b, s.start - 1 : len(s.ids) - 1] = True
+            weight[b, [p - 1 for p in s.format_pos]] = cfg.format_weight
         targets = ids[:, 1:][sup[:, :-1]]
+        weight = weight[sup]
         x = emb[in_pos[ids].clamp(min=0)]  # [B, T, H]; padding rows are masked out
         h = body(inputs_embeds=x, attention_mask=mask).last_hidden_state[sup]  # [N, H]
         logits = h @ head.T  # [N, n_out]
         rest = torch.logsumexp(h @ rest_rows.T, dim=-1, keepdim=True) + log_rest_scale  # [N, 1]
-        loss = F.cross_entropy(torch.cat([logits, rest], dim=-1), out_pos[targets])
+        ce = F.cross_entropy(torch.cat([logits, rest], dim=-1), out_pos[targets], reduction="none")
+        loss = (ce * weight).sum() / weight.sum()
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg)
         opt.zero_grad(set_to_none=True)

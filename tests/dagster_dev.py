@@ -17,8 +17,13 @@ dialog: ``launchPartitionBackfill`` with an asset selection), ``backfill``
 and ``wait_for_backfill``, ``start_sensor``, plus ``instance()`` for reading
 the same SQLite instance directly.
 
+Test data for these end-to-end tests: ``write_prompt_source`` (a JSONL of
+distinct one-turn prompts) and ``write_completions`` (a completions partition
+built from a ``raw_prompts`` partition: answers with reasoning, or
+``<think>\n\n</think>\n\nOK.``-style stubs, the failure that blocking checks exist for).
+
 Reads: the repository's ``workspace.yaml``. Writes: ``home/`` (instance,
-``dagster.yaml``, the log).
+``dagster.yaml``, the log); the data helpers write where they are told.
 """
 
 from __future__ import annotations
@@ -45,7 +50,10 @@ ASSET_JOB = "__ASSET_JOB"  # the implicit job the UI's "Materialize" buttons lau
 FINISHED_BACKFILL = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
 FINISHED_RUN = {"SUCCESS", "FAILURE", "CANCELED"}
 
-__all__ = ["DagsterDev", "DagsterDevError", "CodeLocationError", "dagster_dev", "instance_yaml", "free_port", "REPO_ROOT"]
+__all__ = [
+    "DagsterDev", "DagsterDevError", "CodeLocationError", "dagster_dev", "instance_yaml", "free_port",
+    "POSTGRES_STORAGE_YAML", "REPO_ROOT", "write_prompt_source", "write_completions",
+]
 
 
 class DagsterDevError(RuntimeError):
@@ -62,14 +70,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def instance_yaml(*, max_concurrent_runs: int = 2, gpu_slots: int = 1, dequeue_interval_s: int = 1) -> str:
-    """``dagster.yaml`` for a test instance (SQLite under DAGSTER_HOME, Dagster's default storage).
+POSTGRES_STORAGE_YAML = """\
+storage:
+  postgres:
+    postgres_db:
+      hostname: {env: DAGSTER_PG_HOST}
+      port: {env: DAGSTER_PG_PORT}
+      username: {env: DAGSTER_PG_USER}
+      password: {env: DAGSTER_PG_PASSWORD}
+      db_name: {env: DAGSTER_PG_DB}
+      scheme: postgresql+psycopg2
+"""
+
+
+def instance_yaml(*, max_concurrent_runs: int = 2, gpu_slots: int = 1, dequeue_interval_s: int = 1,
+                  storage_yaml: str = "") -> str:
+    """``dagster.yaml`` for a test instance: SQLite under DAGSTER_HOME (Dagster's default) unless
+    ``storage_yaml`` says otherwise (``POSTGRES_STORAGE_YAML`` with the ``DAGSTER_PG_*`` variables).
 
     ``concurrency.pools.default_limit`` caps every pool that has no explicit
     limit: the ``gpu`` pool of the GPU stages runs ``gpu_slots`` steps at a
     time on this instance (``dagster instance concurrency set gpu N`` overrides it).
     """
-    return f"""\
+    return storage_yaml + f"""\
 telemetry:
   enabled: false
 run_queue:
@@ -361,3 +384,51 @@ def _wait_until_ready(dev: DagsterDev, timeout_s: float, required_daemons: Seque
 
 class _NotYet(Exception):
     pass
+
+
+# --- test data ---------------------------------------------------------------------------
+
+
+def write_prompt_source(path: str | os.PathLike, n: int, start: int = 0, word: str = "question") -> Path:
+    """Append ``n`` distinct one-turn prompts (JSONL, ``messages`` format) to ``path``."""
+    path = Path(path)
+    with open(path, "a") as f:
+        for i in range(start, start + n):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"{word} {i}: how do tides work?"}]}) + "\n")
+    return path
+
+
+def write_completions(store: Any, shard: str, *, stub: bool = False) -> int:
+    """Write ``completions/<shard>.parquet`` for the prompts of ``raw_prompts/<shard>.parquet``; returns rows.
+
+    Each conversation gets one assistant turn after its user turns: reasoning
+    plus a multi-sentence answer, or with ``stub=True`` no reasoning and
+    ``OK.`` (a supervised span of a handful of tokens: an empty response).
+    """
+    import pyarrow as pa
+
+    from dflash_assets.completions import completions_key
+    from dflash_assets.tokenized_samples import COMPLETIONS_MESSAGES_TYPE
+
+    prompts = store.read_parquet(f"raw_prompts/{shard}.parquet", columns=["prompt_id", "system", "user_turns"])
+    conversations = []
+    for system, turns in zip(prompts.column("system").to_pylist(), prompts.column("user_turns").to_pylist()):
+        messages = [{"role": "system", "content": system, "reasoning_content": None}] if system else []
+        for turn in turns:
+            messages.append({"role": "user", "content": turn, "reasoning_content": None})
+        if stub:
+            messages.append({"role": "assistant", "content": "OK.", "reasoning_content": ""})
+        else:
+            messages.append({
+                "role": "assistant",
+                "reasoning_content": "The user asks about tides. The Moon's gravity pulls the oceans; "
+                                     "the Sun adds a smaller pull, and Earth rotates beneath both bulges.",
+                "content": "Tides come from the Moon's gravity pulling on the oceans, with a smaller pull "
+                           "from the Sun. Two bulges form, and as the Earth turns each coast passes through "
+                           "them, so most places see two high tides and two low tides a day.",
+            })
+        conversations.append(messages)
+    table = pa.table({"prompt_id": prompts.column("prompt_id"),
+                      "messages": pa.array(conversations, COMPLETIONS_MESSAGES_TYPE)})
+    store.write_parquet(completions_key(shard), table)
+    return table.num_rows
