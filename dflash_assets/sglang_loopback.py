@@ -82,6 +82,7 @@ class LoopbackConfig:
     output_ids: bool = True  # False: behave like older SGLang (text only)
     reasoning_field: bool = True  # /v1/chat/completions: False = no reasoning parser (<think> stays in content)
     tokenizer_json: str | None = None
+    stub_ratio: float = 0.0  # share of prompts answered with the stub "\n</think>\n\nOK.<|im_end|>" (empty reasoning)
 
 
 @dataclass
@@ -120,6 +121,9 @@ class _Generator:
         if c.instant:
             return [c.token_lo, c.think_end_id, c.token_lo + 1, c.eos_id]
         rng = random.Random(hashlib.blake2b(key, digest_size=8).digest())
+        if c.stub_ratio and rng.random() < c.stub_ratio:
+            # The failure DFlash data pipelines hit: a 6-token loss mask `</think>\n\nOK.<|im_end|>\n`.
+            return self.encode("\n") + [c.think_end_id] + self.encode("\n\nOK.") + [c.eos_id]
         n_r = rng.randint(*c.reasoning_tokens)
         n_c = rng.randint(*c.content_tokens)
         body = [rng.randrange(c.token_lo, c.token_hi) for _ in range(n_r + n_c)]
