@@ -120,3 +120,15 @@ class DrafterEvalConfig(dg.Config):
     num_prompts: int = Field(default=16, description="Held-out prompts decoded speculatively.")
     max_new_tokens: int = Field(default=128, description="Tokens generated per prompt.")
     device: Optional[str] = Field(default=None, description="Device on the GPU host (None: cuda if present).")
+
+
+class GenerationPlanConfig(dg.Config):
+    probe_max_new_tokens: int = Field(default=256, description="Tokens per probe request.")
+    probe_requests: Optional[int] = Field(default=None, description="Probe requests per endpoint (None: 2x concurrency).")
+    expected_output_tokens: Optional[float] = Field(
+        default=None,
+        description="Mean output tokens per assistant turn. None: measured from the completions materialized so "
+        "far, else max_new_tokens of the generation config (a thinking model often hits it).",
+    )
+    turns_per_prompt: float = Field(default=1.0, description="Assistant turns regenerated per prompt on average.")
+    assumed_max_new_tokens: int = Field(default=2048, description="Used when nothing was measured yet.")

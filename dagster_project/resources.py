@@ -39,7 +39,10 @@ class TargetModelResource(dg.ConfigurableResource):
     real target, point it at a local model directory (e.g. Qwen3.6-27B).
     """
 
-    model_path: Optional[str] = Field(default=None, description="Local model directory; None = embedded tiny target.")
+    model_path: Optional[str] = Field(
+        default_factory=lambda: os.environ.get("DFLASH_TARGET_MODEL") or None,
+        description="Local model directory (default: $DFLASH_TARGET_MODEL); None = the embedded tiny target.",
+    )
     tokenizer_path: Optional[str] = Field(default=None, description="Tokenizer directory; defaults to model_path.")
     chat_template_path: Optional[str] = Field(default=None, description="Jinja file replacing the target's template.")
     enable_thinking: bool = Field(default=True, description="Render prompts with thinking on (reasoning traces).")

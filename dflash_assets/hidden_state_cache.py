@@ -980,11 +980,9 @@ def cache_partition_for_shard(store: Any, shard: str, target: Any, *, devices: S
 
 def _corpus_prompts(store: Any) -> int | None:
     """Prompts in the whole corpus (the ingest's index), for the projected cache size."""
-    try:
-        shards = store.read_json("prompt_corpus/index.json")["shards"]
-    except (FileNotFoundError, KeyError, ValueError):
-        return None
-    return sum(int(s["num_prompts"]) for s in shards.values()) or None
+    from dflash_assets.raw_prompts import corpus_prompt_count
+
+    return corpus_prompt_count(store) or None
 
 
 def pipes_stage(call: Any) -> Any:

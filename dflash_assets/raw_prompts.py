@@ -542,6 +542,11 @@ def _load_index(store: Any) -> _CorpusIndex:
     return _CorpusIndex.from_json(store.read_json(CORPUS_INDEX_KEY))
 
 
+def corpus_prompt_count(store: Any) -> int:
+    """Prompts in the whole corpus, from the ingest's index (0 before the first ingest)."""
+    return sum(entry.num_prompts for entry in _load_index(store).shards.values())
+
+
 def list_shard_keys(store: Any) -> list[str]:
     """Shard keys of the committed corpus, sorted (the ``prompt_shards`` partitions)."""
     return sorted(_load_index(store).shards)

@@ -9,13 +9,14 @@ journaled as they arrive, so a crashed run resumes where it stopped. Writes
 
 import dagster as dg
 
-from dagster_project.config import GenerationStageConfig
+from dagster_project.config import GenerationPlanConfig, GenerationStageConfig
 from dagster_project.metadata import to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import EngineFleetResource, StoreResource, TargetModelResource
 from dflash_assets.completions import regenerate_shard
-from dflash_assets.engine_fleet import probe_fleet
-from dflash_assets.raw_prompts import RAW_PROMPTS_PREFIX
+from dflash_assets.engine_fleet import NoEngineAvailable, probe_fleet
+from dflash_assets.generation_plan import mean_output_tokens, plan_generation
+from dflash_assets.raw_prompts import RAW_PROMPTS_PREFIX, corpus_prompt_count
 
 
 @dg.asset(
@@ -34,14 +35,48 @@ def completions(context: dg.AssetExecutionContext, config: GenerationStageConfig
     fleet = engines.fleet_config(target_model=spec.model_path)
     tokenizer = spec.load_tokenizer()
     context.log.info(f"engine probe:\n{probe_fleet(fleet, tokenizer).markdown()}")
-    result = regenerate_shard(
-        st.read_parquet(f"{RAW_PROMPTS_PREFIX}/{shard}.parquet"), shard=shard, store=st, fleet=fleet,
-        generation=config.to_library(enable_thinking=target.enable_thinking), tokenizer=tokenizer,
-        progress=lambda update: context.log.info(str(update)),
-    )
+    try:
+        result = regenerate_shard(
+            st.read_parquet(f"{RAW_PROMPTS_PREFIX}/{shard}.parquet"), shard=shard, store=st, fleet=fleet,
+            generation=config.to_library(enable_thinking=target.enable_thinking), tokenizer=tokenizer,
+            progress=lambda update: context.log.info(str(update)),
+        )
+    except NoEngineAvailable as e:  # nothing serves the target: fail now, no retry, no slow fallback
+        raise dg.Failure(description=str(e), allow_retries=False) from e
     if result.stats.prompts_failed:
         context.log.warning(f"{result.stats.prompts_failed} prompts failed after retries: see {result.failed_key}")
     metadata = {**to_metadata(result.stats.to_metadata()), "failed_key": dg.MetadataValue.text(result.failed_key)}
     if result.probe is not None:
         metadata["engines"] = dg.MetadataValue.md(result.probe.markdown())
     return dg.MaterializeResult(metadata=metadata)
+
+
+@dg.asset(
+    deps=["prompt_corpus"],
+    group_name="generation",
+    kinds={"sglang"},
+    owners=["team:ml-data"],
+)
+def generation_plan(context: dg.AssetExecutionContext, config: GenerationPlanConfig, store: StoreResource,
+                    target: TargetModelResource, engines: EngineFleetResource) -> dg.MaterializeResult:
+    """Wall-time estimate of regenerating the whole corpus on the current fleet, from a measured probe burst.
+
+    Materialize it before a backfill of ``completions``: prompts x turns x output tokens / measured tokens/s,
+    per endpoint and in total.
+    """
+    st, spec = store.open(), target.spec()
+    prompts = corpus_prompt_count(st)
+    measured = [st.read_parquet(k) for k in st.list("completions") if k.count("/") == 1 and k.endswith(".parquet")]
+    output_tokens = config.expected_output_tokens or (
+        max(mean_output_tokens(t) for t in measured) if measured else config.assumed_max_new_tokens)
+    estimate = plan_generation(
+        engines.fleet_config(target_model=spec.model_path), prompts=prompts, output_tokens_per_turn=output_tokens,
+        turns_per_prompt=config.turns_per_prompt, tokenizer=spec.load_tokenizer(),
+        max_new_tokens=config.probe_max_new_tokens, requests=config.probe_requests,
+    )
+    context.log.info(f"generation plan:\n{estimate.markdown()}")
+    return dg.MaterializeResult(metadata={
+        **to_metadata(estimate.to_metadata()),
+        "output_tokens_source": "config" if config.expected_output_tokens else ("measured" if measured else "assumed"),
+        "plan": dg.MetadataValue.md(estimate.markdown()),
+    })

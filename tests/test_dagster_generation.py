@@ -1,0 +1,52 @@
+"""The generation stage through Dagster: the plan asset measures the fleet; no engine fails at once."""
+
+import dagster as dg
+import pytest
+
+from dagster_project.definitions import defs
+from dagster_project.resources import EngineFleetResource, StoreResource
+from dflash_assets.sglang_loopback import LoopbackServer
+
+
+def _ingest(instance, resources, tmp_path, n):
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(f'{{"messages": [{{"role": "user", "content": "Prompt {i}"}}]}}\n' for i in range(n)))
+    dg.materialize(defs.assets, selection=["prompt_corpus"], instance=instance, resources=resources,
+                   run_config={"ops": {"prompt_corpus": {"config": {"source_uri": str(source)}}}})
+
+
+def test_generation_plan_estimates_from_a_measured_burst(tmp_path, tiny_dense_target):
+    # 5 ms per generated token per request: throughput is bounded by that latency and the concurrency.
+    with LoopbackServer(model_path=str(tiny_dense_target), per_token_s=0.005) as a, \
+         LoopbackServer(model_path=str(tiny_dense_target), per_token_s=0.005) as b:
+        resources = {**defs.resources, "store": StoreResource(uri=str(tmp_path / "store")),
+                     "engines": EngineFleetResource(endpoints=[f"sglang:{a.url}", f"sglang:{b.url}"],
+                                                    max_concurrency=4)}
+        with dg.instance_for_test() as instance:
+            _ingest(instance, resources, tmp_path, 300)
+            result = dg.materialize(defs.assets, selection=["generation_plan"], instance=instance,
+                                    resources=resources, run_config={"ops": {"generation_plan": {"config": {
+                                        "probe_max_new_tokens": 32, "probe_requests": 8,
+                                        "expected_output_tokens": 1000}}}})
+            meta = {k: v.value for k, v in result.asset_materializations_for_node("generation_plan")[0].metadata.items()}
+            assert a.stats.generate_requests >= 8 and b.stats.generate_requests >= 8  # both were measured
+    assert meta["prompts"] == 300
+    assert meta["total_output_tokens"] == 300_000
+    tps = meta["measured_tokens_per_s"]
+    assert 50 < tps < 4 * 2 / 0.005 * 1.1  # below the latency bound of 2 endpoints x 4 in flight
+    assert meta["estimated_wall_s"] == pytest.approx(300_000 / tps, rel=0.01)
+    assert meta[f"tokens_per_s[{a.url}]"] > 0 and meta[f"tokens_per_s[{b.url}]"] > 0
+
+
+def test_completions_without_any_engine_fail_at_once_with_the_probe_table(tmp_path):
+    resources = {**defs.resources, "store": StoreResource(uri=str(tmp_path / "store")),
+                 "engines": EngineFleetResource(endpoints=["sglang:http://127.0.0.1:9"], max_concurrency=1)}
+    with dg.instance_for_test() as instance:
+        _ingest(instance, resources, tmp_path, 3)
+        (shard,) = instance.get_dynamic_partitions("prompt_shards")
+        result = dg.materialize(defs.assets, selection=["raw_prompts", "completions"], partition_key=shard,
+                                instance=instance, resources=resources, raise_on_error=False)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    message = str(failure.event_specific_data.error)
+    assert "| endpoint |" in message and "127.0.0.1:9" in message
