@@ -10,7 +10,7 @@ a bf16 matmul peak measured in the same run; compares with SpecForge's trainer (
 16.6K tok/s at batch 1 / 2 / 4 on the same GPU). `--quick` runs tiny shapes on CPU.
 
 Reads nothing; prints one JSON object on stdout (progress on stderr) and, with --out, writes it.
-Needs only torch (+ triton on GPU), numpy, safetensors. See bench/README_drafter.md.
+Needs only torch (+ triton on GPU), numpy, safetensors. See BENCHMARKS.md.
 
     python bench/drafter_training.py                       # H200: batch 1, 2, 4 (+ 2 GPUs if present)
     python bench/drafter_training.py --quick               # CPU smoke test

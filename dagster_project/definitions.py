@@ -4,6 +4,8 @@
 the GPU launcher and the engine fleet; see ``deployment.py``.
 """
 
+import os
+
 import dagster as dg
 
 from dagster_project.assets import drafter, generation, hidden_states, prompts, tokenization
@@ -19,7 +21,9 @@ defs = dg.Definitions(
     resources={
         **resources_for_profile(PROFILE),
         "target": TargetModelResource(),
-        "engines": EngineFleetResource(),
+        "engines": EngineFleetResource(
+            default_kind=os.environ.get("DFLASH_ENGINE_KIND", "sglang" if PROFILE == "cluster" else "openai")
+        ),
     },
     jobs=ALL_JOBS,
     sensors=[prompt_source_sensor],

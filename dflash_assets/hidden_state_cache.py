@@ -39,7 +39,7 @@ How the capture works:
 - **Fused elementwise ops.** On CUDA the decoder layers' RMSNorm and MLP
   modules are ``torch.compile``d (``CaptureSpec.compile``; HF runs them as
   chains of unfused kernels). One H200, Qwen3-8B shapes, 16K-token batches:
-  31K -> 38K tok/s packed, 33K -> 40K stacked (bench/README_hidden_states.md).
+  31K -> 38K tok/s packed, 33K -> 40K stacked (BENCHMARKS.md).
 - **Several GPUs.** One thread per device, each with its own model copy,
   pulling batches from a shared queue; all write into the same pre-sized
   files at precomputed offsets, so the output does not depend on the device count.
