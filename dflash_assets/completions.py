@@ -524,3 +524,22 @@ def _run(coro):
     from dflash_assets.engine_fleet import run_sync
 
     return run_sync(coro)
+
+
+RESPONSE_TOKEN_BIN_EDGES = (0, 1, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def response_length_histogram(table: pa.Table) -> str:
+    """Markdown histogram of generated tokens per assistant turn (for the UI)."""
+    import numpy as np
+
+    counts = np.asarray([n for turns in table.column("completion_tokens").to_pylist() for n in (turns or [])])
+    edges = np.array(RESPONSE_TOKEN_BIN_EDGES)
+    labels = [f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in zip(edges[:-1], edges[1:])]
+    labels.append(f"{edges[-1]}+")
+    binned = np.bincount(np.searchsorted(edges, counts, side="right") - 1, minlength=len(labels)) if len(counts) \
+        else np.zeros(len(labels), dtype=int)
+    total = max(1, int(binned.sum()))
+    lines = ["| generated tokens per turn | turns | share |", "| --- | ---: | ---: |"]
+    lines += [f"| {label} | {int(c)} | {c / total:.1%} |" for label, c in zip(labels, binned)]
+    return "\n".join(lines)

@@ -14,6 +14,7 @@ from dagster_project.config import DrafterEvalConfig, DrafterTrainingConfig
 from dagster_project.partitions import drafter_recipes
 from dagster_project.pipes import GpuHostLauncher, check_specs_for
 from dagster_project.resources import StoreResource, TargetModelResource
+from dagster_project.versions import code_version
 
 
 @dg.asset(
@@ -22,7 +23,7 @@ from dagster_project.resources import StoreResource, TargetModelResource
     group_name="drafter",
     kinds={"pytorch", "safetensors", "gpu"},
     owners=["team:ml-training"],
-    code_version="1",
+    code_version=code_version("1", DrafterTrainingConfig, target=True),
     pool="gpu",
 )
 def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainingConfig, store: StoreResource,
@@ -38,7 +39,7 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainin
     group_name="drafter",
     kinds={"pytorch", "gpu"},
     owners=["team:ml-training"],
-    code_version="1",
+    code_version=code_version("1", DrafterEvalConfig, target=True),
     pool="gpu",
     check_specs=check_specs_for("drafter_eval", "drafter_eval"),
 )

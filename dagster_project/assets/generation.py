@@ -7,13 +7,16 @@ journaled as they arrive, so a crashed run resumes where it stopped. Writes
 ``completions/_failed/<shard>.parquet``.
 """
 
+import hashlib
+
 import dagster as dg
 
 from dagster_project.config import GenerationPlanConfig, GenerationStageConfig
 from dagster_project.metadata import to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import EngineFleetResource, StoreResource, TargetModelResource
-from dflash_assets.completions import regenerate_shard
+from dagster_project.versions import code_version
+from dflash_assets.completions import regenerate_shard, response_length_histogram
 from dflash_assets.engine_fleet import NoEngineAvailable, probe_fleet
 from dflash_assets.generation_plan import mean_output_tokens, plan_generation
 from dflash_assets.raw_prompts import RAW_PROMPTS_PREFIX, corpus_prompt_count
@@ -25,7 +28,7 @@ from dflash_assets.raw_prompts import RAW_PROMPTS_PREFIX, corpus_prompt_count
     group_name="generation",
     kinds={"sglang", "parquet"},
     owners=["team:ml-data"],
-    code_version="1",
+    code_version=code_version("1", GenerationStageConfig, target=True),
     retry_policy=dg.RetryPolicy(max_retries=2, delay=30, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.FULL),
 )
 def completions(context: dg.AssetExecutionContext, config: GenerationStageConfig, store: StoreResource,
@@ -45,10 +48,12 @@ def completions(context: dg.AssetExecutionContext, config: GenerationStageConfig
         raise dg.Failure(description=str(e), allow_retries=False) from e
     if result.stats.prompts_failed:
         context.log.warning(f"{result.stats.prompts_failed} prompts failed after retries: see {result.failed_key}")
-    metadata = {**to_metadata(result.stats.to_metadata()), "failed_key": dg.MetadataValue.text(result.failed_key)}
+    metadata = {**to_metadata(result.stats.to_metadata()), "failed_key": dg.MetadataValue.text(result.failed_key),
+                "response_length_histogram": dg.MetadataValue.md(response_length_histogram(result.table))}
     if result.probe is not None:
         metadata["engines"] = dg.MetadataValue.md(result.probe.markdown())
-    return dg.MaterializeResult(metadata=metadata)
+    version = hashlib.sha256(st.read_bytes(result.output_key)).hexdigest()[:16]
+    return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(version))
 
 
 @dg.asset(

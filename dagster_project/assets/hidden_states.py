@@ -13,6 +13,7 @@ from dagster_project.config import HiddenStateCacheConfig
 from dagster_project.partitions import prompt_shards
 from dagster_project.pipes import GpuHostLauncher
 from dagster_project.resources import StoreResource, TargetModelResource
+from dagster_project.versions import code_version
 
 
 @dg.asset(
@@ -21,7 +22,7 @@ from dagster_project.resources import StoreResource, TargetModelResource
     group_name="hidden_states",
     kinds={"pytorch", "safetensors", "gpu"},
     owners=["team:ml-training"],
-    code_version="1",
+    code_version=code_version("1", HiddenStateCacheConfig, target=True),
     pool="gpu",
 )
 def hidden_state_cache(context: dg.AssetExecutionContext, config: HiddenStateCacheConfig, store: StoreResource,

@@ -12,6 +12,7 @@ from dagster_project.config import IngestConfig
 from dagster_project.metadata import markdown_counts, preview_table, to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import StoreResource
+from dagster_project.versions import code_version
 from dflash_assets.raw_prompts import ingest_prompt_source, materialize_prompt_shard
 
 
@@ -19,7 +20,7 @@ from dflash_assets.raw_prompts import ingest_prompt_source, materialize_prompt_s
     group_name="prompts",
     kinds={"python", "parquet"},
     owners=["team:ml-data"],
-    code_version="1",
+    code_version=code_version("1", IngestConfig),
 )
 def prompt_corpus(context: dg.AssetExecutionContext, config: IngestConfig, store: StoreResource) -> dg.MaterializeResult:
     """Ingest the prompt source: normalize, deduplicate, quarantine bad records, assign stable shards.
@@ -57,5 +58,6 @@ def raw_prompts(context: dg.AssetExecutionContext, store: StoreResource) -> dg.M
     """Normalized prompts of one shard (system + user turns, no assistant turns), as Parquet."""
     table, stats = materialize_prompt_shard(store.open(), context.partition_key)
     return dg.MaterializeResult(
+        data_version=dg.DataVersion(stats.sha256[:16]),
         metadata={**to_metadata(stats), "preview": preview_table(table, ["prompt_id", "num_user_turns", "user_turns"])}
     )

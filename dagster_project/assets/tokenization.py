@@ -17,6 +17,7 @@ from dagster_project.config import TokenizeStageConfig
 from dagster_project.metadata import to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import StoreResource, TargetModelResource
+from dagster_project.versions import code_version
 from dflash_assets.completions import completions_key
 from dflash_assets.fast_encoder import build_encoder
 from dflash_assets.tokenized_samples import (
@@ -61,7 +62,7 @@ def _encoder_and_renderer(spec):
     group_name="tokenization",
     kinds={"python", "parquet"},
     owners=["team:ml-data"],
-    code_version="1",
+    code_version=code_version("1", TokenizeStageConfig, target=True),
     check_specs=[
         dg.AssetCheckSpec(name, asset="tokenized_samples", blocking=name in BLOCKING_CHECKS,
                           description=CHECK_DESCRIPTIONS[name])

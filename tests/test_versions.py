@@ -1,0 +1,40 @@
+"""Code versions follow the configuration that changes outputs, so Dagster can mark partitions stale."""
+
+import json
+import os
+import subprocess
+import sys
+
+import dagster as dg
+from pydantic import Field
+
+from dagster_project.versions import code_version
+
+
+def _code_versions(env: dict) -> dict:
+    code = ("import json; from dagster_project.definitions import defs; "
+            "g = defs.resolve_asset_graph(); "
+            "print(json.dumps({k.to_user_string(): g.get(k).code_version for k in g.get_all_asset_keys()}))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_target_change_changes_the_target_dependent_stages_only(tmp_path):
+    default = _code_versions({"DFLASH_TARGET_MODEL": ""})
+    other = _code_versions({"DFLASH_TARGET_MODEL": str(tmp_path / "Qwen3.6-27B")})
+    changed = {k for k in default if default[k] != other[k]}
+    assert {"completions", "tokenized_samples", "hidden_state_cache", "drafter_checkpoint", "drafter_eval"} <= changed
+    assert not changed & {"prompt_corpus", "raw_prompts"}
+
+
+def test_config_defaults_are_part_of_the_version():
+    class A(dg.Config):
+        temperature: float = Field(default=0.6)
+
+    class B(dg.Config):
+        temperature: float = Field(default=0.7)
+
+    assert code_version("1", A) != code_version("1", B)
+    assert code_version("1", A) == code_version("1", A)  # stable across calls
+    assert code_version("1", A) != code_version("2", A)
