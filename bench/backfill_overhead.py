@@ -214,12 +214,26 @@ def _run_daemon(source: Path, workdir: Path, policy_spec: str, timeout_s: float,
             "to_materialized_s": last_event - created,
             "to_completed_s": (times["endTimestamp"] or seen_done) - created,
             "tick_wait_s": (first_created - created) if first_created else None,
+            # from the first run's creation: what remains once the daemon has picked the backfill up
+            "first_run_to_materialized_s": (last_event - first_created) if first_created else None,
+            "planned_events_s": _planned_events_s(instance, records),
             "runs_span_s": (max(ends) - min(starts)) if starts and ends else None,
             "run_wall_s": [round(e - s, 2) for _, s, e in run_spans if s and e],
             "launch_to_seen_done_s": seen_done - launched_at,
             "ingest_s": ingest_s,
             "startup_s": startup_s,
         }
+
+
+def _planned_events_s(instance, records) -> float | None:
+    """Seconds the daemon spent writing the runs' ASSET_MATERIALIZATION_PLANNED events (one per partition)."""
+    spans = []
+    for record in records:
+        planned = [e.timestamp for e in instance.all_logs(record.dagster_run.run_id,
+                                                           of_type=dg.DagsterEventType.ASSET_MATERIALIZATION_PLANNED)]
+        if planned:
+            spans.append(max(planned) - record.create_timestamp.timestamp())
+    return max(spans) if spans else None
 
 
 def machine() -> dict:
@@ -276,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             "daemon_to_completed_s": round(daemon["to_completed_s"], 2),
             "overhead_to_materialized": round(daemon["to_materialized_s"] / loop["loop_s"] - 1, 3),
             "overhead_to_completed": round(daemon["to_completed_s"] / loop["loop_s"] - 1, 3),
+            "overhead_from_first_run": round(daemon["first_run_to_materialized_s"] / loop["loop_s"] - 1, 3),
             "goal": args.goal,
             "goal_met_to_materialized": daemon["to_materialized_s"] / loop["loop_s"] - 1 < args.goal,
             "goal_met_to_completed": daemon["to_completed_s"] / loop["loop_s"] - 1 < args.goal,

@@ -60,6 +60,8 @@ class ChatFormatTraining:
     answer_tokens: tuple[int, int] = (16, 44)
     sentence_cut: bool = False  # end reasoning/answer at the last sentence end inside the drawn length
     format_weight: float = 1.0  # loss weight of the format tokens: first reasoning token, "\n</think>\n\n", <|im_end|>
+    unlikelihood_weight: float = 0.0  # weight of -log(1 - p) for <|im_end|> while thinking and </think> after it
+    qk_norm_init: float = 1.0  # initial q_norm/k_norm weights (larger allows sharper attention from the start)
     steps: int = 300
     batch_tokens: int = 1536  # padded tokens per step; samples of similar length are batched together
     lr: float = 1e-2
@@ -130,6 +132,7 @@ def _pairs(records: list[dict]) -> list[tuple[str, str]]:
 
 
 THINK_END_ID = 248_069  # `</think>` in the Qwen3.5/3.6 tokenizer
+IM_END_ID = 248_046  # `<|im_end|>`
 _SENTENCE_END = (".", "!", "?", "\u3002", "\n")
 
 
@@ -266,6 +269,11 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
     for p in model.parameters():
         p.requires_grad_(False)
     body = model.model
+    if cfg.qk_norm_init != 1.0:
+        with torch.no_grad():
+            for name, p in body.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.fill_(cfg.qk_norm_init)
     body_params = [p for name, p in body.named_parameters() if "embed_tokens" not in name]
     for p in body_params:
         p.requires_grad_(True)
@@ -285,19 +293,28 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
         mask = torch.zeros((len(batch), T), dtype=torch.long)
         sup = torch.zeros((len(batch), T), dtype=torch.bool)  # position predicts a supervised token
         weight = torch.ones((len(batch), T))  # weight of the token predicted at each position
+        thinking = torch.zeros((len(batch), T), dtype=torch.bool)  # position predicts a token inside the think block
         for b, s in enumerate(batch):
             ids[b, : len(s.ids)] = torch.tensor(s.ids)
             mask[b, : len(s.ids)] = 1
             sup[b, s.start - 1 : len(s.ids) - 1] = True
             weight[b, [p - 1 for p in s.format_pos]] = cfg.format_weight
+            thinking[b, s.start - 1 : s.format_pos[2]] = True  # through the position predicting </think>
         targets = ids[:, 1:][sup[:, :-1]]
-        weight = weight[sup]
+        weight, thinking = weight[sup], thinking[sup]
         x = emb[in_pos[ids].clamp(min=0)]  # [B, T, H]; padding rows are masked out
         h = body(inputs_embeds=x, attention_mask=mask).last_hidden_state[sup]  # [N, H]
         logits = h @ head.T  # [N, n_out]
         rest = torch.logsumexp(h @ rest_rows.T, dim=-1, keepdim=True) + log_rest_scale  # [N, 1]
-        ce = F.cross_entropy(torch.cat([logits, rest], dim=-1), out_pos[targets], reduction="none")
-        loss = (ce * weight).sum() / weight.sum()
+        logp = torch.cat([logits, rest], dim=-1).log_softmax(dim=-1)
+        ce = -logp.gather(1, out_pos[targets][:, None]).squeeze(1)
+        loss = (ce * weight).sum()
+        if cfg.unlikelihood_weight:
+            # The wrong format token for the position's state: <|im_end|> while thinking, </think> after.
+            bad = torch.where(thinking, out_pos[IM_END_ID], out_pos[THINK_END_ID])
+            p_bad = logp.gather(1, bad[:, None]).squeeze(1).exp()
+            loss = loss + cfg.unlikelihood_weight * -torch.log1p(-p_bad.clamp(max=1 - 1e-6)).sum()
+        loss = loss / weight.sum()
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg)
         opt.zero_grad(set_to_none=True)

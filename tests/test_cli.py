@@ -26,7 +26,8 @@ def test_engine_prints_transformers_serve_for_the_embedded_default(capsys, tiny_
     argv = shlex.split(capsys.readouterr().out.strip())
     assert Path(argv[0]).name == "transformers" or argv[1:3] == ["-m", "transformers.cli.transformers"]
     i = argv.index("serve")
-    assert argv[i + 1:] == [str(tiny_dense_target), "--host", "127.0.0.1", "--port", "8000"]
+    # the tiny target is served in float32: its bf16 weights decode several times slower on CPU
+    assert argv[i + 1:] == [str(tiny_dense_target), "--host", "127.0.0.1", "--port", "8000", "--dtype", "float32"]
 
 
 def test_engine_prints_sglang_launch_for_a_target(capsys, monkeypatch):
