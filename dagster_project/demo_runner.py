@@ -37,7 +37,7 @@ def demo_run_config(max_new_tokens: int, max_turns: int) -> dict[str, Any]:
 
 def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int = 8, max_new_tokens: int = 96,
              max_turns: int = 2, engine_concurrency: int = 2, eval_prompts: int = 4,
-             eval_new_tokens: int = 48) -> dict[str, Any]:
+             eval_new_tokens: int = 48, store: Any = None) -> dict[str, Any]:
     from dagster_project.definitions import defs
     from dagster_project.partitions import register_recipe
     from dagster_project.resources import EngineFleetResource
@@ -48,6 +48,8 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
     with server:
         resources = {**defs.resources, "engines": EngineFleetResource(
             endpoints=[f"openai:{server.url}"], max_concurrency=engine_concurrency)}
+        if store is not None:  # a StoreResource, e.g. s3://... (tests run the whole graph on moto's S3)
+            resources["store"] = store
         assets = defs.assets
 
         def materialize(selection, partition_key=None, run_config=None) -> dg.ExecuteInProcessResult:
