@@ -3,10 +3,14 @@
 - ``ingest_prompts_job``: ``prompt_corpus`` alone (unpartitioned). Reads the
   prompt source, registers new ``prompt_shards`` partitions. The target of
   ``prompt_source_sensor``.
-- ``prepare_data_job``: the partitioned CPU stages, groups ``prompts``,
-  ``generation`` and ``tokenization`` (``raw_prompts`` -> ``completions`` ->
-  ``tokenized_samples`` and their checks), partitioned by ``prompt_shards``.
-  Runs where the orchestrator runs; generation goes over HTTP to the engines.
+- ``prepare_data_job``: the per-shard CPU stages: ``raw_prompts`` and what
+  follows it in groups ``prompts``, ``generation`` and ``tokenization``
+  (``completions`` -> ``tokenized_samples`` and their checks), partitioned by
+  ``prompt_shards``. Runs where the orchestrator runs; generation goes over
+  HTTP to the engines.
+- ``plan_generation_job``: the corpus-level (unpartitioned) assets of those
+  groups besides the ingest: ``generation_plan``, the wall-time estimate to
+  materialize after an ingest and before a ``completions`` backfill.
 - ``hidden_states_job``: group ``hidden_states`` (``hidden_state_cache``),
   partitioned by ``prompt_shards``; its steps hold the ``gpu`` pool and the
   work itself goes to a GPU host through Dagster Pipes.
@@ -15,11 +19,11 @@
 
 The GPU stages are two jobs, not one: an asset job has one partitions
 definition, and hidden states (per prompt shard) and the drafter (per recipe)
-have different ones. Selections are by group name, so a group whose assets do
-not exist yet gives an empty job rather than an error, and a stage joins its
-job by declaring ``group_name``. Each job carries a ``dflash/host_kind`` run
-tag (``cpu`` or ``gpu``) that ``tag_concurrency_limits`` in ``dagster.yaml``
-can cap.
+have different ones. Selections are by group name (and, for the CPU stages,
+downstream of ``raw_prompts``), so a group whose assets do not exist yet gives
+an empty job rather than an error, and a stage joins its job by declaring
+``group_name``. Each job carries a ``dflash/host_kind`` run tag (``cpu`` or
+``gpu``) that ``tag_concurrency_limits`` in ``dagster.yaml`` can cap.
 
 Reads and writes nothing itself.
 """
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from dagster_project.assets.prompts import prompt_corpus
+from dagster_project.assets.prompts import prompt_corpus, raw_prompts
 
 __all__ = [
     "HOST_KIND_TAG",
@@ -37,6 +41,7 @@ __all__ = [
     "DRAFTER_GROUP",
     "ingest_prompts_job",
     "prepare_data_job",
+    "plan_generation_job",
     "hidden_states_job",
     "drafter_job",
     "ALL_JOBS",
@@ -54,11 +59,23 @@ ingest_prompts_job = dg.define_asset_job(
     tags={HOST_KIND_TAG: "cpu"},
 )
 
+_CPU = dg.AssetSelection.groups(*CPU_GROUPS)
+# Per shard: raw_prompts and its descendants in the CPU groups. Corpus-level assets (the ingest, the
+# generation plan) stay out: a partitioned run would otherwise redo them for every shard.
+_PER_SHARD_CPU = dg.AssetSelection.assets(raw_prompts).downstream() & _CPU
+
 prepare_data_job = dg.define_asset_job(
     "prepare_data_job",
-    # The unpartitioned ingest stays out: a partitioned run would otherwise re-ingest the source each time.
-    selection=dg.AssetSelection.groups(*CPU_GROUPS) - dg.AssetSelection.assets(prompt_corpus),
+    selection=_PER_SHARD_CPU,
     description="CPU hosts, per prompt shard: raw prompts -> completions -> tokenized samples, with their checks.",
+    tags={HOST_KIND_TAG: "cpu"},
+)
+
+plan_generation_job = dg.define_asset_job(
+    "plan_generation_job",
+    selection=_CPU - _PER_SHARD_CPU - dg.AssetSelection.assets(prompt_corpus),
+    description="Corpus-level CPU assets (generation_plan): probe the engines and estimate the generation "
+    "wall time. Run after an ingest, before a completions backfill.",
     tags={HOST_KIND_TAG: "cpu"},
 )
 
@@ -76,4 +93,4 @@ drafter_job = dg.define_asset_job(
     tags={HOST_KIND_TAG: "gpu"},
 )
 
-ALL_JOBS = [ingest_prompts_job, prepare_data_job, hidden_states_job, drafter_job]
+ALL_JOBS = [ingest_prompts_job, prepare_data_job, plan_generation_job, hidden_states_job, drafter_job]

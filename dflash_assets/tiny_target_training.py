@@ -52,17 +52,21 @@ class ChatFormatTraining:
     num_records: int = 300  # ShareGPT records read from the start of the file
     max_samples: int = 512  # synthetic chats built from their (human, gpt) turn pairs
     prompt_tokens: tuple[int, int] = (4, 48)  # user prompt cut to a length drawn in this range
-    long_prompt_frac: float = 0.0  # share of prompts cut to up to `long_prompt_tokens` instead
+    long_prompt_frac: float = 0.2  # share of prompts cut to up to `long_prompt_tokens` instead
     long_prompt_tokens: int = 256
-    history_frac: float = 0.0  # share of chats with an earlier (user, assistant) exchange before the prompt
-    reasoning_prefix: str = ""  # opens every reasoning (real Qwen3 thinking opens with "Okay, ...")
-    reasoning_tokens: tuple[int, int] = (12, 32)
-    answer_tokens: tuple[int, int] = (16, 44)
+    history_frac: float = 0.2  # share of chats with an earlier (user, assistant) exchange before the prompt
+    reasoning_prefix: str = "Okay, "  # opens every reasoning, as real Qwen3 thinking does
+    reasoning_tokens: tuple[int, int] = (14, 18)  # narrow ranges: a tiny model learns to count them quickly
+    answer_tokens: tuple[int, int] = (20, 28)
     sentence_cut: bool = False  # end reasoning/answer at the last sentence end inside the drawn length
-    format_weight: float = 1.0  # loss weight of the format tokens: first reasoning token, "\n</think>\n\n", <|im_end|>
-    unlikelihood_weight: float = 0.0  # weight of -log(1 - p) for <|im_end|> while thinking and </think> after it
-    qk_norm_init: float = 1.0  # initial q_norm/k_norm weights (larger allows sharper attention from the start)
-    steps: int = 300
+    format_weight: float = 10.0  # loss weight of the format tokens: first reasoning token, "\n</think>\n\n", <|im_end|>
+    unlikelihood_weight: float = 2.0  # weight of -log(1 - p) of </think> / <|im_end|> where the next token is another
+    noise_frac: float = 0.0  # share of response input tokens replaced by noise (targets stay)
+    qk_norm_init: float = 2.0  # initial q_norm/k_norm weights: sharper attention from the start
+    long_context_samples: int = 32  # extra chats whose context is long (several ShareGPT texts) ...
+    long_context_tokens: tuple[int, int] = (384, 1536)  # ... of a length drawn in this range ...
+    long_context_every: int = 5  # ... one of which makes up every this-many-th step (0: never)
+    steps: int = 200
     batch_tokens: int = 1536  # padded tokens per step; samples of similar length are batched together
     lr: float = 1e-2
     warmup_steps: int = 20
@@ -77,6 +81,7 @@ class ChatFormatReport:
 
     settings: dict
     num_samples: int
+    num_long_context_samples: int
     num_input_ids: int  # distinct ids whose embedding rows were trained
     num_output_ids: int  # distinct ids whose lm_head rows were trained
     supervised_tokens: int
@@ -133,6 +138,7 @@ def _pairs(records: list[dict]) -> list[tuple[str, str]]:
 
 THINK_END_ID = 248_069  # `</think>` in the Qwen3.5/3.6 tokenizer
 IM_END_ID = 248_046  # `<|im_end|>`
+_SPECIAL_IDS = frozenset(range(248_044, 248_078))  # never corrupted by `noise_frac`
 _SENTENCE_END = (".", "!", "?", "\u3002", "\n")
 
 
@@ -158,13 +164,29 @@ class _Sample:
     format_pos: tuple[int, ...] = ()  # positions of the format tokens (see `format_weight`)
 
 
-def build_samples(tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> list[_Sample]:
-    """Render synthetic thinking chats with the tokenizer's chat template and tokenize them."""
+def _render(tok: "PreTrainedTokenizerBase", head: list[dict], reasoning: str, answer: str) -> _Sample:
+    """Token ids of `head` + a thinking assistant turn (through `<|im_end|>`), and where supervision starts."""
+    reply = {"role": "assistant", "content": answer, "reasoning_content": reasoning}
+    prefix = tok.apply_chat_template(head, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    full = tok.apply_chat_template(head + [reply], tokenize=False)
+    if not full.startswith(prefix) or not full.endswith("<|im_end|>\n"):
+        raise ValueError("chat template does not render the thinking format this training expects")
+    prefix_ids = tok.encode(prefix, add_special_tokens=False)
+    ids = tok.encode(full[: -len("\n")], add_special_tokens=False)  # generation stops at <|im_end|>
+    if ids[: len(prefix_ids)] != prefix_ids:
+        raise ValueError("prompt ids are not a prefix of the conversation ids")
+    end = ids.index(THINK_END_ID, len(prefix_ids))
+    return _Sample(ids, len(prefix_ids), (len(prefix_ids), end - 1, end, end + 1, len(ids) - 1))
+
+
+def build_samples(tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> tuple[list[_Sample], list[_Sample]]:
+    """(regular, long-context) synthetic thinking chats, rendered with the tokenizer's chat template."""
     rng = random.Random(cfg.seed)
     # Texts are cut to ~8 characters per token needed before encoding: some prompts run to thousands of tokens.
     user_chars = 8 * max(cfg.prompt_tokens[1], cfg.long_prompt_tokens)
     reply_chars = 8 * (cfg.answer_tokens[1] + cfg.reasoning_tokens[1] + 8)
     encoded: list[tuple[list[int], list[int]]] = []
+    responses: list[tuple[str, str]] = []  # (reasoning, answer)
     samples = []
     for user, reply in _pairs(sharegpt_head_records(cfg.num_records)):
         if len(samples) >= cfg.max_samples:
@@ -181,26 +203,43 @@ def build_samples(tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> li
             rest = user_ids
         reasoning_ids = _cut_ids(tok, rest, rng.randint(*cfg.reasoning_tokens), cfg.reasoning_tokens[0],
                                  cfg.sentence_cut)
-        answer, reasoning = _text(tok, answer_ids), _text(tok, reasoning_ids)
-        if not (prompt and answer and reasoning):
+        answer, reasoning = _text(tok, answer_ids), cfg.reasoning_prefix + _text(tok, reasoning_ids)
+        if not (prompt and answer and reasoning.strip()):
             continue
         head = [{"role": "user", "content": prompt}]
         if rng.random() < cfg.history_frac:
             u, r = encoded[rng.randrange(len(encoded))]
             head = [{"role": "user", "content": _text(tok, u[: rng.randint(*cfg.prompt_tokens)])},
                     {"role": "assistant", "content": _text(tok, r[: rng.randint(*cfg.answer_tokens)])}] + head
-        reply = {"role": "assistant", "content": answer, "reasoning_content": cfg.reasoning_prefix + reasoning}
-        prefix = tok.apply_chat_template(head, tokenize=False, add_generation_prompt=True, enable_thinking=True)
-        full = tok.apply_chat_template(head + [reply], tokenize=False)
-        if not full.startswith(prefix) or not full.endswith("<|im_end|>\n"):
-            raise ValueError("chat template does not render the thinking format this training expects")
-        prefix_ids = tok.encode(prefix, add_special_tokens=False)
-        ids = tok.encode(full[: -len("\n")], add_special_tokens=False)  # generation stops at <|im_end|>
-        if ids[: len(prefix_ids)] != prefix_ids:
-            raise ValueError("prompt ids are not a prefix of the conversation ids")
-        end = ids.index(THINK_END_ID, len(prefix_ids))
-        samples.append(_Sample(ids, len(prefix_ids), (len(prefix_ids), end - 1, end, end + 1, len(ids) - 1)))
-    return samples
+        samples.append(_render(tok, head, reasoning, answer))
+        responses.append((reasoning, answer))
+
+    # Long contexts (real prompts run to thousands of tokens): several ShareGPT texts in one user turn, or
+    # as earlier turns of a conversation, answered like the regular samples.
+    long_samples = []
+    for k in range(cfg.long_context_samples):
+        target = rng.randint(*cfg.long_context_tokens)
+        multi_turn = k % 2 == 1
+        turns: list[dict] = []
+        parts: list[str] = []
+        n = 0
+        while n < target:
+            u, r = encoded[rng.randrange(len(encoded))]
+            text = _text(tok, u[: target - n])
+            n += len(u[: target - n]) + 4
+            if multi_turn:
+                turns += [{"role": "user", "content": text}]
+                if n < target:
+                    turns += [{"role": "assistant", "content": _text(tok, r[: target - n])}]
+                    n += len(r[: target - n]) + 4
+            else:
+                parts.append(text)
+        head = turns if multi_turn else [{"role": "user", "content": "\n\n".join(parts)}]
+        if head[-1]["role"] != "user":
+            head.append({"role": "user", "content": _text(tok, encoded[rng.randrange(len(encoded))][0][:32])})
+        reasoning, answer = responses[rng.randrange(len(responses))]
+        long_samples.append(_render(tok, head, reasoning, answer))
+    return samples, long_samples
 
 
 def _batches(samples: list[_Sample], batch_tokens: int) -> list[list[int]]:
@@ -213,6 +252,27 @@ def _batches(samples: list[_Sample], batch_tokens: int) -> list[list[int]]:
             current = []
         current.append(i)
     return batches + [current] if current else batches
+
+
+def _corrupt(ids: "torch.Tensor", batch: list[_Sample], frac: float, out_ids: "torch.Tensor",
+             gen: "torch.Generator") -> "torch.Tensor":
+    """Inputs with `frac` of the response's text tokens replaced by a random response token or the
+    previous token (targets stay): the format must survive the model's own imperfect text."""
+    import torch
+
+    noisy = ids.clone()
+    for b, s in enumerate(batch):
+        keep = set(s.format_pos)
+        positions = [p for p in range(s.start + 1, len(s.ids)) if p not in keep and s.ids[p] not in _SPECIAL_IDS]
+        if not positions:
+            continue
+        pick = torch.rand(len(positions), generator=gen) < frac
+        repeat = torch.rand(len(positions), generator=gen) < 0.5
+        random_ids = out_ids[torch.randint(len(out_ids), (len(positions),), generator=gen)]
+        for j, p in enumerate(positions):
+            if pick[j]:
+                noisy[b, p] = noisy[b, p - 1] if repeat[j] else random_ids[j]
+    return noisy
 
 
 def _lr(step: int, cfg: ChatFormatTraining) -> float:
@@ -244,14 +304,14 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
     import torch.nn.functional as F
 
     torch.manual_seed(cfg.seed)
-    samples = build_samples(tok, cfg)
+    samples, long_samples = build_samples(tok, cfg)
     if not samples:
         raise ValueError("no training samples could be built from the ShareGPT file")
     emb_full = model.get_input_embeddings().weight
     head_full = model.get_output_embeddings().weight
     vocab = head_full.shape[0]
-    in_ids = torch.tensor(sorted({i for s in samples for i in s.ids}))
-    out_ids = torch.tensor(sorted({i for s in samples for i in s.ids[s.start :]}))
+    in_ids = torch.tensor(sorted({i for s in samples + long_samples for i in s.ids}))
+    out_ids = torch.tensor(sorted({i for s in samples + long_samples for i in s.ids[s.start :]}))
     in_pos = torch.full((vocab,), -1, dtype=torch.long)
     in_pos[in_ids] = torch.arange(len(in_ids))
     out_pos = torch.full((vocab,), -1, dtype=torch.long)
@@ -284,25 +344,32 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
     losses: list[float] = []
     batches = _batches(samples, cfg.batch_tokens)
     order: list[int] = []
+    long_order: list[int] = []
     for step in range(cfg.steps):
-        if not order:
-            order = torch.randperm(len(batches), generator=gen).tolist()
-        batch = [samples[i] for i in batches[order.pop()]]
+        if long_samples and cfg.long_context_every and step % cfg.long_context_every == cfg.long_context_every - 1:
+            if not long_order:
+                long_order = torch.randperm(len(long_samples), generator=gen).tolist()
+            batch = [long_samples[long_order.pop()]]
+        else:
+            if not order:
+                order = torch.randperm(len(batches), generator=gen).tolist()
+            batch = [samples[i] for i in batches[order.pop()]]
         T = max(len(s.ids) for s in batch)
         ids = torch.full((len(batch), T), 0, dtype=torch.long)
         mask = torch.zeros((len(batch), T), dtype=torch.long)
         sup = torch.zeros((len(batch), T), dtype=torch.bool)  # position predicts a supervised token
         weight = torch.ones((len(batch), T))  # weight of the token predicted at each position
-        thinking = torch.zeros((len(batch), T), dtype=torch.bool)  # position predicts a token inside the think block
         for b, s in enumerate(batch):
             ids[b, : len(s.ids)] = torch.tensor(s.ids)
             mask[b, : len(s.ids)] = 1
             sup[b, s.start - 1 : len(s.ids) - 1] = True
             weight[b, [p - 1 for p in s.format_pos]] = cfg.format_weight
-            thinking[b, s.start - 1 : s.format_pos[2]] = True  # through the position predicting </think>
         targets = ids[:, 1:][sup[:, :-1]]
-        weight, thinking = weight[sup], thinking[sup]
-        x = emb[in_pos[ids].clamp(min=0)]  # [B, T, H]; padding rows are masked out
+        weight = weight[sup]
+        inputs = ids
+        if cfg.noise_frac:
+            inputs = _corrupt(ids, batch, cfg.noise_frac, out_ids, gen)
+        x = emb[in_pos[inputs].clamp(min=0)]  # [B, T, H]; padding rows are masked out
         h = body(inputs_embeds=x, attention_mask=mask).last_hidden_state[sup]  # [N, H]
         logits = h @ head.T  # [N, n_out]
         rest = torch.logsumexp(h @ rest_rows.T, dim=-1, keepdim=True) + log_rest_scale  # [N, 1]
@@ -310,10 +377,10 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
         ce = -logp.gather(1, out_pos[targets][:, None]).squeeze(1)
         loss = (ce * weight).sum()
         if cfg.unlikelihood_weight:
-            # The wrong format token for the position's state: <|im_end|> while thinking, </think> after.
-            bad = torch.where(thinking, out_pos[IM_END_ID], out_pos[THINK_END_ID])
-            p_bad = logp.gather(1, bad[:, None]).squeeze(1).exp()
-            loss = loss + cfg.unlikelihood_weight * -torch.log1p(-p_bad.clamp(max=1 - 1e-6)).sum()
+            # </think> and <|im_end|> must appear only where the format puts them: -log(1 - p) elsewhere.
+            for token in (THINK_END_ID, IM_END_ID):
+                p_bad = logp[:, out_pos[token]].exp()[targets != token]
+                loss = loss + cfg.unlikelihood_weight * -torch.log1p(-p_bad.clamp(max=1 - 1e-6)).sum()
         loss = loss / weight.sum()
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg)
@@ -335,7 +402,8 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
         num_samples=len(samples),
         num_input_ids=len(in_ids),
         num_output_ids=len(out_ids),
-        supervised_tokens=sum(len(s.ids) - s.start for s in samples),
+        num_long_context_samples=len(long_samples),
+        supervised_tokens=sum(len(s.ids) - s.start for s in samples + long_samples),
         initial_loss=round(losses[0], 4),
         final_loss=round(sum(tail) / len(tail), 4),
         losses=[round(v, 4) for v in losses[::25]],

@@ -1,11 +1,14 @@
 """Backfills through the Dagster daemon, launched the way the UI launches them, against ``dagster dev``.
 
 One ``dagster dev`` (webserver + daemon, SQLite instance, ``gpu`` pool at 1)
-for the module, with ``DFLASH_PROMPT_SOURCE`` pointing at a JSONL of 2,100
-prompts (three ``prompt_shards`` partitions of at most 1,024) and
-``DFLASH_STORE`` at a temp dir. ``prompt_source_sensor`` is started over
-GraphQL as the UI's toggle does; its tick runs the ingest that registers the
-partitions. Then:
+for the module, with ``DFLASH_PROMPT_SOURCE`` pointing at a JSONL of 20
+prompts and ``DFLASH_STORE`` at a temp dir. A ``prompt_corpus`` run launched
+as the launchpad does (``max_prompts_per_shard`` 8) registers three
+``prompt_shards`` partitions. Then:
+
+- ``prompt_source_sensor``, started over GraphQL as the UI's toggle does,
+  ticks in the daemon and launches ``ingest_prompts_job``; re-ingesting the
+  unchanged source adds nothing and registers no partition.
 
 - ``launchPartitionBackfill`` of every partition of each selection in
   ``BACKFILL_SELECTIONS`` completes with every partition materialized by the
@@ -40,7 +43,8 @@ from dflash_assets.tokenized_samples import QualityGateFailed, require_quality_g
 
 pytestmark = pytest.mark.slow
 
-N_PROMPTS = 2_100  # -> shards of 1,024 + 1,024 + 52 with the default IngestConfig
+N_PROMPTS = 20
+SHARD_SIZE = 8  # -> shards of 8, 8 and 4 prompts
 BACKFILL_SELECTIONS = {
     "prompts": ["raw_prompts"],
     # "cpu_stages": ["raw_prompts", "completions", "tokenized_samples"],  # with an engine in the harness env
@@ -67,19 +71,11 @@ def harness(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def shards(harness) -> list[str]:
-    """Turn on prompt_source_sensor as the UI does; its first tick ingests and registers the partitions."""
-    dev = harness.dev
-    assert dev.start_sensor("prompt_source_sensor") == "RUNNING"
-    instance = dev.instance()
-    deadline = time.monotonic() + 300
-    while True:
-        runs = instance.get_runs(filters=dg.RunsFilter(job_name="ingest_prompts_job"))
-        if runs and runs[0].is_finished:
-            assert runs[0].status == dg.DagsterRunStatus.SUCCESS, dev.log_tail()
-            break
-        assert time.monotonic() < deadline, f"no finished ingest run from the sensor; log:\n{dev.log_tail()}"
-        time.sleep(1)
-    return instance.get_dynamic_partitions(prompt_shards.name)
+    """Ingest from the launchpad (small shards); the run registers the prompt_shards partitions."""
+    config = {"ops": {"prompt_corpus": {"config": {"max_prompts_per_shard": SHARD_SIZE}}}}
+    run_id = harness.dev.launch_run(["prompt_corpus"], config)
+    assert harness.dev.wait_for_run(run_id) == "SUCCESS", harness.dev.log_tail()
+    return harness.dev.instance().get_dynamic_partitions(prompt_shards.name)
 
 
 def _run_backfill(harness: Harness, name: str, assets: list[str]) -> str:
@@ -123,6 +119,24 @@ def _check_evaluations(instance, check_key: dg.AssetCheckKey, runs) -> dict[str,
     return out
 
 
+def _step_spans(instance, runs, step_key: str) -> list[tuple[float, float]]:
+    """(start, end) of ``step_key`` in each of ``runs`` that executed it."""
+    spans = []
+    for run in runs:
+        start = end = None
+        for event in instance.all_logs(run.run_id):
+            if not event.is_dagster_event or event.step_key != step_key:
+                continue
+            kind = event.dagster_event.event_type_value
+            if kind == "STEP_START":
+                start = event.timestamp
+            elif kind in ("STEP_SUCCESS", "STEP_FAILURE"):
+                end = event.timestamp
+        if start is not None and end is not None:
+            spans.append((start, end))
+    return sorted(spans)
+
+
 def _expected_runs(policy: dg.BackfillPolicy | None, partitions: int) -> int:
     if policy is None:
         return partitions
@@ -131,14 +145,23 @@ def _expected_runs(policy: dg.BackfillPolicy | None, partitions: int) -> int:
     return math.ceil(partitions / policy.max_partitions_per_run)
 
 
-def test_sensor_ingest_registered_the_shards(harness, shards):
+def test_sensor_ingests_through_the_daemon(harness, shards):
+    """Turned on as in the UI, the sensor's first tick launches ingest_prompts_job; nothing new to register."""
     assert shards == ["shard-00000", "shard-00001", "shard-00002"]
-    instance = harness.dev.instance()
-    [run] = instance.get_runs(filters=dg.RunsFilter(job_name="ingest_prompts_job"))
+    dev, instance = harness.dev, harness.dev.instance()
+    assert dev.start_sensor("prompt_source_sensor") == "RUNNING"
+    deadline = time.monotonic() + 300
+    while not (runs := instance.get_runs(filters=dg.RunsFilter(job_name="ingest_prompts_job"))) or \
+            not runs[0].is_finished:
+        assert time.monotonic() < deadline, f"no finished ingest run from the sensor; log:\n{dev.log_tail()}"
+        time.sleep(1)
+    [run] = runs
+    assert run.status == dg.DagsterRunStatus.SUCCESS, dev.log_tail()
     assert run.tags["dagster/sensor_name"] == "prompt_source_sensor"
     assert run.tags[SOURCE_TAG] == str(harness.source)
     [mat] = _materializations(instance, "prompt_corpus", {run.run_id}).values()
-    assert mat.metadata["valid"].value == N_PROMPTS
+    assert mat.metadata["valid"].value == N_PROMPTS and mat.metadata["new_prompts"].value == 0
+    assert instance.get_dynamic_partitions(prompt_shards.name) == shards
 
 
 def test_instance_runs_gpu_stages_one_at_a_time(harness):
@@ -182,7 +205,7 @@ def test_backfill_of_every_partition(harness, shards, name):
         for shard, mat in mats.items():
             table = harness.store.read_parquet(f"raw_prompts/{shard}.parquet")
             assert mat.metadata["num_prompts"].value == table.num_rows
-        assert sorted(m.metadata["num_prompts"].value for m in mats.values()) == [52, 1024, 1024]
+        assert sorted(m.metadata["num_prompts"].value for m in mats.values()) == [4, 8, 8]
 
 
 def _prompt_shard_descendants(asset: str) -> list[str]:
@@ -224,6 +247,11 @@ def test_failed_blocking_check_stops_only_its_partition(harness, shards):
     run_ids = {r.run_id for r in runs}
     for asset in downstream:  # the failed partition's downstream never ran; the others did
         assert set(_materializations(instance, asset, run_ids)) == set(shards) - {bad}, asset
+    gpu_stages = [a for a in downstream if "gpu" in defs.resolve_asset_graph().get(dg.AssetKey(a)).pools]
+    for asset in gpu_stages:  # pool "gpu" at 1 (dagster.yaml): never two GPU steps at once
+        spans = _step_spans(instance, runs, asset)
+        assert len(spans) == len(shards) - 1
+        assert all(prev_end <= start for (_, prev_end), (start, _) in zip(spans, spans[1:])), spans
     with pytest.raises(QualityGateFailed):
         require_quality_gate(harness.store, bad)
     for shard in set(shards) - {bad}:

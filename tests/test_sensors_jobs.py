@@ -15,7 +15,8 @@ import dagster as dg
 import pytest
 
 from dagster_project.definitions import defs
-from dagster_project.jobs import ALL_JOBS, CPU_GROUPS, HOST_KIND_TAG
+from dagster_project.jobs import ALL_JOBS, CPU_GROUPS, DRAFTER_GROUP, HIDDEN_STATES_GROUP, HOST_KIND_TAG
+from dagster_project.partitions import prompt_shards
 from dagster_project.resources import StoreResource
 from dagster_project.sensors import (
     SOURCE_TAG,
@@ -60,9 +61,15 @@ def test_stage_jobs_split_the_graph():
     assert sum(len(keys) for keys in by_job.values()) == len(all_keys), f"an asset is in two jobs: {by_job}"
 
     assert by_job["ingest_prompts_job"] == {"prompt_corpus"}
-    cpu = {k.to_user_string() for k in graph.get_all_asset_keys() if graph.get(k).group_name in CPU_GROUPS}
-    assert by_job["prepare_data_job"] == cpu - {"prompt_corpus"}
-    assert "raw_prompts" in by_job["prepare_data_job"]
+    cpu = {k for k in graph.get_all_asset_keys() if graph.get(k).group_name in CPU_GROUPS}
+    per_shard = {k.to_user_string() for k in cpu if graph.get(k).partitions_def == prompt_shards}
+    assert by_job["prepare_data_job"] == per_shard and "raw_prompts" in per_shard
+    corpus_level = {k.to_user_string() for k in cpu if not graph.get(k).is_partitioned} - {"prompt_corpus"}
+    assert by_job["plan_generation_job"] == corpus_level
+    for name, group in (("hidden_states_job", HIDDEN_STATES_GROUP), ("drafter_job", DRAFTER_GROUP)):
+        in_group = {k.to_user_string() for k in graph.get_all_asset_keys() if graph.get(k).group_name == group}
+        assert by_job[name] == in_group
+        assert all(graph.get(dg.AssetKey(k)).pools == {"gpu"} for k in in_group), f"{name}: GPU stages hold pool 'gpu'"
 
     for job in ALL_JOBS:  # one partitions definition per job: the assets' own
         job_def = defs.resolve_job_def(job.name)
