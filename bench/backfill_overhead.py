@@ -84,16 +84,18 @@ def batched_raw_prompts(policy: dg.BackfillPolicy | None, per_partition_metadata
     )
     def raw_prompts(context: dg.AssetExecutionContext, store: StoreResource) -> dg.MaterializeResult:
         """Normalized prompts of one shard (system + user turns, no assistant turns), as Parquet."""
-        opened = store.open()
-        for key in context.partition_keys:  # one key in a single-partition run, a range under the policy
+        opened, keys, stats = store.open(), context.partition_keys, None  # a range under the policy, else one key
+        for key in keys:
             table, stats = materialize_prompt_shard(opened, key)
             if not per_partition_metadata:
                 continue
-            context.add_asset_metadata(
+            context.add_asset_metadata(  # lands on this partition's materialization event only
                 {**to_metadata(stats), "preview": preview_table(table, ["prompt_id", "num_user_turns", "user_turns"])},
                 partition_key=key,
             )
-        return dg.MaterializeResult(metadata={"partitions_in_run": len(context.partition_keys)})
+        # A data version covers every partition of the run: give one only when the run holds one partition.
+        version = dg.DataVersion(stats.sha256[:16]) if len(keys) == 1 else None
+        return dg.MaterializeResult(metadata={"partitions_in_run": len(keys)}, data_version=version)
 
     return raw_prompts
 

@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> None:
 
     home = Path(args.home).resolve()
     home.mkdir(parents=True, exist_ok=True)
+    if not (home / "dagster.yaml").exists():  # SQLite, at most one GPU step at a time
+        from dagster_project.instance_config import write_instance_yaml
+
+        write_instance_yaml(home, "local")
     os.environ["DAGSTER_HOME"] = str(home)
     os.environ.setdefault("DFLASH_STORE", str(home / "dflash-store"))
 

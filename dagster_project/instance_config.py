@@ -31,6 +31,8 @@ _LOCAL = """\
 concurrency:
   runs:
     max_concurrent_runs: 2  # the dev machine has 2 cores
+  pools:
+    default_limit: 1  # pool "gpu": one GPU step at a time unless `dagster instance concurrency set gpu N`
 telemetry:
   enabled: false
 """
@@ -70,6 +72,7 @@ concurrency:
         limit: 1
   pools:
     granularity: op  # GPU assets use pool "gpu": dagster instance concurrency set gpu <number of GPU hosts>
+    default_limit: 1  # safe until that is set: one GPU step at a time
 run_monitoring:
   enabled: true
   start_timeout_seconds: 300

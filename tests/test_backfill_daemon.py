@@ -9,7 +9,7 @@ as the launchpad does (``max_prompts_per_shard`` 8) registers three
 - ``prompt_source_sensor``, started over GraphQL as the UI's toggle does,
   ticks in the daemon and launches ``ingest_prompts_job``; re-ingesting the
   unchanged source adds nothing and registers no partition.
-
+- The running instance has the ``gpu`` pool at 1 and the GPU stages hold it.
 - ``launchPartitionBackfill`` of every partition of each selection in
   ``BACKFILL_SELECTIONS`` completes with every partition materialized by the
   backfill's own runs, each partition's metadata describing that partition,
@@ -17,7 +17,9 @@ as the launchpad does (``max_prompts_per_shard`` 8) registers three
   of the selected assets evaluated.
 - A partition whose blocking ``empty_response_ratio`` check fails (its
   completions are stubs) fails alone: the other partitions materialize and
-  pass, its own downstream stays unmaterialized and its quality gate refuses it.
+  pass, its own downstream (``hidden_state_cache``) stays unmaterialized and
+  its quality gate refuses it; every check is evaluated on every partition,
+  and the GPU steps of the other partitions never overlap.
 
 To cover a stage as it lands, add its selection to ``BACKFILL_SELECTIONS``
 (a stage that needs an engine also needs ``DFLASH_ENGINE_URLS`` in the
@@ -108,7 +110,8 @@ def _check_evaluations(instance, check_key: dg.AssetCheckKey, runs) -> dict[str,
     """
     by_run = {r.run_id: r for r in runs}
     out: dict[str, str] = {}
-    for record in instance.event_log_storage.get_asset_check_execution_history(check_key, limit=10_000):
+    history = instance.event_log_storage.get_asset_check_execution_history(check_key, limit=10_000)
+    for record in reversed(history):  # oldest first: later ones win
         run = by_run.get(record.run_id)
         if run is None:
             continue
@@ -236,6 +239,8 @@ def test_failed_blocking_check_stops_only_its_partition(harness, shards):
     failed = {r.tags.get("dagster/partition") for r in runs if r.status == dg.DagsterRunStatus.FAILURE}
     assert failed == {bad}, f"failed runs: {failed}"
 
+    for check_key in defs.resolve_asset_graph().get(dg.AssetKey("tokenized_samples")).check_keys:
+        assert set(_check_evaluations(instance, check_key, runs)) == set(shards), check_key.to_user_string()
     key = dg.AssetCheckKey(dg.AssetKey("tokenized_samples"), "empty_response_ratio")
     evaluated = _check_evaluations(instance, key, runs)
     assert evaluated == {s: ("FAILED" if s == bad else "SUCCEEDED") for s in shards}

@@ -1,7 +1,8 @@
-"""Tiny random-weight targets: layout, loading, speed, determinism and atomic builds."""
+"""Tiny targets: layout, loading, speed, the thinking chat format they were taught, determinism and atomic builds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,9 +14,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+import dflash_assets.tiny_target_training as TR
 import dflash_assets.tiny_targets as TT
 from dflash_assets.chat_template import default_chat_template
 from dflash_assets.tokenizer import QWEN3_6_MASK_TOKEN_ID, build_qwen3_6_tokenizer, tokenizer_hash
+
+THINK_END, IM_END, ENDOFTEXT = 248_069, 248_046, 248_044
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Bonjour, 你好 👋"}]
 
@@ -43,6 +47,13 @@ def test_layout_config_and_tokenizer(kind, tiny_dense_target, tiny_hybrid_target
     text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert text.endswith("<|im_start|>assistant\n<think>\n")
     assert tok.encode(text) == ours.encode(text)
+
+    marker = json.loads((path / TT.COMPLETE_MARKER).read_text())
+    training = marker["training"]
+    assert training["settings"] == json.loads(json.dumps(dataclasses.asdict(TT.TINY_TARGET_TRAINING[kind])))
+    assert training["steps"] == TT.TINY_TARGET_TRAINING[kind].steps > 0
+    assert training["final_loss"] < training["initial_loss"] / 2 and training["num_samples"] >= 256
+    assert "ShareGPT" in training["data"]
 
 
 @pytest.fixture
@@ -85,7 +96,127 @@ def test_load_forward_speed_and_greedy_generate(kind, tiny_dense_target, tiny_hy
     assert torch.equal(runs[0][:, :n], prompt["input_ids"])
 
 
-@pytest.mark.slow  # two fresh builds: ~7 s idle, ~25 s on a loaded 2-core box
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a Python function that reverses a linked list."}],
+    [{"role": "user", "content": "用三句话介绍一下长城。"}],
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "Explique-moi la photosynthèse simplement."}],
+    [{"role": "user", "content": "hi"}],
+    [{"role": "user", "content": "Summarize this: " + "The quarterly report shows revenue growth in every region, "
+      "while costs stayed flat and the new product line sold out twice. " * 8}],
+    [{"role": "user", "content": "Give me three ideas for a birthday party."},
+     {"role": "assistant", "content": "A picnic, a movie night, or a board game evening."},
+     {"role": "user", "content": "Which one is cheapest?"}],
+    [{"role": "user", "content": "How do I fix 'ModuleNotFoundError: No module named numpy'?"}],
+]
+
+
+def _generate(model, tok, prompts, max_new_tokens, **sampling):
+    """New ids per prompt (one left-padded batch), cut after the first stop token."""
+    batch = tok.apply_chat_template(prompts, add_generation_prompt=True, padding=True, return_tensors="pt",
+                                    return_dict=True)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, **sampling)
+    rows = []
+    for row in out[:, batch["input_ids"].shape[1]:].tolist():
+        stops = [i for i, t in enumerate(row) if t in (IM_END, ENDOFTEXT)]
+        rows.append(row[: stops[0] + 1] if stops else row)
+    return rows
+
+
+def _well_formed(tok, ids, max_new_tokens):
+    """`</think>`, then an answer of >= 5 tokens, >= 16 tokens after `<think>\\n`, stopped by `<|im_end|>`."""
+    if not ids or ids[-1] != IM_END or len(ids) >= max_new_tokens or THINK_END not in ids:
+        return False
+    answer = tok.decode(ids[ids.index(THINK_END) + 1 : -1], skip_special_tokens=True).strip()
+    return THINK_END not in ids[ids.index(THINK_END) + 1 :] and len(tok.encode(answer)) >= 5 and len(ids) >= 16
+
+
+@pytest.fixture(scope="module")
+def dense_model_and_tokenizer(tiny_dense_target):
+    tok = AutoTokenizer.from_pretrained(tiny_dense_target, padding_side="left")
+    return AutoModelForCausalLM.from_pretrained(tiny_dense_target).eval(), tok
+
+
+@pytest.mark.parametrize("mode", ["sampled", "greedy"])
+def test_dense_target_speaks_the_thinking_format(mode, dense_model_and_tokenizer, one_thread):
+    model, tok = dense_model_and_tokenizer
+    sampling = dict(do_sample=True, temperature=0.6, top_p=0.95) if mode == "sampled" else dict(do_sample=False)
+    outs = _generate(model, tok, PROMPTS, 96, **sampling)
+    texts = [tok.decode(o) for o in outs]
+    ok = [_well_formed(tok, o, 96) for o in outs]
+    # Measured at build time (tiny_target_training): 100% of 45 held-out ShareGPT prompts and of 40 of the
+    # file's first prompts (cut at 2K tokens), greedy and sampled. Allow one miss among these 8.
+    assert sum(ok) >= len(PROMPTS) - 1, texts
+    assert all(t.startswith("Okay,") for t, good in zip(texts, ok) if good), texts
+
+
+def test_im_end_stops_generation_and_trained_rows_dominate(dense_model_and_tokenizer, one_thread):
+    model, tok = dense_model_and_tokenizer
+    batch = tok.apply_chat_template(PROMPTS[:2], add_generation_prompt=True, padding=True, return_tensors="pt",
+                                    return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=200, do_sample=False)
+    for row in out[:, batch["input_ids"].shape[1]:].tolist():
+        assert IM_END in row and row.index(IM_END) < 120  # stopped well before the cap ...
+        assert set(row[row.index(IM_END) + 1 :]) <= {ENDOFTEXT}  # ... and nothing but padding after it
+    # At the generation prompt and inside the answer, the ~240K rows of lm_head that training never
+    # touched (still random, small) carry almost no probability: the trained tokens dominate.
+    with torch.no_grad():
+        probs = model(out).logits.float().softmax(-1)[:, batch["input_ids"].shape[1] - 1 :]
+    top = probs.topk(200, dim=-1).values.sum(-1)
+    assert top.min() > 0.9 and top.mean() > 0.98, top
+    head = model.get_output_embeddings().weight.float()
+    norms = head.norm(dim=-1)
+    assert norms[THINK_END] > 5 * norms.median() and norms[IM_END] > 5 * norms.median()
+
+
+def test_training_samples_follow_the_template():
+    tok = build_qwen3_6_tokenizer()
+    cfg = TR.ChatFormatTraining(max_samples=24, long_context_samples=2, long_context_tokens=(300, 400))
+    samples, long_samples = TR.build_samples(tok, cfg)
+    assert len(samples) == 24 and len(long_samples) == 2
+    assert all(300 <= s.start <= 500 for s in long_samples)
+    for s in samples + long_samples:
+        text = tok.decode(s.ids)
+        assert tok.decode(s.ids[: s.start]).endswith("<|im_start|>assistant\n<think>\n")
+        assert text.endswith("<|im_end|>") and text.count("</think>") == 1 and text.count("<think>") == 1
+        assert tok.decode(s.ids[s.start :]).startswith(cfg.reasoning_prefix)
+        start, before_end, end, after_end, last = s.format_pos
+        assert start == s.start and s.ids[end] == THINK_END and s.ids[last] == IM_END == s.ids[-1]
+        assert tok.decode([s.ids[before_end]]) == "\n" and tok.decode([s.ids[after_end]]) == "\n\n"
+        assert cfg.reasoning_tokens[0] <= end - s.start - 1 <= cfg.reasoning_tokens[1] + 4
+        assert cfg.answer_tokens[0] - 4 <= last - end - 2 <= cfg.answer_tokens[1] + 2
+        assert len(s.ids) - s.start >= 16
+        head = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
+        assert head.endswith("<think>\n")  # supervision starts where the generation prompt ends
+
+
+def test_teach_chat_format_touches_only_data_rows_and_restores_threads():
+    from transformers import AutoModelForCausalLM as Auto
+
+    tok = build_qwen3_6_tokenizer()
+    torch.manual_seed(0)
+    model = Auto.from_config(TT._make_config("dense"), dtype=torch.float32)
+    emb0 = model.get_input_embeddings().weight.detach().clone()
+    head0 = model.get_output_embeddings().weight.detach().clone()
+    threads = torch.get_num_threads()
+    cfg = TR.ChatFormatTraining(max_samples=16, long_context_samples=1, long_context_tokens=(200, 300), steps=6,
+                                long_context_every=3, noise_frac=0.2, warmup_steps=2)
+    report = TR.teach_chat_format(model, tok, cfg)
+    assert torch.get_num_threads() == threads
+    assert report.num_samples == 16 and report.num_long_context_samples == 1 and report.initial_loss > 10
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    changed_in = (emb != emb0).any(-1).nonzero().squeeze(-1)
+    changed_out = (head != head0).any(-1).nonzero().squeeze(-1)
+    assert len(changed_in) == report.num_input_ids and len(changed_out) == report.num_output_ids
+    assert THINK_END in changed_out and IM_END in changed_out and QWEN3_6_MASK_TOKEN_ID not in changed_in
+    assert emb.data_ptr() != head.data_ptr() and not any(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.slow  # one fresh build (the other process waits on the lock): ~45 s on one core
 def test_concurrent_builds_are_atomic_and_deterministic(tmp_path, tiny_dense_target):
     code = "import sys; from dflash_assets.tiny_targets import tiny_target_path; print(tiny_target_path('dense', sys.argv[1]))"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
@@ -94,7 +225,7 @@ def test_concurrent_builds_are_atomic_and_deterministic(tmp_path, tiny_dense_tar
     assert all(p.returncode == 0 for p in procs)
     assert len(paths) == 1
     built = Path(paths.pop())
-    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no leftover temp dirs
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == [built.name]  # no temp dirs
     assert built.name == tiny_dense_target.name
     fresh, cached = load_file(built / "model.safetensors"), load_file(tiny_dense_target / "model.safetensors")
     assert fresh.keys() == cached.keys() and all(torch.equal(fresh[k], cached[k]) for k in fresh)
@@ -121,7 +252,29 @@ def test_reuse_version_key_and_failed_build(tmp_path, monkeypatch):
     monkeypatch.setattr(TT, "_build", broken_build)
     with pytest.raises(RuntimeError, match="disk full"):
         TT.tiny_target_path("hybrid", tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name])
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == sorted([first.name, second.name])
+
+
+def test_concurrent_first_uses_build_once(tmp_path, monkeypatch):
+    import threading
+
+    calls = []
+
+    def slow_build(kind, out):
+        calls.append(kind)
+        time.sleep(0.3)
+        (out / "config.json").write_text("{}")
+        return {"steps": 0}
+
+    monkeypatch.setattr(TT, "_build", slow_build)
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(TT.tiny_target_path("dense", tmp_path))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["dense"] and len(set(paths)) == 1 and len(paths) == 3
+    assert json.loads((paths[0] / TT.COMPLETE_MARKER).read_text())["training"] == {"steps": 0}
 
 
 def test_default_cache_dir_and_unknown_kind(tmp_path, monkeypatch):

@@ -53,11 +53,18 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: IngestConfig, store
     kinds={"python", "parquet"},
     owners=["team:ml-data"],
     code_version="1",
+    # Cheap stage: a backfill batches up to 1,000 shards per run (one run per partition costs ~6 s each).
+    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=1000),
 )
 def raw_prompts(context: dg.AssetExecutionContext, store: StoreResource) -> dg.MaterializeResult:
     """Normalized prompts of one shard (system + user turns, no assistant turns), as Parquet."""
-    table, stats = materialize_prompt_shard(store.open(), context.partition_key)
-    return dg.MaterializeResult(
-        data_version=dg.DataVersion(stats.sha256[:16]),
-        metadata={**to_metadata(stats), "preview": preview_table(table, ["prompt_id", "num_user_turns", "user_turns"])}
-    )
+    opened, keys, stats = store.open(), context.partition_keys, None  # a range under the policy, else one key
+    for key in keys:
+        table, stats = materialize_prompt_shard(opened, key)
+        context.add_asset_metadata(  # lands on this partition's materialization only
+            {**to_metadata(stats), "preview": preview_table(table, ["prompt_id", "num_user_turns", "user_turns"])},
+            partition_key=key,
+        )
+    # A data version covers every partition of the run: give one only when the run holds one partition.
+    version = dg.DataVersion(stats.sha256[:16]) if len(keys) == 1 else None
+    return dg.MaterializeResult(metadata={"partitions_in_run": len(keys)}, data_version=version)

@@ -65,7 +65,7 @@ def _encoder_and_renderer(spec):
     code_version=code_version("1", TokenizeStageConfig, target=True),
     check_specs=[
         dg.AssetCheckSpec(name, asset="tokenized_samples", blocking=name in BLOCKING_CHECKS,
-                          description=CHECK_DESCRIPTIONS[name])
+                          description=CHECK_DESCRIPTIONS[name], partitions_def=prompt_shards)
         for name in SEVERITY
     ],
 )
