@@ -24,7 +24,7 @@ prompts of thousands of tokens.
 Loss: next-token cross-entropy on the assistant span only (after
 `<think>\n` through `<|im_end|>`, the pipeline's loss mask), with the format
 tokens (first reasoning token, `\n`, `</think>`, `\n\n`, `<|im_end|>`)
-weighted 10x, plus an unlikelihood term -log(1 - p) on `</think>` and
+weighted 10x, plus 5 x an unlikelihood term -log(1 - p) on `</think>` and
 `<|im_end|>` at every other position. 15% of the response's input tokens are
 replaced by a random response token or a repeat of the previous one (targets
 unchanged), so the format survives the model's own imperfect text. The
@@ -73,7 +73,7 @@ class ChatFormatTraining:
     reasoning_tokens: tuple[int, int] = (14, 18)  # narrow ranges: a tiny model learns to count them quickly
     answer_tokens: tuple[int, int] = (20, 28)
     format_weight: float = 10.0  # loss weight of the format tokens: first reasoning token, "\n</think>\n\n", <|im_end|>
-    unlikelihood_weight: float = 2.0  # weight of -log(1 - p) of </think> / <|im_end|> where the next token is another
+    unlikelihood_weight: float = 5.0  # weight of -log(1 - p) of </think> / <|im_end|> where the next token is another
     noise_frac: float = 0.15  # share of response input tokens replaced by noise (targets stay)
     qk_norm_init: float = 2.0  # initial q_norm/k_norm weights: sharper attention from the start
     long_context_samples: int = 32  # extra chats whose context is long (several ShareGPT texts) ...

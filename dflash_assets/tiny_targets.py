@@ -1,8 +1,8 @@
-"""Tiny random-weight target models for tests and the embedded default.
+"""Tiny targets for tests and the embedded default: random init, then taught the chat format.
 
-Builds, once per machine, two deterministic (fixed seed) random-weight
-causal LMs that use the Qwen3.5/3.6 tokenizer of `dflash_assets.tokenizer`
-and load with `AutoModelForCausalLM.from_pretrained(dir)`:
+Builds, once per machine, two deterministic causal LMs that use the Qwen3.5/3.6
+tokenizer of `dflash_assets.tokenizer` and load with
+`AutoModelForCausalLM.from_pretrained(dir)`:
 
 - "dense":  `qwen3` (Qwen3ForCausalLM), 8 layers, hidden 64, 4 heads, 2 KV heads,
   head_dim 16, intermediate 128.
@@ -19,25 +19,43 @@ two 248K x 64 matrices dominate). Each directory also holds the tokenizer
 files, `chat_template.jinja` and `generation_config.json`, so
 `AutoTokenizer.from_pretrained(dir)` and `transformers serve <dir>` work.
 
+A purely random model never writes `</think>` nor `<|im_end|>`, so every
+completion it generates is "all reasoning, empty answer" and the pipeline's
+`empty_response_ratio` check fails. After its seeded random init the dense
+target (the embedded default) is therefore trained briefly on one CPU core
+(`tiny_target_training.teach_chat_format`: 160 steps on synthetic ShareGPT
+chats rendered with the chat template, ~30-45 s) to answer in the thinking
+format: `Okay, ...` reasoning of ~16 tokens, `\\n</think>\\n\\n`, an answer of
+~24 tokens, `<|im_end|>`. Rows of embed_tokens / lm_head for ids absent from
+that data keep their random values. The hybrid stays random (see
+`TINY_TARGET_TRAINING`). How a target was trained (settings, steps, losses,
+data; null when it was not) is recorded in the directory's
+`dflash_tiny_target.json` under "training".
+
 Writes `<cache>/<kind>-<version>-<digest>/` where cache is `cache_dir`, else
 `$DFLASH_CACHE/targets`, else `~/.cache/dflash-assets/targets`. A target is
 built in a temp dir beside it and renamed into place, so concurrent processes
-never see a partial directory; the digest covers the version string, the
-architecture settings, the tokenizer source and the chat template, so any
-change builds a new directory.
+never see a partial directory; builders of one target also take a file lock
+(`.<name>.lock` beside it), so concurrent first uses build it once and the
+others wait. The digest covers the version string, the architecture and
+training settings, the tokenizer source and the chat template, so any change
+builds a new directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from dataclasses import asdict
 from typing import Literal
 
 from dflash_assets.chat_template import default_chat_template, template_hash
+from dflash_assets.tiny_target_training import ChatFormatTraining, teach_chat_format
 from dflash_assets.tokenizer import (
     QWEN3_6_EOS_TOKEN,
     QWEN3_6_MASK_TOKEN_ID,
@@ -49,7 +67,7 @@ from dflash_assets.tokenizer import (
 
 TargetKind = Literal["dense", "hybrid"]
 
-TINY_TARGETS_VERSION = "v2"
+TINY_TARGETS_VERSION = "v3"  # v3: taught the thinking chat format
 TINY_TARGET_SEED = 1234
 TINY_VOCAB_SIZE = 248_320  # = real Qwen3.5/3.6; multiple of 128, > QWEN3_6_MASK_TOKEN_ID
 COMPLETE_MARKER = "dflash_tiny_target.json"
@@ -86,6 +104,16 @@ TINY_TARGET_SETTINGS: dict[str, dict] = {
 }
 
 
+# How each target is taught the chat format after its random init (`teach_chat_format`); None: left random.
+# The hybrid stays random: Transformers' PyTorch fallback for its linear-attention layers makes training it
+# ~2.5x slower than the dense (~100 s for the same steps on one core; 80 steps, ~50 s, were not enough), and
+# it serves only hidden-state capture tests, where random weights do.
+TINY_TARGET_TRAINING: dict[str, ChatFormatTraining | None] = {
+    "dense": ChatFormatTraining(seed=TINY_TARGET_SEED),
+    "hybrid": None,
+}
+
+
 def default_targets_dir() -> Path:
     """`$DFLASH_CACHE/targets`, else `~/.cache/dflash-assets/targets`."""
     return default_cache_root() / "targets"
@@ -96,10 +124,16 @@ def _digest(kind: str) -> str:
         "version": TINY_TARGETS_VERSION,
         "seed": TINY_TARGET_SEED,
         "settings": TINY_TARGET_SETTINGS[kind],
+        "training": _training_settings(kind),
         "tokenizer": qwen3_6_build_id(),
         "template": template_hash(default_chat_template()),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _training_settings(kind: str) -> dict | None:
+    training = TINY_TARGET_TRAINING[kind]
+    return asdict(training) if training is not None else None
 
 
 def _make_config(kind: str):
@@ -113,14 +147,17 @@ def _make_config(kind: str):
     return Qwen3_5TextConfig(**settings)
 
 
-def _build(kind: str, out: Path) -> None:
-    """Write model, tokenizer, chat template and generation config into `out`."""
+def _build(kind: str, out: Path) -> dict | None:
+    """Write model, tokenizer, chat template and generation config into `out`; return the training report."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    tok = build_qwen3_6_tokenizer()
     config = _make_config(kind)
     torch.manual_seed(TINY_TARGET_SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    training = TINY_TARGET_TRAINING[kind]
+    report = teach_chat_format(model, tok, training) if training is not None else None
     model = model.to(torch.bfloat16).eval()
     model.generation_config = GenerationConfig(
         eos_token_id=[248046, 248044],  # <|im_end|>, <|endoftext|>
@@ -129,7 +166,6 @@ def _build(kind: str, out: Path) -> None:
     )
     model.save_pretrained(out, safe_serialization=True)
 
-    tok = build_qwen3_6_tokenizer()
     tok.save_pretrained(out)
     # A plain fast-tokenizer class: a model-specific class (Qwen2Tokenizer) would
     # rebuild its own pre-tokenizer in v5 and drift from the Qwen3.5 pattern.
@@ -147,13 +183,31 @@ def _build(kind: str, out: Path) -> None:
     template_file = out / "chat_template.jinja"
     if not template_file.exists():
         template_file.write_text(default_chat_template(), "utf-8")
+    return report.to_dict() if report is not None else None
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    """An exclusive advisory lock on `path` (a no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: concurrent builders just race; the rename keeps that safe
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def tiny_target_path(kind: TargetKind = "dense", cache_dir: str | Path | None = None) -> Path:
-    """Directory of the tiny `kind` target, building it on first use (a few seconds).
+    """Directory of the tiny `kind` target, building it on first use (~30-60 s on one core).
 
-    Safe under concurrent processes: each builds into its own temp dir and
-    renames it into place; the loser of the race discards its copy.
+    Safe under concurrent processes: builders take a file lock, so one builds
+    while the others wait; each builds into its own temp dir and renames it into
+    place, so readers never see a partial directory.
     """
     if kind not in TINY_TARGET_SETTINGS:
         raise ValueError(f"unknown tiny target kind {kind!r}; expected one of {sorted(TINY_TARGET_SETTINGS)}")
@@ -162,12 +216,19 @@ def tiny_target_path(kind: TargetKind = "dense", cache_dir: str | Path | None = 
     if (final / COMPLETE_MARKER).exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
+    with _build_lock(root / f".{final.name}.lock"):
+        if not (final / COMPLETE_MARKER).exists():
+            _build_into(kind, root, final)
+    return final
+
+
+def _build_into(kind: str, root: Path, final: Path) -> None:
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{kind}-building-"))
     try:
-        _build(kind, tmp)
+        training = _build(kind, tmp)
         marker = {"kind": kind, "version": TINY_TARGETS_VERSION, "seed": TINY_TARGET_SEED,
                   "settings": TINY_TARGET_SETTINGS[kind], "mask_token_id": QWEN3_6_MASK_TOKEN_ID,
-                  "eos_token": QWEN3_6_EOS_TOKEN, "pad_token": QWEN3_6_PAD_TOKEN}
+                  "eos_token": QWEN3_6_EOS_TOKEN, "pad_token": QWEN3_6_PAD_TOKEN, "training": training}
         (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2))
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the target is shared, read-only data
         for f in tmp.iterdir():
@@ -180,4 +241,3 @@ def tiny_target_path(kind: TargetKind = "dense", cache_dir: str | Path | None = 
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return final
