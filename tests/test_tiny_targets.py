@@ -48,11 +48,14 @@ def test_layout_config_and_tokenizer(kind, tiny_dense_target, tiny_hybrid_target
     assert text.endswith("<|im_start|>assistant\n<think>\n")
     assert tok.encode(text) == ours.encode(text)
 
-    marker = json.loads((path / TT.COMPLETE_MARKER).read_text())
-    training = marker["training"]
-    assert training["settings"] == json.loads(json.dumps(dataclasses.asdict(TT.TINY_TARGET_TRAINING[kind])))
-    assert training["steps"] == TT.TINY_TARGET_TRAINING[kind].steps > 0
-    assert training["final_loss"] < training["initial_loss"] / 2 and training["num_samples"] >= 256
+    training = json.loads((path / TT.COMPLETE_MARKER).read_text())["training"]
+    if kind == "hybrid":  # left random on purpose (see TINY_TARGET_TRAINING)
+        assert training is None and TT.TINY_TARGET_TRAINING["hybrid"] is None
+        return
+    settings = TT.TINY_TARGET_TRAINING[kind]
+    assert training["settings"] == json.loads(json.dumps(dataclasses.asdict(settings)))
+    assert training["settings"]["steps"] == settings.steps > 0 and len(training["losses"]) == -(-settings.steps // 25)
+    assert training["final_loss"] < training["initial_loss"] / 3 and training["num_samples"] == settings.max_samples
     assert "ShareGPT" in training["data"]
 
 
@@ -150,7 +153,7 @@ def test_dense_target_speaks_the_thinking_format(mode, dense_model_and_tokenizer
     # Measured at build time (tiny_target_training): 100% of 45 held-out ShareGPT prompts and of 40 of the
     # file's first prompts (cut at 2K tokens), greedy and sampled. Allow one miss among these 8.
     assert sum(ok) >= len(PROMPTS) - 1, texts
-    assert all(t.startswith("Okay,") for t, good in zip(texts, ok) if good), texts
+    assert all(t.startswith("Okay") for t, good in zip(texts, ok) if good), texts  # the trained reasoning opener
 
 
 def test_im_end_stops_generation_and_trained_rows_dominate(dense_model_and_tokenizer, one_thread):
@@ -211,7 +214,9 @@ def test_teach_chat_format_touches_only_data_rows_and_restores_threads():
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     changed_in = (emb != emb0).any(-1).nonzero().squeeze(-1)
     changed_out = (head != head0).any(-1).nonzero().squeeze(-1)
-    assert len(changed_in) == report.num_input_ids and len(changed_out) == report.num_output_ids
+    # Only rows of ids in the data move (a few whose samples no step of this short run drew stay put).
+    assert 0.9 * report.num_input_ids <= len(changed_in) <= report.num_input_ids
+    assert 0.9 * report.num_output_ids <= len(changed_out) <= report.num_output_ids
     assert THINK_END in changed_out and IM_END in changed_out and QWEN3_6_MASK_TOKEN_ID not in changed_in
     assert emb.data_ptr() != head.data_ptr() and not any(p.requires_grad for p in model.parameters())
 
