@@ -28,9 +28,9 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -114,30 +114,15 @@ class LocalStore(_StoreHelpers):
     def _path(self, key: str) -> Path:
         return self.root / _clean_key(key)
 
-    def write_bytes(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(path.parent)
-
-    def upload_file(self, key: str, path: str | os.PathLike) -> None:
+    def _publish(self, key: str, fill: Callable[[BinaryIO], object]) -> None:
+        """Write through ``fill`` into a temp file beside the target, fsync, then rename over it."""
         dest = self._path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-        os.close(fd)
         try:
-            shutil.copyfile(path, tmp)
-            with open(tmp, "rb+") as f:
+            with os.fdopen(fd, "wb") as f:
+                fill(f)
+                f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, dest)
         except BaseException:
@@ -145,6 +130,16 @@ class LocalStore(_StoreHelpers):
                 os.unlink(tmp)
             raise
         _fsync_dir(dest.parent)
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        self._publish(key, lambda f: f.write(data))
+
+    def upload_file(self, key: str, path: str | os.PathLike) -> None:
+        def copy(f: BinaryIO) -> None:
+            with open(path, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 20)
+
+        self._publish(key, copy)
 
     def read_bytes(self, key: str) -> bytes:
         path = self._path(key)
