@@ -36,9 +36,11 @@ trained (gathered into small parameters and scattered back after training).
 The softmax runs over those rows plus one "rest" term standing for every other
 row: logsumexp of a fixed random sample of 1024 other rows' logits plus
 log(#others / 1024), an estimate of their total mass. So the model learns to
-beat the ~240K untrained rows (kept random, small norm) at inference, not only
-the trained ones. Reads the ShareGPT package file; writes nothing (the caller
-saves the model).
+beat the ~244K untrained rows (kept random, small norm) at inference, not only
+the trained ones. Measured on the dense target: at temperature 0.6 those rows
+hold 0.03% of the probability (none survives top_p 0.95); at temperature 1
+about 12%, and the format still holds. Reads the ShareGPT package file; writes
+nothing (the caller saves the model).
 """
 
 from __future__ import annotations

@@ -165,13 +165,17 @@ def test_im_end_stops_generation_and_trained_rows_dominate(dense_model_and_token
     for row in out[:, batch["input_ids"].shape[1]:].tolist():
         assert IM_END in row and row.index(IM_END) < 120  # stopped well before the cap ...
         assert set(row[row.index(IM_END) + 1 :]) <= {ENDOFTEXT}  # ... and nothing but padding after it
-    # At the generation prompt the trained opener dominates. Further in, about half of the probability
-    # still sits on the ~240K lm_head rows training never touched (random, small, but many): greedy
-    # decoding is well-formed, sampling at high temperature less so. Known; see the module docstring.
+    # The ~4K tokens training touched carry nearly all the probability. The ~244K lm_head rows it never
+    # touched (random, small, but many) hold ~12% at temperature 1 (measured; the format still holds) and
+    # ~0.03% at the pipeline's temperature 0.6, none of it inside top_p 0.95. (The top-200 tokens alone hold
+    # only ~half inside the answer: the trained text distribution is flat, not the untrained tail heavy.)
+    k = json.loads((Path(model.name_or_path) / TT.COMPLETE_MARKER).read_text())["training"]["num_output_ids"]
     with torch.no_grad():
-        probs = model(out).logits.float().softmax(-1)[:, batch["input_ids"].shape[1] - 1 :]
-    top = probs.topk(200, dim=-1).values.sum(-1)
-    assert top[:, 0].min() > 0.9 and top.mean() > 0.3, top
+        logits = model(out).logits.float()[:, batch["input_ids"].shape[1] - 1 :]
+    for temperature, lowest, mean in [(1.0, 0.7, 0.8), (0.6, 0.98, 0.995)]:
+        mass = (logits / temperature).softmax(-1).topk(k, dim=-1).values.sum(-1)  # >= the trained rows' mass
+        assert mass.min() > lowest and mass.mean() > mean, (temperature, mass)
+    assert (logits[:, 0].softmax(-1).topk(200, dim=-1).values.sum(-1) > 0.9).all()  # the opener at the prompt
     head = model.get_output_embeddings().weight.float()
     norms = head.norm(dim=-1)
     assert norms[THINK_END] > 5 * norms.median() and norms[IM_END] > 5 * norms.median()
