@@ -11,7 +11,8 @@ that generates completions for the target:
   ``transformers serve <tiny target dir> --host 127.0.0.1 --port N``, which
   pins and preloads that model; endpoint kind ``openai``.
 
-Target: ``--target``, else ``$DFLASH_TARGET``, else the tiny dense target
+Target: ``--target``, else ``$DFLASH_TARGET_MODEL`` (the same variable the
+``target`` resource reads), else the tiny dense target
 (random weights, built locally). ``--start`` waits until the server is healthy
 and serves the target, prints one JSON line ``{"ready": url, "pid", "endpoint"}``,
 then stays in the foreground (Ctrl-C stops the server) or, with ``--detach``,
@@ -39,7 +40,7 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
                        description=__doc__.split("\n\n")[1])
     p.add_argument("--kind", choices=["sglang", "transformers"], default=None,
                    help="server to run (default: sglang with a target, transformers for the embedded default)")
-    p.add_argument("--target", default=None, help="model path or id (default: $DFLASH_TARGET, else the tiny target)")
+    p.add_argument("--target", default=None, help="model path or id (default: $DFLASH_TARGET_MODEL, else the tiny target)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default 30000 (sglang) / 8000 (transformers); 0: a free port")
     p.add_argument("--tp", type=int, default=1, help="sglang tensor parallel size (GPUs per server)")
@@ -57,7 +58,11 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
 def _run_engine(args: argparse.Namespace) -> int:
     from dflash_assets.engines import local_engine_server
 
-    target = args.target or os.environ.get("DFLASH_TARGET") or None
+    if os.environ.get("DFLASH_TARGET") and not os.environ.get("DFLASH_TARGET_MODEL") and not args.target:
+        print("DFLASH_TARGET is not read: set DFLASH_TARGET_MODEL (the name every part of dflash-assets reads), "
+              "or pass --target", file=sys.stderr)
+        return 2
+    target = args.target or os.environ.get("DFLASH_TARGET_MODEL") or None
     kind = args.kind or ("sglang" if target else "transformers")
     extra = [a for a in (args.extra or []) if a != "--"]
     server = local_engine_server(kind, target, port=args.port, host=args.host, tp=args.tp,

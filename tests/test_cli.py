@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_engine_prints_transformers_serve_for_the_embedded_default(capsys, tiny_dense_target, monkeypatch):
+    monkeypatch.delenv("DFLASH_TARGET_MODEL", raising=False)
     monkeypatch.delenv("DFLASH_TARGET", raising=False)
     assert main(["engine"]) == 0
     argv = shlex.split(capsys.readouterr().out.strip())
@@ -31,12 +32,19 @@ def test_engine_prints_transformers_serve_for_the_embedded_default(capsys, tiny_
 
 
 def test_engine_prints_sglang_launch_for_a_target(capsys, monkeypatch):
-    monkeypatch.setenv("DFLASH_TARGET", "/models/Qwen3.6-27B")
+    monkeypatch.setenv("DFLASH_TARGET_MODEL", "/models/Qwen3.6-27B")
     assert main(["engine", "--tp", "4", "--port", "31000", "--served-model-name", "qwen"]) == 0
     argv = shlex.split(capsys.readouterr().out.strip())
     assert argv[0] == sys.executable and argv[1:3] == ["-m", "sglang.launch_server"]
     assert argv[3:] == ["--model-path", "/models/Qwen3.6-27B", "--port", "31000", "--tp", "4", "--host", "127.0.0.1",
                         "--reasoning-parser", "qwen3", "--served-model-name", "qwen"]
+
+
+def test_engine_refuses_the_old_variable_name(capsys, monkeypatch):
+    monkeypatch.delenv("DFLASH_TARGET_MODEL", raising=False)
+    monkeypatch.setenv("DFLASH_TARGET", "/models/Qwen3.6-27B")
+    assert main(["engine"]) == 2
+    assert "DFLASH_TARGET_MODEL" in capsys.readouterr().err
 
 
 def test_engine_json_and_extra_args(capsys):
@@ -71,6 +79,7 @@ def test_engine_start_detach_then_generate_through_the_fleet(tiny_dense_target, 
     from dflash_assets.engine_fleet import EndpointConfig, EngineFleetConfig
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("DFLASH_TARGET_MODEL", None)
     env.pop("DFLASH_TARGET", None)
     out = subprocess.run([sys.executable, "-m", "dflash_assets.cli", "engine", "--start", "--detach", "--port", "0",
                           "--log", str(tmp_path / "serve.log"), "--wait-s", "300"],
