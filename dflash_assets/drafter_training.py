@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dflash_assets.layer_capture import LayerCapture
 from dflash_assets.drafter import (
     DFlashDrafter,
     DrafterConfig,
@@ -542,53 +543,17 @@ def train_step(model, head: TargetHead, optimizer, batch: Batch, hidden, *, bloc
 # Online mode: the target's hidden states of the chosen layers, computed on the fly
 
 
-def find_decoder_layers(model) -> torch.nn.ModuleList:
-    """The target's decoder-layer list (Qwen3: model.model.layers; nested LMs elsewhere)."""
-    cfg = getattr(model.config, "text_config", None) or model.config
-    L = cfg.num_hidden_layers
-    for name, mod in model.named_modules():
-        if name.endswith("layers") and isinstance(mod, torch.nn.ModuleList) and len(mod) == L:
-            return mod
-    raise ValueError("cannot find the decoder layers of the target")
-
-
-class LayerCapture:
-    """Forward hooks on the chosen decoder layers; `features()` concatenates their outputs.
-
-    Layer id i is the output of decoder layer i (= HF hidden_states[i + 1])."""
-
-    def __init__(self, model, layer_ids: Sequence[int]):
-        self.layer_ids = list(layer_ids)
-        self.outputs: dict[int, torch.Tensor] = {}
-        layers = find_decoder_layers(model)
-        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
-
-    def _hook(self, i):
-        def fn(module, args, output):
-            self.outputs[i] = output[0] if isinstance(output, tuple) else output
-        return fn
-
-    def features(self) -> torch.Tensor:
-        out = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)  # (b, T, n*H)
-        self.outputs.clear()
-        return out
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
 class TargetFeatures:
-    """The target cut after its last needed layer, with hooks: input_ids (b, T) -> (b, T, n*H)."""
+    """The target cut after its last needed layer, with hooks: input_ids (b, T) -> (b, T, n*H).
+
+    The same `LayerCapture` as the hidden-state cache, so online and offline features are identical."""
 
     def __init__(self, target_dir: str | Path, layer_ids: Sequence[int], device, dtype):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype)
-        layers = find_decoder_layers(model)
-        self.capture = LayerCapture(model, layer_ids)
-        del layers[max(layer_ids) + 1 :]  # nothing after the last captured layer runs
-        self.model = model.get_decoder().to(device).eval().requires_grad_(False)
+        self.capture = LayerCapture(model, layer_ids, cut=True).__enter__()  # held for the target's lifetime
+        self.model = self.capture.text_model.to(device).eval().requires_grad_(False)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_assets.layer_capture import LayerCapture, decoder_stack, text_config
 from dflash_assets.hidden_state_format import (
     SafetensorsStreamWriter,
     ShardMetadata,
@@ -326,10 +327,6 @@ def register_packed_attention() -> str:
 # ---------------------------------------------------------------------------
 
 
-def _text_config(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def load_target(path: str | os.PathLike, device: str | torch.device = "cpu",
                 dtype: str | torch.dtype = "bfloat16") -> nn.Module:
     """Load a causal-LM target for capture (``packed_causal`` attention, eval mode, on ``device``)."""
@@ -344,22 +341,10 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu",
     return model.to(device).eval()
 
 
-def decoder_stack(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
-    """The base text model (has ``embed_tokens``, ``layers``, ``norm``) and its decoder layers."""
-    candidates = [model, getattr(model, "model", None)]
-    inner = getattr(model, "model", None)
-    if inner is not None:
-        candidates.append(getattr(inner, "language_model", None))
-    for m in candidates:
-        if m is not None and isinstance(getattr(m, "layers", None), nn.ModuleList) and hasattr(m, "embed_tokens"):
-            return m, m.layers
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
-
-
 def is_hybrid(config_or_model: Any) -> bool:
     """True when the target has linear-attention (Gated DeltaNet) layers."""
     config = getattr(config_or_model, "config", config_or_model)
-    types = getattr(_text_config(config), "layer_types", None) or []
+    types = getattr(text_config(config), "layer_types", None) or []
     return any(t != "full_attention" and "sliding" not in t for t in types)
 
 
@@ -412,62 +397,6 @@ def compile_elementwise(model: nn.Module) -> int:
 # Dynamo/inductor compile is not thread-safe; forwards of compiled models launch under this lock.
 # It is held only while Python enqueues kernels (the GPU runs on after release), so devices still overlap.
 _COMPILE_LOCK = threading.Lock()
-
-
-class LayerCapture:
-    """Context manager: hooks on the chosen layers, model cut after the last one; restores the model on exit.
-
-    Set ``.target`` to a [tokens, n_layers*H] tensor on the model's device
-    before each forward; the hooks copy layer ``layer_ids[j]``'s output
-    (rows in flattened batch order) into columns ``j*H:(j+1)*H``.
-    """
-
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int]):
-        self.model = model
-        self.text_model, self.layers = decoder_stack(model)
-        self.layer_ids = [int(i) for i in layer_ids]
-        n = len(self.layers)
-        if not self.layer_ids or not all(0 <= i < n for i in self.layer_ids):
-            raise ValueError(f"layer ids {self.layer_ids} out of range for {n} decoder layers")
-        self.hidden_size = int(_text_config(model.config).hidden_size)
-        self.target: torch.Tensor | None = None
-        self._handles: list[Any] = []
-        self._saved: dict[str, nn.Module] = {}
-
-    def _hook(self, slot: int) -> Callable:
-        H = self.hidden_size
-
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            out = output[0] if isinstance(output, tuple) else output
-            self.target[:, slot * H:(slot + 1) * H].copy_(out.reshape(-1, H))
-
-        return hook
-
-    def __enter__(self) -> LayerCapture:
-        n = len(self.layers)
-        last = max(self.layer_ids)
-        try:
-            for slot, lid in enumerate(self.layer_ids):
-                # HF's hidden_states[n] is the final norm's output, not the last layer's.
-                module = self.text_model.norm if lid == n - 1 else self.layers[lid]
-                self._handles.append(module.register_forward_hook(self._hook(slot)))
-            if last < n - 1:
-                self._saved = {"layers": self.layers, "norm": self.text_model.norm}
-                self.text_model.layers = self.layers[: last + 1]  # no later layer runs
-                self.text_model.norm = nn.Identity()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        for name, module in self._saved.items():
-            setattr(self.text_model, name, module)
-        self._saved = {}
-        self.target = None
 
 
 @dataclass(frozen=True)
@@ -539,7 +468,7 @@ def capture_hidden_states(model: nn.Module, samples: Any, layer_ids: Sequence[in
 def _packed_attention(model: nn.Module):
     """Temporarily switch a model's attention implementation to ``packed_causal``."""
     register_packed_attention()
-    configs = {id(c): c for c in (model.config, _text_config(model.config)) if c is not None}
+    configs = {id(c): c for c in (model.config, text_config(model.config)) if c is not None}
     saved = {k: c._attn_implementation for k, c in configs.items()}
     try:
         for c in configs.values():
@@ -750,10 +679,10 @@ def _tokenizer_hash(target: str) -> str:
 
 def _target_config(spec: CaptureSpec, models: Sequence[nn.Module] | None) -> Any:
     if models:
-        return _text_config(models[0].config)
+        return text_config(models[0].config)
     from transformers import AutoConfig
 
-    return _text_config(AutoConfig.from_pretrained(spec.target))
+    return text_config(AutoConfig.from_pretrained(spec.target))
 
 
 class _ShardSink:

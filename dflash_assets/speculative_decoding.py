@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -25,7 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from dflash_assets.drafter import DFlashDrafter, DraftCache, TargetHead, load_drafter
-from dflash_assets.drafter_training import LayerCapture
+from dflash_assets.layer_capture import LayerCapture
 
 
 @dataclass(frozen=True)
@@ -63,14 +64,14 @@ class TargetRunner:
 
     def __init__(self, target, layer_ids: Sequence[int], use_cache: bool = True):
         self.target = target
-        self.capture = LayerCapture(target, layer_ids)
+        self.capture = LayerCapture(target, layer_ids, cut=False).__enter__()  # verification needs the whole model
         self.use_cache = use_cache and supports_cache_crop(target)
         self.device = next(target.parameters()).device
         self.ids: list[int] = []  # tokens the target has processed (committed)
         self.cache = None
 
     def close(self):
-        self.capture.remove()
+        self.capture.__exit__(None, None, None)
 
     def _forward(self, new_ids: list[int]):
         """Logits (T, V) and captured features (T, n*H) of new_ids appended to the committed prefix."""
@@ -194,11 +195,13 @@ class EvalResult:
     num_new_tokens: int
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
     wall_s: float = 0.0
+    acceptance_length_counts: list[int] = field(default_factory=list)  # [n]: verifications that produced n tokens
 
     def metrics(self) -> dict[str, Any]:
         return {"tau": self.tau, "tau_by_category": self.tau_by_category, "lossless": self.lossless,
                 "num_mismatches": self.num_mismatches, "num_verifications": self.num_verifications,
-                "num_new_tokens": self.num_new_tokens, "num_prompts": len(self.per_prompt), "wall_s": self.wall_s}
+                "num_new_tokens": self.num_new_tokens, "num_prompts": len(self.per_prompt), "wall_s": self.wall_s,
+                "acceptance_length_counts": self.acceptance_length_counts}
 
 
 def load_target(target_dir: str | Path, device=None, dtype=None):
@@ -236,9 +239,10 @@ def evaluate_drafter(
         drafter = load_drafter(drafter, device=dev, dtype=dtype)
     drafter = drafter.to(dev, dtype)
     dec = SpeculativeDecoder(target, drafter, use_cache=use_cache)
-    rows = []
+    rows, lengths = [], Counter()
     for p in prompts:
         so = dec.generate(p.input_ids, max_new_tokens, stop_token_ids)
+        lengths.update(so.acceptance_lengths)
         row = {"prompt_id": p.prompt_id, "category": p.category, "tau": so.tau,
                "verifications": len(so.acceptance_lengths), "accepted_tokens": sum(so.acceptance_lengths),
                "new_tokens": len(so.output_ids)}
@@ -254,7 +258,8 @@ def evaluate_drafter(
     return EvalResult(
         tau=_pooled(rows), tau_by_category={c: _pooled([r for r in rows if r["category"] == c]) for c in cats},
         lossless=mism == 0, num_mismatches=mism, num_verifications=sum(r["verifications"] for r in rows),
-        num_new_tokens=sum(r["new_tokens"] for r in rows), per_prompt=rows, wall_s=time.perf_counter() - t0)
+        num_new_tokens=sum(r["new_tokens"] for r in rows), per_prompt=rows, wall_s=time.perf_counter() - t0,
+        acceptance_length_counts=[lengths[n] for n in range(max(lengths, default=0) + 1)])
 
 
 __all__ = ["EvalPrompt", "EvalResult", "SpecOutput", "SpeculativeDecoder", "TargetRunner", "evaluate_drafter",

@@ -234,3 +234,39 @@ def test_benchmark_quick_mode_runs(tmp_path, capsys):
     assert r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["loss"] == pytest.approx(np.log(1024), rel=0.05)
     assert set(r["flops_breakdown_per_rank"]) == {"drafter_linear", "fc", "lm_head", "attention"}
     assert json.loads(capsys.readouterr().out)["single_gpu"][0]["batch_size"] == 1
+
+
+def test_last_layer_features_are_equal_online_offline_and_at_decode_time(tiny_dense_target):
+    """Layer id L-1 is HF's hidden_states[L], the final norm's output: the cache, online training and the
+    speculative decoder read it through one LayerCapture, so all three give the same features."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_assets.hidden_state_cache import capture_hidden_states, load_target
+    from dflash_assets.speculative_decoding import TargetRunner
+
+    ids = [11, 2000, 30000, 5, 77, 248046, 9, 12]
+    layer_ids = [1, 7]  # 7 = L-1 for the 8-layer tiny target
+    full = AutoModelForCausalLM.from_pretrained(tiny_dense_target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hs = full(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    reference = torch.cat([hs[2], hs[8]], -1)[0]
+
+    online = TargetFeatures(tiny_dense_target, layer_ids, "cpu", torch.float32)(torch.tensor([ids]))[0]
+    (offline,) = capture_hidden_states(load_target(tiny_dense_target, dtype="float32"),
+                                       [{"prompt_id": "p", "input_ids": np.array(ids, dtype=np.int32),
+                                         "loss_mask": np.ones(len(ids), dtype=np.uint8)}], layer_ids)
+    runner = TargetRunner(full, layer_ids, use_cache=False)
+    try:
+        _, decoding = runner.extend(ids)
+    finally:
+        runner.close()
+    torch.testing.assert_close(offline.float(), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(online, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(decoding, reference, rtol=1e-5, atol=1e-5)
+    # the raw layer-7 output (before the final norm) differs, so hooking the layer itself would be caught
+    raw = {}
+    handle = full.model.layers[7].register_forward_hook(lambda m, a, out: raw.setdefault("x", out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        full(torch.tensor([ids]))
+    handle.remove()
+    assert not torch.allclose(raw["x"].reshape(len(ids), -1), reference[:, 64:], atol=1e-3)
