@@ -138,7 +138,7 @@ def make_samples(n, seq_len, vocab, seed=0):
 def run_flops(model, layers_run, lengths, with_lm_head=False):
     """2 * (2-D weights of the layers run) * tokens + causal attention of the full-attention layers run."""
     text, layers = hsc.decoder_stack(model)
-    cfg = hsc._text_config(model.config)
+    cfg = hsc.text_config(model.config)
     tokens = sum(lengths)
     params = sum(p.numel() for layer in layers[:layers_run] for p in layer.parameters() if p.ndim == 2)
     if with_lm_head:
@@ -188,7 +188,7 @@ def mfu(flops, seconds, peak_tflops):
 def naive(model, layer_ids, samples, iters, device, warmup):
     """Full model with ``output_hidden_states=True`` on [B, T] rows, select layers, ``.cpu()``."""
     ids = torch.from_numpy(np.stack([s.input_ids for s in samples])).long().to(device)
-    cfgs = {id(c): c for c in (model.config, hsc._text_config(model.config))}
+    cfgs = {id(c): c for c in (model.config, hsc.text_config(model.config))}
     saved = {k: c._attn_implementation for k, c in cfgs.items()}
     for c in cfgs.values():
         c._attn_implementation = "sdpa"
