@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
 
-from dflash_assets.drafter import DFlashDrafter, DrafterConfig, TargetHead, default_target_layer_ids  # noqa: E402
+from dflash_assets.dflash_conventions import dflash_target_layer_ids  # noqa: E402
+from dflash_assets.drafter import DFlashDrafter, DrafterConfig, TargetHead  # noqa: E402
 from dflash_assets.drafter_training import (  # noqa: E402
     Batch,
     dflash_block_mask,
@@ -66,7 +67,7 @@ def log(*a):
 def drafter_config(dims: dict, layers: int, block: int) -> DrafterConfig:
     d = dict(dims)
     L = d.pop("num_target_layers")
-    return DrafterConfig(**d, target_layer_ids=default_target_layer_ids(L, 5), num_target_layers=L,
+    return DrafterConfig(**d, target_layer_ids=dflash_target_layer_ids(L, 5), num_target_layers=L,
                          num_hidden_layers=layers, block_size=block)
 
 
@@ -333,7 +334,7 @@ def end_to_end(args) -> dict:
     save_file({"model.embed_tokens.weight": (torch.randn(V, H, device=dev, generator=g) * 0.02).bfloat16().cpu(),
                "lm_head.weight": (torch.randn(V, H, device=dev, generator=g) * 0.02).bfloat16().cpu()},
               str(target / "model.safetensors"))
-    layer_ids = default_target_layer_ids(L, 5)
+    layer_ids = dflash_target_layer_ids(L, 5)
     rng = np.random.default_rng(0)
     lengths = rng.integers(args.seq // 6, args.seq + 1, args.e2e_sequences).tolist()
     meta = ShardMetadata(target_model="synthetic", layer_ids=tuple(layer_ids), dtype="bfloat16", hidden_size=H,

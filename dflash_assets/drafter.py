@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_assets.dflash_conventions import dflash_target_layer_ids
+
 try:  # flex_attention exists in torch >= 2.5; the SDPA path works without it
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 except ImportError:  # pragma: no cover
@@ -41,18 +43,8 @@ except ImportError:  # pragma: no cover
     create_block_mask = None
     flex_attention = None
 
-# Mask tokens added to the Qwen tokenizers (DESIGN.md): keyed by the target's vocab size.
-KNOWN_MASK_TOKEN_IDS = {151936: 151669, 248320: 248070}
 # Loss decay gamma per block size (DFlash paper / SpecForge defaults).
 KNOWN_LOSS_GAMMAS = {16: 7.0, 10: 5.0, 8: 4.0}
-
-
-def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
-    """Evenly spaced layer ids from 1 to L-3 (Qwen3-8B, L=36 -> [1, 9, 17, 25, 33])."""
-    if n == 1:
-        return [num_target_layers // 2]
-    lo, hi = 1, num_target_layers - 3
-    return [int(round(lo + i * (hi - lo) / (n - 1))) for i in range(n)]
 
 
 def loss_gamma(block_size: int) -> float:
@@ -104,9 +96,7 @@ class DrafterConfig:
         theta = rope.get("rope_theta", tc.get("rope_theta", 1_000_000.0))
         vocab = tc.get("vocab_size") or target_config["vocab_size"]
         if mask_token_id is None:
-            if vocab not in KNOWN_MASK_TOKEN_IDS:
-                raise ValueError(f"no known mask token for vocab {vocab}; pass mask_token_id")
-            mask_token_id = KNOWN_MASK_TOKEN_IDS[vocab]
+            raise ValueError("mask_token_id is required: resolve it with dflash_conventions.mask_token_id_in_dir")
         return cls(
             hidden_size=H,
             intermediate_size=tc["intermediate_size"],
@@ -114,7 +104,8 @@ class DrafterConfig:
             num_key_value_heads=tc.get("num_key_value_heads", n_heads),
             head_dim=tc.get("head_dim") or H // n_heads,
             vocab_size=vocab,
-            target_layer_ids=list(target_layer_ids or default_target_layer_ids(L, num_layers)),
+            # as in public DFlash: as many target layers as draft layers, unless given
+            target_layer_ids=list(target_layer_ids or dflash_target_layer_ids(L, num_layers)),
             num_target_layers=L,
             mask_token_id=int(mask_token_id),
             num_hidden_layers=num_layers,
@@ -461,22 +452,6 @@ def load_target_config(target_dir: str | Path) -> dict[str, Any]:
     return json.loads((Path(target_dir) / "config.json").read_text())
 
 
-def resolve_mask_token_id(target_dir: str | Path, explicit: int | None = None) -> int:
-    """Explicit id > `<|MASK|>` in the target's tokenizer.json > the known id of the Qwen family."""
-    if explicit is not None:
-        return int(explicit)
-    tok = Path(target_dir) / "tokenizer.json"
-    if tok.exists():
-        for t in json.loads(tok.read_text()).get("added_tokens", []):
-            if t.get("content") == "<|MASK|>":
-                return int(t["id"])
-    cfg = load_target_config(target_dir)
-    vocab = (cfg.get("text_config") or cfg).get("vocab_size") or cfg.get("vocab_size")
-    if vocab in KNOWN_MASK_TOKEN_IDS:
-        return KNOWN_MASK_TOKEN_IDS[vocab]
-    raise ValueError(f"cannot tell the mask token of {target_dir}: pass mask_token_id")
-
-
 # ----------------------------------------------------------------------------------------------
 # Save / load
 
@@ -539,8 +514,8 @@ def load_drafter(ckpt_dir: str | Path, device=None, dtype: torch.dtype | None = 
 
 
 __all__ = [
-    "DFlashDrafter", "DrafterConfig", "DraftCache", "TargetHead", "attend", "default_target_layer_ids",
+    "DFlashDrafter", "DrafterConfig", "DraftCache", "TargetHead", "attend",
     "drafter_state_dict", "load_drafter", "load_target_config",
-    "load_target_tensors", "loss_gamma", "resolve_mask_token_id", "save_drafter", "BlockMask",
+    "load_target_tensors", "loss_gamma", "save_drafter", "BlockMask",
     "create_block_mask",
 ]

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dflash_assets.dflash_conventions import mask_token_id_in_dir
 from dflash_assets.layer_capture import LayerCapture
 from dflash_assets.drafter import (
     DFlashDrafter,
@@ -56,7 +57,6 @@ from dflash_assets.drafter import (
     drafter_state_dict,
     load_target_config,
     loss_gamma,
-    resolve_mask_token_id,
     save_drafter,
 )
 
@@ -784,7 +784,7 @@ def train_drafter(
     layer_ids = list(recipe.target_layer_ids or getattr(data, "layer_ids", None) or []) or None
     config = DrafterConfig.from_target_config(
         target_cfg, num_layers=recipe.num_layers, block_size=B,
-        mask_token_id=resolve_mask_token_id(target_dir, recipe.mask_token_id), target_layer_ids=layer_ids)
+        mask_token_id=mask_token_id_in_dir(target_dir, recipe.mask_token_id), target_layer_ids=layer_ids)
 
     # -- models: fp32 master weights, bf16 autocast on GPU; the target's head is frozen, outside the optimizer
     torch.manual_seed(recipe.seed)

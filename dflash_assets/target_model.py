@@ -37,40 +37,17 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dflash_assets.chat_template import load_chat_template, template_hash
+from dflash_assets.dflash_conventions import (
+    DEFAULT_NUM_TARGET_LAYERS,
+    TargetModelError,
+    dflash_target_layer_ids,
+    resolve_mask_token_id,
+)
 from dflash_assets.tokenizer import QWEN3_6_MASK_TOKEN, tokenizer_hash
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
-
-DEFAULT_NUM_TARGET_LAYERS = 5
-
-
-class TargetModelError(ValueError):
-    """A target model, tokenizer or template that the pipeline cannot use."""
-
-
-def dflash_target_layer_ids(num_hidden_layers: int, n: int = DEFAULT_NUM_TARGET_LAYERS) -> list[int]:
-    """`n` target layer ids evenly spaced from 1 to L-3 (the public DFlash rule).
-
-    36 layers -> [1, 9, 17, 25, 33]; 64 -> [1, 16, 31, 46, 61]. Raises
-    TargetModelError when the target is too shallow for `n` distinct layers.
-    """
-    if n < 1:
-        raise TargetModelError(f"need at least one target layer, got n={n}")
-    if num_hidden_layers < 1:
-        raise TargetModelError(f"num_hidden_layers must be positive, got {num_hidden_layers}")
-    if n == 1:
-        return [num_hidden_layers // 2]
-    start, end = 1, num_hidden_layers - 3
-    ids = [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
-    if end < start or len(set(ids)) != n:
-        raise TargetModelError(
-            f"a {num_hidden_layers}-layer target has no {n} distinct layers in [1, {end}] "
-            f"(rule gives {ids}); set target_layer_ids explicitly or lower num_target_layers"
-        )
-    return ids
-
 
 def text_config_of(config: "PretrainedConfig") -> "PretrainedConfig":
     """The decoder text config: `config` itself, or its nested `text_config` (Qwen3.5 VL-style)."""
@@ -215,15 +192,8 @@ class TargetModelSpec(BaseModel):
 
     def mask_token_id_for(self, tok: "PreTrainedTokenizerBase") -> int:
         """The mask id: the explicit `mask_token_id`, else `mask_token` looked up in `tok`."""
-        if self.mask_token_id is not None:
-            return self.mask_token_id
-        index = token_id(tok, self.mask_token)
-        if index is None:
-            raise TargetModelError(
-                f"mask token {self.mask_token!r} is not in tokenizer {self.resolved_tokenizer_path!r}; "
-                "set mask_token_id, or add_mask_token=True to append it"
-            )
-        return index
+        return resolve_mask_token_id(self.mask_token_id, lambda t: token_id(tok, t), mask_token=self.mask_token,
+                                     where=repr(self.resolved_tokenizer_path))
 
     def mask_token_id_resolved(self) -> int:
         """The mask id, loading the tokenizer when no explicit id is set."""

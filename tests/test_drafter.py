@@ -14,15 +14,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dflash_assets.dflash_conventions import dflash_target_layer_ids, mask_token_id_in_dir
 from dflash_assets.drafter import (
     DFlashDrafter,
     DraftCache,
     DrafterConfig,
     TargetHead,
-    default_target_layer_ids,
     load_drafter,
     load_target_config,
-    resolve_mask_token_id,
     save_drafter,
 )
 from dflash_assets.drafter_training import (
@@ -131,21 +130,25 @@ def random_batch(config: DrafterConfig, lengths=(20, 13), n_anchors=4, seed=0) -
 # layer ids, config, names
 
 
-def test_default_target_layer_ids():
-    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]  # Qwen3-8B
-    assert default_target_layer_ids(64) == [1, 16, 31, 46, 61]  # Qwen3.6-27B
-    assert default_target_layer_ids(8) == [1, 2, 3, 4, 5]  # the tiny targets
+def test_dflash_target_layer_ids():
+    assert dflash_target_layer_ids(36) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert dflash_target_layer_ids(64) == [1, 16, 31, 46, 61]  # Qwen3.6-27B
+    assert dflash_target_layer_ids(8) == [1, 2, 3, 4, 5]  # the tiny targets
 
 
 def test_config_from_tiny_targets(tiny_dense_target, tiny_hybrid_target):
     from dflash_assets.tokenizer import QWEN3_6_MASK_TOKEN_ID  # <|MASK|> in the target's tokenizer.json
 
     for target in (tiny_dense_target, tiny_hybrid_target):
-        cfg = DrafterConfig.from_target_config(load_target_config(target), mask_token_id=resolve_mask_token_id(target))
+        cfg = DrafterConfig.from_target_config(load_target_config(target), mask_token_id=mask_token_id_in_dir(target))
         assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 4, 2, 16)
         assert cfg.target_layer_ids == [1, 2, 3, 4, 5] and cfg.num_target_layers == 8
         assert cfg.mask_token_id == QWEN3_6_MASK_TOKEN_ID and cfg.vocab_size == 248320
-    assert resolve_mask_token_id(tiny_dense_target, 7) == 7  # an explicit id wins
+    assert mask_token_id_in_dir(tiny_dense_target, 7) == 7  # an explicit id wins
+    with pytest.raises(ValueError, match="mask_token_id"):  # no silent family default
+        DrafterConfig.from_target_config(load_target_config(tiny_dense_target))
+    with pytest.raises(ValueError, match="not in tokenizer"):
+        mask_token_id_in_dir(tiny_dense_target, mask_token="<|NOPE|>")
 
 
 def test_parameter_names_exactly_the_public_ones():

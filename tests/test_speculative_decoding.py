@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_assets.drafter import DFlashDrafter, DrafterConfig, load_target_config, resolve_mask_token_id
+from dflash_assets.dflash_conventions import mask_token_id_in_dir
+from dflash_assets.drafter import DFlashDrafter, DrafterConfig, load_target_config
 from dflash_assets.drafter_training import DrafterRecipe, train_drafter
 from dflash_assets.speculative_decoding import (
     EvalPrompt,
@@ -21,7 +22,7 @@ EOS = (248046, 248044)
 
 def untrained_drafter(target_dir, block_size=8, seed=0) -> DFlashDrafter:
     cfg = DrafterConfig.from_target_config(load_target_config(target_dir), num_layers=2, block_size=block_size,
-                                           mask_token_id=resolve_mask_token_id(target_dir))
+                                           mask_token_id=mask_token_id_in_dir(target_dir))
     torch.manual_seed(seed)
     return DFlashDrafter(cfg)
 
