@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import dagster as dg
-from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster_aws.pipes import PipesS3ContextInjector, PipesS3MessageReader
 from pydantic import Field
 
@@ -333,7 +332,7 @@ def _run_process(context: dg.AssetExecutionContext, spec: LaunchSpec, what: str,
         _stop(proc)
         tee.join(timeout=5)
         raise dg.Failure(f"{what} timed out after {timeout_s:g}s", metadata=_tail_metadata(tail))
-    except (DagsterExecutionInterruptedError, KeyboardInterrupt):
+    except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
         context.log.info(f"[dflash] interrupted: stopping {what}")
         _stop(proc)
         raise

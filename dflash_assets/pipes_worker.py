@@ -18,8 +18,8 @@ the asset materialization with its metadata, asset check results) back to the
 orchestrator through the same channel (``PipesS3MessageWriter`` or a file).
 
 Stages are plain functions ``fn(call: StageCall) -> StageResult`` in
-:data:`STAGES`; entries may be ``"module:function"`` strings, imported only
-when that stage runs, so GPU code is never imported for another stage.
+:data:`STAGES`; each GPU stage's adapter imports its library when that stage
+runs, so GPU code is never imported for another stage nor by the orchestrator.
 Imports ``dagster_pipes`` (a small, dependency-free package), never ``dagster``.
 """
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import json
 import logging
 import os
@@ -129,14 +128,32 @@ def _selftest(call: StageCall) -> StageResult:
     )
 
 
-# Stage name -> function, or "module:function" imported on first use. The GPU
-# entries point at adapters in the stage libraries; each must be a
-# ``fn(call: StageCall) -> StageResult``.
-STAGES: dict[str, StageFn | str] = {
+# The GPU stages live in the stage libraries, which import torch: each adapter imports its stage on
+# call, so the orchestrator (which reads this module for its constants) never loads torch.
+def _hidden_state_cache(call: StageCall) -> StageResult:
+    from dflash_assets.hidden_state_cache import pipes_stage
+
+    return pipes_stage(call)
+
+
+def _drafter_checkpoint(call: StageCall) -> StageResult:
+    from dflash_assets.drafter_stages import pipes_stage_train
+
+    return pipes_stage_train(call)
+
+
+def _drafter_eval(call: StageCall) -> StageResult:
+    from dflash_assets.drafter_stages import pipes_stage_eval
+
+    return pipes_stage_eval(call)
+
+
+# Stage name -> ``fn(call: StageCall) -> StageResult``.
+STAGES: dict[str, StageFn] = {
     "selftest": _selftest,
-    "hidden_state_cache": "dflash_assets.hidden_state_cache:pipes_stage",
-    "drafter_checkpoint": "dflash_assets.drafter_stages:pipes_stage_train",
-    "drafter_eval": "dflash_assets.drafter_stages:pipes_stage_eval",
+    "hidden_state_cache": _hidden_state_cache,
+    "drafter_checkpoint": _drafter_checkpoint,
+    "drafter_eval": _drafter_eval,
 }
 
 # Check names each stage reports: the asset that launches it must declare these
@@ -144,25 +161,16 @@ STAGES: dict[str, StageFn | str] = {
 STAGE_CHECKS: dict[str, tuple[str, ...]] = {"selftest": ("selftest_roundtrip",), "drafter_eval": ("lossless",)}
 
 
-def register_stage(name: str, fn: StageFn | str, checks: tuple[str, ...] = ()) -> None:
+def register_stage(name: str, fn: StageFn, checks: tuple[str, ...] = ()) -> None:
     STAGES[name] = fn
     STAGE_CHECKS[name] = tuple(checks)
 
 
 def resolve_stage(name: str) -> StageFn:
-    """The stage function for ``name``; imports a ``"module:function"`` entry now."""
+    """The stage function for ``name``."""
     if name not in STAGES:
         raise KeyError(f"unknown stage {name!r}; known: {sorted(STAGES)}")
-    entry = STAGES[name]
-    if callable(entry):
-        return entry
-    module_name, _, attr = entry.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise RuntimeError(f"stage {name!r} is not wired: cannot load {entry} ({e})") from e
-    STAGES[name] = fn
-    return fn
+    return STAGES[name]
 
 
 def _pipes_metadata(values: Mapping[str, Any]) -> dict[str, Any]:
