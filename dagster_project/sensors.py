@@ -71,9 +71,9 @@ def fingerprint_source(uri: str, s3_client: Any = None) -> SourceFingerprint:
         if not bucket or not key:
             raise ValueError(f"s3 URI needs a bucket and a key: {uri!r}")
         if s3_client is None:
-            import boto3
+            from dflash_assets.store import s3_client as new_s3_client
 
-            s3_client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
+            s3_client = new_s3_client()
         try:
             head = s3_client.head_object(Bucket=bucket, Key=key)
         except ClientError as e:

@@ -227,9 +227,9 @@ def run_stage(pipes: Any, stage: str) -> StageResult:
 
 def _s3_client() -> Any:
     """A boto3 S3 client from the environment (boto3 reads AWS_ENDPOINT_URL and credentials itself)."""
-    import boto3
+    from dflash_assets.store import s3_client
 
-    return boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
+    return s3_client()
 
 
 def _read_env_from_stdin() -> None:

@@ -46,6 +46,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from dflash_assets.store import s3_client as new_s3_client
+
 __all__ = [
     "SourceItem",
     "SourceSummary",
@@ -264,11 +266,7 @@ def _open_raw(src: Any, s3_client: Any, store: Any) -> tuple[Any, Path | None]:
     if isinstance(src, os.PathLike) or isinstance(src, str):
         s = str(src)
         if s.startswith("s3://"):
-            client = s3_client or getattr(store, "client", None)
-            if client is None:
-                import boto3
-
-                client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
+            client = s3_client or getattr(store, "client", None) or new_s3_client()
             bucket, key = _parse_s3_uri(s)
             try:
                 return client.get_object(Bucket=bucket, Key=key)["Body"], None

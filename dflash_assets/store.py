@@ -35,7 +35,7 @@ from typing import Any, BinaryIO, Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["Store", "LocalStore", "S3Store", "open_store", "default_store_uri"]
+__all__ = ["Store", "LocalStore", "S3Store", "open_store", "default_store_uri", "s3_client"]
 
 
 def default_store_uri() -> str:
@@ -186,6 +186,16 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def s3_client(endpoint_url: str | None = None) -> Any:
+    """The one way this project builds a boto3 S3 client: `endpoint_url`, else `$AWS_ENDPOINT_URL`, else AWS.
+
+    Credentials and region come from boto3's own chain (environment, ~/.aws, instance profile).
+    """
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None)
+
+
 class S3Store(_StoreHelpers):
     """``s3://bucket/prefix`` through a boto3 S3 client (credentials from the environment)."""
 
@@ -198,11 +208,7 @@ class S3Store(_StoreHelpers):
             raise ValueError(f"s3 URI has no bucket: {uri!r}")
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.uri = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        if client is None:
-            import boto3
-
-            client = boto3.client("s3", endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None)
-        self.client = client
+        self.client = client if client is not None else s3_client(endpoint_url)
         self.cache_dir = Path(cache_dir or Path(tempfile.gettempdir()) / "dflash-s3-cache")
 
     def _key(self, key: str) -> str:
