@@ -1,19 +1,34 @@
-"""Turning library statistics into Dagster metadata the UI renders well."""
+"""Turning library statistics into Dagster metadata the UI renders well; reads and writes nothing.
+
+- ``to_metadata``: a materialization's values. Numbers stay numbers (``int``/``float``): the UI plots them per
+  partition, or over time for a series such as one loss or tau per checkpoint.
+- ``check_metadata``: an asset check's values. The UI plots a check's numeric metadata as one line over time,
+  joining every partition's result as if it were a time series, so numbers become text here.
+- ``chart``: a PNG chart embedded in Markdown (``dagster_project.charts``): histograms and curves are pictures.
+- ``render_pipes_result``: the same for what a GPU-host stage reported through Pipes (chart data as JSON).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import dagster as dg
+import numpy as np
+
+from dagster_project.charts import bar_chart_png, line_chart_png, markdown_image
+from dflash_assets.tokenized_samples import LOSS_TOKEN_BIN_EDGES, loss_token_histogram
 
 
-def to_metadata(values: Mapping[str, Any]) -> dict[str, dg.MetadataValue]:
-    """ints -> int, floats -> float, dicts -> markdown tables/JSON, strings -> text (markdown if tabular)."""
+def to_metadata(values: Mapping[str, Any], *, numbers_as_text: bool = False) -> dict[str, dg.MetadataValue]:
+    """bools -> bool, ints -> int, floats -> float (text with ``numbers_as_text``), dicts -> markdown tables,
+    strings -> text (markdown when tabular), lists -> JSON; None is left out."""
     out: dict[str, dg.MetadataValue] = {}
     for key, value in values.items():
         if isinstance(value, bool):
             out[key] = dg.MetadataValue.bool(value)
+        elif isinstance(value, (int, float)) and numbers_as_text:
+            out[key] = dg.MetadataValue.text(str(value) if isinstance(value, int) else f"{value:.6g}")
         elif isinstance(value, int):
             out[key] = dg.MetadataValue.int(value)
         elif isinstance(value, float):
@@ -29,6 +44,11 @@ def to_metadata(values: Mapping[str, Any]) -> dict[str, dg.MetadataValue]:
         else:
             out[key] = dg.MetadataValue.json(value)
     return out
+
+
+def check_metadata(values: Mapping[str, Any]) -> dict[str, dg.MetadataValue]:
+    """An asset check's metadata: as ``to_metadata``, with numbers as text (never plotted across partitions)."""
+    return to_metadata(values, numbers_as_text=True)
 
 
 def markdown_counts(counts: Mapping[str, Any], key_name: str = "key", value_name: str = "value") -> str:
@@ -48,3 +68,81 @@ def preview_table(table, columns: Sequence[str], rows: int = 5, width: int = 80)
             cells.append(text[:width] + ("…" if len(text) > width else ""))
         lines.append("| " + " | ".join(cells) + " |")
     return dg.MetadataValue.md("\n".join(lines))
+
+
+def chart(title: str, png: bytes, caption: str = "") -> dg.MetadataValue:
+    """A chart as Markdown metadata: the PNG inline (a data URI), with a one-line caption of its numbers."""
+    return dg.MetadataValue.md(markdown_image(title, png, caption))
+
+
+# -- the charts of this project's assets ---------------------------------------------------------------------
+
+
+def loss_tokens_chart(num_loss_tokens: Sequence[int], min_loss_tokens: int) -> dg.MetadataValue:
+    """Samples per loss-mask sum; bins that start below ``min_loss_tokens`` (stubs for ``empty_response_ratio``)
+    in red, with the exact number of stub samples in the caption."""
+    histogram = loss_token_histogram(num_loss_tokens)
+    stub_bins = [label for label, lo in zip(histogram, LOSS_TOKEN_BIN_EDGES) if lo < min_loss_tokens]
+    stubs = int((np.asarray(num_loss_tokens) < min_loss_tokens).sum())
+    png = bar_chart_png(histogram, title=f"Loss-mask sum per sample ({len(num_loss_tokens)} samples)",
+                        xlabel="supervised tokens per sample", ylabel="samples", highlight=stub_bins)
+    return chart("loss-mask sum histogram", png, f"{len(num_loss_tokens)} samples; {stubs} with fewer than "
+                 f"{min_loss_tokens} supervised tokens (red bins: stubs for empty_response_ratio).")
+
+
+def response_length_chart(histogram: Mapping[str, int], max_new_tokens: int | None = None) -> dg.MetadataValue:
+    """Assistant turns per generated-token count; with ``max_new_tokens``, the last bin (turns cut at the cap,
+    the histogram of ``response_length_histogram(table, max_new_tokens)``) in red."""
+    total = sum(histogram.values())
+    at_cap = list(histogram)[-1:] if max_new_tokens else []
+    png = bar_chart_png(histogram, title=f"Generated tokens per assistant turn ({total} turns)",
+                        xlabel="generated tokens", ylabel="assistant turns", highlight=at_cap)
+    caption = f"{total} assistant turns" + (
+        f"; {histogram[at_cap[0]]} reached max_new_tokens = {max_new_tokens} (red)." if at_cap else ".")
+    return chart("response length histogram", png, caption)
+
+
+def loss_curve_chart(points: Sequence[Sequence[float]]) -> dg.MetadataValue:
+    """Training loss over steps, from ``[step, mean loss]`` points."""
+    steps, losses = [p[0] for p in points], [p[1] for p in points]
+    png = line_chart_png(steps, losses, title="Training loss", xlabel="step", ylabel="loss")
+    caption = f"{int(steps[-1])} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}." if points else "no steps."
+    return chart("training loss curve", png, caption)
+
+
+def accuracy_by_position_chart(accuracy: Sequence[float]) -> dg.MetadataValue:
+    """Training accuracy of the drafter's prediction at each block position k = 1..B-1."""
+    bars = {str(k): a for k, a in enumerate(accuracy, start=1)}
+    png = bar_chart_png(bars, title="Draft accuracy by block position (last epoch)", xlabel="block position k",
+                        ylabel="accuracy", value_format="{:.2f}")
+    return chart("accuracy by block position", png, f"{len(accuracy)} positions.")
+
+
+def acceptance_by_position_chart(shares: Sequence[float]) -> dg.MetadataValue:
+    """Share of verifications that accepted block position k (k = 1..B); the bars sum to tau."""
+    bars = {str(k): s for k, s in enumerate(shares, start=1)}
+    png = bar_chart_png(bars, title=f"Acceptance by block position (tau = {sum(shares):.3f})",
+                        xlabel="block position k", ylabel="share of verifications", value_format="{:.2f}")
+    return chart("tau by block position", png, f"tau = {sum(shares):.3f}: the sum of the bars (position 1 is the "
+                 "target's bonus token, produced by every verification).")
+
+
+PIPES_CHARTS: dict[str, Callable[[Any], dg.MetadataValue]] = {
+    "loss_curve": loss_curve_chart,
+    "accuracy_by_position": accuracy_by_position_chart,
+    "acceptance_by_position": acceptance_by_position_chart,
+}
+
+
+def render_pipes_result(result: Any) -> Any:
+    """A Pipes result as the UI should show it: chart data that a GPU-host stage reported as JSON lists drawn
+    as charts (``PIPES_CHARTS``), and a check result's numbers as text (``check_metadata``)."""
+    if isinstance(result, dg.MaterializeResult):
+        metadata = dict(result.metadata or {})
+        for key, draw in PIPES_CHARTS.items():
+            if key in metadata and metadata[key].value:
+                metadata[key] = draw(metadata[key].value)
+        return result._replace(metadata=metadata)
+    if isinstance(result, dg.AssetCheckResult):
+        return result._replace(metadata=check_metadata({k: v.value for k, v in result.metadata.items()}))
+    return result

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import pyarrow as pa
 
+from dflash_assets.chart_data import binned_counts
 from dflash_assets.engine_fleet import EngineFleet, EngineFleetConfig, FleetProbe, NoEngineAvailable
 from dflash_assets.engines import ChatResult, Engine, GenerationConfig, json_dumps, json_loads
 
@@ -529,17 +530,18 @@ def _run(coro):
 RESPONSE_TOKEN_BIN_EDGES = (0, 1, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-def response_length_histogram(table: pa.Table) -> str:
-    """Markdown histogram of generated tokens per assistant turn (for the UI)."""
-    import numpy as np
+def response_length_histogram(table: pa.Table, max_new_tokens: int | None = None) -> dict[str, int]:
+    """Assistant turns per bin of generated tokens; the counts sum to the turns.
 
-    counts = np.asarray([n for turns in table.column("completion_tokens").to_pylist() for n in (turns or [])])
-    edges = np.array(RESPONSE_TOKEN_BIN_EDGES)
-    labels = [f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in zip(edges[:-1], edges[1:])]
-    labels.append(f"{edges[-1]}+")
-    binned = np.bincount(np.searchsorted(edges, counts, side="right") - 1, minlength=len(labels)) if len(counts) \
-        else np.zeros(len(labels), dtype=int)
-    total = max(1, int(binned.sum()))
-    lines = ["| generated tokens per turn | turns | share |", "| --- | ---: | ---: |"]
-    lines += [f"| {label} | {int(c)} | {c / total:.1%} |" for label, c in zip(labels, binned)]
-    return "\n".join(lines)
+    With ``max_new_tokens``: "0", then 8 equal bins below the cap, then the cap itself ("96+" for 96: turns
+    cut at the cap). Without: "0", "1-15", "16-63", ..., "16384+".
+    """
+    per_turn = [n for turns in table.column("completion_tokens").to_pylist() for n in (turns or [])]
+    return binned_counts(per_turn, response_length_bin_edges(max_new_tokens))
+
+
+def response_length_bin_edges(max_new_tokens: int | None = None) -> tuple[int, ...]:
+    if not max_new_tokens:
+        return RESPONSE_TOKEN_BIN_EDGES
+    width = max(1, -(-max_new_tokens // 8))  # ceil
+    return tuple(sorted({0, 1, *range(width, max_new_tokens, width), max_new_tokens}))

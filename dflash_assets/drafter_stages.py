@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from dflash_assets.chart_data import curve_points, share_at_least
 from dflash_assets.drafter_training import DrafterRecipe
 
 logger = logging.getLogger(__name__)
@@ -133,11 +134,6 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
     store.write_json(f"{prefix}/train_metrics.json", {**metrics, "losses": result.losses, "recipe": recipe.to_dict(),
                                                       "shards": shards, "target": target.model_path})
     losses = result.losses
-    stride = max(1, len(losses) // 20)
-    curve = "\n".join(["| step | loss |", "| ---: | ---: |"]
-                      + [f"| {i + 1} | {losses[i]:.4f} |" for i in range(0, len(losses), stride)])
-    acc = "\n".join(["| block position k | accuracy |", "| ---: | ---: |"]
-                    + [f"| {k + 1} | {a:.3f} |" for k, a in enumerate(result.accuracy_by_position)])
     return {
         "recipe": name, "recipe_fingerprint": recipe.fingerprint(), "shards": shards,
         "steps": result.steps, "total_steps": result.total_steps,
@@ -145,7 +141,10 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         "tokens_per_s": round(float(result.tokens_per_s), 1), "mean_accuracy": round(float(metrics["mean_accuracy"]), 4),
         "resumed_from_step": result.resumed_from_step if result.resumed_from_step is not None else 0,
         "wall_s": round(result.wall_s, 1), "num_sequences": result.num_sequences,
-        "loss_curve": curve, "accuracy_by_position": acc, "checkpoint": store.url(prefix),
+        # Chart data: [step, mean loss] points (at most 200), and accuracy at block positions k = 1..B-1.
+        "loss_curve": curve_points(losses, max_points=200),
+        "accuracy_by_position": [round(float(a), 4) for a in result.accuracy_by_position],
+        "checkpoint": store.url(prefix),
     }
 
 
@@ -194,12 +193,15 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
     metrics = result.metrics()
     store.write_json(f"{EVAL_PREFIX}/{name}.json", {**metrics, "per_prompt": result.per_prompt, "held_out": held_out})
     log(f"recipe {name}: tau {result.tau:.3f}, lossless {result.lossless}")
+    counts = result.acceptance_length_counts + [0] * (recipe.block_size + 1 - len(result.acceptance_length_counts))
     by_cat = "\n".join(["| category | tau |", "| --- | ---: |"]
                        + [f"| {c} | {t:.3f} |" for c, t in sorted(result.tau_by_category.items())])
     return {
         "tau": round(float(result.tau), 4), "tau_by_category": by_cat, "lossless": bool(result.lossless),
         "num_mismatches": int(result.num_mismatches), "num_verifications": int(result.num_verifications),
         "num_new_tokens": int(result.num_new_tokens), "num_prompts": len(prompts), "held_out": held_out,
+        # Chart data: share of verifications that accepted block position k (k = 1..B); sums to tau.
+        "acceptance_by_position": [round(x, 4) for x in share_at_least(counts)],
         "wall_s": round(float(result.wall_s), 1),
     }
 

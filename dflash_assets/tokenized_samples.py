@@ -47,6 +47,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dflash_assets.chart_data import binned_counts
 from dflash_assets.chat_template import ASSISTANT_THINK_HEADER
 from dflash_assets.fast_encoder import EncodedBatch, FastEncoder
 
@@ -473,21 +474,8 @@ LOSS_TOKEN_BIN_EDGES = (0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def loss_token_histogram(num_loss_tokens: np.ndarray) -> dict[str, int]:
-    """Counts of samples per bin of supervised-token count ("0", "1-7", "8-15", ..., "4096+")."""
-    edges = np.array(LOSS_TOKEN_BIN_EDGES)
-    labels = [
-        (f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}") for lo, hi in zip(edges[:-1], edges[1:])
-    ] + [f"{edges[-1]}+"]
-    idx = np.searchsorted(edges, np.asarray(num_loss_tokens), side="right") - 1
-    counts = np.bincount(idx, minlength=len(labels))
-    return {label: int(c) for label, c in zip(labels, counts)}
-
-
-def _histogram_markdown(hist: dict[str, int]) -> str:
-    total = max(1, sum(hist.values()))
-    lines = ["| loss tokens | samples | share |", "| --- | ---: | ---: |"]
-    lines += [f"| {k} | {v} | {v / total:.1%} |" for k, v in hist.items()]
-    return "\n".join(lines)
+    """Counts of samples per bin of loss-mask sum ("0", "1-7", "8-15", ..., "4096+"); they sum to the samples."""
+    return binned_counts(num_loss_tokens, LOSS_TOKEN_BIN_EDGES)
 
 
 def _examples(table: pa.Table, selected: np.ndarray, limit: int = 10) -> list[str]:
@@ -500,9 +488,10 @@ def empty_response_check(table: pa.Table, min_loss_tokens: int = 16, max_empty_r
     supervised tokens, or an empty visible answer once the think block is removed.
 
     Passes when that share is at most `max_empty_ratio`. An empty table fails.
-    Metadata: ratio, threshold, counts, up to 10 example prompt_ids, the
-    histogram of loss-mask sums (dict and markdown) and its most common value
-    (the 87%-stub failure shows as one value, e.g. 6, holding most samples).
+    Metadata: ratio, threshold, counts, up to 10 example prompt_ids and the
+    most common loss-mask sum (the 87%-stub failure shows as one value, e.g. 6,
+    holding most samples). The histogram of loss-mask sums is
+    ``loss_token_histogram`` (the asset draws it once, on its materialization).
     """
     n = table.num_rows
     loss = table.column("num_loss_tokens").to_numpy() if n else np.zeros(0, dtype=np.int32)
@@ -511,7 +500,6 @@ def empty_response_check(table: pa.Table, min_loss_tokens: int = 16, max_empty_r
     empty = short | answer_empty
     count = int(empty.sum())
     ratio = count / n if n else 1.0
-    hist = loss_token_histogram(loss)
     values, freq = np.unique(loss, return_counts=True) if n else (np.zeros(1, int), np.zeros(1, int))
     mode = int(values[np.argmax(freq)])
     metadata = {
@@ -523,8 +511,6 @@ def empty_response_check(table: pa.Table, min_loss_tokens: int = 16, max_empty_r
         "num_short": int(short.sum()),
         "num_answer_empty": int(answer_empty.sum()),
         "examples": _examples(table, empty),
-        "loss_tokens_histogram": hist,
-        "loss_tokens_histogram_md": _histogram_markdown(hist),
         "most_common_loss_tokens": mode,
         "most_common_loss_tokens_share": round(float(freq.max()) / n, 6) if n else 0.0,
         "median_loss_tokens": float(np.median(loss)) if n else 0.0,

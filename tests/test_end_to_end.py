@@ -9,6 +9,7 @@ import boto3
 import dagster as dg
 import pytest
 
+from chart_png import MAX_CHART_BYTES, PNG_SIGNATURE, decode_chart
 from dagster_project.demo_runner import run_demo
 from dagster_project.resources import StoreResource
 from dflash_assets.store import S3Store
@@ -30,6 +31,16 @@ def test_whole_graph_on_s3(moto_endpoint, monkeypatch):
         shards = summary["shards"]
         for key in ["raw_prompts", "completions", "tokenized_samples", "hidden_state_cache"]:
             assert instance.get_materialized_partitions(dg.AssetKey(key)) == set(shards), key
+
+        # The GPU stages' chart data arrives through Pipes and is drawn as PNGs in the metadata.
+        trained = instance.get_latest_materialization_event(dg.AssetKey("drafter_checkpoint")).asset_materialization
+        evaluated = instance.get_latest_materialization_event(dg.AssetKey("drafter_eval")).asset_materialization
+        for metadata, key in [(trained.metadata, "loss_curve"), (trained.metadata, "accuracy_by_position"),
+                              (evaluated.metadata, "acceptance_by_position")]:
+            png, image, _ = decode_chart(metadata[key].value)
+            assert png.startswith(PNG_SIGNATURE) and len(png) < MAX_CHART_BYTES and image.size == (640, 300), key
+        caption = decode_chart(evaluated.metadata["acceptance_by_position"].value)[2]
+        assert abs(float(caption.split()[2].rstrip(":")) - summary["tau"]) < 0.01, caption  # the bars sum to tau
 
     s3 = S3Store("s3://dflash-e2e/run", client)
     keys = s3.list("")

@@ -11,6 +11,7 @@ ever differs from the target's own greedy output.
 import dagster as dg
 
 from dagster_project.config import DrafterEvalConfig, DrafterTrainingConfig
+from dagster_project.metadata import render_pipes_result
 from dagster_project.partitions import drafter_recipes
 from dagster_project.pipes import GpuHostLauncher, check_specs_for
 from dagster_project.resources import StoreResource, TargetModelResource
@@ -30,7 +31,7 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainin
                        target: TargetModelResource, gpu_launcher: GpuHostLauncher) -> dg.MaterializeResult:
     """A trained DFlash drafter (``DFlashDraftModel``): model.safetensors + config.json, resumable training."""
     payload = {**config.model_dump(), "target": target.spec().model_dump()}
-    return gpu_launcher.run(context, "drafter_checkpoint", payload, store).get_materialize_result()
+    return render_pipes_result(gpu_launcher.run(context, "drafter_checkpoint", payload, store).get_materialize_result())
 
 
 @dg.asset(
@@ -47,4 +48,5 @@ def drafter_eval(context: dg.AssetExecutionContext, config: DrafterEvalConfig, s
                  target: TargetModelResource, gpu_launcher: GpuHostLauncher):
     """Acceptance length tau (tokens per verification) of the checkpoint against its target, per category."""
     payload = {**config.model_dump(), "target": target.spec().model_dump()}
-    yield from gpu_launcher.run(context, "drafter_eval", payload, store).get_results()
+    for result in gpu_launcher.run(context, "drafter_eval", payload, store).get_results():
+        yield render_pipes_result(result)

@@ -12,7 +12,7 @@ import hashlib
 import dagster as dg
 
 from dagster_project.config import GenerationPlanConfig, GenerationStageConfig
-from dagster_project.metadata import to_metadata
+from dagster_project.metadata import response_length_chart, to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import EngineFleetResource, StoreResource, TargetModelResource
 from dagster_project.versions import code_version
@@ -49,7 +49,8 @@ def completions(context: dg.AssetExecutionContext, config: GenerationStageConfig
     if result.stats.prompts_failed:
         context.log.warning(f"{result.stats.prompts_failed} prompts failed after retries: see {result.failed_key}")
     metadata = {**to_metadata(result.stats.to_metadata()), "failed_key": dg.MetadataValue.text(result.failed_key),
-                "response_length_histogram": dg.MetadataValue.md(response_length_histogram(result.table))}
+                "response_length_histogram": response_length_chart(
+                    response_length_histogram(result.table, config.max_new_tokens), config.max_new_tokens)}
     if result.probe is not None:
         metadata["engines"] = dg.MetadataValue.md(result.probe.markdown())
     version = hashlib.sha256(st.read_bytes(result.output_key)).hexdigest()[:16]

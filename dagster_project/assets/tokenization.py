@@ -14,7 +14,7 @@ import hashlib
 import dagster as dg
 
 from dagster_project.config import TokenizeStageConfig
-from dagster_project.metadata import to_metadata
+from dagster_project.metadata import check_metadata, loss_tokens_chart, to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import StoreResource, TargetModelResource
 from dagster_project.versions import code_version
@@ -87,7 +87,9 @@ def tokenized_samples(context: dg.AssetExecutionContext, config: TokenizeStageCo
     write_quality_gate(st, shard, outcomes, version)
     context.log.info(f"{shard}: {stats.samples} samples from {stats.conversations} conversations, "
                      f"{stats.tokens} tokens ({stats.loss_tokens} supervised), dropped {stats.dropped or 'none'}")
-    yield dg.MaterializeResult(metadata=to_metadata(stats.as_metadata()), data_version=dg.DataVersion(version))
+    loss_tokens = loss_tokens_chart(table.column("num_loss_tokens").to_numpy(), config.min_loss_tokens)
+    yield dg.MaterializeResult(metadata={**to_metadata(stats.as_metadata()), "loss_tokens_histogram": loss_tokens},
+                               data_version=dg.DataVersion(version))
     for name, outcome in outcomes.items():
         yield dg.AssetCheckResult(check_name=name, passed=outcome.passed, severity=SEVERITY[name],
-                                  description=outcome.description, metadata=to_metadata(outcome.metadata))
+                                  description=outcome.description, metadata=check_metadata(outcome.metadata))
