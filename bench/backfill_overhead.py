@@ -15,11 +15,9 @@ distinct one-line prompts ingested with ``max_prompts_per_shard=1``, so N
    (b) the backfill's own completion (COMPLETED_SUCCESS).
 
 The code location (``defs`` below, built when ``DFLASH_BENCH_LOCATION=1``)
-holds the project's ``prompt_corpus`` and a ``raw_prompts`` with a batching
-``BackfillPolicy``: the project's own asset when it already declares a
-multi-run or single-run policy, else ``batched_raw_prompts`` below, the body
-proposed for it (loop ``context.partition_keys``, per-partition metadata
-through ``context.add_asset_metadata(..., partition_key=key)``).
+holds the project's own ``prompt_corpus`` and ``raw_prompts``; ``--policy``
+swaps only the latter's ``BackfillPolicy`` (``with_attributes``), so the
+benchmark always measures the asset as committed.
 
 Prints one JSON object: seconds, overhead ratios ((daemon - loop) / loop),
 the number and spans of runs, the daemon's tick wait, and the machine.
@@ -35,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -46,76 +43,34 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.machine import machine_info  # noqa: E402
 import dagster as dg  # noqa: E402
 
 from dagster_project.assets.prompts import prompt_corpus  # noqa: E402
-from dagster_project.metadata import preview_table, to_metadata  # noqa: E402
 from dagster_project.partitions import prompt_shards  # noqa: E402
 from dagster_project.resources import StoreResource  # noqa: E402
 from dflash_assets.raw_prompts import materialize_prompt_shard  # noqa: E402
 
 LOCATION_ENV = "DFLASH_BENCH_LOCATION"
 POLICY_ENV = "DFLASH_BENCH_POLICY"  # "single_run" | "multi_run:<N>" | "none" | "project"
-METADATA_ENV = "DFLASH_BENCH_METADATA"  # "0": no per-partition metadata (measures what it costs)
 
 
-def policy_from_spec(spec: str) -> dg.BackfillPolicy | None:
+def policy_from_spec(spec: str) -> dg.BackfillPolicy:
     if spec == "single_run":
         return dg.BackfillPolicy.single_run()
     if spec.startswith("multi_run:"):
         return dg.BackfillPolicy.multi_run(max_partitions_per_run=int(spec.split(":", 1)[1]))
-    if spec == "none":
-        return None
+    if spec == "none":  # one partition per run, what a backfill does without a policy
+        return dg.BackfillPolicy.multi_run(max_partitions_per_run=1)
     raise ValueError(f"unknown policy {spec!r}")
 
 
-def batched_raw_prompts(policy: dg.BackfillPolicy | None, per_partition_metadata: bool = True) -> dg.AssetsDefinition:
-    """``raw_prompts`` as proposed for a batching backfill policy (the project asset's body, looped)."""
-
-    @dg.asset(
-        name="raw_prompts",
-        deps=[prompt_corpus],
-        partitions_def=prompt_shards,
-        group_name="prompts",
-        kinds={"python", "parquet"},
-        owners=["team:ml-data"],
-        code_version="1",
-        backfill_policy=policy,
-    )
-    def raw_prompts(context: dg.AssetExecutionContext, store: StoreResource) -> dg.MaterializeResult:
-        """Normalized prompts of one shard (system + user turns, no assistant turns), as Parquet."""
-        opened, keys, stats = store.open(), context.partition_keys, None  # a range under the policy, else one key
-        for key in keys:
-            table, stats = materialize_prompt_shard(opened, key)
-            if not per_partition_metadata:
-                continue
-            context.add_asset_metadata(  # lands on this partition's materialization event only
-                {**to_metadata(stats), "preview": preview_table(table, ["prompt_id", "num_user_turns", "user_turns"])},
-                partition_key=key,
-            )
-        # A data version covers every partition of the run: give one only when the run holds one partition.
-        version = dg.DataVersion(stats.sha256[:16]) if len(keys) == 1 else None
-        return dg.MaterializeResult(metadata={"partitions_in_run": len(keys)}, data_version=version)
-
-    return raw_prompts
-
-
-def project_raw_prompts_if_batched() -> dg.AssetsDefinition | None:
+def bench_definitions() -> dg.Definitions:
     from dagster_project.assets import prompts
 
-    asset = prompts.raw_prompts
-    policy = asset.backfill_policy
-    if policy is not None and (policy.max_partitions_per_run or 0) != 1:
-        return asset
-    return None
-
-
-def bench_definitions() -> dg.Definitions:
     spec = os.environ.get(POLICY_ENV, "multi_run:500")
-    metadata = os.environ.get(METADATA_ENV, "1") != "0"
-    asset = project_raw_prompts_if_batched() if spec == "project" else batched_raw_prompts(policy_from_spec(spec), metadata)
-    if asset is None:
-        raise RuntimeError("--policy project: the project's raw_prompts has no batching BackfillPolicy yet")
+    asset = prompts.raw_prompts if spec == "project" else prompts.raw_prompts.with_attributes(
+        backfill_policy=policy_from_spec(spec))
     return dg.Definitions(assets=[prompt_corpus, asset], resources={"store": StoreResource()})
 
 
@@ -146,7 +101,7 @@ def run_loop(source: Path, store_dir: Path) -> dict:
     return {"loop_s": time.perf_counter() - t0, "ingest_s": ingest_s, "partitions": len(report.shard_keys)}
 
 
-def run_daemon(source: Path, workdir: Path, policy_spec: str, timeout_s: float, storage: str, metadata: bool) -> dict:
+def run_daemon(source: Path, workdir: Path, policy_spec: str, timeout_s: float, storage: str) -> dict:
     if storage == "postgres":
         from tests.postgres_fixture import running_postgres
 
@@ -154,15 +109,14 @@ def run_daemon(source: Path, workdir: Path, policy_spec: str, timeout_s: float, 
             saved = {k: os.environ.get(k) for k in pg.env()}
             os.environ.update(pg.env())  # this process reads the instance too
             try:
-                return _run_daemon(source, workdir, policy_spec, timeout_s, pg.env(), metadata)
+                return _run_daemon(source, workdir, policy_spec, timeout_s, pg.env())
             finally:
                 for k, v in saved.items():
                     os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    return _run_daemon(source, workdir, policy_spec, timeout_s, None, metadata)
+    return _run_daemon(source, workdir, policy_spec, timeout_s, None)
 
 
-def _run_daemon(source: Path, workdir: Path, policy_spec: str, timeout_s: float, pg_env: dict | None,
-                metadata: bool) -> dict:
+def _run_daemon(source: Path, workdir: Path, policy_spec: str, timeout_s: float, pg_env: dict | None) -> dict:
     from dagster._core.storage.dagster_run import RunsFilter
 
     from tests.dagster_dev import POSTGRES_STORAGE_YAML, dagster_dev, instance_yaml
@@ -175,7 +129,7 @@ def _run_daemon(source: Path, workdir: Path, policy_spec: str, timeout_s: float,
         f"      working_directory: {REPO_ROOT}\n"
         "      location_name: dflash_assets\n"
     )
-    env = {LOCATION_ENV: "1", POLICY_ENV: policy_spec, METADATA_ENV: "1" if metadata else "0",
+    env = {LOCATION_ENV: "1", POLICY_ENV: policy_spec,
            "DFLASH_STORE": str(workdir / "dagster-store"), "DFLASH_PROMPT_SOURCE": str(source), **(pg_env or {})}
     storage_yaml = POSTGRES_STORAGE_YAML if pg_env else ""
     t_start = time.perf_counter()
@@ -238,19 +192,6 @@ def _planned_events_s(instance, records) -> float | None:
     return max(spans) if spans else None
 
 
-def machine() -> dict:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-            "python": platform.python_version(), "dagster": dg.__version__, "platform": platform.platform()}
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--partitions", type=int, default=1000)
@@ -260,22 +201,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--storage", default="sqlite", choices=["sqlite", "postgres"],
                         help="instance storage: SQLite under DAGSTER_HOME (local profile) or a throwaway "
                              "PostgreSQL (tests/postgres_fixture.py: fsync off) like the cluster profile")
-    parser.add_argument("--no-partition-metadata", action="store_true",
-                        help="skip per-partition add_asset_metadata (to measure its cost)")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--workdir", help="keep everything here (default: a temp dir, removed)")
     parser.add_argument("--goal", type=float, default=0.25, help="overhead goal: (daemon - loop) / loop")
     args = parser.parse_args(argv)
 
     spec = {"multi_run": f"multi_run:{args.max_partitions_per_run}"}.get(args.policy, args.policy)
-    info = machine()
+    info = machine_info("dagster")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-backfill-bench-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         source = workdir / "prompts.jsonl"
         write_source(source, args.partitions)
         loop = run_loop(source, workdir / "loop-store")
-        daemon = run_daemon(source, workdir, spec, args.timeout, args.storage, not args.no_partition_metadata)
+        daemon = run_daemon(source, workdir, spec, args.timeout, args.storage)
         n = daemon["partitions"]
         expected_runs = (n if spec == "none" else 1 if spec == "single_run"
                          else math.ceil(n / args.max_partitions_per_run) if args.policy == "multi_run" else None)
@@ -285,7 +224,6 @@ def main(argv: list[str] | None = None) -> None:
             "partitions": n,
             "policy": spec,
             "instance_storage": args.storage + (" (fsync=off, synchronous_commit=off)" if args.storage == "postgres" else ""),
-            "per_partition_metadata": not args.no_partition_metadata,
             "expected_runs": expected_runs,
             "loop_s": round(loop["loop_s"], 2),
             "daemon_to_materialized_s": round(daemon["to_materialized_s"], 2),

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import machine_info  # noqa: E402
 from dflash_assets.completions import GenerationConfig, aregenerate_shard  # noqa: E402
 from dflash_assets.engine_fleet import EndpointConfig, EngineFleetConfig, run_sync  # noqa: E402
 from dflash_assets.engines import ChatTokenizer, json_dumps, json_loads, local_engine_server  # noqa: E402
@@ -209,9 +209,7 @@ def main() -> None:
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
-    result: dict = {"machine": {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
-                                "python": platform.python_version(), "json": json_lib, "loop": loop,
-                                "loadavg_start": os.getloadavg()}}
+    result: dict = {"machine": {**machine_info("aiohttp", "orjson", "uvloop"), "json": json_lib, "loop": loop}}
     if args.part in ("a", "all"):
         result["a_orchestrator_overhead"] = part_a(args, tokenizer)
     if args.part in ("b", "all"):

@@ -34,8 +34,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -46,33 +44,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import machine_info  # noqa: E402
 from dflash_assets.prompt_sources import embedded_sharegpt_path, read_source  # noqa: E402
 from dflash_assets.raw_prompts import IngestConfig, ingest_prompt_source, normalize_record  # noqa: E402
 from dflash_assets.store import LocalStore  # noqa: E402
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import pyarrow
-    import zstandard
-
-    return {
-        "cpu": cpu,
-        "logical_cpus": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "pyarrow": pyarrow.__version__,
-        "zstandard": zstandard.__version__,
-    }
 
 
 def main() -> None:
@@ -159,7 +134,7 @@ def main() -> None:
         print(json.dumps({
             "benchmark": "ingest_throughput",
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "machine": machine_info(),
+            "machine": machine_info("pyarrow", "zstandard"),
             "source": {"path": str(path), "bytes": path.stat().st_size, "complete_records": n_records,
                        "truncated": summary.truncated, "truncated_at_byte": summary.truncated_at_byte},
             "repeats": args.repeats,

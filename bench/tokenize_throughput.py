@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import machine_info  # noqa: E402
 from dflash_assets.fast_encoder import qwen3_6_encoder  # noqa: E402
 from dflash_assets.tokenized_samples import (  # noqa: E402
     ASSISTANT_HEADER,
@@ -44,28 +44,6 @@ from dflash_assets.tokenized_samples import (  # noqa: E402
     tokenize_completions,
 )
 from dflash_assets.tokenizer import build_qwen3_6_tokenizer  # noqa: E402
-
-
-def machine() -> dict:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        model = platform.processor()
-    import tiktoken
-    import transformers
-
-    return {
-        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_model": model,
-        "python": platform.python_version(),
-        "tiktoken": tiktoken.__version__,
-        "transformers": transformers.__version__,
-        "loadavg_1m": round(os.getloadavg()[0], 2),
-    }
 
 
 def rate(n: int, wall: float, cpu: float) -> dict:
@@ -153,7 +131,7 @@ def main() -> None:
     ap.add_argument("--skip-cost", action="store_true", help="skip the last_turn/every_turn token-cost table")
     args = ap.parse_args()
 
-    result: dict = {"machine": machine(), "n_conversations": args.n, "max_length": args.max_length}
+    result: dict = {"machine": machine_info("tiktoken", "transformers"), "n_conversations": args.n, "max_length": args.max_length}
     t0 = time.perf_counter()
     tok = build_qwen3_6_tokenizer()
     encoder = qwen3_6_encoder(tok, strict=True)

@@ -1,0 +1,45 @@
+"""What machine a benchmark ran on, in one shape for every `bench/` script (stdlib only; reads /proc/cpuinfo).
+
+`machine_info("torch", "pyarrow")` gives the CPU model, logical and usable
+cores, load average at the call, platform, Python, and the installed versions
+of the named packages (absent ones are reported as None). Benchmarks put it
+under the "machine" key of the JSON they print.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+
+__all__ = ["machine_info", "cpu_model"]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info(*packages: str) -> dict:
+    return {
+        "cpu": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {p: _version(p) for p in packages},
+    }
