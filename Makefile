@@ -26,9 +26,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow'
 
 ui: $(STAMP)
-	DAGSTER_HOME=$${DAGSTER_HOME:-$(CURDIR)/.dagster_home} ; mkdir -p $$DAGSTER_HOME ; \
-	test -f $$DAGSTER_HOME/dagster.yaml || cp deploy/local/dagster.yaml $$DAGSTER_HOME/ ; \
-	DAGSTER_HOME=$$DAGSTER_HOME $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $${PORT:-3000}
+	exec $(BIN)/python deploy/local/ui.py
 
 clean:
 	rm -rf .dflash .dagster_home .pytest_cache

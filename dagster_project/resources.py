@@ -1,8 +1,17 @@
-"""Resources shared by the stages: the store and the target model.
+"""Resources shared by the stages: the store, the target model and the engine fleet.
 
 The store is addressed by one URI (a local directory by default, or
 ``s3://bucket/prefix``); S3 clients come from dagster-aws's ``S3Resource``,
 with credentials from the environment (never logged).
+
+The engine fleet lists the generation endpoints. On the local profile with
+none configured and the embedded tiny target, the step that asks for the
+fleet starts its own ``transformers serve`` (``EmbeddedEngine``) and the
+resource stops it when the step ends; anywhere else an empty fleet fails the
+step at once, saying how to start an engine.
+
+Reads: environment variables (``DFLASH_*``). Writes nothing; the embedded
+engine writes its log to a temporary file.
 """
 
 
@@ -10,7 +19,7 @@ import os
 from typing import Optional
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from dflash_assets.store import LocalStore, S3Store, default_store_uri, open_store
 
@@ -78,6 +87,12 @@ class EngineFleetResource(dg.ConfigurableResource):
     Endpoints are probed at every materialization; one that serves another
     model than the target is refused, and with none serving it the run fails
     at once with the probe table. There is no silent fallback.
+
+    With no endpoints, on the local profile (``DFLASH_PROFILE`` unset or
+    ``local``) and the embedded tiny target, ``fleet_config`` starts the
+    embedded engine for this step (``transformers serve`` on 127.0.0.1, a
+    free port) and ``teardown_after_execution`` stops it. Whether that may
+    happen is read from the environment, never from run config.
     """
 
     endpoints: list[str] = Field(
@@ -92,6 +107,17 @@ class EngineFleetResource(dg.ConfigurableResource):
     request_timeout_s: float = Field(default=1800.0, description="Limit for one assistant turn.")
     max_retries: int = Field(default=4, description="Retries per request (408/429/5xx, connection errors).")
 
+    _embedded: Optional[object] = PrivateAttr(default=None)  # EmbeddedEngine, once a step asked for it
+    _log: Optional[object] = PrivateAttr(default=None)
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        self._log = context.log
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        if self._embedded is not None:
+            self._embedded.stop()
+            self._embedded = None
+
     def fleet_config(self, target_model: str):
         from dflash_assets.engine_fleet import EndpointConfig, EngineFleetConfig
 
@@ -101,7 +127,36 @@ class EngineFleetResource(dg.ConfigurableResource):
             if not sep or kind not in ("sglang", "openai", "transformers"):
                 kind, url = self.default_kind, entry.strip()
             endpoints.append(EndpointConfig(url=url, kind=kind, max_concurrency=self.max_concurrency))
+        if not endpoints:
+            endpoints = [self._embedded_endpoint(target_model)]
         return EngineFleetConfig(
             endpoints=endpoints, target_model=target_model, served_model_name=self.served_model_name,
             request_timeout_s=self.request_timeout_s, max_retries=self.max_retries,
         )
+
+    def _embedded_endpoint(self, target_model: str):
+        """The embedded engine's endpoint, started now if needed; a non-retryable failure where none may start."""
+        from dagster_project.deployment import get_profile
+        from dflash_assets.embedded_engine import EmbeddedEngine, is_embedded_target
+
+        profile = get_profile()
+        if profile != "local" or not is_embedded_target(target_model):
+            raise dg.Failure(description=no_engine_message(profile, target_model), allow_retries=False)
+        if self._embedded is None:
+            self._embedded = EmbeddedEngine(log=self._log.info if self._log is not None else None)
+        return self._embedded.endpoint()
+
+
+def no_engine_message(profile: str, target_model: str) -> str:
+    """What to do when no generation engine is configured for ``target_model``."""
+    return (
+        f"No generation engine is configured for the target {target_model!r} (DFLASH_PROFILE={profile}, "
+        "DFLASH_ENGINE_URLS is empty). Start one where the GPUs are and point the fleet at it:\n"
+        f"  dflash engine --start --target {target_model} --port 30000   "
+        "# SGLang; pip install 'dflash-assets[sglang]' on the GPU host first\n"
+        "  export DFLASH_ENGINE_URLS=sglang:http://<gpu-host>:30000   "
+        "# several: comma-separated; or one sglang-router URL\n"
+        "then restart `make ui` / the code location so the definitions read it. `dflash engine` without "
+        "--start prints the command. Only the local profile with the embedded tiny target starts an engine "
+        "(transformers serve) by itself."
+    )
