@@ -11,6 +11,11 @@ SIGINT to ``dagster dev`` (its own graceful shutdown), then SIGTERM and
 SIGKILL to the group. Its output goes to ``home/dagster-dev.log``; a start-up
 failure raises with the log's tail.
 
+``wait_until_ready(dev, ...)`` does the same wait for a ``DagsterDev`` built
+around a process started otherwise (``make ui``). ``process_tree`` and
+``still_running`` follow a process and its descendants through ``/proc``
+(Linux), for tests of how they stop.
+
 ``DagsterDev`` offers what the UI does over GraphQL: ``launch_run`` (the
 launchpad), ``launch_partition_backfill`` (the "Materialize all partitions"
 dialog: ``launchPartitionBackfill`` with an asset selection), ``backfill``
@@ -52,7 +57,8 @@ FINISHED_RUN = {"SUCCESS", "FAILURE", "CANCELED"}
 
 __all__ = [
     "DagsterDev", "DagsterDevError", "CodeLocationError", "dagster_dev", "instance_yaml", "free_port",
-    "POSTGRES_STORAGE_YAML", "REPO_ROOT", "write_prompt_source", "write_completions",
+    "POSTGRES_STORAGE_YAML", "REPO_ROOT", "write_prompt_source", "write_completions", "wait_until_ready",
+    "process_tree", "still_running",
 ]
 
 
@@ -343,13 +349,15 @@ def dagster_dev(
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     dev = DagsterDev(url=f"http://127.0.0.1:{port}", home=home, log_path=log_path, proc=proc)
     try:
-        _wait_until_ready(dev, startup_timeout_s, required_daemons)
+        wait_until_ready(dev, startup_timeout_s, required_daemons)
         yield dev
     finally:
         _stop_group(proc)
 
 
-def _wait_until_ready(dev: DagsterDev, timeout_s: float, required_daemons: Sequence[str]) -> None:
+def wait_until_ready(dev: DagsterDev, timeout_s: float = 300.0,
+                     required_daemons: Sequence[str] = ("BACKFILL", "SENSOR", "QUEUED_RUN_COORDINATOR")) -> None:
+    """Until GraphQL answers, the code location is loaded and ``required_daemons`` are healthy."""
     deadline = time.monotonic() + timeout_s
     stage, detail = "webserver", ""
     while time.monotonic() < deadline:
@@ -384,6 +392,51 @@ def _wait_until_ready(dev: DagsterDev, timeout_s: float, required_daemons: Seque
 
 class _NotYet(Exception):
     pass
+
+
+# --- processes (Linux /proc) ---------------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, start time in clock ticks) of ``pid``, None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def process_tree(root_pid: int) -> dict[tuple[int, int], str]:
+    """``root_pid`` and its live descendants: (pid, start time) -> command line."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None and stat[0] != "Z":
+            children.setdefault(stat[1], []).append(int(entry.name))
+    out: dict[tuple[int, int], str] = {}
+    todo = [root_pid]
+    while todo:
+        pid = todo.pop()
+        stat = _stat(pid)
+        if stat is None or stat[0] == "Z":
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        out[(pid, stat[2])] = cmdline
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def still_running(processes: Mapping[tuple[int, int], str]) -> dict[tuple[int, int], str]:
+    """The entries of a ``process_tree`` that are still running (same pid and start time, not a zombie)."""
+    out = {}
+    for (pid, started), cmdline in processes.items():
+        stat = _stat(pid)
+        if stat is not None and stat[0] != "Z" and stat[2] == started:
+            out[(pid, started)] = cmdline
+    return out
 
 
 # --- test data ---------------------------------------------------------------------------

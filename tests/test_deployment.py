@@ -1,9 +1,14 @@
-"""Deployment profiles (DFLASH_PROFILE) and the shipped dagster.yaml files."""
+"""Deployment profiles (DFLASH_PROFILE), the engine each profile generates with, the shipped dagster.yaml
+files, and how ``make ui`` stops."""
 
+import contextlib
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -23,7 +28,7 @@ from dagster_project.deployment import (
 )
 from dagster_project.instance_config import INSTANCE_YAML, instance_yaml, postgres_env, write_instance_yaml
 from dagster_project.pipes import GpuHostLauncher, check_specs_for
-from dagster_project.resources import StoreResource
+from dagster_project.resources import EngineFleetResource, StoreResource
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_ENV = ("DFLASH_STORE", "DFLASH_GPU_HOSTS", "DFLASH_ENGINE_URLS", "DFLASH_GPU_LAUNCH", "DFLASH_GPU_PYTHON",
@@ -124,6 +129,128 @@ def test_cluster_profile_runs_a_stage_end_to_end(s3_store, moto_endpoint, monkey
     (mat,) = result.get_asset_materialization_events()
     assert mat.materialization.metadata["gpu_host"].value in ("gpu_a", "gpu_b")
     assert "GPU_NAME" in mat.materialization.metadata["env_names"].value
+
+
+# ---------------------------------------------------------------- the engine of each profile
+
+
+@pytest.mark.parametrize("profile, target", [("cluster", "embedded"), ("local", "/models/Qwen3.6-27B")])
+def test_an_empty_fleet_says_how_to_start_an_engine(monkeypatch, profile, target):
+    """Only the local profile with the embedded tiny target starts an engine by itself; elsewhere: how to start one."""
+    from dflash_assets.engines import embedded_default_target
+
+    monkeypatch.setenv("DFLASH_PROFILE", profile)
+    target_model = str(embedded_default_target()) if target == "embedded" else target
+    with pytest.raises(dg.Failure) as info:
+        EngineFleetResource(endpoints=[]).fleet_config(target_model=target_model)
+    message = info.value.description
+    assert "dflash engine --start" in message and f"--target {target_model}" in message
+    assert "DFLASH_ENGINE_URLS=" in message and f"DFLASH_PROFILE={profile}" in message
+    assert info.value.allow_retries is False  # nothing serves the target: no retry can help
+
+
+def test_configured_endpoints_are_used_as_given(monkeypatch):
+    monkeypatch.setenv("DFLASH_PROFILE", "local")
+    fleet = EngineFleetResource(endpoints=["sglang:http://gpu-1:30000", "http://gpu-2:8000"], default_kind="openai",
+                                max_concurrency=8).fleet_config(target_model="/models/Qwen3.6-27B")
+    assert [(e.url, e.kind, e.max_concurrency) for e in fleet.endpoints] == [
+        ("http://gpu-1:30000", "sglang", 8), ("http://gpu-2:8000", "openai", 8)]
+
+
+@pytest.mark.slow
+def test_local_profile_generates_on_an_embedded_engine_it_starts_and_stops(tmp_path, monkeypatch):
+    """No engine configured, the embedded default: completions materializes; its engine is gone afterwards."""
+    from dagster_dev import process_tree
+
+    from dagster_project.definitions import defs
+
+    monkeypatch.setenv("DFLASH_PROFILE", "local")
+    monkeypatch.delenv("DFLASH_ENGINE_URLS", raising=False)
+    store = StoreResource(uri=str(tmp_path / "store"))
+    resources = {**defs.resources, "store": store, "engines": EngineFleetResource()}
+    assert resources["engines"].endpoints == []
+    with dg.instance_for_test() as instance:
+        ingest = {"ops": {"prompt_corpus": {"config": {"limit": 3, "max_prompts_per_shard": 3}}}}
+        assert dg.materialize(defs.assets, selection=["prompt_corpus"], instance=instance, resources=resources,
+                              run_config=ingest).success
+        [shard] = instance.get_dynamic_partitions("prompt_shards")
+        generation = {"ops": {"completions": {"config": {"max_new_tokens": 64, "max_turns": 1}}}}
+        result = dg.materialize(defs.assets, selection=["raw_prompts", "completions"], partition_key=shard,
+                                instance=instance, resources=resources, run_config=generation)
+        assert result.success
+        messages = [e.user_message for e in instance.all_logs(result.run_id) if "embedded engine" in e.user_message]
+    assert any(m.startswith("embedded engine ready at http://127.0.0.1:") for m in messages), messages
+    assert any(m.startswith("embedded engine stopped") for m in messages), messages
+    [mat] = result.asset_materializations_for_node("completions")
+    assert mat.metadata["prompts_done"].value == 3 and mat.metadata["prompts_failed"].value == 0
+    assert store.open().read_parquet(f"completions/{shard}.parquet").num_rows == 3
+    leftovers = [cmd for cmd in process_tree(os.getpid()).values() if " serve " in cmd]
+    assert leftovers == []
+
+
+# ---------------------------------------------------------------- make ui: Ctrl-C
+
+# deploy/local/ui.py SIGKILLs what is left 15 s after the stop request; a graceful stop took 5.6-6.5 s on the
+# 2-core shared dev VM, with or without a run in flight. The limit leaves room for a loaded CI machine.
+UI_STOP_LIMIT_S = 20.0
+
+
+@pytest.mark.slow
+def test_make_ui_stops_on_ctrl_c_with_a_run_in_flight(tmp_path):
+    """``make ui`` in its own process group, a completions run starting its embedded engine, then SIGINT to the
+    group (Ctrl-C): make, the launcher, dagster dev, webserver, daemon, code servers, run worker, step process and
+    engine are all gone within UI_STOP_LIMIT_S, and the run was marked failed by its worker, not left started."""
+    from dagster_dev import DagsterDev, free_port, process_tree, still_running, wait_until_ready, write_prompt_source
+
+    port, home = free_port(), tmp_path / "home"
+    source = write_prompt_source(tmp_path / "prompts.jsonl", 4)
+    env = {**os.environ, "PORT": str(port), "DAGSTER_HOME": str(home), "DFLASH_STORE": str(tmp_path / "store"),
+           "DFLASH_PROMPT_SOURCE": str(source), "DFLASH_PROFILE": "local", "DFLASH_ENGINE_URLS": ""}
+    log_path = tmp_path / "make-ui.log"
+    with open(log_path, "wb") as log:  # -o: never reinstall here, run the ui recipe as it is
+        make = subprocess.Popen(["make", "--no-print-directory", "-o", ".venv/.installed", "ui"], cwd=REPO, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    processes: dict = {}
+    try:
+        dev = DagsterDev(url=f"http://127.0.0.1:{port}", home=home, log_path=log_path, proc=make)
+        wait_until_ready(dev, 300, required_daemons=("BACKFILL",))
+        ingest = {"ops": {"prompt_corpus": {"config": {"max_prompts_per_shard": 4}}}}
+        assert dev.wait_for_run(dev.launch_run(["prompt_corpus"], ingest)) == "SUCCESS", dev.log_tail()
+        [shard] = dev.instance().get_dynamic_partitions("prompt_shards")
+        run_id = dev.launch_run(["raw_prompts", "completions"], tags={"dagster/partition": shard})
+        deadline = time.monotonic() + 300
+        while True:
+            processes = process_tree(make.pid)
+            if any(" serve " in cmd for cmd in processes.values()):
+                break
+            assert time.monotonic() < deadline, f"no engine started; log:\n{dev.log_tail()}"
+            assert dev.run_status(run_id) not in ("SUCCESS", "FAILURE"), dev.log_tail()
+            time.sleep(0.2)
+        assert dev.run_status(run_id) == "STARTED"
+        kinds = " ".join(processes.values())
+        for part in ("deploy/local/ui.py", "dagster dev", "dagster_webserver", "dagster._daemon", "code-server",
+                     "api grpc", "transformers serve"):
+            assert part in kinds, f"{part!r} not among the processes of make ui:\n{kinds}"
+
+        os.killpg(make.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        stopped_at = time.monotonic()
+        while (left := still_running(processes)) and time.monotonic() - stopped_at < UI_STOP_LIMIT_S + 10:
+            time.sleep(0.1)
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        for pid, _ in still_running(processes) or {}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    print(f"make ui: every one of {len(processes)} processes gone {elapsed:.1f} s after SIGINT")
+    assert not left and elapsed <= UI_STOP_LIMIT_S, f"{elapsed:.1f} s, still running: {sorted(left.values())}"
+    output = log_path.read_text(errors="replace")
+    assert "No child processes" not in output
+    assert re.search(r"ui: stopped, every process gone [0-9.]+ s after the SIGINT", output), output[-3000:]
+    instance = dg.DagsterInstance.from_config(str(home))
+    try:
+        assert instance.get_run_by_id(run_id).status == dg.DagsterRunStatus.FAILURE  # recorded, not left STARTED
+    finally:
+        instance.dispose()
 
 
 # ---------------------------------------------------------------- dagster.yaml
