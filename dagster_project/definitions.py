@@ -1,7 +1,9 @@
 """The code location: every asset, check, resource, job and sensor of dflash-assets.
 
 ``DFLASH_PROFILE`` (``local`` by default, or ``cluster``) picks the store,
-the GPU launcher and the engine fleet; see ``deployment.py``.
+the GPU launcher and the engine fleet; see ``deployment.py``. On ``local``
+with no ``DFLASH_ENGINE_URLS``, ``engines`` starts the embedded engine for
+each step that generates (see ``EngineFleetResource``).
 """
 
 import os

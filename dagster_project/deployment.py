@@ -2,8 +2,11 @@
 
 - ``local`` (the embedded default; no setting needed): a store directory
   under ``$DAGSTER_HOME`` (or ``$DFLASH_STORE``), GPU stages as local
-  subprocesses, the engine fleet empty (the caller starts ``transformers
-  serve`` on the tiny target), SQLite instance (``deploy/local/dagster.yaml``).
+  subprocesses, no engine configured: each step that generates starts its
+  own ``transformers serve`` on the tiny target and stops it when it ends
+  (``EngineFleetResource``, ``dflash_assets/embedded_engine.py``), SQLite
+  instance (``deploy/local/dagster.yaml``). ``make ui`` runs ``dagster dev``
+  through ``deploy/local/ui.py``, which stops all of it on Ctrl-C.
 - ``cluster``: an ``s3://`` store (``DFLASH_STORE``; endpoint and
   credentials from ``AWS_*``, read by boto3, never by us), GPU stages on
   ``DFLASH_GPU_HOSTS`` through ``DFLASH_GPU_LAUNCH`` (default ssh), SGLang
@@ -57,8 +60,9 @@ SETTINGS: dict[str, str] = {
     "DFLASH_GPU_PYTHON": "python on the GPU hosts (default python3)",
     "DFLASH_GPU_WORKDIR": "working directory on the GPU hosts",
     "DFLASH_GPU_ENV": "extra env for GPU stages, space-separated K=V (e.g. HF_HOME=/nvme/hf)",
-    "DFLASH_ENGINE_URLS": "generation engines (or one sglang-router), comma-separated (required for cluster)",
-    "DFLASH_ENGINE_KIND": "sglang (default) or openai",
+    "DFLASH_ENGINE_URLS": "generation engines (or one sglang-router), comma-separated (required for cluster; "
+                          "unset on local: each generating step starts transformers serve on the tiny target)",
+    "DFLASH_ENGINE_KIND": "sglang (cluster default) or openai (local default), for URLs without a kind prefix",
     "DFLASH_ENGINE_CONCURRENCY": "requests in flight per engine (default 32)",
 }
 REQUIRED: dict[str, tuple[str, ...]] = {
@@ -124,7 +128,8 @@ def fleet_settings(profile: Profile) -> dict[str, Any]:
 
     Holds ``endpoints`` only; the caller adds ``target_model`` (and an API key
     through ``dg.EnvVar``). ``local`` with no ``DFLASH_ENGINE_URLS`` returns no
-    endpoints: the embedded default starts ``transformers serve`` itself.
+    endpoints: there, ``EngineFleetResource`` starts the embedded engine for
+    each step that generates on the tiny target.
     """
     if profile == "cluster":
         _require(profile)

@@ -25,6 +25,20 @@ an empty job rather than an error, and a stage joins its job by declaring
 ``group_name``. Each job carries a ``dflash/host_kind`` run tag (``cpu`` or
 ``gpu``) that ``tag_concurrency_limits`` in ``dagster.yaml`` can cap.
 
+Where the runs show in the UI (checked against ``dagster dev`` 1.13.27):
+a run launched from an asset's page (**Materialize…**, or a backfill from
+its partitions dialog) or from the global lineage runs as Dagster's hidden
+``__ASSET_JOB``: the UI picks the first job the assets share in sorted
+order, ``__ASSET_JOB`` sorts first, and the backfill daemon runs every asset
+backfill as that job. Such runs are listed under **Runs** (a backfill as one
+row; its runs with "Show runs within backfills"), on the backfill's page and
+on each asset's partitions, never under these jobs, and they carry no
+``dflash/host_kind`` tag. A run launched from a job's page (Jobs -> the job
+-> **Materialize all…**; for a partitioned job pick the partitions ->
+**Launch backfill**) or by ``prompt_source_sensor`` is that job's own: it
+shows on the job's Runs tab and carries the tag. The descriptions say so,
+since they are what the job's page shows.
+
 Reads and writes nothing itself.
 """
 
@@ -48,6 +62,8 @@ __all__ = [
 ]
 
 HOST_KIND_TAG = "dflash/host_kind"
+LAUNCH_HERE = (" Launch from this page (Materialize all…) to keep the runs under this job; runs launched from an "
+               "asset's page run as __ASSET_JOB and are listed under Runs.")
 CPU_GROUPS = ("prompts", "generation", "tokenization")
 HIDDEN_STATES_GROUP = "hidden_states"
 DRAFTER_GROUP = "drafter"
@@ -55,7 +71,7 @@ DRAFTER_GROUP = "drafter"
 ingest_prompts_job = dg.define_asset_job(
     "ingest_prompts_job",
     selection=dg.AssetSelection.assets(prompt_corpus),
-    description="Ingest the prompt source and register new prompt_shards partitions (prompt_corpus).",
+    description="Ingest the prompt source and register new prompt_shards partitions (prompt_corpus)." + LAUNCH_HERE,
     tags={HOST_KIND_TAG: "cpu"},
 )
 
@@ -67,7 +83,8 @@ _PER_SHARD_CPU = dg.AssetSelection.assets(raw_prompts).downstream() & _CPU
 prepare_data_job = dg.define_asset_job(
     "prepare_data_job",
     selection=_PER_SHARD_CPU,
-    description="CPU hosts, per prompt shard: raw prompts -> completions -> tokenized samples, with their checks.",
+    description="CPU hosts, per prompt shard: raw prompts -> completions -> tokenized samples, with their checks."
+    + LAUNCH_HERE,
     tags={HOST_KIND_TAG: "cpu"},
 )
 
@@ -75,21 +92,22 @@ plan_generation_job = dg.define_asset_job(
     "plan_generation_job",
     selection=_CPU - _PER_SHARD_CPU - dg.AssetSelection.assets(prompt_corpus),
     description="Corpus-level CPU assets (generation_plan): probe the engines and estimate the generation "
-    "wall time. Run after an ingest, before a completions backfill.",
+    "wall time. Run after an ingest, before a completions backfill." + LAUNCH_HERE,
     tags={HOST_KIND_TAG: "cpu"},
 )
 
 hidden_states_job = dg.define_asset_job(
     "hidden_states_job",
     selection=dg.AssetSelection.groups(HIDDEN_STATES_GROUP),
-    description="GPU hosts, per prompt shard: target hidden states of the DFlash layers (pool 'gpu').",
+    description="GPU hosts, per prompt shard: target hidden states of the DFlash layers (pool 'gpu')." + LAUNCH_HERE,
     tags={HOST_KIND_TAG: "gpu"},
 )
 
 drafter_job = dg.define_asset_job(
     "drafter_job",
     selection=dg.AssetSelection.groups(DRAFTER_GROUP),
-    description="GPU hosts, per drafter recipe: train the DFlash drafter and measure its acceptance length.",
+    description="GPU hosts, per drafter recipe: train the DFlash drafter and measure its acceptance length."
+    + LAUNCH_HERE,
     tags={HOST_KIND_TAG: "gpu"},
 )
 
