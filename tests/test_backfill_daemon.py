@@ -21,10 +21,13 @@ as the launchpad does (``max_prompts_per_shard`` 8) registers three
   its quality gate refuses it; every check is evaluated on every partition,
   and the GPU steps of the other partitions never overlap.
 
-To cover a stage as it lands, add its selection to ``BACKFILL_SELECTIONS``
-(a stage that needs an engine also needs ``DFLASH_ENGINE_URLS`` in the
-``harness`` environment). Assets downstream of ``tokenized_samples`` that are
-partitioned by ``prompt_shards`` join the blocking-check backfill by themselves.
+To cover a stage as it lands, add its selection to ``BACKFILL_SELECTIONS``.
+A stage that generates runs on the embedded engine (the harness is the
+local profile with no ``DFLASH_ENGINE_URLS``: each generating step starts
+``transformers serve`` on the tiny target); ``tests/test_ui_browser.py``
+backfills ``completions`` and ``prepare_data_job`` that way from the UI.
+Assets downstream of ``tokenized_samples`` that are partitioned by
+``prompt_shards`` join the blocking-check backfill by themselves.
 """
 
 import json
@@ -49,7 +52,8 @@ N_PROMPTS = 20
 SHARD_SIZE = 8  # -> shards of 8, 8 and 4 prompts
 BACKFILL_SELECTIONS = {
     "prompts": ["raw_prompts"],
-    # "cpu_stages": ["raw_prompts", "completions", "tokenized_samples"],  # with an engine in the harness env
+    # "cpu_stages": ["raw_prompts", "completions", "tokenized_samples"] runs on the embedded engine, but whether
+    # its blocking checks pass depends on the tiny target's answers: it is covered in test_ui_browser.py.
 }
 BACKFILL_TAG = "dagster/backfill"
 
@@ -66,7 +70,8 @@ class Harness:
 def harness(tmp_path_factory):
     root = tmp_path_factory.mktemp("backfill-daemon")
     source = write_prompt_source(root / "prompts.jsonl", N_PROMPTS)
-    env = {"DFLASH_PROMPT_SOURCE": str(source), "DFLASH_STORE": str(root / "store")}
+    env = {"DFLASH_PROMPT_SOURCE": str(source), "DFLASH_STORE": str(root / "store"), "DFLASH_PROFILE": "local",
+           "DFLASH_ENGINE_URLS": ""}
     with dagster_dev(root / "home", env=env) as dev:
         yield Harness(dev, LocalStore(root / "store"), source, {})
 
