@@ -1,6 +1,6 @@
 """Benchmark: DFlash drafter training throughput (Qwen3-8B dims) on one GPU, and on two through torchrun.
 
-Measures the library's own training step (`dflash_assets.drafter_training.train_step`: block layout,
+Measures the library's own training step (`dflash_assets.drafter.training.train_step`: block layout,
 flex_attention BlockMask built once per step, 5-layer drafter under bf16 autocast, frozen target
 head with the chunked cross-entropy, backward, grad clip, fused AdamW) on synthetic data resident
 on the GPU: Qwen3-8B dims (H 4096, 32 heads, 8 KV heads, head_dim 128, MLP 12288, vocab 151,936,
@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
 
-from dflash_assets.dflash_conventions import dflash_target_layer_ids  # noqa: E402
-from dflash_assets.drafter import DFlashDrafter, DrafterConfig, TargetHead  # noqa: E402
-from dflash_assets.drafter_training import (  # noqa: E402
+from dflash_assets.target.conventions import dflash_target_layer_ids  # noqa: E402
+from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, TargetHead  # noqa: E402
+from dflash_assets.drafter.training import (  # noqa: E402
     Batch,
     dflash_block_mask,
     drafter_forward_loss,
@@ -314,8 +314,8 @@ def end_to_end(args) -> dict:
 
     from safetensors.torch import save_file
 
-    from dflash_assets.drafter_training import DrafterRecipe, latest_state_dir, train_drafter
-    from dflash_assets.hidden_state_format import SafetensorsStreamWriter, ShardMetadata, shard_tensor_specs
+    from dflash_assets.drafter.training import DrafterRecipe, latest_state_dir, train_drafter
+    from dflash_assets.hidden_states.format import SafetensorsStreamWriter, ShardMetadata, shard_tensor_specs
 
     cuda = torch.cuda.is_available() and not args.quick
     dev = "cuda" if cuda else "cpu"

@@ -34,11 +34,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import machine_info  # noqa: E402
-from dflash_assets.completions import GenerationConfig, aregenerate_shard  # noqa: E402
-from dflash_assets.engine_fleet import EndpointConfig, EngineFleetConfig, run_sync  # noqa: E402
+from dflash_assets.generation.completions import GenerationConfig, aregenerate_shard  # noqa: E402
+from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig, run_sync  # noqa: E402
 from dflash_assets.engines import ChatTokenizer, json_dumps, json_loads, local_engine_server  # noqa: E402
-from dflash_assets.sglang_loopback import LoopbackProcess  # noqa: E402
-from dflash_assets.store import LocalStore  # noqa: E402
+from dflash_assets.testing.sglang_loopback import LoopbackProcess  # noqa: E402
+from dflash_assets.store.backends import LocalStore  # noqa: E402
 
 TARGET = "/models/Qwen3.6-27B"
 

@@ -4,7 +4,7 @@
 Reads nothing but its arguments; writes scratch shards and a disk probe file
 under ``--out-dir`` (removed afterwards). Needs only torch, transformers,
 safetensors and numpy (triton / flash-linear-attention / causal-conv1d are
-used when importable): it loads ``dflash_assets/hidden_state_cache.py`` and
+used when importable): it loads ``dflash_assets/hidden_states/capture.py`` and
 ``hidden_state_format.py`` by file path, not through the package.
 
 Sections (each in its own try/except; a one-line ``partial:`` JSON after each):
@@ -74,8 +74,8 @@ def _load_library():
         pkg = types.ModuleType("dflash_assets")
         pkg.__path__ = [str(ROOT / "dflash_assets")]
         sys.modules["dflash_assets"] = pkg
-    import dflash_assets.hidden_state_cache as hsc
-    import dflash_assets.hidden_state_format as hsf
+    import dflash_assets.hidden_states.capture as hsc
+    import dflash_assets.hidden_states.format as hsf
 
     return hsc, hsf
 

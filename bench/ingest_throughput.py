@@ -45,9 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine_info  # noqa: E402
-from dflash_assets.prompt_sources import embedded_sharegpt_path, read_source  # noqa: E402
-from dflash_assets.raw_prompts import IngestConfig, ingest_prompt_source, normalize_record  # noqa: E402
-from dflash_assets.store import LocalStore  # noqa: E402
+from dflash_assets.prompts.sources import embedded_sharegpt_path, read_source  # noqa: E402
+from dflash_assets.prompts.ingest import IngestConfig, ingest_prompt_source, normalize_record  # noqa: E402
+from dflash_assets.store.backends import LocalStore  # noqa: E402
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ Reads the first N conversations of the embedded ShareGPT file (package
 reasoning), renders them with the Qwen3.6 template and tokenizes them with
 the Qwen3.6 tokenizer at max length 4096, two ways:
 
-- fast: `dflash_assets.tokenized_samples.tokenize_completions` (compiled
+- fast: `dflash_assets.tokenization.samples.tokenize_completions` (compiled
   template, tiktoken encoder verified against the HF tokenizer, numpy masks);
 - hf: per conversation `tokenizer.apply_chat_template(tokenize=False)` then
   `tokenizer(text)` (no masks; the path measured at ~228 conv/s before), and
@@ -34,8 +34,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import machine_info  # noqa: E402
-from dflash_assets.fast_encoder import qwen3_6_encoder  # noqa: E402
-from dflash_assets.tokenized_samples import (  # noqa: E402
+from dflash_assets.tokenization.encoder import qwen3_6_encoder  # noqa: E402
+from dflash_assets.tokenization.samples import (  # noqa: E402
     ASSISTANT_HEADER,
     TokenizeConfig,
     expand_conversation,

@@ -29,12 +29,12 @@ class IngestConfig(dg.Config):
     )
 
     def resolved_source(self) -> str:
-        from dflash_assets.prompt_sources import embedded_sharegpt_path
+        from dflash_assets.prompts.sources import embedded_sharegpt_path
 
         return self.source_uri or os.environ.get("DFLASH_PROMPT_SOURCE") or str(embedded_sharegpt_path())
 
     def to_library(self):
-        from dflash_assets.raw_prompts import IngestConfig as LibIngestConfig
+        from dflash_assets.prompts.ingest import IngestConfig as LibIngestConfig
 
         return LibIngestConfig(
             max_prompts_per_shard=self.max_prompts_per_shard, max_record_chars=self.max_record_chars,
@@ -56,12 +56,12 @@ class TokenizeStageConfig(dg.Config):
     truncation_ceiling: float = Field(default=0.05, description="truncation_ratio warns above this share.")
 
     def to_library(self):
-        from dflash_assets.tokenized_samples import TokenizeConfig
+        from dflash_assets.tokenization.samples import TokenizeConfig
 
         return TokenizeConfig(max_length=self.max_length, supervise=self.supervise)
 
     def thresholds(self, thinking_requested: bool):
-        from dflash_assets.tokenized_samples import QualityThresholds
+        from dflash_assets.tokenization.samples import QualityThresholds
 
         return QualityThresholds(
             min_loss_tokens=self.min_loss_tokens, max_empty_ratio=self.max_empty_ratio,

@@ -23,7 +23,7 @@ PER_SHARD_ASSETS = ["raw_prompts", "completions", "tokenized_samples", "hidden_s
 
 
 def demo_recipe(shards: list[str]):
-    from dflash_assets.drafter_training import DrafterRecipe
+    from dflash_assets.drafter.training import DrafterRecipe
 
     train = shards[:-1] if len(shards) > 1 else shards
     return DrafterRecipe(name="demo-v1", num_layers=2, block_size=8, epochs=3, lr=3e-3, max_anchors=64,

@@ -124,7 +124,7 @@ def gpu_launcher_for_profile(profile: Profile) -> GpuHostLauncher:
 
 
 def fleet_settings(profile: Profile) -> dict[str, Any]:
-    """Hook for the engine fleet: keyword arguments of ``dflash_assets.engine_fleet.EngineFleetConfig``.
+    """Hook for the engine fleet: keyword arguments of ``dflash_assets.generation.fleet.EngineFleetConfig``.
 
     Holds ``endpoints`` only; the caller adds ``target_model`` (and an API key
     through ``dg.EnvVar``). ``local`` with no ``DFLASH_ENGINE_URLS`` returns no

@@ -61,7 +61,7 @@ from dflash_assets.pipes_worker import (
     EXTRA_STORE_URI,
     STAGE_CHECKS,
 )
-from dflash_assets.store import LocalStore, S3Store
+from dflash_assets.store.backends import LocalStore, S3Store
 
 __all__ = [
     "GpuHostLauncher",

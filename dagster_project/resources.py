@@ -21,7 +21,7 @@ from typing import Optional
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
-from dflash_assets.store import LocalStore, S3Store, default_store_uri, open_store
+from dflash_assets.store.backends import LocalStore, S3Store, default_store_uri, open_store
 
 
 class StoreResource(dg.ConfigurableResource):
@@ -62,7 +62,7 @@ class TargetModelResource(dg.ConfigurableResource):
     mask_token_id: Optional[int] = Field(default=None, description="Explicit mask token id; wins over the lookup.")
 
     def spec(self):
-        from dflash_assets.target_model import TargetModelSpec, default_target_spec
+        from dflash_assets.target.spec import TargetModelSpec, default_target_spec
 
         base = default_target_spec() if self.model_path is None else None
         dtype = self.dtype if self.dtype != "auto" else ("float32" if base is not None else "bfloat16")
@@ -119,7 +119,7 @@ class EngineFleetResource(dg.ConfigurableResource):
             self._embedded = None
 
     def fleet_config(self, target_model: str):
-        from dflash_assets.engine_fleet import EndpointConfig, EngineFleetConfig
+        from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
 
         endpoints = []
         for entry in self.endpoints:

@@ -35,7 +35,7 @@ import dagster as dg
 from dagster_project.config import IngestConfig
 from dagster_project.jobs import ingest_prompts_job
 from dagster_project.resources import StoreResource
-from dflash_assets.store import S3Store
+from dflash_assets.store.backends import S3Store
 
 __all__ = [
     "SourceFingerprint",
@@ -71,7 +71,7 @@ def fingerprint_source(uri: str, s3_client: Any = None) -> SourceFingerprint:
         if not bucket or not key:
             raise ValueError(f"s3 URI needs a bucket and a key: {uri!r}")
         if s3_client is None:
-            from dflash_assets.store import s3_client as new_s3_client
+            from dflash_assets.store.backends import s3_client as new_s3_client
 
             s3_client = new_s3_client()
         try:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_assets.chart_data import curve_points, share_at_least
-from dflash_assets.drafter_training import DrafterRecipe
+from dflash_assets.drafter.training import DrafterRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def load_recipe(store: Any, name: str) -> DrafterRecipe:
 
 
 def _cached_shards(store: Any) -> list[str]:
-    from dflash_assets.hidden_state_cache import CACHE_PREFIX
+    from dflash_assets.hidden_states.capture import CACHE_PREFIX
 
     parts = (re.fullmatch(r"(.+?)(-\d{5}-of-\d{5})?\.safetensors", Path(k).name) for k in store.list(CACHE_PREFIX))
     return sorted({m.group(1) for m in parts if m})
@@ -71,7 +71,7 @@ def training_shards(store: Any, recipe: DrafterRecipe) -> list[str]:
     if recipe.partitions:
         return list(recipe.partitions)
     if recipe.online:
-        from dflash_assets.tokenized_samples import SAMPLES_PREFIX
+        from dflash_assets.tokenization.samples import SAMPLES_PREFIX
 
         return sorted(Path(k).name[: -len(".parquet")] for k in store.list(SAMPLES_PREFIX) if k.endswith(".parquet"))
     return _cached_shards(store)
@@ -79,12 +79,12 @@ def training_shards(store: Any, recipe: DrafterRecipe) -> list[str]:
 
 def _training_files(store: Any, recipe: DrafterRecipe, shards: list[str]) -> list[Path]:
     if recipe.online:
-        from dflash_assets.tokenized_samples import require_quality_gate, samples_key
+        from dflash_assets.tokenization.samples import require_quality_gate, samples_key
 
         for shard in shards:
             require_quality_gate(store, shard)
         return [store.local_path(samples_key(s)) for s in shards]
-    from dflash_assets.hidden_state_cache import cache_keys
+    from dflash_assets.hidden_states.capture import cache_keys
 
     files = []
     for shard in shards:
@@ -106,7 +106,7 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
                  max_steps: int | None = None, log: Callable[[str], None] = logger.info,
                  log_every: int = 10) -> dict[str, Any]:
     """Train the recipe ``name`` against ``target`` (a ``TargetModelSpec``); returns metadata."""
-    from dflash_assets.drafter_training import train_drafter
+    from dflash_assets.drafter.training import train_drafter
 
     recipe = load_recipe(store, name)
     shards = training_shards(store, recipe)
@@ -150,8 +150,8 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
 
 def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts: int) -> tuple[list[Any], bool]:
     """Rendered prompts from shards the recipe did not train on; (prompts, held_out)."""
-    from dflash_assets.raw_prompts import RAW_PROMPTS_PREFIX
-    from dflash_assets.speculative_decoding import EvalPrompt
+    from dflash_assets.prompts.ingest import RAW_PROMPTS_PREFIX
+    from dflash_assets.drafter.decoding import EvalPrompt
 
     trained = set(training_shards(store, recipe))
     shards = sorted(Path(k).name[: -len(".parquet")] for k in store.list(RAW_PROMPTS_PREFIX) if k.endswith(".parquet"))
@@ -176,7 +176,7 @@ def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts:
 def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, max_new_tokens: int = 128,
                 device: str | None = None, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """Acceptance length tau of the recipe's checkpoint on held-out prompts, and the lossless check."""
-    from dflash_assets.speculative_decoding import evaluate_drafter
+    from dflash_assets.drafter.decoding import evaluate_drafter
 
     recipe = load_recipe(store, name)
     prompts, held_out = heldout_prompts(store, recipe, target, num_prompts)
@@ -209,7 +209,7 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
 def pipes_stage_train(call: Any) -> Any:
     """``python -m dflash_assets.pipes_worker drafter_checkpoint``."""
     from dflash_assets.pipes_worker import StageResult
-    from dflash_assets.target_model import TargetModelSpec
+    from dflash_assets.target.spec import TargetModelSpec
 
     cfg = dict(call.config)
     target = TargetModelSpec(**cfg.pop("target"))
@@ -220,7 +220,7 @@ def pipes_stage_train(call: Any) -> Any:
 def pipes_stage_eval(call: Any) -> Any:
     """``python -m dflash_assets.pipes_worker drafter_eval``; reports the ``lossless`` check."""
     from dflash_assets.pipes_worker import CheckOutcome, StageResult
-    from dflash_assets.target_model import TargetModelSpec
+    from dflash_assets.target.spec import TargetModelSpec
 
     cfg = dict(call.config)
     target = TargetModelSpec(**cfg.pop("target"))

@@ -753,7 +753,7 @@ class EngineServer:
 
     def endpoint_config(self, max_concurrency: int | None = None):
         """The fleet's ``EndpointConfig`` for this server."""
-        from dflash_assets.engine_fleet import EndpointConfig
+        from dflash_assets.generation.fleet import EndpointConfig
 
         if max_concurrency is None:
             max_concurrency = 64 if self.endpoint_kind == "sglang" else 4
@@ -782,7 +782,7 @@ class EngineServer:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"engine server exited with code {self.proc.returncode}: {self.command}"
                                    + (f" (log: {self.log_path})" if self.log_path else ""))
-            from dflash_assets.engine_fleet import run_sync
+            from dflash_assets.generation.fleet import run_sync
 
             probe = run_sync(_probe_once(self.endpoint_kind, self.url))
             if probe.healthy and probe.served_models:

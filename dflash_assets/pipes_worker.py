@@ -84,7 +84,7 @@ class StageCall:
     """
 
     stage: str
-    store: Any  # dflash_assets.store.LocalStore | S3Store
+    store: Any  # dflash_assets.store.backends.LocalStore | S3Store
     partition_key: str | None
     partition_keys: list[str]
     config: dict[str, Any]
@@ -131,7 +131,7 @@ def _selftest(call: StageCall) -> StageResult:
 # The GPU stages live in the stage libraries, which import torch: each adapter imports its stage on
 # call, so the orchestrator (which reads this module for its constants) never loads torch.
 def _hidden_state_cache(call: StageCall) -> StageResult:
-    from dflash_assets.hidden_state_cache import pipes_stage
+    from dflash_assets.hidden_states.capture import pipes_stage
 
     return pipes_stage(call)
 
@@ -194,7 +194,7 @@ def _pipes_metadata(values: Mapping[str, Any]) -> dict[str, Any]:
 
 def run_stage(pipes: Any, stage: str) -> StageResult:
     """Run ``stage`` inside an open Pipes context and report its results to Dagster."""
-    from dflash_assets.store import open_store
+    from dflash_assets.store.backends import open_store
 
     extras = pipes.extras
     if extras.get(EXTRA_STAGE) != stage:
@@ -227,7 +227,7 @@ def run_stage(pipes: Any, stage: str) -> StageResult:
 
 def _s3_client() -> Any:
     """A boto3 S3 client from the environment (boto3 reads AWS_ENDPOINT_URL and credentials itself)."""
-    from dflash_assets.store import s3_client
+    from dflash_assets.store.backends import s3_client
 
     return s3_client()
 

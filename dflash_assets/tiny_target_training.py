@@ -109,7 +109,7 @@ class ChatFormatReport:
 
 def sharegpt_head_records(n: int) -> list[dict]:
     """The first `n` complete records of the embedded ShareGPT JSON array (fewer if the file ends first)."""
-    from dflash_assets.tokenized_samples import sharegpt_records
+    from dflash_assets.tokenization.samples import sharegpt_records
 
     return sharegpt_records(n)
 

@@ -54,7 +54,7 @@ from pathlib import Path
 from dataclasses import asdict
 from typing import Literal
 
-from dflash_assets.chat_template import default_chat_template, template_hash
+from dflash_assets.target.chat_template import default_chat_template, template_hash
 from dflash_assets.tiny_target_training import ChatFormatTraining, teach_chat_format
 from dflash_assets.tokenizer import (
     QWEN3_6_EOS_TOKEN,

@@ -46,7 +46,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_assets.chat_template import default_chat_template
+from dflash_assets.target.chat_template import default_chat_template
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from dflash_assets.store import LocalStore, S3Store
+from dflash_assets.store.backends import LocalStore, S3Store
 
 
 def free_port() -> int:

@@ -460,8 +460,8 @@ def write_completions(store: Any, shard: str, *, stub: bool = False) -> int:
     """
     import pyarrow as pa
 
-    from dflash_assets.completions import completions_key
-    from dflash_assets.tokenized_samples import COMPLETIONS_MESSAGES_TYPE
+    from dflash_assets.generation.completions import completions_key
+    from dflash_assets.tokenization.samples import COMPLETIONS_MESSAGES_TYPE
 
     prompts = store.read_parquet(f"raw_prompts/{shard}.parquet", columns=["prompt_id", "system", "user_turns"])
     conversations = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_assets.chat_template import (
+from dflash_assets.target.chat_template import (
     ASSISTANT_THINK_HEADER,
     GENERATION_PROMPT_NO_THINKING,
     GENERATION_PROMPT_THINKING,

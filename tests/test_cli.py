@@ -75,8 +75,8 @@ def test_parser_is_extensible():
 def test_engine_start_detach_then_generate_through_the_fleet(tiny_dense_target, local_store, tmp_path):
     from transformers import AutoTokenizer
 
-    from dflash_assets.completions import GenerationConfig, regenerate_shard
-    from dflash_assets.engine_fleet import EndpointConfig, EngineFleetConfig
+    from dflash_assets.generation.completions import GenerationConfig, regenerate_shard
+    from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("DFLASH_TARGET_MODEL", None)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.completions import (
+from dflash_assets.generation.completions import (
     GenerationConfig,
     completions_key,
     failed_key,
@@ -22,9 +22,9 @@ from dflash_assets.completions import (
     output_schema,
     regenerate_shard,
 )
-from dflash_assets.engine_fleet import EndpointConfig, EngineFleetConfig
-from dflash_assets.sglang_loopback import LoopbackServer
-from dflash_assets.store import LocalStore
+from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
+from dflash_assets.testing.sglang_loopback import LoopbackServer
+from dflash_assets.store.backends import LocalStore
 
 TARGET = "/models/Qwen3.6-27B"
 REPO = Path(__file__).resolve().parents[1]
@@ -176,9 +176,9 @@ def test_journal_and_resume_on_s3(tok, s3_store):
 _CHILD = textwrap.dedent("""
     import sys
     from transformers import AutoTokenizer
-    from dflash_assets.completions import GenerationConfig, regenerate_shard
-    from dflash_assets.engine_fleet import EndpointConfig, EngineFleetConfig
-    from dflash_assets.store import LocalStore
+    from dflash_assets.generation.completions import GenerationConfig, regenerate_shard
+    from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
+    from dflash_assets.store.backends import LocalStore
     store_dir, url, tok_dir, target, rows_json = sys.argv[1:6]
     import json
     rows = json.loads(open(rows_json).read())

@@ -5,7 +5,7 @@ import pytest
 
 from dagster_project.definitions import defs
 from dagster_project.resources import EngineFleetResource, StoreResource
-from dflash_assets.sglang_loopback import LoopbackServer
+from dflash_assets.testing.sglang_loopback import LoopbackServer
 
 
 def _ingest(instance, resources, tmp_path, n):

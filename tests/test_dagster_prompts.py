@@ -5,7 +5,7 @@ import pytest
 
 from dagster_project.assets.prompts import prompt_corpus, raw_prompts
 from dagster_project.resources import StoreResource
-from dflash_assets.store import LocalStore
+from dflash_assets.store.backends import LocalStore
 
 
 @pytest.fixture

@@ -93,7 +93,7 @@ def test_cluster_profile_settings(monkeypatch):
 
 
 def test_fleet_hook_builds_an_engine_fleet_config(monkeypatch):
-    from dflash_assets.engine_fleet import EngineFleetConfig
+    from dflash_assets.generation.fleet import EngineFleetConfig
 
     monkeypatch.setenv("DFLASH_ENGINE_URLS", "http://gpu-1:30000,http://gpu-2:30000")
     monkeypatch.setenv("DFLASH_ENGINE_CONCURRENCY", "64")

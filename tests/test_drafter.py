@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_assets.dflash_conventions import dflash_target_layer_ids, mask_token_id_in_dir
-from dflash_assets.drafter import (
+from dflash_assets.target.conventions import dflash_target_layer_ids, mask_token_id_in_dir
+from dflash_assets.drafter.model import (
     DFlashDrafter,
     DraftCache,
     DrafterConfig,
@@ -24,7 +24,7 @@ from dflash_assets.drafter import (
     load_target_config,
     save_drafter,
 )
-from dflash_assets.drafter_training import (
+from dflash_assets.drafter.training import (
     Batch,
     block_labels,
     collate,
@@ -66,7 +66,7 @@ def mini_target(out_dir: Path, seed: int = 0, layers: int = 6) -> Path:
 
 def greedy_sequences(target, n: int, prompt_len: int, new_tokens: int, seed: int, vocab_hi: int):
     """(input_ids, loss_mask) pairs: a random prompt + the target's own greedy continuation."""
-    from dflash_assets.speculative_decoding import greedy_generate
+    from dflash_assets.drafter.decoding import greedy_generate
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -79,7 +79,7 @@ def greedy_sequences(target, n: int, prompt_len: int, new_tokens: int, seed: int
 
 def write_cache(path: Path, target, seqs, layer_ids, dtype=torch.float32) -> Path:
     """A hidden-state cache partition in the real format, features from HF output_hidden_states."""
-    from dflash_assets.hidden_state_format import SafetensorsStreamWriter, ShardMetadata, shard_tensor_specs
+    from dflash_assets.hidden_states.format import SafetensorsStreamWriter, ShardMetadata, shard_tensor_specs
 
     H = target.config.hidden_size
     T = sum(len(ids) for ids, _ in seqs)
@@ -252,7 +252,7 @@ def test_dense_mask_semantics():
 def test_flex_attention_matches_sdpa_on_cpu():
     """The BlockMask (GPU path) and the bool mask (CPU path) give the same forward; flex has no CPU
     backward in torch 2.13, so gradients are covered by the SDPA path's tests."""
-    from dflash_assets.drafter_training import dflash_block_mask
+    from dflash_assets.drafter.training import dflash_block_mask
 
     cfg = small_config()
     torch.manual_seed(0)
@@ -283,7 +283,7 @@ def test_training_layout_equals_per_block_inference():
     head = random_head(cfg)
     b = random_batch(cfg, lengths=(20, 13), n_anchors=4, seed=2)
     B, S = cfg.block_size, b.input_ids.shape[1]
-    from dflash_assets.drafter_training import block_layout
+    from dflash_assets.drafter.training import block_layout
 
     noise, block_pos = block_layout(b.input_ids, b.anchors, b.keep, B, cfg.mask_token_id)
     pos = torch.cat([torch.arange(S).expand(2, S), block_pos], 1)
@@ -334,7 +334,7 @@ def test_analytic_block_mask_equals_create_block_mask():
     import numpy as np
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from dflash_assets.drafter_training import _dflash_mask_mod, dflash_block_mask
+    from dflash_assets.drafter.training import _dflash_mask_mod, dflash_block_mask
 
     B, S, N = 16, 512, 24
     rng = np.random.default_rng(0)

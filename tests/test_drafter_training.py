@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_assets.drafter import load_drafter
-from dflash_assets.drafter_training import (
+from dflash_assets.drafter.model import load_drafter
+from dflash_assets.drafter.training import (
     DrafterRecipe,
     TargetFeatures,
     anchor_rng,
@@ -129,7 +129,7 @@ def test_resume_after_sigkill_continues_the_same_run(mini, tmp_path):
     code = (
         "import os, signal, torch\n"
         "torch.set_num_threads(1)\n"
-        "from dflash_assets.drafter_training import DrafterRecipe, train_drafter\n"
+        "from dflash_assets.drafter.training import DrafterRecipe, train_drafter\n"
         f"r = DrafterRecipe.from_dict({r.to_dict()!r})\n"
         "def log(m):\n"
         "    if m['step'] == 5:\n"  # the state of step 4 is on disk; step 5 is lost
@@ -171,7 +171,7 @@ def test_ddp_two_processes_match_one_process(mini, tmp_path):
     common = ["--data", str(mini["cache"]), "--target", str(mini["target_dir"]), "--recipe", str(recipe_file)]
     recipe_file.write_text(json.dumps(mini_recipe(batch_size=1, epochs=2, save_every=100).to_dict()))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "dflash_assets.drafter_training", *common, "--out", str(tmp_path / "ddp"),
+           "-m", "dflash_assets.drafter.training", *common, "--out", str(tmp_path / "ddp"),
            "--result", str(tmp_path / "ddp.json")]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -241,8 +241,8 @@ def test_last_layer_features_are_equal_online_offline_and_at_decode_time(tiny_de
     speculative decoder read it through one LayerCapture, so all three give the same features."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_assets.hidden_state_cache import capture_hidden_states, load_target
-    from dflash_assets.speculative_decoding import TargetRunner
+    from dflash_assets.hidden_states.capture import capture_hidden_states, load_target
+    from dflash_assets.drafter.decoding import TargetRunner
 
     ids = [11, 2000, 30000, 5, 77, 248046, 9, 12]
     layer_ids = [1, 7]  # 7 = L-1 for the 8-layer tiny target

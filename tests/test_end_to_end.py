@@ -12,7 +12,7 @@ import pytest
 from chart_png import MAX_CHART_BYTES, PNG_SIGNATURE, decode_chart
 from dagster_project.demo_runner import run_demo
 from dagster_project.resources import StoreResource
-from dflash_assets.store import S3Store
+from dflash_assets.store.backends import S3Store
 
 
 @pytest.mark.slow

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from dflash_assets.completions import aregenerate_shard, regenerate_shard
-from dflash_assets.engine_fleet import (
+from dflash_assets.generation.completions import aregenerate_shard, regenerate_shard
+from dflash_assets.generation.fleet import (
     EndpointConfig,
     EngineFleetConfig,
     NoEngineAvailable,
@@ -20,9 +20,9 @@ from dflash_assets.engine_fleet import (
     serves_target,
 )
 from dflash_assets.engines import GenerationConfig
-from dflash_assets.generation_plan import estimate_generation_time, format_duration, plan_generation
-from dflash_assets.sglang_loopback import LoopbackProcess, LoopbackServer
-from dflash_assets.store import LocalStore
+from dflash_assets.generation.plan import estimate_generation_time, format_duration, plan_generation
+from dflash_assets.testing.sglang_loopback import LoopbackProcess, LoopbackServer
+from dflash_assets.store.backends import LocalStore
 
 TARGET = "/models/Qwen3.6-27B"
 

@@ -18,7 +18,7 @@ from dflash_assets.engines import (
     normalize_model_id,
     split_reasoning_text,
 )
-from dflash_assets.sglang_loopback import QWEN3_6_IDS, LoopbackServer, _Generator, _prompt_key
+from dflash_assets.testing.sglang_loopback import QWEN3_6_IDS, LoopbackServer, _Generator, _prompt_key
 
 THINK_END, IM_END = QWEN3_6_IDS["think_end"], QWEN3_6_IDS["im_end"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]

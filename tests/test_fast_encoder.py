@@ -9,7 +9,7 @@ import unicodedata
 import numpy as np
 import pytest
 
-from dflash_assets.fast_encoder import (
+from dflash_assets.tokenization.encoder import (
     BACKEND_HF,
     BACKEND_TIKTOKEN,
     GPT2_PAT_STR,
@@ -19,7 +19,7 @@ from dflash_assets.fast_encoder import (
     derive_tiktoken_parts,
     qwen3_6_encoder,
 )
-from dflash_assets.tokenized_samples import sharegpt_records
+from dflash_assets.tokenization.samples import sharegpt_records
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_boundaries_follow_the_prefix_encoding_rule(tok, enc, sharegpt_texts):
 def test_parity_mismatch_falls_back_to_hf(tok, caplog):
     ref = TiktokenParts.qwen3_6()
     wrong = TiktokenParts(ref.mergeable_ranks, GPT2_PAT_STR, ref.special_tokens, "NFC")  # digits split differently
-    with caplog.at_level(logging.WARNING, logger="dflash_assets.fast_encoder"):
+    with caplog.at_level(logging.WARNING, logger="dflash_assets.tokenization.encoder"):
         fallback = build_encoder(tok, parts=wrong)
     assert fallback.backend == BACKEND_HF
     assert fallback.parity.num_mismatched > 0 and not fallback.parity.ok

@@ -22,8 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_assets import hidden_state_cache as hsc
-from dflash_assets.hidden_state_format import (
+from dflash_assets.hidden_states import capture as hsc
+from dflash_assets.hidden_states.format import (
     FORMAT_NAME,
     HiddenStateCacheReader,
     HiddenStateShard,
@@ -140,7 +140,7 @@ def test_hybrid_without_kernels_warns_and_refuses_packing(targets, caplog):
     _, model, _ = targets["hybrid"]
     assert hsc.is_hybrid(model) and not hsc.is_hybrid(targets["dense"][1])
     assert hsc.linear_attention_kernels() == {"fla": False, "causal_conv1d": False}  # this machine
-    with caplog.at_level(logging.WARNING, logger="dflash_assets.hidden_state_cache"):
+    with caplog.at_level(logging.WARNING, logger="dflash_assets.hidden_states.capture"):
         assert hsc.resolve_packing(model, "cpu") is False
     assert "fla, causal_conv1d not importable" in caplog.text and "flash-linear-attention" in caplog.text
     with pytest.raises(ValueError, match="causal-conv1d"):
@@ -378,7 +378,7 @@ def test_gpu_path_imports_with_only_torch_transformers_safetensors_numpy():
         "        if name.split('.')[0] in {'pyarrow', 'polars', 'dagster', 'pydantic', 'boto3', 'tiktoken'}:\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import dflash_assets.hidden_state_cache as h, dflash_assets.hidden_state_format as f\n"
+        "import dflash_assets.hidden_states.capture as h, dflash_assets.hidden_states.format as f\n"
         "print(h.ATTN_IMPLEMENTATION, f.FORMAT_NAME)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -28,7 +28,7 @@ from dagster_project.pipes import (
 )
 from dagster_project.resources import StoreResource
 from dflash_assets import pipes_worker
-from dflash_assets.store import open_store
+from dflash_assets.store.backends import open_store
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDS = dg.StaticPartitionsDefinition(["shard-00000", "shard-00001"])

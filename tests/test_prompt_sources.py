@@ -1,4 +1,4 @@
-"""Tests for dflash_assets.prompt_sources: formats, compression, truncation, bad bytes.
+"""Tests for dflash_assets.prompts.sources: formats, compression, truncation, bad bytes.
 
 Every source here is a real file (or bytes) in JSON, JSONL or Parquet, written
 plainly, gzip- or zstd-compressed; S3 sources are tested in test_raw_prompts.py.
@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from dflash_assets import prompt_sources
-from dflash_assets.prompt_sources import (
+from dflash_assets.prompts import sources as prompt_sources
+from dflash_assets.prompts.sources import (
     SourceFormatError,
     embedded_sharegpt_path,
     read_source,

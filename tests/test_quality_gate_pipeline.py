@@ -13,8 +13,8 @@ import pytest
 
 from dagster_project.definitions import defs
 from dagster_project.resources import EngineFleetResource, StoreResource, TargetModelResource
-from dflash_assets.sglang_loopback import LoopbackServer
-from dflash_assets.store import LocalStore
+from dflash_assets.testing.sglang_loopback import LoopbackServer
+from dflash_assets.store.backends import LocalStore
 
 
 @pytest.fixture

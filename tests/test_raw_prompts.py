@@ -1,4 +1,4 @@
-"""Tests for dflash_assets.raw_prompts: normalization, quarantine, stable sharding, S3.
+"""Tests for dflash_assets.prompts.ingest: normalization, quarantine, stable sharding, S3.
 
 Real files and real stores: a LocalStore in tmp, and an S3Store against moto's
 ThreadedMotoServer on 127.0.0.1 (real HTTP through boto3). The embedded
@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from dflash_assets.prompt_sources import embedded_sharegpt_path, read_source
-from dflash_assets.raw_prompts import (
+from dflash_assets.prompts.sources import embedded_sharegpt_path, read_source
+from dflash_assets.prompts.ingest import (
     CORPUS_INDEX_KEY,
     PROMPT_SCHEMA,
     QUARANTINE_REASONS,
@@ -36,7 +36,7 @@ from dflash_assets.raw_prompts import (
     materialize_prompt_shard,
     normalize_record,
 )
-from dflash_assets.store import LocalStore, S3Store
+from dflash_assets.store.backends import LocalStore, S3Store
 
 
 def conv(*turns, **extra):

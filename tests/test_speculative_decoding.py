@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_assets.dflash_conventions import mask_token_id_in_dir
-from dflash_assets.drafter import DFlashDrafter, DrafterConfig, load_target_config
-from dflash_assets.drafter_training import DrafterRecipe, train_drafter
-from dflash_assets.speculative_decoding import (
+from dflash_assets.target.conventions import mask_token_id_in_dir
+from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, load_target_config
+from dflash_assets.drafter.training import DrafterRecipe, train_drafter
+from dflash_assets.drafter.decoding import (
     EvalPrompt,
     SpeculativeDecoder,
     evaluate_drafter,

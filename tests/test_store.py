@@ -12,7 +12,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from dflash_assets.store import LocalStore, open_store
+from dflash_assets.store.backends import LocalStore, open_store
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -69,7 +69,7 @@ def test_killed_local_write_leaves_old_object(tmp_path):
     code = textwrap.dedent(
         f"""
         import sys
-        from dflash_assets.store import LocalStore
+        from dflash_assets.store.backends import LocalStore
         store = LocalStore({str(tmp_path)!r})
         print("start", flush=True)
         while True:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from dflash_assets.chat_template import default_chat_template, template_hash
-from dflash_assets.target_model import (
+from dflash_assets.target.chat_template import default_chat_template, template_hash
+from dflash_assets.target.spec import (
     TargetFacts,
     TargetModelError,
     TargetModelSpec,

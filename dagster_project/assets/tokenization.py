@@ -18,9 +18,9 @@ from dagster_project.metadata import check_metadata, loss_tokens_chart, to_metad
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import StoreResource, TargetModelResource
 from dagster_project.versions import code_version
-from dflash_assets.completions import completions_key
-from dflash_assets.fast_encoder import build_encoder
-from dflash_assets.tokenized_samples import (
+from dflash_assets.generation.completions import completions_key
+from dflash_assets.tokenization.encoder import build_encoder
+from dflash_assets.tokenization.samples import (
     BLOCKING_CHECKS,
     ChatRenderer,
     evaluate_quality,

@@ -3,7 +3,7 @@
 Reads tokenized samples (a pyarrow Table / polars DataFrame / list of dicts
 with ``prompt_id``, ``input_ids``, ``loss_mask``, optionally ``num_tokens``)
 and a target model directory; writes one partition's shard file(s) in the
-format of :mod:`dflash_assets.hidden_state_format`, locally, then publishes
+format of :mod:`dflash_assets.hidden_states.format`, locally, then publishes
 them through a store.
 
 How the capture works:
@@ -75,8 +75,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_assets.layer_capture import LayerCapture, decoder_stack, text_config
-from dflash_assets.hidden_state_format import (
+from dflash_assets.target.layer_capture import LayerCapture, decoder_stack, text_config
+from dflash_assets.hidden_states.format import (
     SafetensorsStreamWriter,
     ShardMetadata,
     StorageBudgetExceeded,
@@ -879,8 +879,8 @@ def cache_partition_for_shard(store: Any, shard: str, target: Any, *, devices: S
     the capture's numbers, GB of this partition, and the projected size of
     the whole corpus's cache at this partition's tokens per sample.
     """
-    from dflash_assets.hidden_state_format import bytes_per_token, projected_corpus_bytes
-    from dflash_assets.tokenized_samples import require_quality_gate, samples_key
+    from dflash_assets.hidden_states.format import bytes_per_token, projected_corpus_bytes
+    from dflash_assets.tokenization.samples import require_quality_gate, samples_key
 
     gate = require_quality_gate(store, shard)
     facts = target.validate()
@@ -909,7 +909,7 @@ def cache_partition_for_shard(store: Any, shard: str, target: Any, *, devices: S
 
 def _corpus_prompts(store: Any) -> int | None:
     """Prompts in the whole corpus (the ingest's index), for the projected cache size."""
-    from dflash_assets.raw_prompts import corpus_prompt_count
+    from dflash_assets.prompts.ingest import corpus_prompt_count
 
     return corpus_prompt_count(store) or None
 
@@ -917,7 +917,7 @@ def _corpus_prompts(store: Any) -> int | None:
 def pipes_stage(call: Any) -> Any:
     """Entry point of ``python -m dflash_assets.pipes_worker hidden_state_cache`` (see pipes_worker)."""
     from dflash_assets.pipes_worker import StageResult
-    from dflash_assets.target_model import TargetModelSpec
+    from dflash_assets.target.spec import TargetModelSpec
 
     cfg = dict(call.config)
     target = TargetModelSpec(**cfg.pop("target"))

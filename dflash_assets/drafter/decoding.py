@@ -25,8 +25,8 @@ from typing import Any, Sequence
 
 import torch
 
-from dflash_assets.drafter import DFlashDrafter, DraftCache, TargetHead, load_drafter
-from dflash_assets.layer_capture import LayerCapture
+from dflash_assets.drafter.model import DFlashDrafter, DraftCache, TargetHead, load_drafter
+from dflash_assets.target.layer_capture import LayerCapture
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ bidirectionally, and no other block; label k (k >= 1) is token anchor_j + k, mas
 weighted exp(-(k-1)/gamma). The loss is sum(w * CE) / sum(w) over the global batch (all ranks),
 so N processes with batch b train the same run as 1 process with batch N*b.
 
-Multi-GPU: `python -m torch.distributed.run --nproc-per-node N -m dflash_assets.drafter_training
+Multi-GPU: `python -m torch.distributed.run --nproc-per-node N -m dflash_assets.drafter.training
 --recipe recipe.json --data f1.safetensors ... --target DIR --out DIR`.
 
 Imports only torch, safetensors and numpy at module level (pyarrow, transformers lazily).
@@ -45,9 +45,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash_assets.dflash_conventions import mask_token_id_in_dir
-from dflash_assets.layer_capture import LayerCapture
-from dflash_assets.drafter import (
+from dflash_assets.target.conventions import mask_token_id_in_dir
+from dflash_assets.target.layer_capture import LayerCapture
+from dflash_assets.drafter.model import (
     DFlashDrafter,
     DrafterConfig,
     TargetHead,
@@ -197,7 +197,7 @@ class SequenceFiles:
 
     With `need_hidden` the files are the hidden-state cache; without, only `input_ids`/`loss_mask`
     are read (tokenized samples in the same layout). This is the one place that knows the file
-    format: swap it for `dflash_assets.hidden_state_format`'s reader when that lands.
+    format: swap it for `dflash_assets.hidden_states.format`'s reader when that lands.
     """
 
     def __init__(self, files: Sequence[str | Path], max_length: int, block_size: int, need_hidden: bool = True):

@@ -24,7 +24,7 @@ can be compared with an uninterrupted one. Latency, failures and an instant
 mode are configurable. Text is decoded with a ``tokenizer.json`` when one is
 given (through the ``tokenizers`` library), else rendered as ``<id>`` words.
 
-Run: ``python -m dflash_assets.sglang_loopback --port 30000 --model-path /models/X``
+Run: ``python -m dflash_assets.testing.sglang_loopback --port 30000 --model-path /models/X``
 (prints one JSON line ``{"ready": url}`` when listening). In-process:
 ``with LoopbackServer(...) as srv: srv.url``. Reads/writes nothing on disk.
 """
@@ -353,7 +353,7 @@ class LoopbackProcess:
     """The loopback server in its own process (own GIL; can be SIGKILLed). ``args``: CLI flags."""
 
     def __init__(self, *args: str, port: int = 0, python: str | None = None, startup_timeout_s: float = 60.0):
-        self.argv = [python or sys.executable, "-m", "dflash_assets.sglang_loopback", "--port", str(port), *args]
+        self.argv = [python or sys.executable, "-m", "dflash_assets.testing.sglang_loopback", "--port", str(port), *args]
         self.startup_timeout_s = startup_timeout_s
         self.proc: "subprocess.Popen | None" = None
         self.url = ""
@@ -408,7 +408,7 @@ class LoopbackProcess:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dflash_assets.sglang_loopback", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dflash_assets.testing.sglang_loopback", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--model-path", default=LoopbackConfig.model_path)

@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable, Sequence
 import pyarrow as pa
 
 from dflash_assets.chart_data import binned_counts
-from dflash_assets.engine_fleet import EngineFleet, EngineFleetConfig, FleetProbe, NoEngineAvailable
+from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, NoEngineAvailable
 from dflash_assets.engines import ChatResult, Engine, GenerationConfig, json_dumps, json_loads
 
 __all__ = [
@@ -522,7 +522,7 @@ def regenerate_shard(
 
 
 def _run(coro):
-    from dflash_assets.engine_fleet import run_sync
+    from dflash_assets.generation.fleet import run_sync
 
     return run_sync(coro)
 

@@ -46,7 +46,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.store import s3_client as new_s3_client
+from dflash_assets.store.backends import s3_client as new_s3_client
 
 __all__ = [
     "SourceItem",

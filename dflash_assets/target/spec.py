@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash_assets.chat_template import load_chat_template, template_hash
-from dflash_assets.dflash_conventions import (
+from dflash_assets.target.chat_template import load_chat_template, template_hash
+from dflash_assets.target.conventions import (
     DEFAULT_NUM_TARGET_LAYERS,
     TargetModelError,
     dflash_target_layer_ids,

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from dflash_assets.engine_fleet import EngineFleet, EngineFleetConfig, FleetProbe, run_sync
+from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, run_sync
 from dflash_assets.engines import Engine, EngineError, GenerationConfig
 
 __all__ = [

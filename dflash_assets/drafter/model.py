@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_assets.dflash_conventions import dflash_target_layer_ids
+from dflash_assets.target.conventions import dflash_target_layer_ids
 
 try:  # flex_attention exists in torch >= 2.5; the SDPA path works without it
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention

@@ -48,8 +48,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dflash_assets.chart_data import binned_counts
-from dflash_assets.chat_template import ASSISTANT_THINK_HEADER
-from dflash_assets.fast_encoder import EncodedBatch, FastEncoder
+from dflash_assets.target.chat_template import ASSISTANT_THINK_HEADER
+from dflash_assets.tokenization.encoder import EncodedBatch, FastEncoder
 
 __all__ = [
     "ASSISTANT_HEADER",
@@ -190,7 +190,7 @@ class ChatRenderer:
     """
 
     def __init__(self, template: str | None = None, **template_kwargs: Any):
-        from dflash_assets.chat_template import default_chat_template
+        from dflash_assets.target.chat_template import default_chat_template
 
         self.template = template if template is not None else default_chat_template()
         self.template_kwargs = dict(template_kwargs)

@@ -3,7 +3,7 @@
 Two steps, because Dagster runs them separately:
 
 1. ``ingest_prompt_source(source_uri, store, config) -> IngestReport`` reads a
-   source (:mod:`dflash_assets.prompt_sources`), normalizes each record, drops
+   source (:mod:`dflash_assets.prompts.sources`), normalizes each record, drops
    exact duplicates, quarantines bad records with a reason code, assigns new
    prompts to shards, writes the staged shard tables, the assignment manifest
    and the quarantine table, and commits a new corpus index.
@@ -84,7 +84,7 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_assets.prompt_sources import (
+from dflash_assets.prompts.sources import (
     DEFAULT_MAX_RAW_RECORD_CHARS,
     SourceItem,
     read_source,

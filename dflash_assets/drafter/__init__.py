@@ -1,0 +1,1 @@
+"""Stage 5, the DFlash drafter: the model (`model`), training (`training`), speculative decoding and acceptance length (`decoding`)."""

@@ -1,0 +1,1 @@
+"""Stage 2, completions: the fleet of generation engines (`fleet`), shard regeneration with a journal (`completions`), the cost plan (`plan`)."""
