@@ -25,45 +25,31 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from dflash_assets.store import layout
 from dflash_assets.chart_data import curve_points, share_at_least
 from dflash_assets.drafter.training import DrafterRecipe
 
 logger = logging.getLogger(__name__)
 
-RECIPES_PREFIX = "drafter_recipes"
-CHECKPOINT_PREFIX = "drafter_checkpoint"
-EVAL_PREFIX = "drafter_eval"
 CHECKPOINT_FILES = ("model.safetensors", "config.json")
-
-
-def recipe_key(name: str) -> str:
-    return f"{RECIPES_PREFIX}/{name}.json"
 
 
 def save_recipe(store: Any, recipe: DrafterRecipe) -> str:
     """Store a recipe under its name (the partition key); returns the key."""
     if not recipe.name or "/" in recipe.name:
         raise ValueError(f"recipe name must be a non-empty partition key without '/': {recipe.name!r}")
-    store.write_json(recipe_key(recipe.name), recipe.to_dict())
-    return recipe_key(recipe.name)
+    store.write_json(layout.drafter_recipe(recipe.name), recipe.to_dict())
+    return layout.drafter_recipe(recipe.name)
 
 
 def load_recipe(store: Any, name: str) -> DrafterRecipe:
-    if not store.exists(recipe_key(name)):
-        raise FileNotFoundError(f"no recipe {name!r} in the store ({recipe_key(name)}); register it first")
-    return DrafterRecipe.from_dict(store.read_json(recipe_key(name)))
-
-
-def _cached_shards(store: Any) -> list[str]:
-    from dflash_assets.hidden_states.capture import CACHE_PREFIX
-
-    parts = (re.fullmatch(r"(.+?)(-\d{5}-of-\d{5})?\.safetensors", Path(k).name) for k in store.list(CACHE_PREFIX))
-    return sorted({m.group(1) for m in parts if m})
+    if not store.exists(layout.drafter_recipe(name)):
+        raise FileNotFoundError(f"no recipe {name!r} in the store ({layout.drafter_recipe(name)}); register it first")
+    return DrafterRecipe.from_dict(store.read_json(layout.drafter_recipe(name)))
 
 
 def training_shards(store: Any, recipe: DrafterRecipe) -> list[str]:
@@ -71,24 +57,21 @@ def training_shards(store: Any, recipe: DrafterRecipe) -> list[str]:
     if recipe.partitions:
         return list(recipe.partitions)
     if recipe.online:
-        from dflash_assets.tokenization.samples import SAMPLES_PREFIX
-
-        return sorted(Path(k).name[: -len(".parquet")] for k in store.list(SAMPLES_PREFIX) if k.endswith(".parquet"))
-    return _cached_shards(store)
+        return layout.list_sample_shards(store)
+    return list(layout.list_hidden_state_parts(store))
 
 
 def _training_files(store: Any, recipe: DrafterRecipe, shards: list[str]) -> list[Path]:
     if recipe.online:
-        from dflash_assets.tokenization.samples import require_quality_gate, samples_key
+        from dflash_assets.tokenization.samples import require_quality_gate
 
         for shard in shards:
             require_quality_gate(store, shard)
-        return [store.local_path(samples_key(s)) for s in shards]
-    from dflash_assets.hidden_states.capture import cache_keys
-
+        return [store.local_path(layout.tokenized_samples(s)) for s in shards]
+    parts = layout.list_hidden_state_parts(store)
     files = []
     for shard in shards:
-        keys = cache_keys(store, shard)
+        keys = parts.get(shard, [])
         if not keys:
             raise FileNotFoundError(f"recipe {recipe.name!r} selects {shard!r}, which has no hidden-state cache; "
                                     f"materialize hidden_state_cache for it first")
@@ -127,11 +110,11 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
     if result.checkpoint_dir is None:
         raise RuntimeError(f"recipe {name}: stopped at step {result.steps}/{result.total_steps} before the end; "
                            f"run again to resume from {result.state_dir}")
-    prefix = f"{CHECKPOINT_PREFIX}/{name}"
+    prefix = layout.drafter_checkpoint_prefix(name)
     for fname in CHECKPOINT_FILES:
-        store.upload_file(f"{prefix}/{fname}", Path(result.checkpoint_dir) / fname)
+        store.upload_file(layout.drafter_checkpoint_file(name, fname), Path(result.checkpoint_dir) / fname)
     metrics = result.metrics()
-    store.write_json(f"{prefix}/train_metrics.json", {**metrics, "losses": result.losses, "recipe": recipe.to_dict(),
+    store.write_json(layout.drafter_checkpoint_file(name, "train_metrics.json"), {**metrics, "losses": result.losses, "recipe": recipe.to_dict(),
                                                       "shards": shards, "target": target.model_path})
     losses = result.losses
     return {
@@ -150,17 +133,16 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
 
 def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts: int) -> tuple[list[Any], bool]:
     """Rendered prompts from shards the recipe did not train on; (prompts, held_out)."""
-    from dflash_assets.prompts.ingest import RAW_PROMPTS_PREFIX
     from dflash_assets.drafter.decoding import EvalPrompt
 
     trained = set(training_shards(store, recipe))
-    shards = sorted(Path(k).name[: -len(".parquet")] for k in store.list(RAW_PROMPTS_PREFIX) if k.endswith(".parquet"))
+    shards = layout.list_raw_prompt_shards(store)
     held = [s for s in shards if s not in trained]
     held_out = bool(held)
     tok = target.load_tokenizer()
     prompts: list[EvalPrompt] = []
     for shard in held or shards[-1:]:
-        table = store.read_parquet(f"{RAW_PROMPTS_PREFIX}/{shard}.parquet",
+        table = store.read_parquet(layout.raw_prompts(shard),
                                    columns=["prompt_id", "system", "user_turns", "category"])
         for row in table.to_pylist():
             messages = ([{"role": "system", "content": row["system"]}] if row["system"] else [])
@@ -186,12 +168,12 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
     stop = sorted({i for i in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if isinstance(i, int)})
     with tempfile.TemporaryDirectory(prefix="dflash-eval-") as tmp:
         for fname in CHECKPOINT_FILES:
-            Path(tmp, fname).write_bytes(store.read_bytes(f"{CHECKPOINT_PREFIX}/{name}/{fname}"))
+            Path(tmp, fname).write_bytes(store.read_bytes(layout.drafter_checkpoint_file(name, fname)))
         log(f"recipe {name}: speculative decoding of {len(prompts)} prompts, {max_new_tokens} new tokens each")
         result = evaluate_drafter(tmp, target.model_path, prompts, max_new_tokens=max_new_tokens,
                                   stop_token_ids=stop, check_lossless=True, device=device)
     metrics = result.metrics()
-    store.write_json(f"{EVAL_PREFIX}/{name}.json", {**metrics, "per_prompt": result.per_prompt, "held_out": held_out})
+    store.write_json(layout.drafter_eval(name), {**metrics, "per_prompt": result.per_prompt, "held_out": held_out})
     log(f"recipe {name}: tau {result.tau:.3f}, lossless {result.lossless}")
     counts = result.acceptance_length_counts + [0] * (recipe.block_size + 1 - len(result.acceptance_length_counts))
     by_cat = "\n".join(["| category | tau |", "| --- | ---: |"]

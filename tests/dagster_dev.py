@@ -460,7 +460,7 @@ def write_completions(store: Any, shard: str, *, stub: bool = False) -> int:
     """
     import pyarrow as pa
 
-    from dflash_assets.generation.completions import completions_key
+    from dflash_assets.store import layout
     from dflash_assets.tokenization.samples import COMPLETIONS_MESSAGES_TYPE
 
     prompts = store.read_parquet(f"raw_prompts/{shard}.parquet", columns=["prompt_id", "system", "user_turns"])
@@ -483,5 +483,5 @@ def write_completions(store: Any, shard: str, *, stub: bool = False) -> int:
         conversations.append(messages)
     table = pa.table({"prompt_id": prompts.column("prompt_id"),
                       "messages": pa.array(conversations, COMPLETIONS_MESSAGES_TYPE)})
-    store.write_parquet(completions_key(shard), table)
+    store.write_parquet(layout.completions(shard), table)
     return table.num_rows

@@ -14,11 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from dflash_assets.store import layout
 from dflash_assets.generation.completions import (
     GenerationConfig,
-    completions_key,
-    failed_key,
-    journal_prefix,
     output_schema,
     regenerate_shard,
 )
@@ -59,7 +57,7 @@ def test_output_table_rows_failures_and_stats(tok, local_store):
         res = regenerate_shard(rows, shard="shard-00000", store=local_store, fleet=fleet(srv), generation=gen,
                                tokenizer=tok)
         requests = srv.stats.generate_requests
-    table = local_store.read_parquet(completions_key("shard-00000"))
+    table = local_store.read_parquet(layout.completions("shard-00000"))
     assert table.schema.equals(output_schema()) and table.equals(res.table)
     got = {r["prompt_id"]: r for r in table.to_pylist()}
     assert list(got) == ["p0000", "p0001", "p0002", "p0003", "p0004", "long"]  # input order, one row each
@@ -78,7 +76,7 @@ def test_output_table_rows_failures_and_stats(tok, local_store):
         assert r["started_at"] <= r["finished_at"] and r["attempts"] == n
     assert res.config_hash == gen.config_hash(TARGET)
     assert res.failed.to_pylist()[0]["prompt_id"] == "empty" and res.failed["reason"].to_pylist() == ["no user turns"]
-    assert local_store.read_parquet(failed_key("shard-00000")).num_rows == 1
+    assert local_store.read_parquet(layout.completions_failed("shard-00000")).num_rows == 1
     s = res.stats
     turns = sum(r["num_turns"] for r in got.values())
     assert (s.prompts_total, s.prompts_done, s.prompts_failed, s.duplicates_dropped) == (7, 6, 1, 1)
@@ -88,7 +86,7 @@ def test_output_table_rows_failures_and_stats(tok, local_store):
     meta = s.to_metadata()
     assert meta["prompts_done"] == 6 and meta["finish_stop"] == turns and f"tokens_per_s[{srv.url}]" in meta
     # a failure stays: the journal is kept so a re-run retries only what failed
-    assert local_store.list(journal_prefix("shard-00000"))
+    assert local_store.list(layout.completions_journal("shard-00000"))
 
 
 def test_history_carries_regenerated_answers_without_think_blocks(tok, local_store):
@@ -130,7 +128,7 @@ def test_resume_reuses_only_rows_of_the_same_config_hash(tok, local_store):
         first = regenerate_shard(rows, shard="c", store=local_store, fleet=fleet(srv), generation=a, tokenizer=tok,
                                  keep_journal=True, flush_every=4)
         assert srv.stats.generate_requests == turns and first.stats.journal_chunks_written >= 2
-        chunks = local_store.list(journal_prefix("c"))
+        chunks = local_store.list(layout.completions_journal("c"))
         assert len(chunks) == first.stats.journal_chunks_written
         assert sum(len(local_store.read_bytes(k).splitlines()) for k in chunks) == 9
         again = regenerate_shard(rows, shard="c", store=local_store, fleet=fleet(srv), generation=a, tokenizer=tok,
@@ -140,7 +138,7 @@ def test_resume_reuses_only_rows_of_the_same_config_hash(tok, local_store):
         assert srv.stats.generate_requests == 2 * turns  # a new config regenerates everything
     assert again.stats.prompts_resumed == 9 and again.stats.prompts_generated == 0 and again.table.equals(first.table)
     assert other.stats.prompts_resumed == 0 and set(other.table["config_hash"].to_pylist()) == {b.config_hash(TARGET)}
-    assert local_store.list(journal_prefix("c")) == []  # success without keep_journal: journal removed
+    assert local_store.list(layout.completions_journal("c")) == []  # success without keep_journal: journal removed
 
 
 def test_progress_callback(tok, local_store):
@@ -163,14 +161,14 @@ def test_journal_and_resume_on_s3(tok, s3_store):
                                  generation=GenerationConfig(max_new_tokens=64), tokenizer=tok, keep_journal=True,
                                  flush_every=3)
         n = srv.stats.generate_requests
-        chunks = s3_store.list(journal_prefix("s3"))
+        chunks = s3_store.list(layout.completions_journal("s3"))
         again = regenerate_shard(rows, shard="s3", store=s3_store, fleet=fleet(srv),
                                  generation=GenerationConfig(max_new_tokens=64), tokenizer=tok)
         assert srv.stats.generate_requests == n
     assert len(chunks) >= 2 and all(k.startswith("completions/_journal/s3/") and k.endswith(".jsonl") for k in chunks)
     assert again.stats.prompts_resumed == 7 and again.table.equals(first.table)
     assert s3_store.read_parquet("completions/s3.parquet").num_rows == 7
-    assert s3_store.list(journal_prefix("s3")) == []
+    assert s3_store.list(layout.completions_journal("s3")) == []
 
 
 _CHILD = textwrap.dedent("""
@@ -200,18 +198,18 @@ def test_kill_9_then_resume_regenerates_only_the_missing(tok, tiny_dense_target,
                                   str(tiny_dense_target), TARGET, str(tmp_path / "rows.json")], env=env,
                                  stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
-        while len(local_store.list(journal_prefix("kill"))) < 3:
+        while len(local_store.list(layout.completions_journal("kill"))) < 3:
             assert child.poll() is None, child.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "child wrote no journal chunks"
             time.sleep(0.02)
         child.send_signal(signal.SIGKILL)
         child.wait(10)
         assert child.returncode == -signal.SIGKILL
-        assert not local_store.exists(completions_key("kill"))  # killed long before the end
+        assert not local_store.exists(layout.completions("kill"))  # killed long before the end
         time.sleep(0.2)  # let requests the child left in flight land at the server
         before = srv.stats.generate_requests
         journaled = set()
-        for key in local_store.list(journal_prefix("kill")):
+        for key in local_store.list(layout.completions_journal("kill")):
             journaled |= {json.loads(line)["prompt_id"] for line in local_store.read_bytes(key).splitlines()}
 
         res = regenerate_shard(rows, shard="kill", store=local_store, fleet=fleet(srv), tokenizer=tok,
@@ -221,10 +219,10 @@ def test_kill_9_then_resume_regenerates_only_the_missing(tok, tiny_dense_target,
     assert 12 <= len(journaled) < 90 and res.stats.prompts_resumed == len(journaled)
     # exactly the turns of the prompts that were not journaled: fewer requests, nothing generated twice
     assert resumed_requests == sum(t for pid, t in turns.items() if pid not in journaled) < sum(turns.values())
-    table = local_store.read_parquet(completions_key("kill"))
+    table = local_store.read_parquet(layout.completions("kill"))
     ids = table["prompt_id"].to_pylist()
     assert ids == [r["prompt_id"] for r in rows]  # one row per prompt, none lost, none duplicated
-    assert local_store.list(journal_prefix("kill")) == []
+    assert local_store.list(layout.completions_journal("kill")) == []
     with LoopbackServer(model_path=TARGET) as ref:
         clean = regenerate_shard(rows, shard="kill", store=LocalStore(tmp_path / "ref"), fleet=fleet(ref),
                                  generation=GenerationConfig(max_new_tokens=64), tokenizer=tok)

@@ -22,8 +22,8 @@ import pytest
 import zstandard
 
 from dflash_assets.prompts.sources import embedded_sharegpt_path, read_source
+from dflash_assets.store import layout
 from dflash_assets.prompts.ingest import (
-    CORPUS_INDEX_KEY,
     PROMPT_SCHEMA,
     QUARANTINE_REASONS,
     QUARANTINE_SCHEMA,
@@ -59,7 +59,7 @@ def store(tmp_path):
 
 
 def _manifest(store) -> dict[str, str]:
-    index = store.read_json(CORPUS_INDEX_KEY)
+    index = store.read_json(layout.corpus_index())
     t = store.read_parquet(index["manifest_key"])
     return dict(zip(t.column("prompt_id").to_pylist(), t.column("shard").to_pylist()))
 
@@ -257,7 +257,7 @@ def test_zero_valid_prompts_raises_with_reason_counts(tmp_path, store):
     msg = str(e.value)
     assert "no valid prompt" in msg and "no_user_turn=2" in msg and "empty_conversation=1" in msg
     assert "malformed_json=1" in msg and "4 records read" in msg
-    assert not store.exists(CORPUS_INDEX_KEY)  # the corpus is unchanged
+    assert not store.exists(layout.corpus_index())  # the corpus is unchanged
     q = store.read_parquet("prompt_corpus/quarantine/bad.parquet")
     assert q.num_rows == 4
     assert list_shard_keys(store) == []
@@ -302,7 +302,7 @@ def test_reingest_with_added_prompts_never_moves_a_prompt(tmp_path, store):
     assert r1.shard_sizes == {"shard-00000": 3, "shard-00001": 3, "shard-00002": 1}
     assert r1.new_shards == ["shard-00000", "shard-00001", "shard-00002"] and r1.changed_shards == []
     before = _manifest(store)
-    index1 = store.read_json(CORPUS_INDEX_KEY)
+    index1 = store.read_json(layout.corpus_index())
     assert _materialize_all(store) == {"shard-00000": ["p0", "p1", "p2"], "shard-00001": ["p3", "p4", "p5"],
                                              "shard-00002": ["p6"]}
 
@@ -320,7 +320,7 @@ def test_reingest_with_added_prompts_never_moves_a_prompt(tmp_path, store):
     meta = r2.metadata()  # flat values for asset metadata
     assert (meta["changed_shards"], meta["new_shards"], meta["num_shards"]) == ("shard-00002", 2, 5)
     assert meta["valid"] == r2.num_valid == 12 and meta["quarantined"] == {}
-    index2 = store.read_json(CORPUS_INDEX_KEY)
+    index2 = store.read_json(layout.corpus_index())
     for shard in ("shard-00000", "shard-00001"):  # untouched shards keep the very same object
         assert index2["shards"][shard] == index1["shards"][shard]
     assert _materialize_all(store) == {
@@ -366,7 +366,7 @@ def test_materialize_checks_its_input(tmp_path, store):
     _ingest(tmp_path, store, range(4), cap=3)
     with pytest.raises(KeyError, match="shard-00009"):
         materialize_prompt_shard(store, "shard-00009")
-    key = store.read_json(CORPUS_INDEX_KEY)["shards"]["shard-00001"]["key"]
+    key = store.read_json(layout.corpus_index())["shards"]["shard-00001"]["key"]
     store.write_bytes(key, store.read_bytes(key) + b"x")
     with pytest.raises(ValueError, match="sha256"):
         materialize_prompt_shard(store, "shard-00001")

@@ -19,7 +19,8 @@ from dagster_project.versions import code_version
 from dflash_assets.generation.completions import regenerate_shard, response_length_histogram
 from dflash_assets.generation.fleet import NoEngineAvailable, probe_fleet
 from dflash_assets.generation.plan import mean_output_tokens, plan_generation
-from dflash_assets.prompts.ingest import RAW_PROMPTS_PREFIX, corpus_prompt_count
+from dflash_assets.prompts.ingest import corpus_prompt_count
+from dflash_assets.store import layout
 
 
 @dg.asset(
@@ -40,7 +41,7 @@ def completions(context: dg.AssetExecutionContext, config: GenerationStageConfig
     context.log.info(f"engine probe:\n{probe_fleet(fleet, tokenizer).markdown()}")
     try:
         result = regenerate_shard(
-            st.read_parquet(f"{RAW_PROMPTS_PREFIX}/{shard}.parquet"), shard=shard, store=st, fleet=fleet,
+            st.read_parquet(layout.raw_prompts(shard)), shard=shard, store=st, fleet=fleet,
             generation=config.to_library(enable_thinking=target.enable_thinking), tokenizer=tokenizer,
             progress=lambda update: context.log.info(str(update)),
         )

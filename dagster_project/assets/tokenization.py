@@ -18,13 +18,12 @@ from dagster_project.metadata import check_metadata, loss_tokens_chart, to_metad
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import StoreResource, TargetModelResource
 from dagster_project.versions import code_version
-from dflash_assets.generation.completions import completions_key
+from dflash_assets.store import layout
 from dflash_assets.tokenization.encoder import build_encoder
 from dflash_assets.tokenization.samples import (
     BLOCKING_CHECKS,
     ChatRenderer,
     evaluate_quality,
-    samples_key,
     tokenize_completions,
     write_quality_gate,
 )
@@ -79,10 +78,10 @@ def tokenized_samples(context: dg.AssetExecutionContext, config: TokenizeStageCo
     shard, st = context.partition_key, store.open()
     spec = target.spec()
     encoder, renderer = _encoder_and_renderer(spec)
-    table, stats = tokenize_completions(st.read_parquet(completions_key(shard)), encoder,
+    table, stats = tokenize_completions(st.read_parquet(layout.completions(shard)), encoder,
                                         config.to_library(), template=renderer)
-    st.write_parquet(samples_key(shard), table)
-    version = hashlib.sha256(st.read_bytes(samples_key(shard))).hexdigest()[:16]
+    st.write_parquet(layout.tokenized_samples(shard), table)
+    version = hashlib.sha256(st.read_bytes(layout.tokenized_samples(shard))).hexdigest()[:16]
     outcomes = evaluate_quality(table, config.thresholds(thinking_requested=target.enable_thinking))
     write_quality_gate(st, shard, outcomes, version)
     context.log.info(f"{shard}: {stats.samples} samples from {stats.conversations} conversations, "

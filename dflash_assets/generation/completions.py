@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import pyarrow as pa
 
+from dflash_assets.store import layout
 from dflash_assets.chart_data import binned_counts
 from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, NoEngineAvailable
 from dflash_assets.engines import ChatResult, Engine, GenerationConfig, json_dumps, json_loads
@@ -55,28 +56,12 @@ __all__ = [
     "GenerationStats",
     "CompletionsResult",
     "CompletionJournal",
-    "completions_key",
-    "failed_key",
-    "journal_prefix",
     "output_schema",
     "failed_schema",
     "regenerate_shard",
     "aregenerate_shard",
 ]
 
-COMPLETIONS_PREFIX = "completions"
-
-
-def completions_key(shard: str) -> str:
-    return f"{COMPLETIONS_PREFIX}/{shard}.parquet"
-
-
-def failed_key(shard: str) -> str:
-    return f"{COMPLETIONS_PREFIX}/_failed/{shard}.parquet"
-
-
-def journal_prefix(shard: str) -> str:
-    return f"{COMPLETIONS_PREFIX}/_journal/{shard}"
 
 
 _MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
@@ -205,7 +190,7 @@ class CompletionJournal:
 
     def __init__(self, store: Any, shard: str, *, flush_every: int = 64, flush_interval_s: float = 10.0):
         self.store = store
-        self.prefix = journal_prefix(shard)
+        self.prefix = layout.completions_journal(shard)
         self.flush_every = max(1, flush_every)
         self.flush_interval_s = flush_interval_s
         self.run_id = f"{int(time.time() * 1000):013d}-{secrets.token_hex(3)}"
@@ -472,8 +457,8 @@ async def aregenerate_shard(
     table = _rows_to_table(rows)
     failed_rows = [failed[pid] for pid in order if pid in failed]
     failed_table = pa.Table.from_pylist(failed_rows, schema=failed_schema())
-    await asyncio.to_thread(store.write_parquet, completions_key(shard), table)
-    await asyncio.to_thread(store.write_parquet, failed_key(shard), failed_table)
+    await asyncio.to_thread(store.write_parquet, layout.completions(shard), table)
+    await asyncio.to_thread(store.write_parquet, layout.completions_failed(shard), failed_table)
     if not failed_rows and not keep_journal:
         await asyncio.to_thread(journal.clear)
 
@@ -487,7 +472,7 @@ async def aregenerate_shard(
     stats.wall_s = time.perf_counter() - t_start
     stats.tokens_per_s = stats.completion_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
     emit_progress()
-    return CompletionsResult(shard, table, failed_table, stats, probe, completions_key(shard), failed_key(shard),
+    return CompletionsResult(shard, table, failed_table, stats, probe, layout.completions(shard), layout.completions_failed(shard),
                              config_hash)
 
 

@@ -75,6 +75,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_assets.store import layout
 from dflash_assets.target.layer_capture import LayerCapture, decoder_stack, text_config
 from dflash_assets.hidden_states.format import (
     SafetensorsStreamWriter,
@@ -858,15 +859,6 @@ def write_hidden_state_cache(store: Any, key_prefix: str, samples: Any, spec: Ca
 # ----------------------------------------------------------------------------
 # The partition as a stage: what the `hidden_state_cache` asset runs on the GPU host
 
-CACHE_PREFIX = "hidden_state_cache"
-
-
-def cache_keys(store: Any, shard: str) -> list[str]:
-    """The safetensors part keys of one partition (one key unless split by size)."""
-    ours = re.compile(rf"{CACHE_PREFIX}/{re.escape(shard)}(-\d{{5}}-of-\d{{5}})?\.safetensors")
-    return [k for k in store.list(CACHE_PREFIX) if ours.fullmatch(k)]
-
-
 def cache_partition_for_shard(store: Any, shard: str, target: Any, *, devices: Sequence[str] = ("cpu",),
                               tokens_per_batch: int = 16384, budget_bytes: int | None = None,
                               max_part_bytes: int = 16 * 2**30, scratch_dir: str | None = None,
@@ -880,12 +872,13 @@ def cache_partition_for_shard(store: Any, shard: str, target: Any, *, devices: S
     the whole corpus's cache at this partition's tokens per sample.
     """
     from dflash_assets.hidden_states.format import bytes_per_token, projected_corpus_bytes
-    from dflash_assets.tokenization.samples import require_quality_gate, samples_key
+    from dflash_assets.tokenization.samples import require_quality_gate
 
     gate = require_quality_gate(store, shard)
     facts = target.validate()
-    table = store.read_parquet(samples_key(shard), columns=["prompt_id", "input_ids", "loss_mask", "num_tokens"])
-    used = sum(store.size(k) for k in store.list(CACHE_PREFIX) if k not in cache_keys(store, shard))
+    table = store.read_parquet(layout.tokenized_samples(shard), columns=["prompt_id", "input_ids", "loss_mask", "num_tokens"])
+    used = sum(store.size(k) for other, parts in layout.list_hidden_state_parts(store).items() if other != shard
+               for k in parts)
     dtype = "float32" if all(str(d).startswith("cpu") for d in devices) and target.dtype != "bfloat16" else "bfloat16"
     spec = CaptureSpec(
         target=target.model_path, layer_ids=tuple(facts.layer_ids), target_id=target.model_path, dtype=dtype,
@@ -893,7 +886,7 @@ def cache_partition_for_shard(store: Any, shard: str, target: Any, *, devices: S
         tokenizer_hash=facts.tokenizer_hash, upstream_data_version=gate["data_version"],
     )
     log(f"{shard}: capturing layers {list(facts.layer_ids)} of {table.num_rows} samples on {list(devices)} ({dtype})")
-    result = write_hidden_state_cache(store, CACHE_PREFIX, table, spec, stem=shard, devices=devices,
+    result = write_hidden_state_cache(store, layout.HIDDEN_STATE_CACHE, table, spec, stem=shard, devices=devices,
                                       scratch_dir=scratch_dir, used_bytes=used)
     per_token = bytes_per_token(len(facts.layer_ids), facts.hidden_size, dtype)
     corpus_samples = _corpus_prompts(store) or table.num_rows

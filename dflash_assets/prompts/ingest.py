@@ -84,6 +84,7 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_assets.store import layout
 from dflash_assets.prompts.sources import (
     DEFAULT_MAX_RAW_RECORD_CHARS,
     SourceItem,
@@ -107,12 +108,8 @@ __all__ = [
     "materialize_prompt_shard",
     "list_shard_keys",
     "shard_name",
-    "CORPUS_INDEX_KEY",
 ]
 
-CORPUS_PREFIX = "prompt_corpus"
-CORPUS_INDEX_KEY = f"{CORPUS_PREFIX}/index.json"
-RAW_PROMPTS_PREFIX = "raw_prompts"
 
 USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
 ROLE_MAP = {
@@ -537,9 +534,9 @@ class _CorpusIndex:
 
 
 def _load_index(store: Any) -> _CorpusIndex:
-    if not store.exists(CORPUS_INDEX_KEY):
+    if not store.exists(layout.corpus_index()):
         return _CorpusIndex()
-    return _CorpusIndex.from_json(store.read_json(CORPUS_INDEX_KEY))
+    return _CorpusIndex.from_json(store.read_json(layout.corpus_index()))
 
 
 def corpus_prompt_count(store: Any) -> int:
@@ -681,7 +678,7 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
             return
         table = b.table()
         data = _parquet_bytes(table)
-        key = f"{CORPUS_PREFIX}/staged/gen-{generation:06d}/{b.shard}.parquet"
+        key = layout.corpus_staged_shard(generation, b.shard)
         store.write_bytes(key, data)
         (changed_shards if b.shard in shards else new_shards).append(b.shard)
         shards[b.shard] = _ShardEntry(key, table.num_rows, hashlib.sha256(data).hexdigest(), generation)
@@ -729,7 +726,7 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
                 break
     summary = reader.summary
 
-    quarantine_key = f"{CORPUS_PREFIX}/quarantine/{source}.parquet"
+    quarantine_key = layout.corpus_quarantine(source)
     store.write_parquet(quarantine_key, quarantine.table())
     if valid == 0:
         counts = ", ".join(f"{k}={v}" for k, v in quarantine.counts.most_common()) or "none"
@@ -748,14 +745,14 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
                              "generation": [generation] * len(new_ids)}, schema=MANIFEST_SCHEMA)
     if old_manifest is not None:
         new_manifest = pa.concat_tables([old_manifest.cast(MANIFEST_SCHEMA), new_manifest])
-    manifest_key = f"{CORPUS_PREFIX}/manifest/gen-{generation:06d}.parquet"
+    manifest_key = layout.corpus_manifest(generation)
     store.write_parquet(manifest_key, new_manifest)
 
     seconds = time.perf_counter() - t0
     sources = dict(index.sources)
     sources[source] = {"uri": summary.uri, "generation": generation, "valid": valid, "new_prompts": len(new_ids)}
     new_index = _CorpusIndex(generation, manifest_key, shards, sources)
-    store.write_json(CORPUS_INDEX_KEY, new_index.to_json())  # the commit
+    store.write_json(layout.corpus_index(), new_index.to_json())  # the commit
 
     report = IngestReport(
         source_uri=summary.uri,
@@ -784,7 +781,7 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
         quarantine_key=quarantine_key,
         seconds=round(seconds, 3),
     )
-    store.write_json(f"{CORPUS_PREFIX}/reports/{source}.json", report.as_dict())
+    store.write_json(layout.corpus_report(source), report.as_dict())
     _collect_garbage(store, new_index, index)
     return report
 
@@ -793,7 +790,7 @@ def _collect_garbage(store: Any, current: _CorpusIndex, previous: _CorpusIndex) 
     """Delete staged shards and manifests that neither index references."""
     keep = {e.key for e in current.shards.values()} | {e.key for e in previous.shards.values()}
     keep |= {current.manifest_key, previous.manifest_key}
-    for prefix in (f"{CORPUS_PREFIX}/staged", f"{CORPUS_PREFIX}/manifest"):
+    for prefix in (layout.corpus_staged_prefix(), layout.corpus_manifest_prefix()):
         for key in store.list(prefix):
             if key not in keep:
                 store.delete(key)
@@ -817,7 +814,7 @@ def materialize_prompt_shard(store: Any, shard_key: str) -> tuple[pa.Table, Shar
     table = pq.read_table(pa.BufferReader(data))
     if table.num_rows != entry.num_prompts or set(table.column("shard").unique().to_pylist()) != {shard_key}:
         raise ValueError(f"staged shard {entry.key} does not hold {entry.num_prompts} rows of {shard_key}")
-    key = f"{RAW_PROMPTS_PREFIX}/{shard_key}.parquet"
+    key = layout.raw_prompts(shard_key)
     store.write_bytes(key, data)
     return table, _shard_stats(table, shard_key, key, digest, entry.generation)
 

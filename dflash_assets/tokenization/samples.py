@@ -47,6 +47,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dflash_assets.store import layout
 from dflash_assets.chart_data import binned_counts
 from dflash_assets.target.chat_template import ASSISTANT_THINK_HEADER
 from dflash_assets.tokenization.encoder import EncodedBatch, FastEncoder
@@ -693,16 +694,10 @@ def sharegpt_completions(n: int) -> pa.Table:
 
 # -- the partition as a whole: store layout, quality evaluation, the gate ---------------------
 
-SAMPLES_PREFIX = "tokenized_samples"
+
 BLOCKING_CHECKS = ("empty_response_ratio", "schema")
 
 
-def samples_key(shard: str) -> str:
-    return f"{SAMPLES_PREFIX}/{shard}.parquet"
-
-
-def quality_key(shard: str) -> str:
-    return f"{SAMPLES_PREFIX}/{shard}.quality.json"
 
 
 @dataclass(frozen=True)
@@ -733,7 +728,7 @@ class QualityGateFailed(RuntimeError):
 
 def write_quality_gate(store: Any, shard: str, outcomes: Mapping[str, CheckOutcome], data_version: str) -> None:
     """Record the check outcomes next to the samples, so later stages on any host can refuse bad data."""
-    store.write_json(quality_key(shard), {
+    store.write_json(layout.quality_gate(shard), {
         "data_version": data_version,
         "checks": {name: {"passed": o.passed, "description": o.description} for name, o in outcomes.items()},
         "blocking": list(BLOCKING_CHECKS),
@@ -742,9 +737,9 @@ def write_quality_gate(store: Any, shard: str, outcomes: Mapping[str, CheckOutco
 
 def require_quality_gate(store: Any, shard: str) -> dict[str, Any]:
     """Raise `QualityGateFailed` unless the shard's blocking checks passed; return the gate record."""
-    if not store.exists(quality_key(shard)):
-        raise QualityGateFailed(f"{shard}: no quality record at {quality_key(shard)}; materialize tokenized_samples first")
-    gate = store.read_json(quality_key(shard))
+    if not store.exists(layout.quality_gate(shard)):
+        raise QualityGateFailed(f"{shard}: no quality record at {layout.quality_gate(shard)}; materialize tokenized_samples first")
+    gate = store.read_json(layout.quality_gate(shard))
     failed = [n for n in gate["blocking"] if not gate["checks"].get(n, {}).get("passed", False)]
     if failed:
         details = "; ".join(f"{n}: {gate['checks'][n]['description']}" for n in failed if n in gate["checks"])

@@ -1,0 +1,155 @@
+"""The store's key layout: where each asset's objects live under the store root, in one place.
+
+Every stage, the Dagster assets and the tests name keys through these
+functions, so the layout is read and changed here only. Keys are relative to
+the store root (a directory or ``s3://bucket/prefix``). Reads and writes
+nothing itself; the ``list_*`` helpers list one prefix of a store.
+
+    prompt_corpus/index.json                     the committed corpus (shards, sha256, generation)
+    prompt_corpus/staged/gen-<N>/<shard>.parquet staged shards of ingest generation N
+    prompt_corpus/manifest/gen-<N>.parquet       prompt -> shard manifest of generation N
+    prompt_corpus/quarantine/<source>.parquet    rejected records with a reason each
+    prompt_corpus/reports/<source>.json          the ingest report
+    raw_prompts/<shard>.parquet
+    completions/<shard>.parquet                  + _failed/<shard>.parquet, _journal/<shard>/...
+    tokenized_samples/<shard>.parquet            + <shard>.quality.json (the quality gate)
+    hidden_state_cache/<shard>[-NNNNN-of-NNNNN].safetensors
+    drafter_recipes/<recipe>.json
+    drafter_checkpoint/<recipe>/<file>
+    drafter_eval/<recipe>.json
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+PROMPT_CORPUS = "prompt_corpus"
+RAW_PROMPTS = "raw_prompts"
+COMPLETIONS = "completions"
+TOKENIZED_SAMPLES = "tokenized_samples"
+HIDDEN_STATE_CACHE = "hidden_state_cache"
+DRAFTER_RECIPES = "drafter_recipes"
+DRAFTER_CHECKPOINT = "drafter_checkpoint"
+DRAFTER_EVAL = "drafter_eval"
+
+_CACHE_PART = re.compile(r"(?P<shard>.+?)(?:-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.safetensors")
+
+
+# --- prompt_corpus ------------------------------------------------------------------
+
+def corpus_index() -> str:
+    return f"{PROMPT_CORPUS}/index.json"
+
+
+def corpus_staged_prefix() -> str:
+    return f"{PROMPT_CORPUS}/staged"
+
+
+def corpus_staged_shard(generation: int, shard: str) -> str:
+    return f"{corpus_staged_prefix()}/gen-{generation:06d}/{shard}.parquet"
+
+
+def corpus_manifest_prefix() -> str:
+    return f"{PROMPT_CORPUS}/manifest"
+
+
+def corpus_manifest(generation: int) -> str:
+    return f"{corpus_manifest_prefix()}/gen-{generation:06d}.parquet"
+
+
+def corpus_quarantine(source: str) -> str:
+    return f"{PROMPT_CORPUS}/quarantine/{source}.parquet"
+
+
+def corpus_report(source: str) -> str:
+    return f"{PROMPT_CORPUS}/reports/{source}.json"
+
+
+# --- per-shard assets -----------------------------------------------------------------
+
+def raw_prompts(shard: str) -> str:
+    return f"{RAW_PROMPTS}/{shard}.parquet"
+
+
+def completions(shard: str) -> str:
+    return f"{COMPLETIONS}/{shard}.parquet"
+
+
+def completions_failed(shard: str) -> str:
+    return f"{COMPLETIONS}/_failed/{shard}.parquet"
+
+
+def completions_journal(shard: str) -> str:
+    return f"{COMPLETIONS}/_journal/{shard}"
+
+
+def tokenized_samples(shard: str) -> str:
+    return f"{TOKENIZED_SAMPLES}/{shard}.parquet"
+
+
+def quality_gate(shard: str) -> str:
+    return f"{TOKENIZED_SAMPLES}/{shard}.quality.json"
+
+
+def hidden_state_part(shard: str, part: int | None = None, parts: int | None = None) -> str:
+    """One part of a partition's cache: ``<shard>.safetensors``, or ``<shard>-00001-of-00003.safetensors``."""
+    suffix = "" if parts is None else f"-{part:05d}-of-{parts:05d}"
+    return f"{HIDDEN_STATE_CACHE}/{shard}{suffix}.safetensors"
+
+
+# --- drafter ------------------------------------------------------------------------
+
+def drafter_recipe(name: str) -> str:
+    return f"{DRAFTER_RECIPES}/{name}.json"
+
+
+def drafter_checkpoint_prefix(name: str) -> str:
+    return f"{DRAFTER_CHECKPOINT}/{name}"
+
+
+def drafter_checkpoint_file(name: str, file_name: str) -> str:
+    return f"{drafter_checkpoint_prefix(name)}/{file_name}"
+
+
+def drafter_eval(name: str) -> str:
+    return f"{DRAFTER_EVAL}/{name}.json"
+
+
+# --- listing ------------------------------------------------------------------------
+
+def _shards_of(store: Any, prefix: str, suffix: str) -> list[str]:
+    """Shard names of the direct ``<prefix>/<shard><suffix>`` objects (nothing under ``_failed/`` etc.)."""
+    out = set()
+    for key in store.list(prefix):
+        name = key[len(prefix) + 1:]
+        if "/" not in name and name.endswith(suffix) and not name.endswith(".quality.json"):
+            out.add(name[: -len(suffix)])
+    return sorted(out)
+
+
+def list_raw_prompt_shards(store: Any) -> list[str]:
+    return _shards_of(store, RAW_PROMPTS, ".parquet")
+
+
+def list_completion_shards(store: Any) -> list[str]:
+    return _shards_of(store, COMPLETIONS, ".parquet")
+
+
+def list_sample_shards(store: Any) -> list[str]:
+    return _shards_of(store, TOKENIZED_SAMPLES, ".parquet")
+
+
+def list_hidden_state_parts(store: Any) -> dict[str, list[str]]:
+    """Every cached partition and its part keys (sorted), from one listing of the cache prefix."""
+    parts: dict[str, list[str]] = {}
+    for key in store.list(HIDDEN_STATE_CACHE):
+        m = _CACHE_PART.fullmatch(key[len(HIDDEN_STATE_CACHE) + 1:])
+        if m is not None:
+            parts.setdefault(m.group("shard"), []).append(key)
+    return {shard: sorted(keys) for shard, keys in sorted(parts.items())}
+
+
+def hidden_state_parts(store: Any, shard: str) -> list[str]:
+    """The part keys of one partition's cache (one key unless it was split by size)."""
+    return list_hidden_state_parts(store).get(shard, [])
