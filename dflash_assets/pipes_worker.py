@@ -28,13 +28,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import logging
 import os
 import socket
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
+
+from dflash_assets.stage_io import CheckOutcome, StageCall, StageFn, StageResult
 
 __all__ = [
     "CheckOutcome",
@@ -53,47 +53,6 @@ EXTRA_STAGE = "dflash_stage"
 EXTRA_STORE_URI = "dflash_store_uri"
 EXTRA_CONFIG = "dflash_config"
 EXTRA_PARTITION_KEYS = "dflash_partition_keys"  # all keys of the run (one, or many for a single-run backfill)
-
-
-@dataclass(frozen=True)
-class CheckOutcome:
-    """One asset check evaluated on the host; the asset must declare a check spec of this name."""
-
-    name: str
-    passed: bool
-    severity: Literal["ERROR", "WARN"] = "ERROR"
-    metadata: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class StageResult:
-    """What a stage returns: metadata of the materialization, check outcomes, optional data version."""
-
-    metadata: dict[str, Any] = field(default_factory=dict)
-    checks: list[CheckOutcome] = field(default_factory=list)
-    data_version: str | None = None
-
-
-@dataclass
-class StageCall:
-    """Everything a stage gets on the host.
-
-    ``store`` is opened from the store URI the orchestrator sent; ``config`` is
-    the JSON payload of the asset (its ``dg.Config`` as a dict); ``log`` sends
-    each line to the Dagster event log.
-    """
-
-    stage: str
-    store: Any  # dflash_assets.store.backends.LocalStore | S3Store
-    partition_key: str | None
-    partition_keys: list[str]
-    config: dict[str, Any]
-    log: logging.Logger
-    run_id: str
-    asset_key: str | None
-
-
-StageFn = Callable[[StageCall], StageResult]
 
 
 def _selftest(call: StageCall) -> StageResult:

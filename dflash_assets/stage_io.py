@@ -1,0 +1,59 @@
+"""What a GPU-host stage receives and returns: the plain types between the Pipes worker and the stage libraries.
+
+`pipes_worker` (the entry point on the host) builds a `StageCall`, calls the
+stage function, and reports its `StageResult` (materialization metadata,
+check outcomes, data version) back to Dagster. The stage libraries
+(`hidden_states.capture`, `drafter_stages`) import only this module, not the
+worker, so the worker can import them without a cycle. Stdlib only; reads and
+writes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["CheckOutcome", "StageCall", "StageResult", "StageFn"]
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    """One asset check evaluated on the host; the asset must declare a check spec of this name."""
+
+    name: str
+    passed: bool
+    severity: Literal["ERROR", "WARN"] = "ERROR"
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StageResult:
+    """What a stage returns: metadata of the materialization, check outcomes, optional data version."""
+
+    metadata: dict[str, Any] = field(default_factory=dict)
+    checks: list[CheckOutcome] = field(default_factory=list)
+    data_version: str | None = None
+
+
+@dataclass
+class StageCall:
+    """Everything a stage gets on the host.
+
+    ``store`` is opened from the store URI the orchestrator sent; ``config`` is
+    the JSON payload of the asset (its ``dg.Config`` as a dict); ``log`` sends
+    each line to the Dagster event log.
+    """
+
+    stage: str
+    store: Any  # dflash_assets.store.backends.LocalStore | S3Store
+    partition_key: str | None
+    partition_keys: list[str]
+    config: dict[str, Any]
+    log: logging.Logger
+    run_id: str
+    asset_key: str | None
+
+
+StageFn = Callable[[StageCall], StageResult]
