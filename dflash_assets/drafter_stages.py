@@ -89,6 +89,7 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
                  max_steps: int | None = None, log: Callable[[str], None] = logger.info,
                  log_every: int = 10) -> dict[str, Any]:
     """Train the recipe ``name`` against ``target`` (a ``TargetModelSpec``); returns metadata."""
+    from dflash_assets.cache_keys import build_fingerprint
     from dflash_assets.drafter.training import train_drafter
 
     recipe = load_recipe(store, name)
@@ -96,9 +97,11 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
     if not shards:
         raise FileNotFoundError(f"recipe {name!r}: no training data in the store yet")
     files = _training_files(store, recipe, shards)
-    # The work dir is keyed by the recipe and its data, so changed data never resumes a stale run.
+    # The work dir is keyed by the recipe, its data and the trainer's code (and torch), so changed data or
+    # a changed trainer never resumes (or re-publishes) a stale run.
     data_tag = hashlib.sha256(json.dumps([(str(f.name), f.stat().st_size) for f in files]).encode()).hexdigest()[:8]
-    work = Path(work_dir or default_work_dir()) / f"{name}-{recipe.fingerprint()}-{data_tag}"
+    code_tag = build_fingerprint(modules=["dflash_assets.drafter.training"], packages=["torch"]).digest[:8]
+    work = Path(work_dir or default_work_dir()) / f"{name}-{recipe.fingerprint()}-{data_tag}-{code_tag}"
     log(f"recipe {name}: {len(shards)} shards, {len(files)} files, work dir {work} (resumes from its last state)")
 
     def on_step(m: dict[str, Any]) -> None:

