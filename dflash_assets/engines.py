@@ -79,6 +79,7 @@ __all__ = [
     "OpenAIEngine",
     "TransformersEngine",
     "normalize_model_id",
+    "hf_generation_settings",
     "split_reasoning_text",
     "engine_server_command",
     "EngineServer",
@@ -130,6 +131,23 @@ class GenerationConfig(BaseModel):
         """16 hex chars over every field and the (normalized) target model id."""
         payload = {"generation": self.model_dump(mode="json"), "target": normalize_model_id(target_model or "")}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def hf_generation_settings(gen: GenerationConfig) -> dict[str, Any]:
+    """The sampling part of `gen` as Hugging Face `GenerationConfig` fields (what `model.generate` does).
+
+    Temperature 0 is greedy decoding; otherwise sampling with temperature,
+    top_p and top_k (0: off), plus min_p / repetition_penalty when set.
+    """
+    if gen.temperature == 0:
+        return {"do_sample": False}
+    settings: dict[str, Any] = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p,
+                                "top_k": gen.top_k if gen.top_k is not None and gen.top_k > 0 else 0}
+    if gen.min_p is not None:
+        settings["min_p"] = gen.min_p
+    if gen.repetition_penalty is not None:
+        settings["repetition_penalty"] = gen.repetition_penalty
+    return settings
 
 
 def normalize_model_id(model: str) -> str:
@@ -580,6 +598,11 @@ class OpenAIEngine(Engine):
             del payload["model"]
         if gen.seed is not None:
             payload["seed"] = gen.seed
+        if self.dialect == "transformers_serve":
+            # `transformers serve` starts from the model's generation_config.json: `temperature` alone never
+            # turns sampling on (a target shipping do_sample=false decodes greedily) and top_k/min_p/
+            # repetition_penalty are no request fields there. It takes them as a GenerationConfig JSON string.
+            payload["generation_config"] = json.dumps(hf_generation_settings(gen))
         if self.extra_sampling_params:
             if gen.top_k is not None and gen.top_k > 0:
                 payload["top_k"] = gen.top_k
@@ -612,7 +635,8 @@ class OpenAIEngine(Engine):
         if reasoning is None:  # no reasoning parser on the server: split here
             reasoning, content = split_reasoning_text(content, generation.enable_thinking)
         else:
-            reasoning, content = reasoning.strip("\n"), content.lstrip("\n")
+            # a turn that stopped inside its reasoning: `transformers serve` leaves the stop text there
+            reasoning, content = _strip_stop_text(reasoning).strip("\n"), content.lstrip("\n")
         finish = str(choice.get("finish_reason") or "stop")
         if finish == "abort":
             raise EngineError(f"{self.url}: request aborted", retryable=True, endpoint=self.url)
@@ -667,13 +691,9 @@ class TransformersEngine(Engine):
         import torch
 
         kwargs: dict[str, Any] = {"max_new_tokens": gen.max_new_tokens, "eos_token_id": stop_ids,
-                                  "pad_token_id": stop_ids[0] if stop_ids else None}
-        if gen.temperature > 0:
-            kwargs.update(do_sample=True, temperature=gen.temperature, top_p=gen.top_p)
-            if gen.top_k is not None and gen.top_k > 0:
-                kwargs["top_k"] = gen.top_k
-        else:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+                                  "pad_token_id": stop_ids[0] if stop_ids else None, **hf_generation_settings(gen)}
+        if not kwargs["do_sample"]:
+            kwargs.update(temperature=None, top_p=None, top_k=None)
         if gen.seed is not None:
             torch.manual_seed(gen.seed)
         with torch.inference_mode():
