@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.machine import machine_info  # noqa: E402
 from dflash_assets.generation.completions import GenerationConfig, aregenerate_shard  # noqa: E402
 from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig, run_sync  # noqa: E402
-from dflash_assets.engines import ChatTokenizer, json_dumps, json_loads, local_engine_server  # noqa: E402
+from dflash_assets.generation.engines import ChatTokenizer, json_dumps, json_loads  # noqa: E402
+from dflash_assets.generation.server import local_engine_server  # noqa: E402
 from dflash_assets.testing.sglang_loopback import LoopbackProcess  # noqa: E402
 from dflash_assets.store.backends import LocalStore  # noqa: E402
 
@@ -193,7 +194,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from dflash_assets.tiny_targets import tiny_target_path
+    from dflash_assets.embedded.tiny_targets import tiny_target_path
 
     tiny = tiny_target_path("dense")
     tokenizer = AutoTokenizer.from_pretrained(str(tiny))

@@ -43,7 +43,7 @@ from dflash_assets.tokenization.samples import (  # noqa: E402
     split_reasoning,
     tokenize_completions,
 )
-from dflash_assets.tokenizer import build_qwen3_6_tokenizer  # noqa: E402
+from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer  # noqa: E402
 
 
 def rate(n: int, wall: float, cpu: float) -> dict:

@@ -81,7 +81,7 @@ class GenerationStageConfig(dg.Config):
     seed: Optional[int] = Field(default=None, description="Per-request seed where the engine supports one.")
 
     def to_library(self, enable_thinking: bool):
-        from dflash_assets.engines import GenerationConfig
+        from dflash_assets.generation.engines import GenerationConfig
 
         return GenerationConfig(
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,

@@ -41,9 +41,9 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
     from dagster_project.definitions import defs
     from dagster_project.partitions import register_recipe
     from dagster_project.resources import EngineFleetResource
-    from dflash_assets.engines import local_engine_server
+    from dflash_assets.embedded.defaults import embedded_engine_server
 
-    server = local_engine_server("transformers", port=0)  # the tiny target, on 127.0.0.1
+    server = embedded_engine_server("transformers", port=0)  # the tiny target, on 127.0.0.1
     log.info("starting the engine: %s", server.command)
     with server:
         resources = {**defs.resources, "engines": EngineFleetResource(

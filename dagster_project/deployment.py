@@ -4,7 +4,7 @@
   under ``$DAGSTER_HOME`` (or ``$DFLASH_STORE``), GPU stages as local
   subprocesses, no engine configured: each step that generates starts its
   own ``transformers serve`` on the tiny target and stops it when it ends
-  (``EngineFleetResource``, ``dflash_assets/embedded_engine.py``), SQLite
+  (``EngineFleetResource``, ``dflash_assets/embedded/engine.py``), SQLite
   instance (``deploy/local/dagster.yaml``). ``make ui`` runs ``dagster dev``
   through ``deploy/local/ui.py``, which stops all of it on Ctrl-C.
 - ``cluster``: an ``s3://`` store (``DFLASH_STORE``; endpoint and
@@ -64,6 +64,9 @@ SETTINGS: dict[str, str] = {
                           "unset on local: each generating step starts transformers serve on the tiny target)",
     "DFLASH_ENGINE_KIND": "sglang (cluster default) or openai (local default), for URLs without a kind prefix",
     "DFLASH_ENGINE_CONCURRENCY": "requests in flight per engine (default 32)",
+    "DFLASH_TARGET_MODEL": "the target model directory (default: the embedded tiny target); also read by `dflash engine`",
+    "DFLASH_PROMPT_SOURCE": "prompt source the ingest and its sensor read (default: the embedded ShareGPT file)",
+    "DFLASH_CACHE": "local cache of built artifacts: tiny targets, tokenizer, drafter work dirs (default ~/.cache/dflash-assets)",
 }
 REQUIRED: dict[str, tuple[str, ...]] = {
     "local": (),

@@ -13,7 +13,7 @@ drafter_recipes = dg.DynamicPartitionsDefinition(name="drafter_recipes")
 
 def register_recipe(instance: dg.DagsterInstance, store, recipe) -> str:
     """Save ``recipe`` (a ``DrafterRecipe``) to the store and add its ``drafter_recipes`` partition."""
-    from dflash_assets.drafter_stages import save_recipe
+    from dflash_assets.drafter.stages import save_recipe
 
     save_recipe(store, recipe)
     if not instance.has_dynamic_partition(drafter_recipes.name, recipe.name):

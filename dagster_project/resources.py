@@ -62,7 +62,8 @@ class TargetModelResource(dg.ConfigurableResource):
     mask_token_id: Optional[int] = Field(default=None, description="Explicit mask token id; wins over the lookup.")
 
     def spec(self):
-        from dflash_assets.target.spec import TargetModelSpec, default_target_spec
+        from dflash_assets.embedded.defaults import default_target_spec
+        from dflash_assets.target.spec import TargetModelSpec
 
         base = default_target_spec() if self.model_path is None else None
         dtype = self.dtype if self.dtype != "auto" else ("float32" if base is not None else "bfloat16")
@@ -137,7 +138,7 @@ class EngineFleetResource(dg.ConfigurableResource):
     def _embedded_endpoint(self, target_model: str):
         """The embedded engine's endpoint, started now if needed; a non-retryable failure where none may start."""
         from dagster_project.deployment import get_profile
-        from dflash_assets.embedded_engine import EmbeddedEngine, is_embedded_target
+        from dflash_assets.embedded.engine import EmbeddedEngine, is_embedded_target
 
         profile = get_profile()
         if profile != "local" or not is_embedded_target(target_model):

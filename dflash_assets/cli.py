@@ -56,7 +56,8 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_engine(args: argparse.Namespace) -> int:
-    from dflash_assets.engines import local_engine_server
+    from dflash_assets.embedded.defaults import embedded_engine_server
+    from dflash_assets.generation.server import local_engine_server
 
     if os.environ.get("DFLASH_TARGET") and not os.environ.get("DFLASH_TARGET_MODEL") and not args.target:
         print("DFLASH_TARGET is not read: set DFLASH_TARGET_MODEL (the name every part of dflash-assets reads), "
@@ -65,8 +66,10 @@ def _run_engine(args: argparse.Namespace) -> int:
     target = args.target or os.environ.get("DFLASH_TARGET_MODEL") or None
     kind = args.kind or ("sglang" if target else "transformers")
     extra = [a for a in (args.extra or []) if a != "--"]
-    server = local_engine_server(kind, target, port=args.port, host=args.host, tp=args.tp,
-                                 served_model_name=args.served_model_name, log_path=args.log, extra_args=extra)
+    options = dict(port=args.port, host=args.host, tp=args.tp, served_model_name=args.served_model_name,
+                   log_path=args.log, extra_args=extra)
+    server = (local_engine_server(kind, target, **options) if target is not None
+              else embedded_engine_server(kind, **options))  # the tiny target, in float32 on CPU
     ep = server.endpoint_config(args.max_concurrency)
     endpoint = {"url": ep.url, "kind": ep.kind, "max_concurrency": ep.max_concurrency}
     if not args.start:

@@ -96,13 +96,13 @@ def _hidden_state_cache(call: StageCall) -> StageResult:
 
 
 def _drafter_checkpoint(call: StageCall) -> StageResult:
-    from dflash_assets.drafter_stages import pipes_stage_train
+    from dflash_assets.drafter.stages import pipes_stage_train
 
     return pipes_stage_train(call)
 
 
 def _drafter_eval(call: StageCall) -> StageResult:
-    from dflash_assets.drafter_stages import pipes_stage_eval
+    from dflash_assets.drafter.stages import pipes_stage_eval
 
     return pipes_stage_eval(call)
 

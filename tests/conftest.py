@@ -49,13 +49,13 @@ def s3_store(moto_endpoint, request) -> S3Store:
 
 @pytest.fixture(scope="session")
 def tiny_dense_target():
-    from dflash_assets.tiny_targets import tiny_target_path
+    from dflash_assets.embedded.tiny_targets import tiny_target_path
 
     return tiny_target_path("dense")
 
 
 @pytest.fixture(scope="session")
 def tiny_hybrid_target():
-    from dflash_assets.tiny_targets import tiny_target_path
+    from dflash_assets.embedded.tiny_targets import tiny_target_path
 
     return tiny_target_path("hybrid")

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import dflash_assets.cache_keys as CK
-import dflash_assets.tiny_targets as TT
-import dflash_assets.tokenizer as T
+import dflash_assets.embedded.tiny_targets as TT
+import dflash_assets.target.tokenizer as T
 
 
 @pytest.fixture
@@ -30,10 +30,10 @@ def _touch_bytes(path: Path) -> None:
 
 
 def test_project_modules_follow_imports_inside_functions_and_stop_at_the_package():
-    modules = CK.project_modules(["dflash_assets.tiny_targets"])
+    modules = CK.project_modules(["dflash_assets.embedded.tiny_targets"])
     # tiny_target_training imports tokenization.samples inside a function (the ShareGPT reader): it counts,
     # and so does the __init__.py of each package on the way.
-    assert {"dflash_assets.tiny_targets", "dflash_assets.tiny_target_training", "dflash_assets.tokenizer",
+    assert {"dflash_assets.embedded.tiny_targets", "dflash_assets.embedded.tiny_target_training", "dflash_assets.target.tokenizer",
             "dflash_assets.target", "dflash_assets.target.chat_template", "dflash_assets.tokenization",
             "dflash_assets.tokenization.samples", "dflash_assets.cache_keys"} <= set(modules)
     assert "dflash_assets.drafter.decoding" not in modules and "dflash_assets.store.backends" not in modules
@@ -67,10 +67,10 @@ def test_tiny_target_key_changes_with_its_builder_code(package_copy):
     indirect = TT.target_fingerprint("dense").digest
     assert indirect != base
 
-    _touch_bytes(package_copy / "tiny_target_training.py")  # the training itself
+    _touch_bytes(package_copy / "embedded" / "tiny_target_training.py")  # the training itself
     direct = TT.target_fingerprint("dense")
     assert direct.digest not in (base, indirect)
-    assert set(direct.inputs["modules"]) >= {"dflash_assets.tiny_target_training", "dflash_assets.tokenization.samples"}
+    assert set(direct.inputs["modules"]) >= {"dflash_assets.embedded.tiny_target_training", "dflash_assets.tokenization.samples"}
 
 
 def test_tiny_target_key_changes_with_data_settings_and_library_versions(tmp_path, monkeypatch):
@@ -105,9 +105,9 @@ def test_tiny_target_key_changes_with_data_settings_and_library_versions(tmp_pat
 def test_tokenizer_key_changes_with_its_builder_code(package_copy):
     base = T.qwen3_6_build_id()
     assert T.qwen3_6_build_id() == base
-    _touch_bytes(package_copy / "tiny_target_training.py")  # the tokenizer does not import it
+    _touch_bytes(package_copy / "embedded" / "tiny_target_training.py")  # the tokenizer does not import it
     assert T.qwen3_6_build_id() == base
-    _touch_bytes(package_copy / "tokenizer.py")
+    _touch_bytes(package_copy / "target" / "tokenizer.py")
     assert T.qwen3_6_build_id() != base
 
 

@@ -13,7 +13,7 @@ from dflash_assets.target.chat_template import (
     render_chat,
     template_hash,
 )
-from dflash_assets.tokenizer import build_qwen3_6_tokenizer
+from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 U1 = {"role": "user", "content": "What is 2+2?"}

@@ -19,7 +19,7 @@ from dflash_assets.generation.fleet import (
     probe_fleet,
     serves_target,
 )
-from dflash_assets.engines import GenerationConfig
+from dflash_assets.generation.engines import GenerationConfig
 from dflash_assets.generation.plan import estimate_generation_time, format_duration, plan_generation
 from dflash_assets.testing.sglang_loopback import LoopbackProcess, LoopbackServer
 from dflash_assets.store.backends import LocalStore

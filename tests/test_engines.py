@@ -7,17 +7,17 @@ import asyncio
 
 import pytest
 
-from dflash_assets.engines import (
+from dflash_assets.generation.engines import (
     ChatTokenizer,
     EngineError,
     GenerationConfig,
     OpenAIEngine,
     SGLangEngine,
     TransformersEngine,
-    local_engine_server,
     normalize_model_id,
     split_reasoning_text,
 )
+from dflash_assets.generation.server import local_engine_server
 from dflash_assets.testing.sglang_loopback import QWEN3_6_IDS, LoopbackServer, _Generator, _prompt_key
 
 THINK_END, IM_END = QWEN3_6_IDS["think_end"], QWEN3_6_IDS["im_end"]

@@ -13,7 +13,8 @@ import json
 
 import pytest
 
-from dflash_assets.engines import GenerationConfig, OpenAIEngine, hf_generation_settings, local_engine_server
+from dflash_assets.generation.engines import GenerationConfig, OpenAIEngine, hf_generation_settings
+from dflash_assets.generation.server import local_engine_server
 
 MESSAGES = [{"role": "user", "content": "Give me three ideas for a birthday party."}]
 

@@ -11,15 +11,15 @@ import torch
 from pydantic import ValidationError
 
 from dflash_assets.target.chat_template import default_chat_template, template_hash
+from dflash_assets.embedded.defaults import default_target_spec
 from dflash_assets.target.spec import (
     TargetFacts,
     TargetModelError,
     TargetModelSpec,
-    default_target_spec,
     dflash_target_layer_ids,
     text_config_of,
 )
-from dflash_assets.tokenizer import build_qwen3_6_tokenizer, tokenizer_hash
+from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer, tokenizer_hash
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import dflash_assets.tiny_target_training as TR
-import dflash_assets.tiny_targets as TT
+import dflash_assets.embedded.tiny_target_training as TR
+import dflash_assets.embedded.tiny_targets as TT
 from dflash_assets.target.chat_template import default_chat_template
-from dflash_assets.tokenizer import QWEN3_6_MASK_TOKEN_ID, build_qwen3_6_tokenizer, tokenizer_hash
+from dflash_assets.target.tokenizer import QWEN3_6_MASK_TOKEN_ID, build_qwen3_6_tokenizer, tokenizer_hash
 
 THINK_END, IM_END, ENDOFTEXT = 248_069, 248_046, 248_044
 
@@ -256,7 +256,7 @@ def test_teach_chat_format_touches_only_data_rows_and_restores_threads():
 
 @pytest.mark.slow  # one fresh build (the other process waits on the lock): ~45 s on one core
 def test_concurrent_builds_are_atomic_and_deterministic(tmp_path, tiny_dense_target):
-    code = "import sys; from dflash_assets.tiny_targets import tiny_target_path; print(tiny_target_path('dense', sys.argv[1]))"
+    code = "import sys; from dflash_assets.embedded.tiny_targets import tiny_target_path; print(tiny_target_path('dense', sys.argv[1]))"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True) for _ in range(2)]
     paths = {p.communicate(timeout=120)[0].strip() for p in procs}
@@ -281,7 +281,7 @@ def test_reuse_new_key_and_failed_build(tmp_path, monkeypatch):
     assert TT.tiny_target_path("dense", tmp_path) == first and calls == ["dense"]
     marker = json.loads((first / TT.COMPLETE_MARKER).read_text())
     assert first.name == f"dense-{marker['fingerprint']['digest']}"  # the key is the fingerprint of the build
-    assert "dflash_assets.tiny_target_training" in marker["fingerprint"]["modules"]
+    assert "dflash_assets.embedded.tiny_target_training" in marker["fingerprint"]["modules"]
     monkeypatch.setitem(TT.TINY_TARGET_SETTINGS, "dense", dict(TT.TINY_TARGET_SETTINGS["dense"], rms_norm_eps=1e-5))
     second = TT.tiny_target_path("dense", tmp_path)
     assert second != first and second.name.startswith("dense-") and calls == ["dense", "dense"]

@@ -45,7 +45,7 @@ def completions(conversations, ids=None) -> pa.Table:
 
 @pytest.fixture(scope="module")
 def tok():
-    from dflash_assets.tokenizer import build_qwen3_6_tokenizer
+    from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
 
     return build_qwen3_6_tokenizer()
 

@@ -46,7 +46,7 @@ import pyarrow as pa
 from dflash_assets.store import layout
 from dflash_assets.chart_data import binned_counts
 from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, NoEngineAvailable
-from dflash_assets.engines import ChatResult, Engine, GenerationConfig, json_dumps, json_loads
+from dflash_assets.generation.engines import ChatResult, Engine, GenerationConfig, json_dumps, json_loads
 
 __all__ = [
     "GenerationConfig",

@@ -38,7 +38,7 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence, TypeV
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dflash_assets.engines import (
+from dflash_assets.generation.engines import (
     ChatResult,
     Engine,
     EngineError,

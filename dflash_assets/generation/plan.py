@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, run_sync
-from dflash_assets.engines import Engine, EngineError, GenerationConfig
+from dflash_assets.generation.engines import Engine, EngineError, GenerationConfig
 
 __all__ = [
     "EndpointThroughput",

@@ -625,7 +625,7 @@ class CaptureSpec:
     max_part_bytes: int = 16 * 2**30  # hidden bytes per file before splitting into parts
     budget_bytes: int | None = None  # refuse to compute when used + this partition would exceed it
     compile: bool | None = None      # torch.compile norms + MLPs; None: on CUDA devices (see compile_elementwise)
-    tokenizer_hash: str = ""         # default: dflash_assets.tokenizer.tokenizer_hash of the target dir's tokenizer
+    tokenizer_hash: str = ""         # default: dflash_assets.target.tokenizer.tokenizer_hash of the target dir's tokenizer
     upstream_data_version: str = ""
     queue_depth: int = 2
     fsync: bool = True
@@ -667,13 +667,13 @@ class CaptureResult:
 
 
 def _tokenizer_hash(target: str) -> str:
-    """``dflash_assets.tokenizer.tokenizer_hash`` of the target directory's tokenizer, "" when it has none."""
+    """``dflash_assets.target.tokenizer.tokenizer_hash`` of the target directory's tokenizer, "" when it has none."""
     d = Path(target)
     if not (d.is_dir() and ((d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file())):
         return ""
     from transformers import AutoTokenizer
 
-    from dflash_assets.tokenizer import tokenizer_hash
+    from dflash_assets.target.tokenizer import tokenizer_hash
 
     return tokenizer_hash(AutoTokenizer.from_pretrained(str(d)))
 

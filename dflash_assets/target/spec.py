@@ -43,7 +43,7 @@ from dflash_assets.target.conventions import (
     dflash_target_layer_ids,
     resolve_mask_token_id,
 )
-from dflash_assets.tokenizer import QWEN3_6_MASK_TOKEN, tokenizer_hash
+from dflash_assets.target.tokenizer import QWEN3_6_MASK_TOKEN, tokenizer_hash
 
 if TYPE_CHECKING:
     import torch
@@ -304,10 +304,3 @@ class TargetModelSpec(BaseModel):
             "mask": [self.mask_token, self.mask_token_id, self.add_mask_token],
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def default_target_spec(cache_dir: str | Path | None = None) -> TargetModelSpec:
-    """The embedded default: the tiny dense Qwen3 target (built on first use), float32 for CPU."""
-    from dflash_assets.tiny_targets import tiny_target_path
-
-    return TargetModelSpec(model_path=str(tiny_target_path("dense", cache_dir)), dtype="float32")

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from dflash_assets.engines import EngineServer, embedded_default_target, local_engine_server
+from dflash_assets.embedded.defaults import embedded_default_target, embedded_engine_server
+from dflash_assets.generation.server import EngineServer
 
 __all__ = ["EmbeddedEngine", "EMBEDDED_ENGINE_CONCURRENCY", "is_embedded_target"]
 
@@ -82,7 +83,7 @@ class EmbeddedEngine:
         for attempt in range(1, self.attempts + 1):
             fd, log_path = tempfile.mkstemp(prefix="dflash-embedded-engine-", suffix=".log")
             os.close(fd)
-            server = local_engine_server("transformers", port=0, log_path=log_path)
+            server = embedded_engine_server("transformers", port=0, log_path=log_path)
             self.log(f"starting the embedded engine (attempt {attempt}/{self.attempts}): {server.command}")
             t0 = time.monotonic()
             try:

@@ -80,7 +80,7 @@ def _training_files(store: Any, recipe: DrafterRecipe, shards: list[str]) -> lis
 
 
 def default_work_dir() -> Path:
-    from dflash_assets.tokenizer import default_cache_root
+    from dflash_assets.target.tokenizer import default_cache_root
 
     return default_cache_root() / "train"
 
@@ -193,7 +193,7 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
 
 def pipes_stage_train(call: Any) -> Any:
     """``python -m dflash_assets.pipes_worker drafter_checkpoint``."""
-    from dflash_assets.pipes_worker import StageResult
+    from dflash_assets.stage_io import StageResult
     from dflash_assets.target.spec import TargetModelSpec
 
     cfg = dict(call.config)
@@ -204,7 +204,7 @@ def pipes_stage_train(call: Any) -> Any:
 
 def pipes_stage_eval(call: Any) -> Any:
     """``python -m dflash_assets.pipes_worker drafter_eval``; reports the ``lossless`` check."""
-    from dflash_assets.pipes_worker import CheckOutcome, StageResult
+    from dflash_assets.stage_io import CheckOutcome, StageResult
     from dflash_assets.target.spec import TargetModelSpec
 
     cfg = dict(call.config)

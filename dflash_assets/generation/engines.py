@@ -22,13 +22,10 @@
 Every engine answers ``probe()`` (health, served model, latency) and
 ``chat(messages, generation) -> ChatResult``; failures raise ``EngineError``
 whose ``retryable``/``connection`` flags drive the fleet's retry and failover
-(``engine_fleet.py``). ``GenerationConfig`` (pydantic) holds the sampling
+(``generation.fleet``). ``GenerationConfig`` (pydantic) holds the sampling
 settings and gives the ``config_hash`` stored with every completion row.
 
-Also here: the launch command of a server for a target
-(``engine_server_command``) and ``EngineServer``, which starts one on this
-host and waits until it is healthy and serves the target (used by the
-``dflash engine`` CLI and the demo).
+Starting a server on a host is ``generation.server``'s job.
 
 Reads: HTTP endpoints, a tokenizer object (for the native and in-process
 paths), a model directory (in-process path). Writes nothing.
@@ -42,10 +39,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shlex
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,10 +74,6 @@ __all__ = [
     "normalize_model_id",
     "hf_generation_settings",
     "split_reasoning_text",
-    "engine_server_command",
-    "EngineServer",
-    "local_engine_server",
-    "embedded_default_target",
 ]
 
 EngineKind = Literal["sglang", "openai", "transformers"]
@@ -716,180 +705,3 @@ class TransformersEngine(Engine):
         reasoning, content = self.tok.split_output_ids(out, generation.enable_thinking, generation.stop_token_ids)
         return ChatResult(content, reasoning, finish, len(ids), len(out), time.perf_counter() - t0, self.url,
                           self.model_path)
-
-
-# ----------------------------------------------------------------------------
-# Launching a server on this host
-
-
-def engine_server_command(kind: Literal["sglang", "transformers"], model_path: str | os.PathLike, *, port: int,
-                          host: str = "127.0.0.1", tp: int = 1, served_model_name: str | None = None,
-                          reasoning_parser: str = "qwen3", extra_args: Sequence[str] = (),
-                          python: str | None = None) -> list[str]:
-    """argv that serves ``model_path`` on ``host:port``.
-
-    - ``sglang``: ``python -m sglang.launch_server --model-path P --port N
-      --tp T --host H --reasoning-parser qwen3`` (speak to it with kind
-      ``sglang`` at ``/generate`` or kind ``openai``).
-    - ``transformers``: ``transformers serve P --host H --port N`` (pinned to P,
-      which it loads at start; OpenAI-compatible, kind ``openai``).
-    """
-    python = python or sys.executable
-    model_path = str(model_path)
-    if kind == "sglang":
-        argv = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--port", str(port),
-                "--tp", str(tp), "--host", host, "--reasoning-parser", reasoning_parser]
-        if served_model_name:
-            argv += ["--served-model-name", served_model_name]
-    elif kind == "transformers":
-        exe = Path(python).with_name("transformers")
-        head = [str(exe)] if exe.exists() else [python, "-m", "transformers.cli.transformers"]
-        argv = head + ["serve", model_path, "--host", host, "--port", str(port)]
-    else:
-        raise ValueError(f"unknown server kind {kind!r}; expected sglang or transformers")
-    return argv + list(extra_args)
-
-
-class EngineServer:
-    """A server process started on this host; ``start()`` returns once it is healthy and serves the model.
-
-    Use as a context manager (stops the process on exit) or call
-    ``start``/``stop``. ``endpoint_kind`` is the fleet kind to reach it with.
-    """
-
-    def __init__(self, argv: Sequence[str], *, url: str, endpoint_kind: EngineKind, expect_model: str,
-                 log_path: str | os.PathLike | None = None, env: dict | None = None):
-        self.argv = list(argv)
-        self.url = url.rstrip("/")
-        self.endpoint_kind = endpoint_kind
-        self.expect_model = expect_model
-        self.log_path = Path(log_path) if log_path else None
-        self.env = env
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def command(self) -> str:
-        return shlex.join(self.argv)
-
-    def endpoint_config(self, max_concurrency: int | None = None):
-        """The fleet's ``EndpointConfig`` for this server."""
-        from dflash_assets.generation.fleet import EndpointConfig
-
-        if max_concurrency is None:
-            max_concurrency = 64 if self.endpoint_kind == "sglang" else 4
-        return EndpointConfig(url=self.url, kind=self.endpoint_kind, max_concurrency=max_concurrency)
-
-    def start(self, wait_s: float = 600.0, detach: bool = False) -> "EngineServer":
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        try:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **(self.env or {})}, start_new_session=detach)
-        finally:
-            if self.log_path:
-                log.close()
-        try:
-            self.wait_ready(wait_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def wait_ready(self, wait_s: float) -> EngineProbe:
-        """Poll until the server answers its probe and serves ``expect_model``."""
-        deadline = time.monotonic() + wait_s
-        last = "not started"
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"engine server exited with code {self.proc.returncode}: {self.command}"
-                                   + (f" (log: {self.log_path})" if self.log_path else ""))
-            from dflash_assets.generation.fleet import run_sync
-
-            probe = run_sync(_probe_once(self.endpoint_kind, self.url))
-            if probe.healthy and probe.served_models:
-                want = normalize_model_id(self.expect_model)
-                if any(normalize_model_id(m) == want for m in probe.served_models):
-                    return probe
-                last = f"serves {probe.served_models}, expected {self.expect_model}"
-            else:
-                last = probe.error or "unhealthy"
-            time.sleep(0.5)
-        raise TimeoutError(f"engine at {self.url} not ready after {wait_s:.0f}s ({last}): {self.command}")
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout_s)
-
-    def __enter__(self) -> "EngineServer":
-        if self.proc is None:
-            self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-async def _probe_once(kind: EngineKind, url: str) -> EngineProbe:
-    engine: Engine
-    if kind == "sglang":
-        engine = _IdentityOnlySGLang(url, probe_timeout_s=5.0)
-    else:
-        engine = OpenAIEngine(url, probe_timeout_s=5.0)
-    async with engine:
-        return await engine.probe()
-
-
-class _IdentityOnlySGLang(SGLangEngine):
-    """SGLang probe without a tokenizer (for readiness checks only; cannot chat)."""
-
-    def __init__(self, url: str, **kwargs):
-        Engine.__init__(self, url, **kwargs)
-
-
-def default_server_port(kind: str) -> int:
-    return 30000 if kind == "sglang" else 8000
-
-
-def embedded_default_target() -> Path:
-    """The tiny dense target (random weights), the engine of the embedded default."""
-    from dflash_assets.tiny_targets import tiny_target_path
-
-    return tiny_target_path("dense")
-
-
-def local_engine_server(kind: Literal["sglang", "transformers"] = "transformers",
-                        target: str | os.PathLike | None = None, *, port: int | None = None, host: str = "127.0.0.1",
-                        tp: int = 1, served_model_name: str | None = None, log_path: str | os.PathLike | None = None,
-                        extra_args: Sequence[str] = ()) -> EngineServer:
-    """An ``EngineServer`` (not started) for ``target`` on this host; the tiny dense target when None.
-
-    ``kind='transformers'`` runs ``transformers serve`` (reach it with
-    endpoint kind ``openai``); ``kind='sglang'`` runs SGLang (endpoint kind
-    ``sglang``). ``port=0`` picks a free port.
-    """
-    model = str(target) if target is not None else str(embedded_default_target())
-    if kind == "transformers" and target is None and "--dtype" not in extra_args:
-        # The tiny target's weights are bf16; on CPU, float32 decodes several times faster.
-        extra_args = [*extra_args, "--dtype", "float32"]
-    if port is None:
-        port = default_server_port(kind)
-    if port == 0:
-        import socket
-
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-    argv = engine_server_command(kind, model, port=port, host=host, tp=tp, served_model_name=served_model_name,
-                                 extra_args=extra_args)
-    env = None
-    if kind == "transformers" and "OMP_NUM_THREADS" not in os.environ:
-        # torch's default (one OpenMP thread per core) spin-waits when the host is shared: on a
-        # busy 2-core machine 32 tokens of the tiny target took 10.8 s with 2 threads, 0.9 s with 1.
-        env = {"OMP_NUM_THREADS": str(max(1, min(4, (os.cpu_count() or 2) // 2)))}
-    return EngineServer(argv, url=f"http://{host}:{port}", endpoint_kind="sglang" if kind == "sglang" else "openai",
-                        expect_model=served_model_name or model, log_path=log_path, env=env)

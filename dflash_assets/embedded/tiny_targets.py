@@ -1,7 +1,7 @@
 """Tiny targets for tests and the embedded default: random init, then taught the chat format.
 
 Builds, once per machine, two deterministic causal LMs that use the Qwen3.5/3.6
-tokenizer of `dflash_assets.tokenizer` and load with
+tokenizer of `dflash_assets.target.tokenizer` and load with
 `AutoModelForCausalLM.from_pretrained(dir)`:
 
 - "dense":  `qwen3` (Qwen3ForCausalLM), 8 layers, hidden 64, 4 heads, 2 KV heads,
@@ -59,8 +59,8 @@ from typing import Literal
 
 from dflash_assets.cache_keys import Fingerprint, build_fingerprint
 from dflash_assets.target.chat_template import DEFAULT_TEMPLATE_NAME, TEMPLATES_DIR, default_chat_template
-from dflash_assets.tiny_target_training import ChatFormatTraining, sharegpt_data_file, teach_chat_format
-from dflash_assets.tokenizer import (
+from dflash_assets.embedded.tiny_target_training import ChatFormatTraining, sharegpt_data_file, teach_chat_format
+from dflash_assets.target.tokenizer import (
     QWEN3_6_EOS_TOKEN,
     QWEN3_6_MASK_TOKEN_ID,
     QWEN3_6_PAD_TOKEN,

@@ -1,0 +1,130 @@
+"""The library's shape: stage packages in data-flow order, imports only downward, no cycles, module docstrings.
+
+Reads the source with `ast` (imports inside functions count too), so what an
+editor or an import-graph tool sees is what is checked.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dflash_assets"
+
+# Each top-level unit of the library and its floor: a unit may import only units on its floor or below.
+FLOORS = {
+    "store": 0, "cache_keys": 0, "chart_data": 0, "stage_io": 0,  # foundations
+    "prompts": 1,
+    "target": 2,
+    "generation": 3,
+    "tokenization": 4,
+    "hidden_states": 5,
+    "drafter": 6,
+    "embedded": 7,  # the tiny targets and the embedded engine: built from the stages below
+    "testing": 7,
+    "pipes_worker": 8, "cli": 8,  # entry points
+}
+# The stages in data-flow order (the target package serves them all, the embedded default sits on top).
+STAGES = ["prompts", "target", "generation", "tokenization", "hidden_states", "drafter", "embedded"]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules that `name` imports, anywhere in the file (relative imports resolved)."""
+    found = set()
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name and t != "dflash_assets":
+                found.add(t)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items() if name != "dflash_assets"}
+
+
+def _unit(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_every_module_belongs_to_a_known_unit():
+    units = {_unit(m) for m in _graph()}
+    assert units == set(FLOORS), f"new units must get a floor: {sorted(units ^ set(FLOORS))}"
+
+
+def test_imports_only_go_down_the_floors():
+    upward = sorted(f"{src} -> {dst}" for src, dsts in _graph().items() for dst in dsts
+                    if FLOORS[_unit(dst)] > FLOORS[_unit(src)])
+    assert upward == []
+
+
+def test_no_import_cycles_between_modules():
+    graph = _graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+def test_floors_are_at_most_the_stages_plus_two():
+    graph = _graph()
+    units: dict[str, set[str]] = {}
+    for src, dsts in graph.items():
+        units.setdefault(_unit(src), set()).update(_unit(d) for d in dsts if _unit(d) != _unit(src))
+    depth: dict[str, int] = {}
+
+    def floor(unit: str) -> int:
+        if unit not in depth:
+            depth[unit] = 1 + max((floor(d) for d in units.get(unit, ())), default=0)
+        return depth[unit]
+
+    floors = max(floor(u) for u in units)
+    assert floors <= len(STAGES) + 2, (floors, depth)  # measured: 5 (2026-12-01)
+
+
+def test_every_module_opens_with_a_docstring():
+    missing = [name for name, path in _modules().items() if not ast.get_docstring(ast.parse(path.read_text()))]
+    assert missing == []
+
+
+def test_the_library_imports_no_dagster():
+    offenders = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(m == "dagster" or m.startswith(("dagster.", "dagster_")) and m != "dagster_pipes" for m in mods):
+                offenders.append(name)
+    assert offenders == []
