@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -27,8 +28,9 @@ def test_roundtrip_and_listing(store):
     store.write_bytes("a/two.bin", b"22")
     store.write_json("meta/x.json", {"k": [1, 2]})
     table = pa.table({"x": pa.array([1, 2, 3], pa.int32()), "s": ["a", "b", "c"]})
-    store.write_parquet("t/p.parquet", table)
+    digest = store.write_parquet("t/p.parquet", table)
 
+    assert digest == hashlib.sha256(store.read_bytes("t/p.parquet")).hexdigest()  # the writer's data version
     assert store.read_bytes("a/b/one.bin") == b"1"
     assert store.list("a") == ["a/b/one.bin", "a/two.bin"]
     assert store.read_json("meta/x.json") == {"k": [1, 2]}

@@ -9,7 +9,6 @@ written to ``tokenized_samples/<shard>.quality.json``, which the GPU stages
 verify wherever they run.
 """
 
-import hashlib
 
 import dagster as dg
 
@@ -80,8 +79,7 @@ def tokenized_samples(context: dg.AssetExecutionContext, config: TokenizeStageCo
     encoder, renderer = _encoder_and_renderer(spec)
     table, stats = tokenize_completions(st.read_parquet(layout.completions(shard)), encoder,
                                         config.to_library(), template=renderer)
-    st.write_parquet(layout.tokenized_samples(shard), table)
-    version = hashlib.sha256(st.read_bytes(layout.tokenized_samples(shard))).hexdigest()[:16]
+    version = st.write_parquet(layout.tokenized_samples(shard), table)[:16]  # the writer returns its sha256
     outcomes = evaluate_quality(table, config.thresholds(thinking_requested=target.enable_thinking))
     write_quality_gate(st, shard, outcomes, version)
     context.log.info(f"{shard}: {stats.samples} samples from {stats.conversations} conversations, "

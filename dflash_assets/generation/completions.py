@@ -179,6 +179,7 @@ class CompletionsResult:
     output_key: str
     failed_key: str
     config_hash: str
+    sha256: str  # of the published completions file: its data version
 
 
 # ----------------------------------------------------------------------------
@@ -457,7 +458,7 @@ async def aregenerate_shard(
     table = _rows_to_table(rows)
     failed_rows = [failed[pid] for pid in order if pid in failed]
     failed_table = pa.Table.from_pylist(failed_rows, schema=failed_schema())
-    await asyncio.to_thread(store.write_parquet, layout.completions(shard), table)
+    digest = await asyncio.to_thread(store.write_parquet, layout.completions(shard), table)
     await asyncio.to_thread(store.write_parquet, layout.completions_failed(shard), failed_table)
     if not failed_rows and not keep_journal:
         await asyncio.to_thread(journal.clear)
@@ -472,8 +473,8 @@ async def aregenerate_shard(
     stats.wall_s = time.perf_counter() - t_start
     stats.tokens_per_s = stats.completion_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
     emit_progress()
-    return CompletionsResult(shard, table, failed_table, stats, probe, layout.completions(shard), layout.completions_failed(shard),
-                             config_hash)
+    return CompletionsResult(shard, table, failed_table, stats, probe, layout.completions(shard),
+                             layout.completions_failed(shard), config_hash, digest)
 
 
 def regenerate_shard(

@@ -66,10 +66,13 @@ class _StoreHelpers:
 
     uri: str
 
-    def write_parquet(self, key: str, table: pa.Table, **kwargs: Any) -> None:
+    def write_parquet(self, key: str, table: pa.Table, **kwargs: Any) -> str:
+        """Publish ``table`` as Parquet at ``key``; returns the sha256 (hex) of the bytes written: its data version."""
         buf = io.BytesIO()
         pq.write_table(table, buf, compression=kwargs.pop("compression", "zstd"), **kwargs)
-        self.write_bytes(key, buf.getvalue())  # type: ignore[attr-defined]
+        data = buf.getvalue()
+        self.write_bytes(key, data)  # type: ignore[attr-defined]
+        return hashlib.sha256(data).hexdigest()
 
     def read_parquet(self, key: str, columns: list[str] | None = None) -> pa.Table:
         return pq.read_table(pa.BufferReader(self.read_bytes(key)), columns=columns)  # type: ignore[attr-defined]
