@@ -50,3 +50,18 @@ def test_completions_without_any_engine_fail_at_once_with_the_probe_table(tmp_pa
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     message = str(failure.event_specific_data.error)
     assert "| endpoint |" in message and "127.0.0.1:9" in message
+
+
+def test_completions_probe_each_endpoint_once_and_log_the_table(tmp_path, tiny_dense_target):
+    with LoopbackServer(model_path=str(tiny_dense_target)) as engine:
+        resources = {**defs.resources, "store": StoreResource(uri=str(tmp_path / "store")),
+                     "engines": EngineFleetResource(endpoints=[f"sglang:{engine.url}"], max_concurrency=2)}
+        with dg.instance_for_test() as instance:
+            _ingest(instance, resources, tmp_path, 4)
+            (shard,) = instance.get_dynamic_partitions("prompt_shards")
+            result = dg.materialize(defs.assets, selection=["raw_prompts", "completions"], partition_key=shard,
+                                    instance=instance, resources=resources,
+                                    run_config={"ops": {"completions": {"config": {"max_new_tokens": 16}}}})
+            logs = [e.user_message for e in instance.all_logs(result.run_id) if e.user_message]
+        assert engine.stats.model_info_requests == 1  # one probe per materialization, not one in the asset and one in the library
+    assert sum("engine probe:" in m and "| endpoint |" in m for m in logs) == 1

@@ -16,7 +16,7 @@ from dagster_project.partitions import prompt_shards
 from dagster_project.resources import EngineFleetResource, StoreResource, TargetModelResource
 from dagster_project.versions import code_version
 from dflash_assets.generation.completions import regenerate_shard, response_length_histogram
-from dflash_assets.generation.fleet import NoEngineAvailable, probe_fleet
+from dflash_assets.generation.fleet import NoEngineAvailable
 from dflash_assets.generation.plan import mean_output_tokens, plan_generation
 from dflash_assets.prompts.ingest import corpus_prompt_count
 from dflash_assets.store import layout
@@ -37,12 +37,12 @@ def completions(context: dg.AssetExecutionContext, config: GenerationStageConfig
     shard, st, spec = context.partition_key, store.open(), target.spec()
     fleet = engines.fleet_config(target_model=spec.model_path)
     tokenizer = spec.load_tokenizer()
-    context.log.info(f"engine probe:\n{probe_fleet(fleet, tokenizer).markdown()}")
     try:
         result = regenerate_shard(
             st.read_parquet(layout.raw_prompts(shard)), shard=shard, store=st, fleet=fleet,
             generation=config.to_library(enable_thinking=target.enable_thinking), tokenizer=tokenizer,
             progress=lambda update: context.log.info(str(update)),
+            on_probe=lambda probe: context.log.info(f"engine probe:\n{probe.markdown()}"),
         )
     except NoEngineAvailable as e:  # nothing serves the target: fail now, no retry, no slow fallback
         raise dg.Failure(description=str(e), allow_retries=False) from e

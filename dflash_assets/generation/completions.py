@@ -351,6 +351,7 @@ async def aregenerate_shard(
     generation: GenerationConfig,
     tokenizer: Any = None,
     progress: Callable[[ProgressUpdate], None] | None = None,
+    on_probe: Callable[[FleetProbe], None] | None = None,
     progress_interval_s: float = 5.0,
     flush_every: int = 64,
     flush_interval_s: float = 10.0,
@@ -442,6 +443,8 @@ async def aregenerate_shard(
         try:
             async with fleet_runner:
                 probe = fleet_runner.probe
+                if on_probe is not None and probe is not None:  # the one probe of this run, before any work
+                    on_probe(probe)
                 run = await fleet_runner.run(tasks, on_done=on_done, on_failed=on_failed)  # type: ignore[arg-type]
             stats.requests, stats.retries, stats.failovers = run.requests, run.retries, run.failovers
             stats.endpoints = {url: asdict(ep) for url, ep in run.endpoints.items()}
@@ -486,6 +489,7 @@ def regenerate_shard(
     generation: GenerationConfig,
     tokenizer: Any = None,
     progress: Callable[[ProgressUpdate], None] | None = None,
+    on_probe: Callable[[FleetProbe], None] | None = None,
     progress_interval_s: float = 5.0,
     flush_every: int = 64,
     flush_interval_s: float = 10.0,
@@ -502,7 +506,8 @@ def regenerate_shard(
     keeps what was done).
     """
     return _run(aregenerate_shard(prompts, shard=shard, store=store, fleet=fleet, generation=generation,
-                                  tokenizer=tokenizer, progress=progress, progress_interval_s=progress_interval_s,
+                                  tokenizer=tokenizer, progress=progress, on_probe=on_probe,
+                                  progress_interval_s=progress_interval_s,
                                   flush_every=flush_every, flush_interval_s=flush_interval_s,
                                   keep_journal=keep_journal))
 

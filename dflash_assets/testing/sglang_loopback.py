@@ -90,6 +90,7 @@ class _Stats:
     generate_requests: int = 0
     generate_prompts: int = 0
     chat_requests: int = 0
+    model_info_requests: int = 0  # identity probes (GET /get_model_info)
     failed: int = 0
     prompts_seen: dict[str, int] = field(default_factory=dict)
     last_body: dict | None = None
@@ -266,6 +267,7 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
         return web.Response(status=200)
 
     async def model_info(_request: "web.Request") -> "web.Response":
+        stats.model_info_requests += 1
         return jresp({"model_path": cfg.model_path, "tokenizer_path": cfg.model_path, "is_generation": True,
                       "preferred_sampling_params": None, "weight_version": "default"})
 
