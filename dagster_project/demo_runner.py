@@ -1,25 +1,111 @@
-"""The embedded default, materialized end to end (what ``make demo`` runs; tests call it too).
+"""The embedded default, materialized end to end (what ``make demo`` runs; tests and the reliability bench too).
 
 1. Builds the tiny target (cached) and starts ``transformers serve`` on it, on 127.0.0.1.
-2. Ingests the embedded ShareGPT file (all of it is read, counted and
-   quarantined; ``prompts`` valid prompts are kept, ``shard_size`` per shard).
+2. Ingests the first ``prompts`` valid prompts of the embedded ShareGPT file,
+   ``shard_size`` per shard (the ``prompt_corpus`` report says how many records were read).
 3. Per shard, one run: ``raw_prompts`` -> ``completions`` -> ``tokenized_samples``
    (with its blocking checks) -> ``hidden_state_cache``.
-4. Registers the recipe ``demo-v1`` (every shard but the last; the last is
+4. Registers the recipe ``demo-v1`` (every good shard but the last; the last is
    held out) and materializes ``drafter_checkpoint`` and ``drafter_eval``.
+
+Every run is recorded in the Dagster instance with its full event log; the
+console shows only what ``progress`` prints: one ``StageResult`` per asset
+and partition (ok / failed / skipped, seconds, a key number or two, read
+back from the run's events). ``run_demo`` returns a ``DemoSummary``: stages,
+check outcomes per shard, tau, and a plain-words explanation of every failure.
+Reads and writes only through the Dagster instance and the store resource.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import dagster as dg
 
 log = logging.getLogger("dflash.demo")
 
 PER_SHARD_ASSETS = ["raw_prompts", "completions", "tokenized_samples", "hidden_state_cache"]
+DRAFTER_ASSETS = ["drafter_checkpoint", "drafter_eval"]
+
+# The runs' console logger stays quiet: every event still goes to the instance's event log (the UI shows it).
+QUIET_CONSOLE = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+
+# What a failed check means and what to do next, in words (printed by the demo, kept in the summary).
+CHECK_ADVICE = {
+    "empty_response_ratio": (
+        "too many answers are stubs or empty (the reasoning never closed, or nothing came after </think>); "
+        "a drafter trained on them learns nothing, so the shard's GPU stage did not run",
+        "open the check in the UI (make ui -> tokenized_samples -> Checks) and read the example prompt_ids; "
+        "if turns were cut at max_new_tokens, raise it, else fix the engine or target; then materialize "
+        "completions and tokenized_samples of the shard again"),
+    "schema": (
+        "the samples table breaks its own invariants (column types, list lengths, mask sums)",
+        "this is a bug in tokenization: report it with the shard's tokenized_samples file"),
+    "thinking_ratio": (
+        "too few samples carry reasoning although thinking mode was requested",
+        "check that the engine renders the chat template with enable_thinking and splits the reasoning out"),
+    "truncation_ratio": (
+        "many samples were cut at max_length, so their ends are not trained on",
+        "raise tokenized_samples' max_length, or accept it for very long prompts"),
+}
+
+
+@dataclass
+class StageResult:
+    """One asset of one partition in one run, as the console shows it."""
+
+    asset: str
+    partition: str
+    status: str  # ok | failed | skipped
+    seconds: float | None
+    numbers: str = ""  # a key number or two, from the materialization's metadata
+    error: str | None = None  # first line of the step's error, when it failed
+    tau: float | None = None  # drafter_eval only: the acceptance length
+
+    def line(self) -> str:
+        secs = f"{self.seconds:5.0f} s" if self.seconds is not None else "      -"
+        detail = self.numbers if self.status == "ok" else (self.error or self.numbers)
+        return f"  {self.partition:<12} {self.asset:<19} {self.status:<7} {secs}  {detail}".rstrip()
+
+
+@dataclass
+class CheckOutcome:
+    name: str
+    passed: bool
+    blocking: bool
+    description: str
+
+
+@dataclass
+class DemoSummary:
+    shards: list[str]
+    failed_shards: list[str]
+    recipe: str | None
+    tau: float | None
+    drafter_ok: bool
+    stages: list[StageResult] = field(default_factory=list)
+    checks: dict[str, list[CheckOutcome]] = field(default_factory=dict)  # by partition (shard or recipe)
+    failures: list[str] = field(default_factory=list)  # what failed, what it means, what to do
+    wall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def __getitem__(self, key: str) -> Any:  # summary["tau"], as callers of the dict it used to be write
+        return getattr(self, key)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "shards": self.shards, "failed_shards": self.failed_shards, "recipe": self.recipe, "tau": self.tau,
+            "drafter_ok": self.drafter_ok, "ok": self.ok, "failures": self.failures, "wall_s": round(self.wall_s, 1),
+            "stages": [vars(s) for s in self.stages],
+            "checks": {shard: {c.name: {"passed": c.passed, "blocking": c.blocking, "description": c.description}
+                               for c in checks} for shard, checks in self.checks.items()},
+        }
 
 
 def demo_recipe(shards: list[str]):
@@ -30,19 +116,28 @@ def demo_recipe(shards: list[str]):
                          max_length=1024, partitions=tuple(train), save_every=20)
 
 
-def demo_run_config(max_new_tokens: int, max_turns: int) -> dict[str, Any]:
+def demo_run_config(max_new_tokens: int, max_turns: int, seed: int = 0) -> dict[str, Any]:
     return {"ops": {"completions": {"config": {"max_new_tokens": max_new_tokens, "max_turns": max_turns,
-                                               "seed": 0}}}}
+                                               "seed": seed}}}}
 
 
 def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int = 8, max_new_tokens: int = 96,
-             max_turns: int = 2, engine_concurrency: int = 2, eval_prompts: int = 4,
-             eval_new_tokens: int = 48, store: Any = None) -> dict[str, Any]:
+             max_turns: int = 2, engine_concurrency: int = 2, eval_prompts: int = 4, eval_new_tokens: int = 48,
+             seed: int = 0, drafter: bool = True, store: Any = None,
+             progress: Callable[[StageResult], None] | None = None) -> DemoSummary:
+    """Materialize the whole graph on the embedded default; see the module docstring.
+
+    ``seed`` is the completions' sampling seed; ``drafter=False`` stops after the
+    per-shard stages. ``progress`` gets every ``StageResult`` as soon as its run ends.
+    """
     from dagster_project.definitions import defs
     from dagster_project.partitions import register_recipe
     from dagster_project.resources import EngineFleetResource
     from dflash_assets.embedded.defaults import embedded_engine_server
 
+    t_start = time.time()
+    report = progress or (lambda stage: log.info(stage.line()))
+    summary = DemoSummary(shards=[], failed_shards=[], recipe=None, tau=None, drafter_ok=False)
     server = embedded_engine_server("transformers", port=0)  # the tiny target, on 127.0.0.1
     log.info("starting the engine: %s", server.command)
     with server:
@@ -50,32 +145,127 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
             endpoints=[f"openai:{server.url}"], max_concurrency=engine_concurrency)}
         if store is not None:  # a StoreResource, e.g. s3://... (tests run the whole graph on moto's S3)
             resources["store"] = store
-        assets = defs.assets
 
-        def materialize(selection, partition_key=None, run_config=None) -> dg.ExecuteInProcessResult:
-            t0 = time.time()
-            result = dg.materialize(assets, selection=selection, partition_key=partition_key, instance=instance,
-                                    resources=resources, run_config=run_config or {}, raise_on_error=False)
-            log.info("%s %s: %s in %.0f s", selection, partition_key or "", "ok" if result.success else "FAILED",
-                     time.time() - t0)
-            return result
+        def materialize(selection: list[str], partition: str | None, run_config: dict[str, Any]) -> list[StageResult]:
+            result = dg.materialize(defs.assets, selection=selection, partition_key=partition, instance=instance,
+                                    resources=resources, run_config={**run_config, **QUIET_CONSOLE},
+                                    raise_on_error=False)
+            stages = _stage_results(instance, result, selection, partition or "")
+            for stage in stages:
+                summary.stages.append(stage)
+                report(stage)
+            checks = _check_outcomes(result)
+            if checks:
+                summary.checks[partition or ""] = checks
+            return stages
 
-        materialize(["prompt_corpus"], run_config={"ops": {"prompt_corpus": {"config": {
+        corpus = materialize(["prompt_corpus"], None, {"ops": {"prompt_corpus": {"config": {
             "limit": prompts, "max_prompts_per_shard": shard_size}}}})
-        shards = sorted(instance.get_dynamic_partitions("prompt_shards"))
-        failed = [s for s in shards
-                  if not materialize(PER_SHARD_ASSETS, s, demo_run_config(max_new_tokens, max_turns)).success]
-        good = [s for s in shards if s not in failed]
-        if not good:
-            raise RuntimeError(f"every shard failed: {failed}; see the runs in the UI (make ui)")
+        if corpus[0].status != "ok":
+            summary.failures.append(f"prompt_corpus failed: {corpus[0].error}. Nothing else ran.")
+            summary.wall_s = time.time() - t_start
+            return summary
+        summary.shards = sorted(instance.get_dynamic_partitions("prompt_shards"))
+        for shard in summary.shards:
+            stages = materialize(PER_SHARD_ASSETS, shard, demo_run_config(max_new_tokens, max_turns, seed))
+            if any(s.status != "ok" for s in stages):
+                summary.failed_shards.append(shard)
+                summary.failures += _explain_shard(shard, stages, summary.checks.get(shard, []))
+    good = [s for s in summary.shards if s not in summary.failed_shards]
+    if drafter and not good:
+        summary.failures.append("no shard passed its checks, so no drafter was trained.")
+    elif drafter:
+        recipe = demo_recipe(good)
+        register_recipe(instance, resources["store"].open(), recipe)
+        summary.recipe = recipe.name
+        stages = materialize(DRAFTER_ASSETS, recipe.name, {"ops": {"drafter_eval": {"config": {
+            "num_prompts": eval_prompts, "max_new_tokens": eval_new_tokens}}}})
+        summary.drafter_ok = all(s.status == "ok" for s in stages)
+        summary.tau = next((s.tau for s in stages if s.asset == "drafter_eval" and s.tau is not None), None)
+        for check in summary.checks.get(recipe.name, []):
+            if not check.passed:
+                summary.failures.append(f"recipe {recipe.name}: check {check.name} failed: {check.description}. "
+                                        f"See it in the UI (make ui -> drafter_eval -> Checks).")
+        for stage in stages:
+            if stage.status != "ok":
+                summary.failures.append(f"{stage.asset} of recipe {recipe.name} {stage.status}: "
+                                        f"{stage.error or 'an upstream step failed'}. See the run in the UI (make ui).")
+    summary.wall_s = time.time() - t_start
+    return summary
 
-    store = resources["store"].open()
-    recipe = demo_recipe(good)
-    register_recipe(instance, store, recipe)
-    train = materialize(["drafter_checkpoint", "drafter_eval"], recipe.name, {"ops": {
-        "drafter_eval": {"config": {"num_prompts": eval_prompts, "max_new_tokens": eval_new_tokens}}}})
-    tau = None
-    for m in train.asset_materializations_for_node("drafter_eval") if train.success else []:
-        tau = m.metadata["tau"].value
-    return {"shards": shards, "failed_shards": failed, "recipe": recipe.name, "tau": tau,
-            "drafter_ok": train.success}
+
+# -- reading a run back -----------------------------------------------------------------------
+
+# The key numbers of each asset's materialization: (metadata key, format) pairs; missing keys are left out.
+_NUMBERS: dict[str, list[tuple[str, str]]] = {
+    "prompt_corpus": [("valid", "{} prompts"), ("num_shards", "{} shards"), ("records_read", "{} records read")],
+    "raw_prompts": [("num_prompts", "{} prompts"), ("num_user_turns", "{} user turns")],
+    "completions": [("prompts_done", "{} prompts done"), ("completion_tokens", "{} tokens"),
+                    ("tokens_per_s", "{:.0f} tok/s"), ("finish_length", "{} turns cut at max_new_tokens")],
+    "tokenized_samples": [("samples", "{} samples"), ("loss_tokens", "{} supervised tokens")],
+    "hidden_state_cache": [("num_tokens", "{} tokens"), ("gb", "{} GB")],
+    "drafter_checkpoint": [("steps", "{} steps"), ("final_loss", "final loss {:.2f}")],
+    "drafter_eval": [("tau", "tau {:.3f}"), ("lossless", "lossless {}")],
+}
+
+
+def _numbers(asset: str, metadata: dict[str, Any]) -> str:
+    parts = []
+    for key, fmt in _NUMBERS.get(asset, []):
+        if key in metadata:
+            value = getattr(metadata[key], "value", metadata[key])
+            try:
+                parts.append(fmt.format(value))
+            except (TypeError, ValueError):
+                parts.append(f"{key} {value}")
+    return ", ".join(parts)
+
+
+def _stage_results(instance: dg.DagsterInstance, result: dg.ExecuteInProcessResult, selection: list[str],
+                   partition: str) -> list[StageResult]:
+    started: dict[str, float] = {}
+    ended: dict[str, tuple[str, float, str | None]] = {}
+    for entry in instance.all_logs(result.run_id):
+        event = entry.dagster_event
+        if event is None or event.step_key is None:
+            continue
+        if event.event_type == dg.DagsterEventType.STEP_START:
+            started[event.step_key] = entry.timestamp
+        elif event.event_type == dg.DagsterEventType.STEP_SUCCESS:
+            ended[event.step_key] = ("ok", entry.timestamp, None)
+        elif event.event_type == dg.DagsterEventType.STEP_FAILURE:
+            error = event.step_failure_data.error
+            message = (error.message if error else "step failed").strip().splitlines()
+            ended[event.step_key] = ("failed", entry.timestamp, " ".join(message[:2])[:300])
+    stages = []
+    for asset in selection:
+        status, end, error = ended.get(asset, ("skipped", None, "not run: an upstream step failed"))
+        seconds = end - started[asset] if end is not None and asset in started else None
+        metadata = {}
+        for m in result.asset_materializations_for_node(asset):
+            metadata = dict(m.metadata)
+        stage = StageResult(asset, partition, status, seconds, _numbers(asset, metadata), error)
+        if asset == "drafter_eval" and "tau" in metadata:
+            stage.tau = float(getattr(metadata["tau"], "value", metadata["tau"]))
+        stages.append(stage)
+    return stages
+
+
+def _check_outcomes(result: dg.ExecuteInProcessResult) -> list[CheckOutcome]:
+    return [CheckOutcome(e.check_name, e.passed, bool(e.blocking), e.description or "")
+            for e in result.get_asset_check_evaluations()]
+
+
+def _explain_shard(shard: str, stages: list[StageResult], checks: list[CheckOutcome]) -> list[str]:
+    """Plain words for a failed shard: which check or stage, what it means, what to do next."""
+    lines = []
+    for check in checks:
+        if not check.passed:
+            meaning, todo = CHECK_ADVICE.get(check.name, ("the check failed", "open it in the UI (make ui)"))
+            kind = "blocking check" if check.blocking else "check"
+            lines.append(f"{shard}: {kind} {check.name} failed: {check.description}. What it means: {meaning}. "
+                         f"Next: {todo}.")
+    for stage in stages:
+        if stage.status == "failed" and not (stage.asset == "tokenized_samples" and lines):
+            lines.append(f"{shard}: {stage.asset} failed: {stage.error}. See the run in the UI (make ui).")
+    return lines or [f"{shard}: the run failed; see it in the UI (make ui)."]

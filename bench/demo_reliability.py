@@ -1,0 +1,109 @@
+"""Benchmark: does the demo pass its own checks on every run? Runs the demo's stages N times with varied seeds.
+
+Each run is what ``make demo`` does (``dagster_project.demo_runner.run_demo``:
+the tiny target served by ``transformers serve``, the first ``--prompts``
+ShareGPT prompts, ``--shard-size`` per shard, every per-shard stage with its
+checks), in a fresh Dagster home and store under a temp dir, with the
+completions' sampling seed ``--seed-base + i``. The drafter stages run only
+with ``--drafter`` (then tau is reported too). The tiny target comes from the
+cache (``$DFLASH_CACHE``), built once if missing; its build time is reported
+apart.
+
+Prints one JSON object: runs, failed partitions per run, every check's
+outcome per partition, wall time per run, tau per run (with ``--drafter``),
+totals, and the machine.
+
+    .venv/bin/python bench/demo_reliability.py --runs 10
+
+Reads: the cache. Writes: a temp dir (``--workdir`` to keep it), the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+
+def one_run(workdir: Path, index: int, args: argparse.Namespace) -> dict:
+    import dagster as dg
+
+    from dagster_project.demo_runner import run_demo
+    from dagster_project.instance_config import write_instance_yaml
+    from dagster_project.resources import StoreResource
+
+    home = workdir / f"run-{index:02d}"
+    home.mkdir(parents=True)
+    write_instance_yaml(home, "local")
+    seed = args.seed_base + index
+    t0 = time.time()
+    os.environ["DAGSTER_HOME"] = str(home)  # DagsterInstance.get() reads it
+    with dg.DagsterInstance.get() as instance:
+        summary = run_demo(instance, prompts=args.prompts, shard_size=args.shard_size, seed=seed,
+                           max_new_tokens=args.max_new_tokens, drafter=args.drafter,
+                           store=StoreResource(uri=str(home / "dflash-store")),
+                           progress=lambda s: print(f"run {index}:{s.line()}", file=sys.stderr, flush=True))
+    result = summary.to_dict()
+    return {"run": index, "seed": seed, "wall_s": round(time.time() - t0, 1), "ok": result["ok"],
+            "failed_partitions": result["failed_shards"], "checks": result["checks"], "tau": result["tau"],
+            "failures": result["failures"],
+            "stage_seconds": {f"{s['partition']}/{s['asset']}": round(s["seconds"] or 0.0, 1)
+                              for s in result["stages"]}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--seed-base", type=int, default=1000, help="run i samples with seed seed-base + i")
+    parser.add_argument("--prompts", type=int, default=48, help="as make demo")
+    parser.add_argument("--shard-size", type=int, default=24, help="as make demo")
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="as make demo")
+    parser.add_argument("--drafter", action="store_true", help="also train and evaluate the drafter (tau)")
+    parser.add_argument("--workdir", help="keep every run's home and store here")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.simplefilter("ignore")  # Dagster's beta/preview notes; the runs' own logs stay in each instance
+
+    from dflash_assets.embedded.defaults import embedded_default_target
+
+    t0 = time.time()
+    target = embedded_default_target()
+    target_s = time.time() - t0
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="demo-reliability-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    runs = []
+    try:
+        for i in range(args.runs):
+            runs.append(one_run(workdir, i, args))
+            print(f"run {i}: {'ok' if runs[-1]['ok'] else 'FAILED ' + str(runs[-1]['failed_partitions'])} "
+                  f"in {runs[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    failed = sum(len(r["failed_partitions"]) for r in runs)
+    partitions = sum(len(r["checks"]) for r in runs)
+    check_failures: dict[str, int] = {}
+    for r in runs:
+        for checks in r["checks"].values():
+            for name, outcome in checks.items():
+                check_failures[name] = check_failures.get(name, 0) + (not outcome["passed"])
+    print(json.dumps({
+        "runs": len(runs), "partitions": partitions, "failed_partitions": failed,
+        "runs_with_a_failure": sum(not r["ok"] for r in runs), "check_failures": check_failures,
+        "wall_s_per_run": [r["wall_s"] for r in runs], "tau": [r["tau"] for r in runs] if args.drafter else None,
+        "target": str(target), "target_ready_s": round(target_s, 1), "settings": vars(args),
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"), "per_run": runs,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

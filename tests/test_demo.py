@@ -1,0 +1,82 @@
+"""`make demo` as a user runs it: a fresh Dagster home, the real command, its console and its exit status.
+
+The demo passes every check of its own (blocking and not) on a fresh home, prints one line per stage and a
+summary table, and nothing else (no Dagster DEBUG events, no alembic lines, no tracebacks, no warnings); the
+full logs stay in the Dagster instance. When a check fails (here: every answer cut at 8 new tokens, so the
+reasoning never closes and every answer is empty), its last lines say which check failed on which partition,
+what that means and what to do, and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+STAGE_LINE = re.compile(r"^  (shard-\d{5}|demo-v1|) +(\w+) +(ok|failed|skipped) +(\d+ s|-)")
+
+
+def run_demo_command(home: Path, *args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "DFLASH_STORE")}
+    return subprocess.run([sys.executable, "-m", "dagster_project.demo", "--home", str(home), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(__file__).parents[1])
+
+
+def assert_quiet(console: str) -> None:
+    for noise in (" - DEBUG - ", "DEBUG", "alembic", "Traceback", "Warning", "warnings.warn", "Loading weights",
+                  "Writing model shards"):
+        assert noise not in console, f"{noise!r} in the demo's console:\n{console}"
+
+
+@pytest.mark.slow
+def test_demo_passes_every_check_with_a_short_console(tmp_path, tiny_dense_target):
+    home = tmp_path / "home"
+    done = run_demo_command(home)
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console
+    assert_quiet(console)
+
+    stages = [m.groups() for m in map(STAGE_LINE.match, done.stdout.splitlines()) if m]
+    per_shard = [(p, a) for p, a, status, _ in stages if p.startswith("shard-")]
+    assert {a for _, a in per_shard} == {"raw_prompts", "completions", "tokenized_samples", "hidden_state_cache"}
+    assert len(per_shard) == 8 and all(status == "ok" for _, _, status, _ in stages), done.stdout
+    assert [a for p, a, _, _ in stages if p == "demo-v1"] == ["drafter_checkpoint", "drafter_eval"]
+    assert len(done.stdout.splitlines()) < 30, done.stdout  # the story, not the logs
+
+    summary = done.stdout[done.stdout.index("\nSummary\n"):]
+    assert re.search(r"shard-00000 +ok \d+ s +ok \d+ s +ok \d+ s +ok \d+ s +4/4 passed", summary), summary
+    assert re.search(r"shard-00001 +ok \d+ s +ok \d+ s +ok \d+ s +ok \d+ s +4/4 passed", summary), summary
+    checks = re.search(r"checks: (\d+)/(\d+) passed on 3 partitions; failed partitions: none", summary)
+    assert checks and checks[1] == checks[2] and int(checks[2]) >= 8, summary  # 4 per shard, the drafter's too
+    assert re.search(r"tau \d\.\d{3}", summary) and "make ui" in summary and str(home / "dflash-store") in summary
+    assert summary.rstrip().endswith("OK: every stage succeeded and every check passed.")
+
+    # The console was quiet; the instance kept everything, Dagster's DEBUG events included.
+    with dg.DagsterInstance.from_ref(dg._core.instance.ref.InstanceRef.from_dir(str(home))) as instance:
+        runs = instance.get_runs()
+        assert len(runs) == 4 and all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)
+        levels = {e.level for r in runs for e in instance.all_logs(r.run_id)}
+        assert {10, 20} <= levels  # DEBUG and INFO
+        evaluations = [e for r in runs for e in instance.all_logs(r.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)]
+        assert len(evaluations) == int(checks[2]) and all(e.dagster_event.event_specific_data.passed
+                                                          for e in evaluations)
+
+
+@pytest.mark.slow
+def test_a_failed_check_says_what_and_exits_non_zero(tmp_path, tiny_dense_target):
+    done = run_demo_command(tmp_path / "home", "--prompts", "8", "--shard-size", "4", "--max-new-tokens", "8")
+    console = done.stdout + done.stderr
+    assert done.returncode == 1, console
+    assert_quiet(console)
+    tail = done.stdout[done.stdout.index("\nFAILED ("):]
+    for shard in ("shard-00000", "shard-00001"):
+        assert re.search(rf"{shard}: blocking check empty_response_ratio failed: \d+/\d+ samples", tail), tail
+    assert "What it means:" in tail and "Next:" in tail and "max_new_tokens" in tail
+    assert "no shard passed its checks, so no drafter was trained" in tail
+    assert re.search(r"  shard-00000 +tokenized_samples +failed", done.stdout)
+    assert re.search(r"  shard-00000 +hidden_state_cache +skipped", done.stdout)
