@@ -196,8 +196,9 @@ class SequenceFiles:
     """Sequences of safetensors partition files in the cache layout (`cu_seqlens` + per-token tensors).
 
     With `need_hidden` the files are the hidden-state cache; without, only `input_ids`/`loss_mask`
-    are read (tokenized samples in the same layout). This is the one place that knows the file
-    format: swap it for `dflash_assets.hidden_states.format`'s reader when that lands.
+    are read (tokenized samples in the same layout). It reads the same files as
+    `hidden_states.format.HiddenStateCacheReader`, by slices of one handle per file; the two readers are
+    still separate (one of them should go, together with a bounded local cache of parts).
     """
 
     def __init__(self, files: Sequence[str | Path], max_length: int, block_size: int, need_hidden: bool = True):
