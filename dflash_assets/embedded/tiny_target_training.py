@@ -292,7 +292,6 @@ def teach_chat_format(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase",
 
 def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> ChatFormatReport:
     import torch
-    import torch.nn.functional as F
 
     torch.manual_seed(cfg.seed)
     samples, long_samples = build_samples(tok, cfg)
