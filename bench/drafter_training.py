@@ -189,7 +189,8 @@ def run_batch_size(b: int, args, cfg: DrafterConfig, device, world: int = 1) -> 
         res["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if args.breakdown and world == 1:
         res["breakdown_ms"] = breakdown(model, head, opt, batches[0], cfg, device, kw)
-    del drafter, model, head, opt, batches
+    del drafter
+    model = head = opt = batches = None  # free them (a `del` leaves names undefined for step())
     if cuda:
         torch.cuda.empty_cache()
     return res
