@@ -39,10 +39,10 @@ from dflash_assets.tokenization.samples import (  # noqa: E402
     ASSISTANT_HEADER,
     TokenizeConfig,
     expand_conversation,
-    sharegpt_completions,
     split_reasoning,
     tokenize_completions,
 )
+from dflash_assets.testing.sharegpt import sharegpt_completions  # noqa: E402
 from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer  # noqa: E402
 
 

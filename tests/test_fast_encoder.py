@@ -19,7 +19,7 @@ from dflash_assets.tokenization.encoder import (
     derive_tiktoken_parts,
     qwen3_6_encoder,
 )
-from dflash_assets.tokenization.samples import sharegpt_records
+from dflash_assets.prompts.sources import sharegpt_records
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from dflash_assets.prompts.sources import (
     SourceFormatError,
     embedded_sharegpt_path,
     read_source,
+    sharegpt_records,
 )
 
 RECORDS = [
@@ -63,6 +64,19 @@ def test_embedded_path_is_the_package_file():
     assert path.stat().st_size > 100_000_000
     with open(path, "rb") as f:
         assert f.read(1) == b"["
+
+
+def test_sharegpt_records_are_the_ingest_readers_records():
+    """One ShareGPT reader (issue 13): the tokenization package no longer carries its own."""
+    import dflash_assets.tokenization.samples as samples
+
+    assert not hasattr(samples, "sharegpt_records") and not hasattr(samples, "sharegpt_completions")
+    head = sharegpt_records(40)
+    with read_source(embedded_sharegpt_path()) as reader:
+        first = [item.record for _, item in zip(range(40), reader)]
+    assert head == first and len(head) == 40
+    assert all(isinstance(r, dict) and "conversations" in r for r in head)
+    assert sharegpt_records(0) == [] and sharegpt_records(3) == head[:3]
 
 
 @pytest.mark.parametrize("compression", sorted(COMPRESS))

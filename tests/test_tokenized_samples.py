@@ -20,12 +20,12 @@ from dflash_assets.tokenization.samples import (
     expand_conversation,
     loss_token_histogram,
     schema_check,
-    sharegpt_completions,
     split_reasoning,
     thinking_ratio_check,
     tokenize_completions,
     truncation_ratio_check,
 )
+from dflash_assets.testing.sharegpt import sharegpt_completions
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 

