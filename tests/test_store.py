@@ -64,6 +64,44 @@ def test_bad_keys_are_refused(tmp_path):
             store.write_bytes(key, b"")
 
 
+@pytest.mark.parametrize("bad", ["..", "../", "a/..", "a/../..", "/", "/etc", "/tmp/x", "a/./b", "a\\..\\b", "a\x00b"])
+def test_keys_and_prefixes_cannot_leave_the_root(store, bad):
+    """Issue 14 item 7: every method refuses a key or listing prefix that could name something outside the root."""
+    store.write_bytes("inside/obj.bin", b"1")
+    calls = [
+        lambda: store.list(bad), lambda: store.write_bytes(bad, b"x"), lambda: store.read_bytes(bad),
+        lambda: store.exists(bad), lambda: store.size(bad), lambda: store.delete(bad),
+        lambda: store.local_path(bad), lambda: store.url(bad),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="invalid store key"):
+            call()
+    assert store.list("") == ["inside/obj.bin"]
+
+
+def test_local_list_of_parent_does_not_list_outside(tmp_path):
+    """LocalStore.list("..") used to list every file beside the root; a symlink out of the root is no object."""
+    (tmp_path / "outside.txt").write_text("secret")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "secret.txt").write_text("secret")
+    store = LocalStore(tmp_path / "root")
+    store.write_bytes("k/obj.bin", b"1")
+    with pytest.raises(ValueError, match="invalid store key '..'"):
+        store.list("..")
+    os.symlink(tmp_path / "outside.txt", store.root / "k" / "link.txt")
+    os.symlink(tmp_path / "elsewhere", store.root / "k" / "dir")
+    assert store.list("") == ["k/obj.bin"] and store.list("k") == ["k/obj.bin"]
+    for key in ("k/link.txt", "k/dir/secret.txt"):
+        with pytest.raises(ValueError, match="outside the store root"):
+            store.read_bytes(key)
+        with pytest.raises(ValueError, match="outside the store root"):
+            store.write_bytes(key, b"overwrite")
+    with pytest.raises(ValueError, match="outside the store root"):
+        store.list("k/dir")
+    assert (tmp_path / "outside.txt").read_text() == "secret"
+    assert (tmp_path / "elsewhere" / "secret.txt").read_text() == "secret"
+
+
 def test_killed_local_write_leaves_old_object(tmp_path):
     """kill -9 in the middle of a large write: readers see the old object, complete."""
     store = LocalStore(tmp_path)

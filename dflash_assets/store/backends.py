@@ -14,7 +14,10 @@ Two backends behind one interface:
   dagster-aws's ``S3Resource`` builds it). A PUT, single or multipart, only
   becomes visible once complete, so S3 writes are atomic by nature.
 
-Keys are relative POSIX paths such as ``raw_prompts/shard-00000.parquet``.
+Keys are relative POSIX paths such as ``raw_prompts/shard-00000.parquet``;
+a key or listing prefix that is absolute or has a ``..`` segment is refused
+with ``ValueError`` (and a local key that resolves outside the root through a
+symlink), so no caller reaches outside the store root.
 Reads: ``read_bytes``, ``read_parquet``, ``read_json``, ``local_path`` (for
 memory-mapping; S3 objects are downloaded to a cache once).
 """
@@ -100,10 +103,26 @@ class _StoreHelpers:
 
 
 def _clean_key(key: str) -> str:
-    key = key.strip("/")
+    """``key`` without a trailing ``/``; ValueError for keys that could name something outside the store root.
+
+    Refused: empty keys, absolute keys (a leading ``/``), ``.``/``..``/empty
+    path segments, backslashes and NUL bytes.
+    """
+    if not isinstance(key, str):
+        raise TypeError(f"store key must be a str, not {type(key).__name__}")
+    if key.startswith("/"):
+        raise ValueError(f"invalid store key {key!r}: absolute (keys are relative to the store root)")
+    if "\\" in key or "\x00" in key:
+        raise ValueError(f"invalid store key {key!r}: backslash or NUL byte")
+    key = key.rstrip("/")
     if not key or any(part in ("", ".", "..") for part in key.split("/")):
-        raise ValueError(f"invalid store key {key!r}")
+        raise ValueError(f"invalid store key {key!r}: empty, '.' or '..' path segment")
     return key
+
+
+def _clean_prefix(prefix: str) -> str:
+    """A listing prefix: ``""`` (the whole store) or a key checked as :func:`_clean_key` checks it."""
+    return "" if prefix == "" else _clean_key(prefix)
 
 
 class LocalStore(_StoreHelpers):
@@ -115,7 +134,14 @@ class LocalStore(_StoreHelpers):
         self.uri = str(self.root)
 
     def _path(self, key: str) -> Path:
-        return self.root / _clean_key(key)
+        path = self.root / _clean_key(key)
+        self._check_inside(path, key)
+        return path
+
+    def _check_inside(self, path: Path, key: str) -> None:
+        """ValueError when ``path`` resolves outside the root (a symlink inside the store pointing out)."""
+        if not path.resolve().is_relative_to(self.root):
+            raise ValueError(f"invalid store key {key!r}: resolves outside the store root {self.uri}")
 
     def _publish(self, key: str, fill: Callable[[BinaryIO], object]) -> None:
         """Write through ``fill`` into a temp file beside the target, fsync, then rename over it."""
@@ -157,12 +183,16 @@ class LocalStore(_StoreHelpers):
         return self.local_path(key).stat().st_size
 
     def list(self, prefix: str) -> list[str]:
-        base = self.root / prefix.strip("/") if prefix.strip("/") else self.root
+        """Keys under ``prefix`` (``""``: all), sorted; hidden temp files and symlinks are not objects."""
+        clean = _clean_prefix(prefix)
+        base = self.root / clean if clean else self.root
+        if clean:
+            self._check_inside(base, prefix)
         if not base.exists():
             return []
         out = []
         for p in base.rglob("*"):
-            if p.is_file() and not p.name.startswith("."):
+            if not p.name.startswith(".") and not p.is_symlink() and p.is_file():
                 out.append(p.relative_to(self.root).as_posix())
         return sorted(out)
 
@@ -246,7 +276,7 @@ class S3Store(_StoreHelpers):
         return int(self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"])
 
     def list(self, prefix: str) -> list[str]:
-        full = self._key(prefix) if prefix.strip("/") else self.prefix
+        full = self._key(prefix) if _clean_prefix(prefix) else self.prefix
         full = full.rstrip("/") + "/" if full else ""
         out = []
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
