@@ -4,8 +4,8 @@
 Reads nothing but its arguments; writes scratch shards and a disk probe file
 under ``--out-dir`` (removed afterwards). Needs only torch, transformers,
 safetensors and numpy (triton / flash-linear-attention / causal-conv1d are
-used when importable): it loads ``dflash_assets/hidden_states/capture.py`` and
-``hidden_state_format.py`` by file path, not through the package.
+used when importable): it imports ``dflash_assets.hidden_states`` (batching,
+packing, capture, format) without running the package's ``__init__``.
 
 Sections (each in its own try/except; a one-line ``partial:`` JSON after each):
   peak    bf16 matmul TFLOP/s measured in this run (the MFU denominator)
@@ -69,15 +69,20 @@ import torch  # noqa: E402
 
 
 def _load_library():
-    """Import the two library modules without running ``dflash_assets/__init__`` (which may need more deps)."""
+    """The capture modules as one namespace, without running ``dflash_assets/__init__`` (which may need more deps)."""
     if "dflash_assets" not in sys.modules:
         pkg = types.ModuleType("dflash_assets")
         pkg.__path__ = [str(ROOT / "dflash_assets")]
         sys.modules["dflash_assets"] = pkg
-    import dflash_assets.hidden_states.capture as hsc
+    import dflash_assets.hidden_states.batching as batching
+    import dflash_assets.hidden_states.capture as capture
     import dflash_assets.hidden_states.format as hsf
+    import dflash_assets.hidden_states.packing as packing
 
-    return hsc, hsf
+    names = {}
+    for module in (batching, packing, capture):  # private names too (_VARLEN_PARAMS, _forward, ...)
+        names.update({k: v for k, v in vars(module).items() if not k.startswith("__")})
+    return types.SimpleNamespace(**names), hsf
 
 
 hsc, hsf = _load_library()
@@ -223,7 +228,7 @@ def compute_alone(model, layer_ids, samples, iters, packed, device, warmup):
     """Hooks + cut forwards only: no D2H, no writer thread."""
     batch = hsc.Batch(tuple(range(len(samples))), tuple(s.num_tokens for s in samples), packed)
     hybrid = hsc.is_hybrid(model)
-    with torch.inference_mode(), hsc._packed_attention(model), hsc.LayerCapture(model, layer_ids) as cap:
+    with torch.inference_mode(), hsc.packed_attention(model), hsc.LayerCapture(model, layer_ids) as cap:
         target = torch.empty(batch.num_tokens, cap.hidden_size * len(layer_ids), dtype=model.dtype, device=device)
         inputs = hsc._batch_inputs(samples, batch, torch.device(device), hybrid)
         for _ in range(warmup):

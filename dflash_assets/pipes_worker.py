@@ -90,7 +90,7 @@ def _selftest(call: StageCall) -> StageResult:
 # The GPU stages live in the stage libraries, which import torch: each adapter imports its stage on
 # call, so the orchestrator (which reads this module for its constants) never loads torch.
 def _hidden_state_cache(call: StageCall) -> StageResult:
-    from dflash_assets.hidden_states.capture import pipes_stage
+    from dflash_assets.hidden_states.stage import pipes_stage
 
     return pipes_stage(call)
 

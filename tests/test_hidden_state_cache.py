@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dflash_assets.hidden_states import batching, packing, stage
 from dflash_assets.hidden_states import capture as hsc
 from dflash_assets.hidden_states.format import (
     FORMAT_NAME,
@@ -79,8 +80,8 @@ def test_captured_states_equal_hf_output_hidden_states(kind, targets):
     n_layers = model.config.num_hidden_layers
     layer_ids = [0, 2, n_layers - 3, n_layers - 1]  # the last one: HF returns it after the final norm
     samples = make_samples()
-    packed = hsc.resolve_packing(model, "cpu")
-    batches = hsc.plan_batches(LENGTHS, BUDGET, packed=packed)
+    packed = packing.resolve_packing(model, "cpu")
+    batches = batching.plan_batches(LENGTHS, BUDGET, packed=packed)
     assert packed == (kind == "dense")
     assert any(len(b.indices) > 1 for b in batches), "the test must share forwards between samples"
 
@@ -95,10 +96,10 @@ def test_captured_states_equal_hf_output_hidden_states(kind, targets):
 def test_leak_across_packed_samples_would_be_caught(targets):
     """Negative control: the same packed row with plain causal attention (no sample boundaries) differs."""
     _, model, ref = targets["dense"]
-    samples = hsc.load_samples(make_samples([30, 30]))
+    samples = batching.load_samples(make_samples([30, 30]))
     ids = np.concatenate([s.input_ids for s in samples])
     pos = torch.cat([torch.arange(30), torch.arange(30)])[None]
-    with torch.no_grad(), hsc._packed_attention(model), hsc.LayerCapture(model, [3]) as cap:
+    with torch.no_grad(), packing.packed_attention(model), hsc.LayerCapture(model, [3]) as cap:
         cap.target = torch.empty(60, 64)
         cap.text_model(input_ids=torch.from_numpy(ids).long()[None], position_ids=pos, use_cache=False)
         leaked = cap.target[30:].clone()
@@ -133,18 +134,18 @@ def test_capture_cuts_the_model_and_restores_it(targets):
     assert text.norm is original_norm
     assert all(not layer._forward_hooks for layer in layers) and not text.norm._forward_hooks
     assert model.config._attn_implementation == "sdpa"  # switched for the capture only
-    model.config._attn_implementation = hsc.ATTN_IMPLEMENTATION
+    model.config._attn_implementation = packing.ATTN_IMPLEMENTATION
 
 
 def test_hybrid_without_kernels_warns_and_refuses_packing(targets, caplog):
     _, model, _ = targets["hybrid"]
-    assert hsc.is_hybrid(model) and not hsc.is_hybrid(targets["dense"][1])
-    assert hsc.linear_attention_kernels() == {"fla": False, "causal_conv1d": False}  # this machine
-    with caplog.at_level(logging.WARNING, logger="dflash_assets.hidden_states.capture"):
-        assert hsc.resolve_packing(model, "cpu") is False
+    assert packing.is_hybrid(model) and not packing.is_hybrid(targets["dense"][1])
+    assert packing.linear_attention_kernels() == {"fla": False, "causal_conv1d": False}  # this machine
+    with caplog.at_level(logging.WARNING, logger="dflash_assets.hidden_states.packing"):
+        assert packing.resolve_packing(model, "cpu") is False
     assert "fla, causal_conv1d not importable" in caplog.text and "flash-linear-attention" in caplog.text
     with pytest.raises(ValueError, match="causal-conv1d"):
-        hsc.resolve_packing(model, "cpu", "packed")
+        packing.resolve_packing(model, "cpu", "packed")
 
 
 # ---------------------------------------------------------------------------
@@ -168,7 +169,7 @@ def test_partition_roundtrip_through_store(targets, local_store):
     row_bytes = bytes_per_token(2, 64, "float32")
     spec = hsc.CaptureSpec(target=str(path), target_id="tiny/dense", layer_ids=layer_ids, dtype="float32",
                            tokens_per_batch=BUDGET, max_part_bytes=60 * row_bytes, upstream_data_version="dv-42")
-    result = hsc.write_hidden_state_cache(local_store, "hidden_state_cache", samples_table(samples), spec,
+    result = stage.write_hidden_state_cache(local_store, "hidden_state_cache", samples_table(samples), spec,
                                           stem="shard-00007", models=[model])
 
     # 138 tokens in parts of at most 60 tokens' bytes, whole samples each: [7,23,1,23] [40,5] [23,16]
@@ -209,7 +210,7 @@ def test_partition_roundtrip_through_store(targets, local_store):
 
     # Re-materialized as one part: the three old parts go, other stems stay.
     local_store.write_bytes("hidden_state_cache/shard-00070.safetensors", b"other partition")
-    again = hsc.write_hidden_state_cache(local_store, "hidden_state_cache/", samples, dataclasses.replace(
+    again = stage.write_hidden_state_cache(local_store, "hidden_state_cache/", samples, dataclasses.replace(
         spec, max_part_bytes=1 << 30, tokenizer_hash="t"), stem="shard-00007", models=[model])
     assert again.keys == ("hidden_state_cache/shard-00007.safetensors",)
     assert local_store.list("hidden_state_cache") == ["hidden_state_cache/shard-00007.safetensors",
@@ -241,7 +242,7 @@ def test_budget_refuses_before_any_compute(targets, tmp_path):
     finally:
         handle.remove()
     assert not list((tmp_path / "out").iterdir())
-    assert len(forwards) > 0 and forwards.count(1) == len(hsc.plan_batches(LENGTHS, spec.tokens_per_batch))
+    assert len(forwards) > 0 and forwards.count(1) == len(batching.plan_batches(LENGTHS, spec.tokens_per_batch))
     written = sum(p.stat().st_size for p in (tmp_path / "ok").iterdir())
     assert 0.9 * need < written <= need  # the estimate is an upper bound, and a close one
 
@@ -275,24 +276,24 @@ def test_projections_and_budget_errors():
 def test_load_samples_from_sliced_arrow_table_and_lists():
     samples = make_samples()
     table = samples_table(samples).slice(2, 4)  # offsets into shared buffers
-    got = hsc.load_samples(table)
+    got = batching.load_samples(table)
     assert [s.prompt_id for s in got] == ["p002", "p003", "p004", "p005"]
     for g, s in zip(got, samples[2:6]):
         assert g.input_ids.dtype == np.int32 and g.input_ids.tolist() == s["input_ids"].tolist()
         assert g.loss_mask.dtype == np.uint8 and g.loss_mask.tolist() == s["loss_mask"].tolist()
-    assert [s.num_tokens for s in hsc.load_samples(samples)] == LENGTHS
+    assert [s.num_tokens for s in batching.load_samples(samples)] == LENGTHS
     with pytest.raises(ValueError, match="num_tokens"):
-        hsc.load_samples([{"prompt_id": "a", "input_ids": [1, 2], "loss_mask": [0, 1], "num_tokens": 3}])
+        batching.load_samples([{"prompt_id": "a", "input_ids": [1, 2], "loss_mask": [0, 1], "num_tokens": 3}])
     with pytest.raises(ValueError, match="no tokens"):
-        hsc.load_samples([{"prompt_id": "a", "input_ids": [], "loss_mask": []}])
+        batching.load_samples([{"prompt_id": "a", "input_ids": [], "loss_mask": []}])
     with pytest.raises(ValueError, match="loss_mask"):
-        hsc.load_samples([{"prompt_id": "a", "input_ids": [1, 2], "loss_mask": [1]}])
+        batching.load_samples([{"prompt_id": "a", "input_ids": [1, 2], "loss_mask": [1]}])
 
 
 @pytest.mark.parametrize("lengths,budget", [(LENGTHS, 64), (LENGTHS, 30), ([100, 3, 3, 100, 7], 50), ([5] * 9, 10)])
 @pytest.mark.parametrize("packed", [True, False])
 def test_plan_batches(lengths, budget, packed):
-    batches = hsc.plan_batches(lengths, budget, packed=packed)
+    batches = batching.plan_batches(lengths, budget, packed=packed)
     flat = [i for b in batches for i in b.indices]
     assert sorted(flat) == list(range(len(lengths)))
     for b in batches:
@@ -309,9 +310,9 @@ def test_plan_batches(lengths, budget, packed):
 
 
 def test_plan_parts_splits_by_bytes():
-    assert hsc.plan_parts([10, 10, 10, 10], 1, 25) == [(0, 2), (2, 4)]
-    assert hsc.plan_parts([50, 1], 1, 25) == [(0, 1), (1, 2)]  # an oversized sample gets its own part
-    assert hsc.plan_parts([1, 2, 3], 8, 1 << 30) == [(0, 3)]
+    assert batching.plan_parts([10, 10, 10, 10], 1, 25) == [(0, 2), (2, 4)]
+    assert batching.plan_parts([50, 1], 1, 25) == [(0, 1), (1, 2)]  # an oversized sample gets its own part
+    assert batching.plan_parts([1, 2, 3], 8, 1 << 30) == [(0, 3)]
 
 
 # ---------------------------------------------------------------------------
@@ -379,6 +380,7 @@ def test_gpu_path_imports_with_only_torch_transformers_safetensors_numpy():
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import dflash_assets.hidden_states.capture as h, dflash_assets.hidden_states.format as f\n"
+        "import dflash_assets.hidden_states.stage, dflash_assets.drafter.training\n"
         "print(h.ATTN_IMPLEMENTATION, f.FORMAT_NAME)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -2,9 +2,10 @@
 
 Reads tokenized samples (a pyarrow Table / polars DataFrame / list of dicts
 with ``prompt_id``, ``input_ids``, ``loss_mask``, optionally ``num_tokens``)
-and a target model directory; writes one partition's shard file(s) in the
-format of :mod:`dflash_assets.hidden_states.format`, locally, then publishes
-them through a store.
+(normalized by :mod:`~dflash_assets.hidden_states.batching`) and a target
+model directory; writes one partition's shard file(s) in the format of
+:mod:`dflash_assets.hidden_states.format` into a local directory
+(:mod:`~dflash_assets.hidden_states.stage` publishes them through the store).
 
 How the capture works:
 
@@ -18,7 +19,7 @@ How the capture works:
 - **Packing without padding.** Samples are concatenated, in partition order,
   into one row of at most ``tokens_per_batch`` tokens, ``position_ids``
   restarting per sample. Attention is the registered implementation
-  ``"packed_causal"``: causal attention inside each sample only, via
+  ``"packed_causal"`` (:mod:`~dflash_assets.hidden_states.packing`): causal attention inside each sample only, via
   ``torch.nn.attention.varlen.varlen_attn`` (flash varlen) on CUDA, or one
   causal SDPA call per sample elsewhere. The cached states equal running each
   sample alone (tests check this against ``output_hidden_states=True``).
@@ -49,34 +50,27 @@ Budget: the partition's bytes are known before any compute
 ``StorageBudgetExceeded`` when the configured budget or the scratch disk
 would be exceeded.
 
-Imports only numpy, torch, transformers and safetensors (a pyarrow Table is read by duck typing).
+Imports only numpy, torch, transformers and safetensors.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import importlib.util
 import logging
 import os
 import queue
-import re
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dflash_assets.store import layout
-from dflash_assets.target.layer_capture import LayerCapture, decoder_stack, text_config
+from dflash_assets.hidden_states.batching import Batch, TokenizedSample, load_samples, plan_batches, plan_parts
 from dflash_assets.hidden_states.format import (
     SafetensorsStreamWriter,
     ShardMetadata,
@@ -88,239 +82,29 @@ from dflash_assets.hidden_states.format import (
     shard_tensor_specs,
     torch_dtype,
 )
+from dflash_assets.hidden_states.packing import (
+    ATTN_IMPLEMENTATION,
+    Packing,
+    is_hybrid,
+    packed_attention,
+    register_packed_attention,
+    resolve_packing,
+)
+from dflash_assets.target.layer_capture import LayerCapture, decoder_stack, text_config
 
 __all__ = [
-    "ATTN_IMPLEMENTATION",
-    "TokenizedSample",
-    "Batch",
     "CaptureSpec",
     "CaptureResult",
     "WorkerStats",
     "StorageBudgetExceeded",
-    "load_samples",
-    "plan_batches",
-    "plan_parts",
-    "register_packed_attention",
     "load_target",
-    "decoder_stack",
-    "is_hybrid",
-    "linear_attention_kernels",
-    "resolve_packing",
-    "LayerCapture",
     "compile_elementwise",
     "capture_hidden_states",
     "capture_batches",
     "capture_partition",
-    "write_hidden_state_cache",
 ]
 
 logger = logging.getLogger(__name__)
-
-# No "flash" in the name: transformers treats any name containing it as a flash-attention request.
-ATTN_IMPLEMENTATION = "packed_causal"
-
-Packing = Literal["auto", "packed", "same_length"]
-
-
-# ---------------------------------------------------------------------------
-# Samples and batch planning
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TokenizedSample:
-    prompt_id: str
-    input_ids: np.ndarray  # [n] int32
-    loss_mask: np.ndarray  # [n] uint8
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-
-def _list_column(table: Any, name: str, dtype: np.dtype) -> list[np.ndarray]:
-    col = table.column(name)
-    col = col.combine_chunks() if hasattr(col, "combine_chunks") else col
-    values = col.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-    lengths = col.value_lengths().to_numpy(zero_copy_only=False)
-    return np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else []
-
-
-def load_samples(data: Any) -> list[TokenizedSample]:
-    """Normalize tokenized samples (pyarrow Table, polars DataFrame, or a list of dicts/samples).
-
-    ``loss_mask`` may be uint8 or int8 (stored as uint8); ``num_tokens``, when
-    present, must match ``len(input_ids)``.
-    """
-    if hasattr(data, "to_arrow") and not hasattr(data, "column_names"):  # polars
-        data = data.to_arrow()
-    if hasattr(data, "column_names") and hasattr(data, "column"):  # pyarrow Table / RecordBatch
-        ids = _list_column(data, "input_ids", np.int32)
-        masks = _list_column(data, "loss_mask", np.uint8) if "loss_mask" in data.column_names else [np.ones(len(x), np.uint8) for x in ids]
-        pids = [str(p) for p in data.column("prompt_id").to_pylist()]
-        counts = data.column("num_tokens").to_pylist() if "num_tokens" in data.column_names else None
-        rows = [{"prompt_id": p, "input_ids": i, "loss_mask": m} for p, i, m in zip(pids, ids, masks)]
-        if counts is not None:
-            for r, c in zip(rows, counts):
-                r["num_tokens"] = c
-    else:
-        rows = list(data)
-    out = []
-    for k, r in enumerate(rows):
-        if isinstance(r, TokenizedSample):
-            out.append(r)
-            continue
-        ids = np.asarray(r["input_ids"]).astype(np.int32, copy=False).reshape(-1)
-        mask = np.asarray(r.get("loss_mask", np.ones(len(ids), np.uint8))).astype(np.uint8, copy=False).reshape(-1)
-        if mask.shape != ids.shape:
-            raise ValueError(f"sample {k}: loss_mask has {mask.shape[0]} tokens, input_ids {ids.shape[0]}")
-        if r.get("num_tokens") is not None and int(r["num_tokens"]) != ids.shape[0]:
-            raise ValueError(f"sample {k}: num_tokens={r['num_tokens']} but input_ids has {ids.shape[0]} tokens")
-        if ids.shape[0] == 0:
-            raise ValueError(f"sample {k} ({r.get('prompt_id')!r}) has no tokens")
-        out.append(TokenizedSample(str(r["prompt_id"]), ids, mask))
-    return out
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Samples run in one forward. ``packed``: one row, samples concatenated; else ``len(indices)`` rows of one length."""
-
-    indices: tuple[int, ...]
-    lengths: tuple[int, ...]
-    packed: bool
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths)
-
-
-def plan_batches(lengths: Sequence[int], tokens_per_batch: int, *, packed: bool = True) -> list[Batch]:
-    """Group samples into forwards of at most ``tokens_per_batch`` tokens, with no padding.
-
-    ``packed=True``: greedy in partition order, so each batch is a contiguous
-    token range of the shard. ``packed=False``: only samples of identical
-    length share a forward (stacked as rows). A sample longer than the budget
-    runs alone.
-    """
-    if tokens_per_batch <= 0:
-        raise ValueError("tokens_per_batch must be positive")
-    batches: list[Batch] = []
-    if packed:
-        cur: list[int] = []
-        total = 0
-        for i, n in enumerate(lengths):
-            if cur and total + n > tokens_per_batch:
-                batches.append(Batch(tuple(cur), tuple(lengths[j] for j in cur), True))
-                cur, total = [], 0
-            cur.append(i)
-            total += n
-        if cur:
-            batches.append(Batch(tuple(cur), tuple(lengths[j] for j in cur), True))
-        return batches
-    groups: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        groups.setdefault(int(n), []).append(i)
-    for n, idx in groups.items():
-        rows = max(1, tokens_per_batch // n)
-        for a in range(0, len(idx), rows):
-            chunk = tuple(idx[a:a + rows])
-            batches.append(Batch(chunk, (n,) * len(chunk), False))
-    return sorted(batches, key=lambda b: b.indices[0])
-
-
-def plan_parts(lengths: Sequence[int], row_bytes: int, max_part_bytes: int) -> list[tuple[int, int]]:
-    """Split samples (in order) into ``[start, stop)`` ranges whose hidden bytes stay under ``max_part_bytes``."""
-    parts: list[tuple[int, int]] = []
-    start, size = 0, 0
-    for i, n in enumerate(lengths):
-        b = n * row_bytes
-        if i > start and size + b > max_part_bytes:
-            parts.append((start, i))
-            start, size = i, 0
-        size += b
-    parts.append((start, len(lengths)))
-    return parts
-
-
-# ---------------------------------------------------------------------------
-# Packed causal attention
-# ---------------------------------------------------------------------------
-
-try:  # torch >= 2.9 on CUDA: flash-attention varlen with cu_seqlens
-    import inspect as _inspect
-
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-
-    _VARLEN_PARAMS = frozenset(_inspect.signature(_varlen_attn).parameters)
-except Exception:  # pragma: no cover - depends on the torch build
-    _varlen_attn, _VARLEN_PARAMS = None, frozenset()
-
-
-def _varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
-                   scale: float | None) -> torch.Tensor | None:
-    """Causal flash varlen over (T, H, D) tensors, adapting to the torch version's signature; None if unusable."""
-    kw: dict[str, Any] = {}
-    if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
-        if "scale" not in _VARLEN_PARAMS:
-            return None
-        kw["scale"] = scale
-    if "window_size" in _VARLEN_PARAMS:  # torch >= 2.12
-        kw["window_size"] = (-1, 0)
-    elif "is_causal" in _VARLEN_PARAMS:
-        kw["is_causal"] = True
-    else:
-        return None
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in _VARLEN_PARAMS:
-            kw["enable_gqa"] = True
-        else:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
-
-
-def packed_causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float | None = None,
-                            dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Causal attention that never crosses sample boundaries given by ``cu_seq_lens_q``.
-
-    query [B, Hq, T, D], key/value [B, Hkv, T, D] -> ([B, T, Hq, D], None).
-    Without ``cu_seq_lens_q`` each row is one sample (stacked batches).
-    """
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("packed_causal attention does not implement sliding windows")
-    cu = kwargs.get("cu_seq_lens_q")
-    gqa = query.shape[1] != key.shape[1]
-    if cu is None or cu.numel() <= 2:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-        return out.transpose(1, 2).contiguous(), None
-    if query.shape[0] != 1:
-        raise ValueError("packed batches are one row")
-    if query.is_cuda and _varlen_attn is not None and query.dtype in (torch.float16, torch.bfloat16):
-        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
-        max_len = kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max())
-        out = _varlen_causal(q, k, v, cu.to(torch.int32), max_len, scaling)
-        if out is not None:
-            return out.unsqueeze(0), None  # (1, T, Hq, D)
-    bounds = cu.tolist()
-    out = torch.empty_like(query)
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        out[:, :, a:b] = F.scaled_dot_product_attention(
-            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register_packed_attention() -> str:
-    """Register ``"packed_causal"`` with transformers' AttentionInterface; returns the name.
-
-    No mask function is registered, so transformers builds no attention mask
-    for it (no [T, T] tensor for a 16K-token row).
-    """
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_causal_attention)
-    return ATTN_IMPLEMENTATION
 
 
 # ---------------------------------------------------------------------------
@@ -341,35 +125,6 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu",
     model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     return model.to(device).eval()
 
-
-def is_hybrid(config_or_model: Any) -> bool:
-    """True when the target has linear-attention (Gated DeltaNet) layers."""
-    config = getattr(config_or_model, "config", config_or_model)
-    types = getattr(text_config(config), "layer_types", None) or []
-    return any(t != "full_attention" and "sliding" not in t for t in types)
-
-
-def linear_attention_kernels() -> dict[str, bool]:
-    """Which linear-attention kernel packages are importable: ``{"fla": ..., "causal_conv1d": ...}``."""
-    return {name: importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d")}
-
-
-def resolve_packing(model_or_config: Any, device: str | torch.device, packing: Packing = "auto") -> bool:
-    """Whether batches may concatenate samples in one row (True) or only stack equal lengths (False)."""
-    if not is_hybrid(model_or_config):
-        return packing != "same_length"
-    kernels = linear_attention_kernels()
-    exact_packed = all(kernels.values()) and torch.device(device).type == "cuda"
-    if not all(kernels.values()):
-        logger.warning(
-            "hybrid target without linear-attention kernels (%s not importable): transformers' PyTorch "
-            "fallback is slow and cannot keep packed samples apart, so only samples of equal length share "
-            "a forward. Install 'dflash-assets[fla]' (flash-linear-attention, causal-conv1d) on GPU hosts.",
-            ", ".join(k for k, ok in kernels.items() if not ok))
-    if packing == "packed" and not exact_packed:
-        raise ValueError("packing='packed' for a hybrid target needs flash-linear-attention and causal-conv1d "
-                         "on a CUDA device; use packing='auto' or 'same_length'")
-    return exact_packed and packing != "same_length"
 
 
 def compile_elementwise(model: nn.Module) -> int:
@@ -451,7 +206,7 @@ def capture_hidden_states(model: nn.Module, samples: Any, layer_ids: Sequence[in
     packed = resolve_packing(model, device, packing)
     hybrid = is_hybrid(model)
     out: list[torch.Tensor | None] = [None] * len(samples)
-    with _packed_attention(model), LayerCapture(model, layer_ids) as cap:
+    with packed_attention(model), LayerCapture(model, layer_ids) as cap:
         width = cap.hidden_size * len(cap.layer_ids)
         for batch in plan_batches([s.num_tokens for s in samples], tokens_per_batch, packed=packed):
             inputs = _batch_inputs(samples, batch, device, hybrid)
@@ -464,20 +219,6 @@ def capture_hidden_states(model: nn.Module, samples: Any, layer_ids: Sequence[in
                 a += n
     return out  # type: ignore[return-value]
 
-
-@contextlib.contextmanager
-def _packed_attention(model: nn.Module):
-    """Temporarily switch a model's attention implementation to ``packed_causal``."""
-    register_packed_attention()
-    configs = {id(c): c for c in (model.config, text_config(model.config)) if c is not None}
-    saved = {k: c._attn_implementation for k, c in configs.items()}
-    try:
-        for c in configs.values():
-            c._attn_implementation = ATTN_IMPLEMENTATION
-        yield
-    finally:
-        for k, c in configs.items():
-            c._attn_implementation = saved[k]
 
 
 # ---------------------------------------------------------------------------
@@ -545,7 +286,7 @@ def capture_batches(model: nn.Module, samples: Sequence[TokenizedSample], batche
     writer.start()
     t_start = time.perf_counter()
     try:
-        with torch.inference_mode(), _packed_attention(model), LayerCapture(model, layer_ids) as cap:
+        with torch.inference_mode(), packed_attention(model), LayerCapture(model, layer_ids) as cap:
             width = cap.hidden_size * len(cap.layer_ids)
             dtype = model.dtype
             if cuda:
@@ -605,7 +346,6 @@ def capture_batches(model: nn.Module, samples: Sequence[TokenizedSample], batche
     if writer.error is not None:
         raise writer.error
     return stats
-
 
 # ---------------------------------------------------------------------------
 # A partition: plan, budget, files, workers
@@ -826,93 +566,3 @@ def _run_workers(samples: Sequence[TokenizedSample], batches: Sequence[Batch], s
         raise errors[0]
     return [results[k] for k in sorted(results)]
 
-
-def write_hidden_state_cache(store: Any, key_prefix: str, samples: Any, spec: CaptureSpec, *,
-                             stem: str, devices: Sequence[str] = ("cpu",), models: Sequence[nn.Module] | None = None,
-                             scratch_dir: str | os.PathLike | None = None, used_bytes: int = 0) -> CaptureResult:
-    """Capture a partition into a local scratch dir, then publish each part atomically through ``store``.
-
-    Keys: ``{key_prefix}/{stem}.safetensors`` or ``{key_prefix}/{stem}-0000k-of-0000n.safetensors``.
-    Parts of an earlier run of the same stem that this run did not write (a
-    different part count) are deleted after the new ones are published.
-    Scratch files are removed afterwards. Returns the result with ``keys`` set.
-    """
-    prefix = key_prefix.strip("/")
-    tmp = Path(tempfile.mkdtemp(prefix="dflash-hidden-", dir=scratch_dir))
-    try:
-        result = capture_partition(samples, spec, tmp, stem=stem, devices=devices, models=models,
-                                   used_bytes=used_bytes)
-        keys = []
-        for p in result.paths:
-            key = f"{prefix}/{p.name}"
-            store.upload_file(key, p)
-            keys.append(key)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    ours = re.compile(rf"{re.escape(prefix)}/{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?\.safetensors")
-    for old in store.list(prefix):
-        if ours.fullmatch(old) and old not in keys:
-            store.delete(old)
-    return dataclasses.replace(result, keys=tuple(keys))
-
-
-# ----------------------------------------------------------------------------
-# The partition as a stage: what the `hidden_state_cache` asset runs on the GPU host
-
-def cache_partition_for_shard(store: Any, shard: str, target: Any, *, devices: Sequence[str] = ("cpu",),
-                              tokens_per_batch: int = 16384, budget_bytes: int | None = None,
-                              max_part_bytes: int = 16 * 2**30, scratch_dir: str | None = None,
-                              log: Callable[[str], None] = logger.info) -> dict[str, Any]:
-    """Capture one ``tokenized_samples`` partition into ``hidden_state_cache/<shard>*.safetensors``.
-
-    ``target`` is a ``TargetModelSpec``. Refuses (``QualityGateFailed``) a
-    partition whose blocking sample checks failed, and (``StorageBudgetExceeded``)
-    one that would push the cache past ``budget_bytes``. Returns metadata:
-    the capture's numbers, GB of this partition, and the projected size of
-    the whole corpus's cache at this partition's tokens per sample.
-    """
-    from dflash_assets.hidden_states.format import bytes_per_token, projected_corpus_bytes
-    from dflash_assets.tokenization.samples import require_quality_gate
-
-    gate = require_quality_gate(store, shard)
-    facts = target.validate()
-    table = store.read_parquet(layout.tokenized_samples(shard), columns=["prompt_id", "input_ids", "loss_mask", "num_tokens"])
-    used = sum(store.size(k) for other, parts in layout.list_hidden_state_parts(store).items() if other != shard
-               for k in parts)
-    dtype = "float32" if all(str(d).startswith("cpu") for d in devices) and target.dtype != "bfloat16" else "bfloat16"
-    spec = CaptureSpec(
-        target=target.model_path, layer_ids=tuple(facts.layer_ids), target_id=target.model_path, dtype=dtype,
-        tokens_per_batch=tokens_per_batch, max_part_bytes=max_part_bytes, budget_bytes=budget_bytes,
-        tokenizer_hash=facts.tokenizer_hash, upstream_data_version=gate["data_version"],
-    )
-    log(f"{shard}: capturing layers {list(facts.layer_ids)} of {table.num_rows} samples on {list(devices)} ({dtype})")
-    result = write_hidden_state_cache(store, layout.HIDDEN_STATE_CACHE, table, spec, stem=shard, devices=devices,
-                                      scratch_dir=scratch_dir, used_bytes=used)
-    per_token = bytes_per_token(len(facts.layer_ids), facts.hidden_size, dtype)
-    corpus_samples = _corpus_prompts(store) or table.num_rows
-    projected = projected_corpus_bytes(corpus_samples, result.num_tokens / max(1, result.num_samples),
-                                       len(facts.layer_ids), facts.hidden_size, dtype)
-    log(f"{shard}: {result.num_tokens} tokens at {result.tokens_per_second:.0f} tok/s, "
-        f"{result.bytes / 1e9:.3f} GB; whole corpus projected at {projected / 1e12:.3f} TB")
-    return {**result.metadata(), "bytes_per_token_hidden": per_token, "dtype": dtype,
-            "cache_used_gb_before": round(used / 1e9, 3), "corpus_samples": corpus_samples,
-            "projected_corpus_tb": round(projected / 1e12, 6), "upstream_data_version": gate["data_version"],
-            "target": target.model_path}
-
-
-def _corpus_prompts(store: Any) -> int | None:
-    """Prompts in the whole corpus (the ingest's index), for the projected cache size."""
-    from dflash_assets.prompts.ingest import corpus_prompt_count
-
-    return corpus_prompt_count(store) or None
-
-
-def pipes_stage(call: Any) -> Any:
-    """Entry point of ``python -m dflash_assets.pipes_worker hidden_state_cache`` (see pipes_worker)."""
-    from dflash_assets.stage_io import StageResult
-    from dflash_assets.target.spec import TargetModelSpec
-
-    cfg = dict(call.config)
-    target = TargetModelSpec(**cfg.pop("target"))
-    meta = cache_partition_for_shard(call.store, call.partition_key, target, log=call.log.info, **cfg)
-    return StageResult(metadata=meta, data_version=meta["upstream_data_version"])
