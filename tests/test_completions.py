@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import os
 import signal
@@ -17,6 +19,7 @@ import pytest
 from dflash_assets.store import layout
 from dflash_assets.generation.completions import (
     GenerationConfig,
+    aregenerate_shard,
     output_schema,
     regenerate_shard,
 )
@@ -87,6 +90,16 @@ def test_output_table_rows_failures_and_stats(tok, local_store):
     assert meta["prompts_done"] == 6 and meta["finish_stop"] == turns and f"tokens_per_s[{srv.url}]" in meta
     # a failure stays: the journal is kept so a re-run retries only what failed
     assert local_store.list(layout.completions_journal("shard-00000"))
+    # the writer's data version is what was published (the asset never re-reads the file to hash it)
+    assert res.sha256 == hashlib.sha256(local_store.read_bytes(layout.completions("shard-00000"))).hexdigest()
+
+
+def test_sync_and_async_entry_points_share_one_argument_list():
+    """The blocking form forwards to the async one: one definition of the options, so they cannot drift."""
+    assert inspect.signature(regenerate_shard) == inspect.signature(aregenerate_shard)
+    assert "engines" in inspect.signature(regenerate_shard).parameters  # the async-only option reaches sync callers
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        regenerate_shard([], shard="x", store=None, fleet=None, generation=None, no_such_option=1)
 
 
 def test_history_carries_regenerated_answers_without_think_blocks(tok, local_store):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import secrets
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,7 +46,7 @@ import pyarrow as pa
 
 from dflash_assets.store import layout
 from dflash_assets.chart_data import binned_counts
-from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, NoEngineAvailable
+from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, NoEngineAvailable, run_sync
 from dflash_assets.generation.engines import ChatResult, Engine, GenerationConfig, json_dumps, json_loads
 
 __all__ = [
@@ -358,7 +359,21 @@ async def aregenerate_shard(
     keep_journal: bool = False,
     engines: Sequence[Engine] | None = None,
 ) -> CompletionsResult:
-    """Async form of ``regenerate_shard``."""
+    """Regenerate the assistant turns of ``prompts`` (one shard) over the fleet; resume from the journal.
+
+    ``prompts``: Arrow table, polars frame or dicts with ``prompt_id``,
+    ``system`` (optional), ``user_turns``. ``tokenizer``: the target's
+    (needed for sglang/transformers endpoints; loaded from ``target_model``
+    when that is a local dir). ``progress`` gets a ``ProgressUpdate`` every
+    ``progress_interval_s``; ``on_probe`` the fleet's one probe, before any
+    work. The journal is flushed every ``flush_every`` rows or
+    ``flush_interval_s`` seconds and kept after success with
+    ``keep_journal``. ``engines``: prebuilt engines instead of the config's.
+    Writes the journal, ``completions/<shard>.parquet`` and
+    ``completions/_failed/<shard>.parquet``. Raises ``NoEngineAvailable``
+    when no endpoint serves the target, or when all die mid-run (the journal
+    keeps what was done). ``regenerate_shard`` is the blocking form.
+    """
     t_start = time.perf_counter()
     config_hash = generation.config_hash(fleet.target_model)
     stats = GenerationStats(shard=shard, config_hash=config_hash)
@@ -480,42 +495,10 @@ async def aregenerate_shard(
                              layout.completions_failed(shard), config_hash, digest)
 
 
-def regenerate_shard(
-    prompts: Any,
-    *,
-    shard: str,
-    store: Any,
-    fleet: EngineFleetConfig,
-    generation: GenerationConfig,
-    tokenizer: Any = None,
-    progress: Callable[[ProgressUpdate], None] | None = None,
-    on_probe: Callable[[FleetProbe], None] | None = None,
-    progress_interval_s: float = 5.0,
-    flush_every: int = 64,
-    flush_interval_s: float = 10.0,
-    keep_journal: bool = False,
-) -> CompletionsResult:
-    """Regenerate the assistant turns of ``prompts`` (one shard) over the fleet; resume from the journal.
-
-    ``prompts``: Arrow table, polars frame or dicts with ``prompt_id``,
-    ``system`` (optional), ``user_turns``. ``tokenizer``: the target's
-    (needed for sglang/transformers endpoints; loaded from ``target_model``
-    when that is a local dir). Writes the journal, ``completions/<shard>.parquet``
-    and ``completions/_failed/<shard>.parquet``. Raises ``NoEngineAvailable``
-    when no endpoint serves the target, or when all die mid-run (the journal
-    keeps what was done).
-    """
-    return _run(aregenerate_shard(prompts, shard=shard, store=store, fleet=fleet, generation=generation,
-                                  tokenizer=tokenizer, progress=progress, on_probe=on_probe,
-                                  progress_interval_s=progress_interval_s,
-                                  flush_every=flush_every, flush_interval_s=flush_interval_s,
-                                  keep_journal=keep_journal))
-
-
-def _run(coro):
-    from dflash_assets.generation.fleet import run_sync
-
-    return run_sync(coro)
+@functools.wraps(aregenerate_shard, assigned=("__module__", "__annotations__"))
+def regenerate_shard(*args: Any, **kwargs: Any) -> CompletionsResult:
+    """Blocking form of ``aregenerate_shard``: the same arguments (defined once, there), run to completion."""
+    return run_sync(aregenerate_shard(*args, **kwargs))
 
 
 RESPONSE_TOKEN_BIN_EDGES = (0, 1, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384)

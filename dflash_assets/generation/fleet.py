@@ -58,6 +58,7 @@ __all__ = [
     "NoEngineAvailable",
     "FleetTask",
     "EndpointRunStats",
+    "EndpointState",
     "FleetRunStats",
     "EngineFleet",
     "build_engine",
@@ -334,6 +335,8 @@ class FleetRunStats:
 
 @dataclass(eq=False)
 class _Job:
+    """One task in a run: its retry budget, its errors, whether it is resolved, its backoff timer."""
+
     task: FleetTask
     attempts_left: int
     errors: list[str] = field(default_factory=list)
@@ -343,12 +346,224 @@ class _Job:
 
 
 @dataclass(eq=False)
-class _Endpoint:
+class EndpointState:
+    """One endpoint during a run: requests in flight, consecutive connection failures, excluded or not, stats."""
+
     engine: Engine
     stats: EndpointRunStats
     consecutive_failures: int = 0
-    dead: bool = False
-    inflight: set = field(default_factory=set)
+    inflight: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def dead(self) -> bool:
+        """Excluded from the run (too many consecutive connection failures)."""
+        return self.stats.dead
+
+    def exclude(self, reason: str) -> None:
+        """Mark dead and cancel its requests in flight: hung requests move on now, not at their timeout."""
+        self.stats.dead, self.stats.dead_reason = True, reason
+        for t in list(self.inflight):
+            t.cancel()
+
+
+class _Dispatch:
+    """One ``EngineFleet.run``: a shared queue of jobs, ``max_concurrency`` workers per endpoint.
+
+    A worker takes a job and drives it on its endpoint until the task is done
+    (``_drive``); each request's outcome is one of: a step done, an
+    ``EngineError`` (``_on_error``: failover, retry with backoff, or fail), a
+    bug in the task (fail), or a cancel because the endpoint was excluded
+    (requeue, not charged). Every job is resolved once (``_finish`` / ``_fail``);
+    the run ends when none is pending, or aborts when every endpoint is dead.
+    """
+
+    def __init__(self, config: EngineFleetConfig, endpoints: list[EndpointState], tasks: Iterable[FleetTask],
+                 on_done: Callable[[FleetTask], None] | None,
+                 on_failed: Callable[[FleetTask, str, list[str]], None] | None, probe: FleetProbe | None = None):
+        self.config = config
+        self.probe = probe
+        self.endpoints = endpoints
+        self.on_done, self.on_failed = on_done, on_failed
+        self.max_attempts = config.max_retries + 1
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[_Job | None] = asyncio.Queue()
+        self.pending: set[_Job] = set()
+        self.stats = FleetRunStats(endpoints={ep.engine.url: ep.stats for ep in endpoints})
+        self.aborted = False
+        self.all_stopped = asyncio.Event()
+        for task in tasks:
+            job = _Job(task, self.max_attempts)
+            self.pending.add(job)
+            self.queue.put_nowait(job)
+        self.stats.tasks = len(self.pending)
+        self.workers_total = sum(ep.engine.max_concurrency for ep in endpoints)
+
+    # -- the run -----------------------------------------------------------------
+
+    async def run(self) -> FleetRunStats:
+        """Every job to done or failed; ``NoEngineAvailable`` if every endpoint dies first."""
+        t_start = time.perf_counter()
+        if not self.pending:
+            return self.stats
+        workers = [asyncio.ensure_future(self._worker(ep)) for ep in self.endpoints
+                   for _ in range(ep.engine.max_concurrency)]
+        try:
+            await self.all_stopped.wait()
+            if self.aborted:
+                for w in workers:
+                    w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        finally:
+            for w in workers:
+                w.cancel()
+        self.stats.wall_s = time.perf_counter() - t_start
+        for ep in self.endpoints:
+            ep.stats.tokens_per_s = ep.stats.completion_tokens / self.stats.wall_s if self.stats.wall_s > 0 else 0.0
+        if self.aborted:
+            self.stats.unfinished = len(self.pending)
+            raise self._all_dead_error()
+        return self.stats
+
+    async def _worker(self, ep: EndpointState) -> None:
+        while True:
+            job = await self.queue.get()
+            if job is None:
+                return
+            if job.resolved or self.aborted:
+                continue
+            if ep.dead:
+                self.queue.put_nowait(job)
+                return
+            await self._drive(ep, job)
+
+    async def _drive(self, ep: EndpointState, job: _Job) -> None:
+        """Step ``job`` on ``ep`` until the task is done or a request fails (keeps a chat on one endpoint)."""
+        while True:
+            if ep.dead:
+                self._failover(job)
+                return
+            t0 = time.perf_counter()
+            ep.stats.requests += 1
+            self.stats.requests += 1
+            job.requests += 1
+            me = asyncio.current_task()
+            ep.inflight.add(me)  # EndpointState.exclude cancels the worker mid-request (hung endpoints)
+            try:
+                finished, result = await job.task.step(ep.engine)
+            except asyncio.CancelledError:
+                if not ep.dead or self.aborted:  # the run is being torn down
+                    raise
+                if me is not None:
+                    me.uncancel()
+                ep.stats.busy_s += time.perf_counter() - t0
+                self._failover(job)
+                return
+            except EngineError as e:
+                ep.stats.busy_s += time.perf_counter() - t0
+                self._on_error(ep, job, e)
+                return
+            except Exception as e:  # noqa: BLE001 - a bug in the task: fail it, keep the run going
+                job.errors.append(f"{type(e).__name__}: {e}")
+                self._fail(job, f"task error: {type(e).__name__}: {e}")
+                return
+            finally:
+                ep.inflight.discard(me)
+            ep.stats.busy_s += time.perf_counter() - t0
+            ep.stats.ok += 1
+            ep.stats.prompt_tokens += result.prompt_tokens
+            ep.stats.completion_tokens += result.completion_tokens
+            ep.consecutive_failures = 0
+            job.attempts_left = self.max_attempts  # retries are counted per request
+            if finished:
+                self._finish(job)
+                return
+
+    # -- outcomes ----------------------------------------------------------------
+
+    def _on_error(self, ep: EndpointState, job: _Job, err: EngineError) -> None:
+        """A failed request: exclude the endpoint after N connection failures, then failover, retry or fail."""
+        ep.stats.errors += 1
+        job.errors.append(str(err)[:500])
+        if self.aborted:
+            return
+        if err.connection:
+            ep.consecutive_failures += 1
+            ep.stats.connection_failures += 1
+            if ep.consecutive_failures >= self.config.dead_after_failures:
+                self._exclude(ep, str(err)[:300])
+            if ep.dead:  # the endpoint's fault, not the task's
+                self._failover(job)
+                return
+        if not err.retryable:
+            self._fail(job, str(err)[:500])
+            return
+        job.attempts_left -= 1
+        if job.attempts_left <= 0:
+            self._fail(job, f"gave up after {self.max_attempts} attempts: {str(err)[:400]}")
+            return
+        self.stats.retries += 1
+        n = self.max_attempts - job.attempts_left
+        cfg = self.config
+        delay = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2 ** (n - 1)) * random.uniform(0.5, 1.0)
+        self._requeue(job, delay)
+
+    def _failover(self, job: _Job) -> None:
+        """Back to the queue at once, not charged: another endpoint takes it."""
+        self.stats.failovers += 1
+        if not self.aborted:
+            self._requeue(job, 0)
+
+    def _finish(self, job: _Job) -> None:
+        self._resolve(job)
+        self.stats.done += 1
+        if self.on_done is not None:
+            self.on_done(job.task)
+
+    def _fail(self, job: _Job, reason: str) -> None:
+        self._resolve(job)
+        self.stats.failed += 1
+        if self.on_failed is not None:
+            self.on_failed(job.task, reason, list(job.errors))
+
+    def _resolve(self, job: _Job) -> None:
+        job.resolved = True
+        self.pending.discard(job)
+        if not self.pending:
+            self._stop_all()
+
+    def _requeue(self, job: _Job, delay: float) -> None:
+        if delay <= 0:
+            self._enqueue(job)
+        else:
+            job.timer = self.loop.call_later(delay, self._enqueue, job)
+
+    def _enqueue(self, job: _Job) -> None:
+        job.timer = None
+        if not job.resolved and not self.aborted:
+            self.queue.put_nowait(job)
+
+    def _exclude(self, ep: EndpointState, reason: str) -> None:
+        if ep.dead:
+            return
+        ep.exclude(reason)
+        if all(e.dead for e in self.endpoints):  # nothing left to run on: abort
+            self.aborted = True
+            for job in self.pending:
+                if job.timer is not None:
+                    job.timer.cancel()
+            self._stop_all()
+
+    def _stop_all(self) -> None:
+        for _ in range(self.workers_total):
+            self.queue.put_nowait(None)
+        self.all_stopped.set()
+
+    def _all_dead_error(self) -> NoEngineAvailable:
+        s = self.stats
+        deaths = "; ".join(f"{ep.engine.url}: {ep.stats.dead_reason}" for ep in self.endpoints)
+        return NoEngineAvailable(
+            f"every endpoint died mid-run; {len(self.pending)} of {s.tasks} tasks unfinished "
+            f"({s.done} done, {s.failed} failed). Deaths: {deaths}", self.probe)
 
 
 class EngineFleet:
@@ -363,7 +578,7 @@ class EngineFleet:
         self.tokenizer = tokenizer
         self._engines = list(engines) if engines is not None else None
         self.probe: FleetProbe | None = None
-        self._endpoints: list[_Endpoint] = []
+        self._endpoints: list[EndpointState] = []
 
     async def __aenter__(self) -> "EngineFleet":
         if not self.config.endpoints:
@@ -372,7 +587,7 @@ class EngineFleet:
             self._engines = [build_engine(ep, self.config, self.tokenizer) for ep in self.config.endpoints]
         self.probe = await _probe_engines(self.config, self._engines)
         self._endpoints = [
-            _Endpoint(eng, EndpointRunStats(eng.url, eng.kind, row.served_model))
+            EndpointState(eng, EndpointRunStats(eng.url, eng.kind, row.served_model))
             for eng, row in zip(self._engines, self.probe.rows) if row.usable
         ]
         if not self._endpoints:
@@ -400,174 +615,4 @@ class EngineFleet:
         exactly once per task, on the event loop. Raises ``NoEngineAvailable``
         if every endpoint dies with tasks left (those get neither callback).
         """
-        cfg = self.config
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[_Job | None] = asyncio.Queue()
-        pending: set[_Job] = set()
-        stats = FleetRunStats(endpoints={ep.engine.url: ep.stats for ep in self._endpoints})
-        state = {"aborted": False}
-        all_stopped = asyncio.Event()
-        max_attempts = cfg.max_retries + 1
-        for task in tasks:
-            job = _Job(task, max_attempts)
-            pending.add(job)
-            queue.put_nowait(job)
-        stats.tasks = len(pending)
-        workers_total = sum(ep.engine.max_concurrency for ep in self._endpoints)
-        t_start = time.perf_counter()
-
-        def stop_all() -> None:
-            for _ in range(workers_total):
-                queue.put_nowait(None)
-            all_stopped.set()
-
-        def resolve(job: _Job) -> None:
-            job.resolved = True
-            pending.discard(job)
-            if not pending:
-                stop_all()
-
-        def finish(job: _Job) -> None:
-            resolve(job)
-            stats.done += 1
-            if on_done is not None:
-                on_done(job.task)
-
-        def fail(job: _Job, reason: str) -> None:
-            resolve(job)
-            stats.failed += 1
-            if on_failed is not None:
-                on_failed(job.task, reason, list(job.errors))
-
-        def enqueue(job: _Job) -> None:
-            job.timer = None
-            if not job.resolved and not state["aborted"]:
-                queue.put_nowait(job)
-
-        def requeue(job: _Job, delay: float) -> None:
-            if delay <= 0:
-                enqueue(job)
-            else:
-                job.timer = loop.call_later(delay, enqueue, job)
-
-        def mark_dead(ep: _Endpoint, reason: str) -> None:
-            if ep.dead:
-                return
-            ep.dead = True
-            ep.stats.dead, ep.stats.dead_reason = True, reason
-            for t in list(ep.inflight):  # hung requests move to other endpoints now, not at their timeout
-                t.cancel()
-            if all(e.dead for e in self._endpoints):
-                state["aborted"] = True
-                for job in pending:
-                    if job.timer is not None:
-                        job.timer.cancel()
-                stop_all()
-
-        def on_error(ep: _Endpoint, job: _Job, err: EngineError) -> None:
-            ep.stats.errors += 1
-            job.errors.append(str(err)[:500])
-            if state["aborted"]:
-                return
-            if err.connection:
-                ep.consecutive_failures += 1
-                ep.stats.connection_failures += 1
-                if ep.consecutive_failures >= cfg.dead_after_failures:
-                    mark_dead(ep, str(err)[:300])
-                if ep.dead:  # failover: the endpoint's fault, not the task's
-                    stats.failovers += 1
-                    if not state["aborted"]:
-                        requeue(job, 0)
-                    return
-            if not err.retryable:
-                fail(job, str(err)[:500])
-                return
-            job.attempts_left -= 1
-            if job.attempts_left <= 0:
-                fail(job, f"gave up after {max_attempts} attempts: {str(err)[:400]}")
-                return
-            stats.retries += 1
-            n = max_attempts - job.attempts_left
-            delay = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2 ** (n - 1)) * random.uniform(0.5, 1.0)
-            requeue(job, delay)
-
-        async def drive(ep: _Endpoint, job: _Job) -> None:
-            while True:
-                if ep.dead:
-                    stats.failovers += 1
-                    requeue(job, 0)
-                    return
-                t0 = time.perf_counter()
-                ep.stats.requests += 1
-                stats.requests += 1
-                job.requests += 1
-                me = asyncio.current_task()
-                ep.inflight.add(me)  # mark_dead cancels the worker mid-request (hung endpoints)
-                try:
-                    finished, result = await job.task.step(ep.engine)
-                except asyncio.CancelledError:
-                    ep.inflight.discard(me)
-                    if not ep.dead or state["aborted"]:  # the run is being torn down
-                        raise
-                    if me is not None:
-                        me.uncancel()
-                    ep.stats.busy_s += time.perf_counter() - t0
-                    stats.failovers += 1
-                    requeue(job, 0)
-                    return
-                except EngineError as e:
-                    ep.inflight.discard(me)
-                    ep.stats.busy_s += time.perf_counter() - t0
-                    on_error(ep, job, e)
-                    return
-                except Exception as e:  # noqa: BLE001 - a bug in the task: fail it, keep the run going
-                    ep.inflight.discard(me)
-                    job.errors.append(f"{type(e).__name__}: {e}")
-                    fail(job, f"task error: {type(e).__name__}: {e}")
-                    return
-                ep.inflight.discard(me)
-                ep.stats.busy_s += time.perf_counter() - t0
-                ep.stats.ok += 1
-                ep.stats.prompt_tokens += result.prompt_tokens
-                ep.stats.completion_tokens += result.completion_tokens
-                ep.consecutive_failures = 0
-                job.attempts_left = max_attempts  # retries are counted per request
-                if finished:
-                    finish(job)
-                    return
-
-        async def worker(ep: _Endpoint) -> None:
-            while True:
-                job = await queue.get()
-                if job is None:
-                    return
-                if job.resolved or state["aborted"]:
-                    continue
-                if ep.dead:
-                    queue.put_nowait(job)
-                    return
-                await drive(ep, job)
-
-        if not pending:
-            all_stopped.set()
-            return stats
-        workers = [asyncio.ensure_future(worker(ep)) for ep in self._endpoints for _ in range(ep.engine.max_concurrency)]
-        try:
-            await all_stopped.wait()
-            if state["aborted"]:
-                for w in workers:
-                    w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
-        finally:
-            for w in workers:
-                w.cancel()
-        stats.wall_s = time.perf_counter() - t_start
-        for ep in self._endpoints:
-            ep.stats.tokens_per_s = ep.stats.completion_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
-        if state["aborted"]:
-            stats.unfinished = len(pending)
-            deaths = "; ".join(f"{ep.engine.url}: {ep.stats.dead_reason}" for ep in self._endpoints)
-            raise NoEngineAvailable(
-                f"every endpoint died mid-run; {len(pending)} of {stats.tasks} tasks unfinished "
-                f"({stats.done} done, {stats.failed} failed). Deaths: {deaths}", self.probe)
-        return stats
+        return await _Dispatch(self.config, self._endpoints, tasks, on_done, on_failed, self.probe).run()
