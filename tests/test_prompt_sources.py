@@ -194,6 +194,24 @@ def test_json_array_record_longer_than_the_window_cap_stops(monkeypatch):
     assert "reading stopped" in summary.parse_error
 
 
+@pytest.mark.parametrize("chunk", [13, 64, 4096])
+def test_json_array_deep_record_and_trailing_data_across_windows(monkeypatch, chunk):
+    """A record too deep for the parser is skipped by bracket counting, wherever the window cuts it."""
+    monkeypatch.setattr(prompt_sources, "_CHUNK", chunk)
+    deep = '{"id": "d", "x": "a ] } [ \\" {", "c": ' + "[" * 2000 + "]" * 2000 + "}"
+    text = "[" + ", ".join([json.dumps(RECORDS[0]), deep, json.dumps(RECORDS[1])]) + "]\n[" + json.dumps(RECORDS[2])
+    data = (text + "] trailing").encode()
+    items, summary = _read_all(data)
+    assert [i.problem for i in items] == [None, "nested_too_deep", None, None, "trailing_data"]
+    assert [i.record for i in items if i.problem is None] == RECORDS
+    assert items[1].raw_chars == len(deep) and items[1].byte_offset == data.index(b'{"id": "d"')
+    assert items[4].byte_offset == len(data) - len(b"trailing") and items[4].raw_chars == len(b"trailing")
+    assert summary.json_arrays == 2 and "trailing data" in summary.parse_error and not summary.truncated
+    # a deep record cut off by the end of the file is a truncated source, not a crash
+    items, summary = _read_all(("[" + json.dumps(RECORDS[0]) + ", " + deep[:-100]).encode())
+    assert [i.record for i in items] == RECORDS[:1] and summary.truncated
+
+
 def test_jsonl_bad_lines_do_not_stop_the_read():
     lines = [
         json.dumps(RECORDS[0]).encode(),

@@ -250,6 +250,55 @@ def test_truncated_json_array_is_reported(tmp_path, store):
     assert report.truncated and report.truncated_at_byte == data.rindex(b"\n {", 0, cut) + 2  # the record, not its turn
 
 
+# Issue 14 item 6: shapes of a source that lost records silently or killed the ingest.
+
+
+def test_trailing_data_after_a_json_array_is_quarantined(tmp_path, store):
+    data = json.dumps(GOOD).encode() + b'\n{"id": "late", "conversations": [{"from": "human", "value": "lost?"}]}\n'
+    (tmp_path / "tail.json").write_bytes(data)
+    report = ingest_prompt_source(tmp_path / "tail.json", store, CONFIG)
+    assert report.valid == len(GOOD) and report.quarantined == {"trailing_data": 1}
+    assert report.records_read == report.valid + report.quarantined_total
+    assert "trailing data" in report.parse_error and report.json_arrays == 1
+    (row,) = store.read_parquet(report.quarantine_key).to_pylist()
+    assert row["reason"] == "trailing_data" and '"late"' in row["raw"]
+    assert row["byte_offset"] == data.index(b'{"id": "late"') and row["raw_chars"] == len(data) - row["byte_offset"]
+
+
+def test_a_second_json_array_is_read_too(tmp_path, store):
+    data = json.dumps(GOOD[:2]).encode() + b"\n" + json.dumps(GOOD[2:]).encode()
+    (tmp_path / "two.json").write_bytes(data)
+    report = ingest_prompt_source(tmp_path / "two.json", store, CONFIG)
+    assert report.valid == len(GOOD) and report.quarantined == {} and report.parse_error is None
+    assert report.json_arrays == 2
+
+
+def test_jsonl_whose_lines_are_arrays_reads_every_record(tmp_path, store):
+    data = b"".join(json.dumps([r]).encode() + b"\n" for r in GOOD[:3])
+    (tmp_path / "arrays.jsonl").write_bytes(data)
+    report = ingest_prompt_source(tmp_path / "arrays.jsonl", store, CONFIG)
+    assert report.records_read == 3 and report.valid == 3 and report.json_arrays == 3
+    assert report.source_format == "json_array"
+    # a JSONL file (first line an object) with an array line: that line is a quarantined record, not lost silently
+    data = _jsonl(GOOD[:1]) + json.dumps(GOOD[1:3]).encode() + b"\n" + _jsonl(GOOD[3:4])
+    (tmp_path / "mixed.jsonl").write_bytes(data)
+    report = ingest_prompt_source(tmp_path / "mixed.jsonl", store, CONFIG)
+    assert report.valid == 2 and report.quarantined == {"not_an_object": 1}
+
+
+@pytest.mark.parametrize("kind", ["json", "jsonl"])
+def test_deeply_nested_record_is_quarantined_not_fatal(tmp_path, store, kind):
+    deep = b'{"id": "deep", "conversations": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    parts = [json.dumps(r).encode() for r in GOOD[:2]] + [deep] + [json.dumps(r).encode() for r in GOOD[2:]]
+    data = b"[" + b", ".join(parts) + b"]" if kind == "json" else b"\n".join(parts) + b"\n"
+    (tmp_path / f"deep.{kind}").write_bytes(data)
+    report = ingest_prompt_source(tmp_path / f"deep.{kind}", store, CONFIG)
+    assert report.valid == len(GOOD) and report.quarantined == {"nested_too_deep": 1}
+    assert report.parse_error is None
+    (row,) = store.read_parquet(report.quarantine_key).to_pylist()
+    assert row["raw_chars"] == len(deep) and row["byte_offset"] == data.index(b'{"id": "deep"')
+
+
 def test_zero_valid_prompts_raises_with_reason_counts(tmp_path, store):
     (tmp_path / "bad.jsonl").write_bytes(_jsonl([r for r, _ in BAD[:3]]) + b"nope\n")
     with pytest.raises(NoValidPromptsError) as e:

