@@ -40,6 +40,10 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: IngestConfig, store
     )
     if report.truncated:
         context.log.warning(f"source is truncated at byte {report.truncated_at_byte}: every complete record was kept")
+    if report.parse_error:
+        context.log.warning(f"source read stopped early: {report.parse_error} (see {report.quarantine_key})")
+    if report.json_arrays > 1:
+        context.log.warning(f"source holds {report.json_arrays} JSON arrays one after another: all were read")
     shard_sizes = dg.MetadataValue.md(markdown_counts(report.shard_sizes, "shard", "prompts"))
     return dg.MaterializeResult(
         metadata={**to_metadata(report.metadata()), "new_partitions": len(new), "shard_sizes": shard_sizes}
