@@ -61,7 +61,7 @@ class TokenizeStageConfig(dg.Config):
         return TokenizeConfig(max_length=self.max_length, supervise=self.supervise)
 
     def thresholds(self, thinking_requested: bool):
-        from dflash_assets.tokenization.samples import QualityThresholds
+        from dflash_assets.tokenization.quality import QualityThresholds
 
         return QualityThresholds(
             min_loss_tokens=self.min_loss_tokens, max_empty_ratio=self.max_empty_ratio,

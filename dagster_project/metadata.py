@@ -17,7 +17,7 @@ import dagster as dg
 import numpy as np
 
 from dagster_project.charts import bar_chart_png, line_chart_png, markdown_image
-from dflash_assets.tokenization.samples import LOSS_TOKEN_BIN_EDGES, loss_token_histogram
+from dflash_assets.tokenization.quality import LOSS_TOKEN_BIN_EDGES, loss_token_histogram
 
 
 def to_metadata(values: Mapping[str, Any], *, numbers_as_text: bool = False) -> dict[str, dg.MetadataValue]:

@@ -44,7 +44,7 @@ from dagster_project.definitions import defs
 from dagster_project.partitions import prompt_shards
 from dagster_project.sensors import SOURCE_TAG
 from dflash_assets.store.backends import LocalStore
-from dflash_assets.tokenization.samples import QualityGateFailed, require_quality_gate
+from dflash_assets.tokenization.quality import QualityGateFailed, require_quality_gate
 
 pytestmark = pytest.mark.slow
 

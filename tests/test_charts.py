@@ -22,7 +22,7 @@ from dflash_assets.chart_data import bin_labels, binned_counts, curve_points, sh
 from dflash_assets.generation.completions import response_length_histogram
 from dflash_assets.testing.sglang_loopback import LoopbackServer
 from dflash_assets.store.backends import LocalStore
-from dflash_assets.tokenization.samples import LOSS_TOKEN_BIN_EDGES, loss_token_histogram
+from dflash_assets.tokenization.quality import LOSS_TOKEN_BIN_EDGES, loss_token_histogram
 
 # -- the numbers ---------------------------------------------------------------------------------------------
 

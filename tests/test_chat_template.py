@@ -106,3 +106,88 @@ def test_load_chat_template_override(tmp_path, tok):
     (tmp_path / "empty.jinja").write_text("  \n")
     with pytest.raises(ValueError, match="empty"):
         load_chat_template(tmp_path / "empty.jinja")
+
+
+# -- one renderer, one reasoning splitter (issue 13) -------------------------------------------
+
+# A ChatML template of the classic shape (no think block): reads `message.content` as is, so a None
+# that apply_chat_template drops would render as "None" through a renderer that skips its normalization.
+CHATML = (
+    "{%- for message in messages -%}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- for call in message.tool_calls or [] %}\n<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}"
+    "{%- if message.reasoning_content %}\n[r] {{ message.reasoning_content }}{% endif %}"
+    "<|im_end|>\n"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is false %}[no-think]{% endif %}{% endif -%}"
+    "{{- '' if add_generation_prompt else eos_token -}}"
+)
+
+CONVERSATIONS = [
+    [SYSTEM, U1],
+    [SYSTEM, U1, A1, U2],
+    [U1, {"role": "assistant", "content": None, "reasoning_content": "Call it.",
+          "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]},
+     {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4.", "reasoning": "Old key name."}, U2],
+    [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+     {"role": "assistant", "content": "<think>\nR\n</think>\n\nA", "reasoning_content": None}, U2],
+]
+
+
+@pytest.mark.parametrize("which", ["qwen3_6", "chatml"])
+def test_one_renderer_equals_apply_chat_template_for_every_caller(tok, which):
+    """ChatRenderer (tokenization), ChatTokenizer (generation clients) and render_chat give exactly what
+    apply_chat_template gives, on the packaged Qwen3.6 template and on a ChatML one."""
+    from dflash_assets.generation.engines import ChatTokenizer
+    from dflash_assets.target.chat_template import ChatRenderer
+
+    t = tok if which == "qwen3_6" else build_qwen3_6_tokenizer(chat_template=CHATML)
+    renderer, client = ChatRenderer.from_tokenizer(t), ChatTokenizer(t)
+    assert isinstance(client._render, ChatRenderer)  # the generation client renders through the one renderer
+    for conv in CONVERSATIONS:
+        want = t.apply_chat_template(conv, tokenize=False)
+        assert renderer(conv) == want
+        assert render_chat(conv, template=t.chat_template, **t.special_tokens_map) == want
+        for thinking in (True, False):
+            prompt = t.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+            assert client.render(conv, thinking) == prompt
+            assert renderer(conv, add_generation_prompt=True, enable_thinking=thinking) == prompt
+    if which == "chatml":  # the case that shows the normalization matters
+        assert "None" not in renderer(CONVERSATIONS[2]) and t.eos_token in renderer(CONVERSATIONS[0])
+
+
+def test_no_stage_renders_chats_another_way():
+    """Every chat render in the package goes through target/chat_template.py; the only other path is
+    ChatTokenizer's fallback for tokenizers that override apply_chat_template."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "dflash_assets"
+    found = {}
+    for path in root.rglob("*.py"):
+        text = path.read_text("utf-8")
+        hits = [w for w in ("apply_chat_template(", "_compile_jinja_template", "render_jinja_template",
+                            "from_string(") if w in text]
+        if hits:
+            found[str(path.relative_to(root))] = hits
+    assert found.pop("target/chat_template.py")
+    assert found == {"generation/engines.py": ["apply_chat_template("]}
+
+
+@pytest.mark.parametrize("text,thinking,expected", [
+    ("R</think>C", True, ("R", "C")),
+    ("<think>\nR\n</think>\n\nC", True, ("R", "C")),
+    ("\nAll reasoning, cut\n", True, ("All reasoning, cut", "")),
+    ("\n\nAnswer only", False, ("", "Answer only")),
+    ("R</think>C</think>D", True, ("R", "C</think>D")),
+    ("", True, ("", "")),
+])
+def test_one_reasoning_splitter_for_generated_text_and_messages(text, thinking, expected):
+    from dflash_assets.generation import engines
+    from dflash_assets.target import chat_template
+    from dflash_assets.target.chat_template import split_reasoning, split_reasoning_text
+
+    assert engines.split_reasoning_text is chat_template.split_reasoning_text  # one implementation
+    assert split_reasoning_text(text, thinking) == expected
+    if "</think>" in text:  # a message holding the same text in its content splits the same way
+        assert split_reasoning({"role": "assistant", "content": text}) == expected
+    assert split_reasoning({"role": "assistant", "content": "C", "reasoning_content": "R"}) == ("R", "C")

@@ -9,21 +9,21 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from dflash_assets.target.chat_template import render_chat
+from dflash_assets.target.chat_template import ChatRenderer, render_chat, split_reasoning
 from dflash_assets.tokenization.encoder import BACKEND_HF, BACKEND_TIKTOKEN, GPT2_PAT_STR, TiktokenParts, build_encoder, qwen3_6_encoder
+from dflash_assets.tokenization.quality import (
+    empty_response_check,
+    loss_token_histogram,
+    schema_check,
+    thinking_ratio_check,
+    truncation_ratio_check,
+)
 from dflash_assets.tokenization.samples import (
     COMPLETIONS_MESSAGES_TYPE,
     SAMPLES_SCHEMA,
-    ChatRenderer,
     TokenizeConfig,
-    empty_response_check,
     expand_conversation,
-    loss_token_histogram,
-    schema_check,
-    split_reasoning,
-    thinking_ratio_check,
     tokenize_completions,
-    truncation_ratio_check,
 )
 from dflash_assets.testing.sharegpt import sharegpt_completions
 

@@ -18,14 +18,10 @@ from dagster_project.partitions import prompt_shards
 from dagster_project.resources import StoreResource, TargetModelResource
 from dagster_project.versions import code_version
 from dflash_assets.store import layout
+from dflash_assets.target.chat_template import ChatRenderer
 from dflash_assets.tokenization.encoder import build_encoder
-from dflash_assets.tokenization.samples import (
-    BLOCKING_CHECKS,
-    ChatRenderer,
-    evaluate_quality,
-    tokenize_completions,
-    write_quality_gate,
-)
+from dflash_assets.tokenization.quality import BLOCKING_CHECKS, evaluate_quality, write_quality_gate
+from dflash_assets.tokenization.samples import tokenize_completions
 
 SEVERITY = {
     "empty_response_ratio": dg.AssetCheckSeverity.ERROR,

@@ -63,7 +63,7 @@ def training_shards(store: Any, recipe: DrafterRecipe) -> list[str]:
 
 def _training_files(store: Any, recipe: DrafterRecipe, shards: list[str]) -> list[Path]:
     if recipe.online:
-        from dflash_assets.tokenization.samples import require_quality_gate
+        from dflash_assets.tokenization.quality import require_quality_gate
 
         for shard in shards:
             require_quality_gate(store, shard)

@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from dflash_assets.target.chat_template import ChatRenderer
+
 _ASSISTANT_ROLES = {"gpt", "chatgpt", "bing", "bard", "assistant"}
 _USER_ROLES = {"human", "user"}
 
@@ -153,11 +155,12 @@ class _Sample:
     format_pos: tuple[int, ...] = ()  # positions of the format tokens (see `format_weight`)
 
 
-def _render(tok: "PreTrainedTokenizerBase", head: list[dict], reasoning: str, answer: str) -> _Sample:
+def _render(tok: "PreTrainedTokenizerBase", render: "ChatRenderer", head: list[dict], reasoning: str,
+            answer: str) -> _Sample:
     """Token ids of `head` + a thinking assistant turn (through `<|im_end|>`), and where supervision starts."""
     reply = {"role": "assistant", "content": answer, "reasoning_content": reasoning}
-    prefix = tok.apply_chat_template(head, tokenize=False, add_generation_prompt=True, enable_thinking=True)
-    full = tok.apply_chat_template(head + [reply], tokenize=False)
+    prefix = render(head, add_generation_prompt=True, enable_thinking=True)
+    full = render(head + [reply])
     if not full.startswith(prefix) or not full.endswith("<|im_end|>\n"):
         raise ValueError("chat template does not render the thinking format this training expects")
     prefix_ids = tok.encode(prefix, add_special_tokens=False)
@@ -170,6 +173,9 @@ def _render(tok: "PreTrainedTokenizerBase", head: list[dict], reasoning: str, an
 
 def build_samples(tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> tuple[list[_Sample], list[_Sample]]:
     """(regular, long-context) synthetic thinking chats, rendered with the tokenizer's chat template."""
+    from dflash_assets.target.chat_template import ChatRenderer
+
+    render = ChatRenderer.from_tokenizer(tok)
     rng = random.Random(cfg.seed)
     # Texts are cut to ~8 characters per token needed before encoding: some prompts run to thousands of tokens.
     user_chars = 8 * max(cfg.prompt_tokens[1], cfg.long_prompt_tokens)
@@ -198,7 +204,7 @@ def build_samples(tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> tu
             u, r = encoded[rng.randrange(len(encoded))]
             head = [{"role": "user", "content": _text(tok, u[: rng.randint(*cfg.prompt_tokens)])},
                     {"role": "assistant", "content": _text(tok, r[: rng.randint(*cfg.answer_tokens)])}] + head
-        samples.append(_render(tok, head, reasoning, answer))
+        samples.append(_render(tok, render, head, reasoning, answer))
         responses.append((reasoning, answer))
 
     # Long contexts (real prompts run to thousands of tokens): several ShareGPT texts in one user turn, or
@@ -225,7 +231,7 @@ def build_samples(tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> tu
         if head[-1]["role"] != "user":
             head.append({"role": "user", "content": _text(tok, encoded[rng.randrange(len(encoded))][0][:32])})
         reasoning, answer = responses[rng.randrange(len(responses))]
-        long_samples.append(_render(tok, head, reasoning, answer))
+        long_samples.append(_render(tok, render, head, reasoning, answer))
     return samples, long_samples
 
 

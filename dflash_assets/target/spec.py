@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash_assets.target.chat_template import load_chat_template, template_hash
+from dflash_assets.target.chat_template import ChatRenderer, load_chat_template, template_hash
 from dflash_assets.target.conventions import (
     DEFAULT_NUM_TARGET_LAYERS,
     TargetModelError,
@@ -204,10 +204,8 @@ class TargetModelSpec(BaseModel):
     def render_chat(
         self, tok: "PreTrainedTokenizerBase", messages: list[dict], add_generation_prompt: bool = False
     ) -> str:
-        """`messages` rendered with the tokenizer's template and this spec's template kwargs."""
-        return tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs
-        )
+        """`messages` rendered with the tokenizer's template and this spec's template kwargs (the one renderer)."""
+        return ChatRenderer.from_tokenizer(tok, **self.chat_template_kwargs)(messages, add_generation_prompt)
 
     def validate(self) -> TargetFacts:
         """Load config and tokenizer (not weights), check they fit together, return the facts."""

@@ -1,4 +1,4 @@
-"""Tokenized training samples: completions -> input_ids + loss_mask, and their quality checks.
+"""Tokenized training samples: completions -> input_ids + loss_mask.
 
 Reads a completions table (Arrow: ``prompt_id`` string, ``messages``
 list<struct<role, content, reasoning_content>> with every assistant turn
@@ -27,10 +27,8 @@ How a sample is built (DESIGN.md, "Chat format"):
    with numpy (no per-token Python), and drop samples without a supervised
    token, counting why (`TokenizeStats.dropped`).
 
-The check functions at the bottom (`empty_response_check`,
-`thinking_ratio_check`, `truncation_ratio_check`, `schema_check`) are pure
-functions over a samples table returning `CheckOutcome`; Dagster check bodies
-only wrap them.
+Rendering and the reasoning split are the target's (`target.chat_template`);
+the checks of a samples table and the gate are in `tokenization.quality`.
 """
 
 from __future__ import annotations
@@ -45,9 +43,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dflash_assets.store import layout
-from dflash_assets.chart_data import binned_counts
-from dflash_assets.target.chat_template import ASSISTANT_THINK_HEADER
+from dflash_assets.target.chat_template import ASSISTANT_THINK_HEADER, ChatRenderer, split_reasoning
 from dflash_assets.tokenization.encoder import EncodedBatch, FastEncoder
 
 __all__ = [
@@ -56,23 +52,14 @@ __all__ = [
     "DROP_REASONS",
     "SAMPLES_SCHEMA",
     "COMPLETIONS_MESSAGES_TYPE",
-    "ChatRenderer",
-    "CheckOutcome",
     "TokenizeConfig",
     "TokenizeStats",
-    "empty_response_check",
     "expand_conversation",
-    "loss_token_histogram",
-    "schema_check",
-    "split_reasoning",
-    "thinking_ratio_check",
     "tokenize_completions",
-    "truncation_ratio_check",
 ]
 
 ASSISTANT_HEADER = ASSISTANT_THINK_HEADER  # "<|im_start|>assistant\n<think>\n"
 END_OF_TURN = "<|im_end|>\n"
-THINK_END = "</think>"
 SUPERVISE_MODES = ("last_turn", "every_turn")
 
 # Why a conversation/turn produced no sample (keys of TokenizeStats.dropped).
@@ -137,120 +124,7 @@ class TokenizeConfig:
             raise ValueError("assistant_header must not be empty")
 
 
-def _alias_reasoning(message: dict) -> dict:
-    # Same aliasing as transformers' render_jinja_template: templates read either name.
-    for key in ("reasoning_content", "thinking", "reasoning"):
-        reasoning = message.get(key)
-        if reasoning is not None:
-            return {"thinking": reasoning, **message, "reasoning_content": reasoning}
-    return message
-
-
-def _memoized_safety(env):
-    """An overlay of transformers' sandboxed chat-template environment whose
-    attribute-safety decisions are memoized per (type(obj), attr).
-
-    Jinja's `ImmutableSandboxedEnvironment.is_safe_attribute` decides from
-    the attribute name and isinstance checks on the object only (the value
-    is unused), so the memo returns exactly what the sandbox would; it saves
-    ~60% of render time (ABC isinstance checks on every `.strip`, `.split`).
-    Any other implementation of the check is left alone. The overlay keeps
-    transformers' cached environment untouched.
-    """
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    overlay = env.overlay()
-    if type(env).is_safe_attribute is not ImmutableSandboxedEnvironment.is_safe_attribute:
-        return overlay
-    check = ImmutableSandboxedEnvironment.is_safe_attribute
-    memo: dict[tuple[type, str], bool] = {}
-
-    def is_safe_attribute(obj, attr, value):
-        key = (type(obj), attr)
-        safe = memo.get(key)
-        if safe is None:
-            safe = memo[key] = check(overlay, obj, attr, value)
-        return safe
-
-    overlay.is_safe_attribute = is_safe_attribute
-    return overlay
-
-
-class ChatRenderer:
-    """Renders conversations with a chat template, like ``apply_chat_template(tokenize=False)``.
-
-    Compiles the template once in (an overlay of) transformers' own sandboxed
-    Jinja environment and calls it directly: same output as
-    `render_jinja_template`, ~8x faster per call (no per-call conversion, and
-    memoized sandbox checks, see `_memoized_safety`). `template` None = the
-    packaged Qwen3.5/3.6 template.
-    """
-
-    def __init__(self, template: str | None = None, **template_kwargs: Any):
-        from dflash_assets.target.chat_template import default_chat_template
-
-        self.template = template if template is not None else default_chat_template()
-        self.template_kwargs = dict(template_kwargs)
-        try:
-            from transformers.utils.chat_template_utils import _compile_jinja_template
-        except ImportError:  # private helper moved: use the public renderer
-            self._compiled = None
-        else:
-            self._compiled = _memoized_safety(_compile_jinja_template(self.template).environment).from_string(
-                self.template
-            )
-
-    @classmethod
-    def from_tokenizer(cls, tokenizer, template: str | None = None, **template_kwargs: Any) -> "ChatRenderer":
-        """The tokenizer's template (or `template`) with its special tokens as template variables."""
-        template = template if template is not None else tokenizer.chat_template
-        if not isinstance(template, str):
-            raise ValueError("the tokenizer has no (single) chat template; pass `template`")
-        return cls(template, **{**tokenizer.special_tokens_map, **template_kwargs})
-
-    def __call__(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-        messages = [_alias_reasoning(m) for m in messages]
-        if self._compiled is not None:
-            return self._compiled.render(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.template_kwargs,
-            )
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        rendered, _ = render_jinja_template(
-            [messages], chat_template=self.template, add_generation_prompt=add_generation_prompt, **self.template_kwargs
-        )
-        return rendered[0]
-
-
 # -- conversations -> samples ------------------------------------------------------------
-
-
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p if isinstance(p, str) else (p.get("text") or "") for p in content)
-
-
-def split_reasoning(message: Mapping[str, Any]) -> tuple[str, str]:
-    """(reasoning, visible answer) of an assistant message, as the Qwen3.5/3.6 template splits it.
-
-    Reasoning comes from ``reasoning_content`` (or ``reasoning``/``thinking``),
-    else from a ``<think>...</think>`` prefix of the content.
-    """
-    content = _text(message.get("content"))
-    for key in ("reasoning_content", "reasoning", "thinking"):
-        if isinstance(message.get(key), str):
-            return message[key], content
-    if THINK_END in content:
-        reasoning = content.split(THINK_END)[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-        return reasoning, content.split(THINK_END)[-1].lstrip("\n")
-    return "", content
 
 
 def expand_conversation(
@@ -453,223 +327,3 @@ def _build_batch(enc: EncodedBatch, max_length: int) -> tuple[dict[str, pa.Array
         dtype=np.int64,
     )
     return columns, {"keep": keep, "dropped": dropped, "totals": totals}
-
-
-# -- checks ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CheckOutcome:
-    """What a Dagster asset check returns: passed, plain-value metadata, a one-line description."""
-
-    passed: bool
-    metadata: dict[str, Any]
-    description: str
-
-
-LOSS_TOKEN_BIN_EDGES = (0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-
-
-def loss_token_histogram(num_loss_tokens: np.ndarray) -> dict[str, int]:
-    """Counts of samples per bin of loss-mask sum ("0", "1-7", "8-15", ..., "4096+"); they sum to the samples."""
-    return binned_counts(num_loss_tokens, LOSS_TOKEN_BIN_EDGES)
-
-
-def _examples(table: pa.Table, selected: np.ndarray, limit: int = 10) -> list[str]:
-    idx = np.flatnonzero(selected)[:limit]
-    return [str(x) for x in table.column("prompt_id").take(pa.array(idx)).to_pylist()] if len(idx) else []
-
-
-def empty_response_check(table: pa.Table, min_loss_tokens: int = 16, max_empty_ratio: float = 0.02) -> CheckOutcome:
-    """Share of samples whose response is empty: fewer than `min_loss_tokens`
-    supervised tokens, or an empty visible answer once the think block is removed.
-
-    Passes when that share is at most `max_empty_ratio`. An empty table fails.
-    Metadata: ratio, threshold, counts, up to 10 example prompt_ids and the
-    most common loss-mask sum (the 87%-stub failure shows as one value, e.g. 6,
-    holding most samples). The histogram of loss-mask sums is
-    ``loss_token_histogram`` (the asset draws it once, on its materialization).
-    """
-    n = table.num_rows
-    loss = table.column("num_loss_tokens").to_numpy() if n else np.zeros(0, dtype=np.int32)
-    answer_empty = table.column("answer_empty").to_numpy(zero_copy_only=False) if n else np.zeros(0, dtype=bool)
-    short = loss < min_loss_tokens
-    empty = short | answer_empty
-    count = int(empty.sum())
-    ratio = count / n if n else 1.0
-    values, freq = np.unique(loss, return_counts=True) if n else (np.zeros(1, int), np.zeros(1, int))
-    mode = int(values[np.argmax(freq)])
-    metadata = {
-        "ratio": round(ratio, 6),
-        "threshold": max_empty_ratio,
-        "min_loss_tokens": min_loss_tokens,
-        "num_samples": n,
-        "num_empty": count,
-        "num_short": int(short.sum()),
-        "num_answer_empty": int(answer_empty.sum()),
-        "examples": _examples(table, empty),
-        "most_common_loss_tokens": mode,
-        "most_common_loss_tokens_share": round(float(freq.max()) / n, 6) if n else 0.0,
-        "median_loss_tokens": float(np.median(loss)) if n else 0.0,
-    }
-    passed = n > 0 and ratio <= max_empty_ratio
-    if n == 0:
-        description = "no samples to check"
-    else:
-        description = (
-            f"{count}/{n} samples ({ratio:.2%}) have < {min_loss_tokens} supervised tokens or an empty answer "
-            f"(threshold {max_empty_ratio:.2%})"
-        )
-    return CheckOutcome(passed, metadata, description)
-
-
-def thinking_ratio_check(table: pa.Table, floor: float = 0.9, thinking_requested: bool = True) -> CheckOutcome:
-    """Share of samples whose supervised turn has non-empty reasoning, at least `floor`.
-
-    Only meaningful when the completions were generated with thinking on;
-    with ``thinking_requested=False`` it passes and reports the ratio.
-    """
-    n = table.num_rows
-    has = table.column("has_reasoning").to_numpy(zero_copy_only=False) if n else np.zeros(0, dtype=bool)
-    ratio = float(has.mean()) if n else 0.0
-    metadata = {
-        "ratio": round(ratio, 6),
-        "threshold": floor,
-        "num_samples": n,
-        "num_with_reasoning": int(has.sum()),
-        "thinking_requested": thinking_requested,
-        "examples_without_reasoning": _examples(table, ~has),
-    }
-    if not thinking_requested:
-        return CheckOutcome(True, metadata, f"thinking not requested; {ratio:.2%} of samples have reasoning")
-    passed = n > 0 and ratio >= floor
-    return CheckOutcome(passed, metadata, f"{ratio:.2%} of {n} samples have non-empty reasoning (floor {floor:.2%})")
-
-
-def truncation_ratio_check(table: pa.Table, ceiling: float = 0.05) -> CheckOutcome:
-    """Share of samples cut at max_length, at most `ceiling`."""
-    n = table.num_rows
-    truncated = table.column("truncated").to_numpy(zero_copy_only=False) if n else np.zeros(0, dtype=bool)
-    count = int(truncated.sum())
-    ratio = count / n if n else 0.0
-    tokens = table.column("num_tokens").to_numpy() if n else np.zeros(0, dtype=np.int32)
-    metadata = {
-        "ratio": round(ratio, 6),
-        "threshold": ceiling,
-        "num_samples": n,
-        "num_truncated": count,
-        "max_num_tokens": int(tokens.max()) if n else 0,
-        "mean_num_tokens": round(float(tokens.mean()), 1) if n else 0.0,
-        "examples": _examples(table, truncated),
-    }
-    description = f"{count}/{n} samples ({ratio:.2%}) truncated (ceiling {ceiling:.2%})"
-    return CheckOutcome(ratio <= ceiling, metadata, description)
-
-
-def schema_check(table: pa.Table, max_length: int | None = None) -> CheckOutcome:
-    """Columns and types equal `SAMPLES_SCHEMA`, and the rows are self-consistent:
-    list lengths equal ``num_tokens``, mask sums equal ``num_loss_tokens``, the
-    mask holds only 0/1, every sample has a supervised token, (prompt_id,
-    turn_index) is unique, and ``num_tokens <= max_length`` when given.
-    """
-    problems: list[str] = []
-    have = {f.name: f.type for f in table.schema}
-    for f in SAMPLES_SCHEMA:
-        if f.name not in have:
-            problems.append(f"missing column {f.name}")
-        elif have[f.name] != f.type:
-            problems.append(f"column {f.name} is {have[f.name]}, expected {f.type}")
-    extra = sorted(set(have) - set(SAMPLES_SCHEMA.names))
-    if not problems:
-        nulls = [f.name for f in SAMPLES_SCHEMA if table.column(f.name).null_count]
-        if nulls:
-            problems.append(f"null values in {nulls}")
-    if not problems and table.num_rows:
-        t = table.combine_chunks()
-        n_tok = t.column("num_tokens").to_numpy()
-        for name in ("input_ids", "loss_mask"):
-            lengths = pc.list_value_length(t.column(name)).to_numpy()
-            if not np.array_equal(lengths, n_tok):
-                problems.append(f"{name} lengths differ from num_tokens in {int((lengths != n_tok).sum())} rows")
-        mask_col = t.column("loss_mask").chunk(0)
-        flat = mask_col.flatten().to_numpy()
-        if flat.size and flat.max() > 1:
-            problems.append("loss_mask holds values other than 0/1")
-        offsets = mask_col.offsets.to_numpy()
-        offsets = offsets - offsets[0]  # a sliced array's offsets need not start at 0
-        cumsum = np.concatenate([[0], np.cumsum(flat, dtype=np.int64)])
-        sums = cumsum[offsets[1:]] - cumsum[offsets[:-1]]
-        n_loss = t.column("num_loss_tokens").to_numpy()
-        if not np.array_equal(sums, n_loss):
-            problems.append(f"loss_mask sums differ from num_loss_tokens in {int((sums != n_loss).sum())} rows")
-        if (n_loss <= 0).any():
-            problems.append(f"{int((n_loss <= 0).sum())} samples have no supervised token")
-        keys = pc.binary_join_element_wise(t.column("prompt_id"), pc.cast(t.column("turn_index"), pa.string()), "\x00")
-        if pc.count_distinct(keys).as_py() != t.num_rows:
-            problems.append("(prompt_id, turn_index) is not unique")
-        if max_length is not None and (n_tok > max_length).any():
-            problems.append(f"{int((n_tok > max_length).sum())} samples longer than max_length {max_length}")
-    metadata = {
-        "num_samples": table.num_rows,
-        "problems": problems,
-        "extra_columns": extra,
-        "schema": str(table.schema),
-    }
-    passed = not problems
-    description = "schema and row invariants hold" if passed else f"{len(problems)} problem(s): {problems[0]}"
-    return CheckOutcome(passed, metadata, description)
-
-
-# -- the partition as a whole: store layout, quality evaluation, the gate ---------------------
-
-
-BLOCKING_CHECKS = ("empty_response_ratio", "schema")
-
-
-
-
-@dataclass(frozen=True)
-class QualityThresholds:
-    """Thresholds of the sample checks (defaults: the DFlash recipe's expectations)."""
-
-    min_loss_tokens: int = 16
-    max_empty_ratio: float = 0.02
-    thinking_requested: bool = True
-    thinking_floor: float = 0.9
-    truncation_ceiling: float = 0.05
-    max_length: int | None = None
-
-
-def evaluate_quality(table: pa.Table, thresholds: QualityThresholds = QualityThresholds()) -> dict[str, CheckOutcome]:
-    """Every check of a samples partition, by check name."""
-    return {
-        "empty_response_ratio": empty_response_check(table, thresholds.min_loss_tokens, thresholds.max_empty_ratio),
-        "thinking_ratio": thinking_ratio_check(table, thresholds.thinking_floor, thresholds.thinking_requested),
-        "truncation_ratio": truncation_ratio_check(table, thresholds.truncation_ceiling),
-        "schema": schema_check(table, thresholds.max_length),
-    }
-
-
-class QualityGateFailed(RuntimeError):
-    """A blocking check of the samples partition failed: no GPU time is spent on it."""
-
-
-def write_quality_gate(store: Any, shard: str, outcomes: Mapping[str, CheckOutcome], data_version: str) -> None:
-    """Record the check outcomes next to the samples, so later stages on any host can refuse bad data."""
-    store.write_json(layout.quality_gate(shard), {
-        "data_version": data_version,
-        "checks": {name: {"passed": o.passed, "description": o.description} for name, o in outcomes.items()},
-        "blocking": list(BLOCKING_CHECKS),
-    })
-
-
-def require_quality_gate(store: Any, shard: str) -> dict[str, Any]:
-    """Raise `QualityGateFailed` unless the shard's blocking checks passed; return the gate record."""
-    if not store.exists(layout.quality_gate(shard)):
-        raise QualityGateFailed(f"{shard}: no quality record at {layout.quality_gate(shard)}; materialize tokenized_samples first")
-    gate = store.read_json(layout.quality_gate(shard))
-    failed = [n for n in gate["blocking"] if not gate["checks"].get(n, {}).get("passed", False)]
-    if failed:
-        details = "; ".join(f"{n}: {gate['checks'][n]['description']}" for n in failed if n in gate["checks"])
-        raise QualityGateFailed(f"{shard}: blocking checks failed ({', '.join(failed)}): {details}")
-    return gate
