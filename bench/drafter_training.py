@@ -1,6 +1,6 @@
 """Benchmark: DFlash drafter training throughput (Qwen3-8B dims) on one GPU, and on two through torchrun.
 
-Measures the library's own training step (`dflash_assets.drafter.training.train_step`: block layout,
+Measures the library's own training step (`dflash_assets.drafter.loss.train_step`: block layout,
 flex_attention BlockMask built once per step, 5-layer drafter under bf16 autocast, frozen target
 head with the chunked cross-entropy, backward, grad clip, fused AdamW) on synthetic data resident
 on the GPU: Qwen3-8B dims (H 4096, 32 heads, 8 KV heads, head_dim 128, MLP 12288, vocab 151,936,
@@ -35,14 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from dflash_assets.target.conventions import dflash_target_layer_ids  # noqa: E402
 from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, TargetHead  # noqa: E402
-from dflash_assets.drafter.training import (  # noqa: E402
-    Batch,
-    dflash_block_mask,
-    drafter_forward_loss,
-    head_cross_entropy,
-    sample_anchors,
-    train_step,
-)
+from dflash_assets.drafter.data import Batch, sample_anchors  # noqa: E402
+from dflash_assets.drafter.loss import dflash_block_mask, drafter_forward_loss, head_cross_entropy, train_step  # noqa: E402
 
 SPECFORGE_TOK_S = {1: 14_000, 2: 15_700, 4: 16_600}  # measured on one H200 (DESIGN.md)
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
@@ -315,7 +309,9 @@ def end_to_end(args) -> dict:
 
     from safetensors.torch import save_file
 
-    from dflash_assets.drafter.training import DrafterRecipe, latest_state_dir, train_drafter
+    from dflash_assets.drafter.recipe import DrafterRecipe
+    from dflash_assets.drafter.state import latest_state_dir
+    from dflash_assets.drafter.training import train_drafter
     from dflash_assets.hidden_states.format import SafetensorsStreamWriter, ShardMetadata, shard_tensor_specs
 
     cuda = torch.cuda.is_available() and not args.quick

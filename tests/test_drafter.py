@@ -24,15 +24,8 @@ from dflash_assets.drafter.model import (
     load_target_config,
     save_drafter,
 )
-from dflash_assets.drafter.training import (
-    Batch,
-    block_labels,
-    collate,
-    dflash_dense_mask,
-    drafter_forward_loss,
-    sample_anchors,
-    Sample,
-)
+from dflash_assets.drafter.data import Batch, Sample, collate, sample_anchors
+from dflash_assets.drafter.loss import block_labels, dflash_dense_mask, drafter_forward_loss
 
 # ----------------------------------------------------------------------------------------------
 # helpers shared by test_drafter_training.py and test_speculative_decoding.py
@@ -252,7 +245,7 @@ def test_dense_mask_semantics():
 def test_flex_attention_matches_sdpa_on_cpu():
     """The BlockMask (GPU path) and the bool mask (CPU path) give the same forward; flex has no CPU
     backward in torch 2.13, so gradients are covered by the SDPA path's tests."""
-    from dflash_assets.drafter.training import dflash_block_mask
+    from dflash_assets.drafter.loss import dflash_block_mask
 
     cfg = small_config()
     torch.manual_seed(0)
@@ -283,7 +276,7 @@ def test_training_layout_equals_per_block_inference():
     head = random_head(cfg)
     b = random_batch(cfg, lengths=(20, 13), n_anchors=4, seed=2)
     B, S = cfg.block_size, b.input_ids.shape[1]
-    from dflash_assets.drafter.training import block_layout
+    from dflash_assets.drafter.loss import block_layout
 
     noise, block_pos = block_layout(b.input_ids, b.anchors, b.keep, B, cfg.mask_token_id)
     pos = torch.cat([torch.arange(S).expand(2, S), block_pos], 1)
@@ -334,7 +327,7 @@ def test_analytic_block_mask_equals_create_block_mask():
     import numpy as np
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from dflash_assets.drafter.training import _dflash_mask_mod, dflash_block_mask
+    from dflash_assets.drafter.loss import _dflash_mask_mod, dflash_block_mask
 
     B, S, N = 16, 512, 24
     rng = np.random.default_rng(0)

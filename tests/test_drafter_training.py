@@ -15,15 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from dflash_assets.drafter.model import load_drafter
-from dflash_assets.drafter.training import (
-    DrafterRecipe,
-    TargetFeatures,
-    anchor_rng,
-    head_cross_entropy,
-    latest_state_dir,
-    sample_anchors,
-    train_drafter,
-)
+from dflash_assets.drafter.data import anchor_rng, sample_anchors
+from dflash_assets.drafter.loss import head_cross_entropy
+from dflash_assets.drafter.recipe import DrafterRecipe
+from dflash_assets.drafter.state import latest_state_dir
+from dflash_assets.drafter.training import TargetFeatures, train_drafter
 from test_drafter import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, one_thread, write_cache  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]

@@ -400,3 +400,44 @@ def test_benchmark_quick_runs_every_section(tmp_path):
     b = res["b_hooks_cut"]
     assert b["packed_varlen_vs_naive"]["max_abs"] < 1e-4 and b["stacked_sdpa_vs_naive"]["max_abs"] < 1e-4
     assert res["c_end_to_end"]["tokens"] > 0 and res["d_hybrid"]["stacked"]["tok_per_s"] > 0
+
+
+# ---------------------------------------------------------------------------
+# One reader: files written before it, tiling, the drafter's training view
+# ---------------------------------------------------------------------------
+
+FIXTURE = ROOT / "tests" / "data" / "hidden_state_cache_v1"
+
+
+def test_files_written_by_the_previous_layout_read_through_the_one_reader():
+    """Two parts of one partition written by the code as of commit 229f6a8 (before the readers were merged):
+    lengths 5, 3, 4; hidden = arange, input_ids = 100 + token index, loss_mask = token index % 2."""
+    from dflash_assets.drafter.data import CacheSamples
+
+    parts = sorted(str(p) for p in FIXTURE.glob("*.safetensors"))
+    with HiddenStateCacheReader(parts) as reader:
+        assert len(reader) == 3 and reader.prompt_ids == ["p0", "p1", "p2"] and reader.layer_ids == [1, 3]
+        s = reader[2]  # first sample of the second part: tokens 8..11
+        assert s.input_ids.tolist() == [108, 109, 110, 111] and s.loss_mask.tolist() == [0, 1, 0, 1]
+        assert torch.equal(s.hidden, torch.arange(8 * 8, 12 * 8, dtype=torch.float32).view(4, 8))
+        assert [p.num_samples for p in reader.parts] == [2, 1] and reader.parts[0].nbytes == Path(parts[0]).stat().st_size
+    # training's view: cut to 4 tokens, samples without an anchor position (block 3) dropped
+    data = CacheSamples(parts, max_length=4, block_size=3)
+    assert len(data) == 3 and data.groups.tolist() == [0, 0, 1] and data.layer_ids == [1, 3]
+    first = data[0]
+    assert first.input_ids.dtype == np.int64 and first.input_ids.tolist() == [100, 101, 102, 103]
+    assert first.loss_mask.tolist() == [False, True, False, True] and first.hidden.shape == (4, 8)
+    cut = CacheSamples(parts, max_length=1, block_size=1)  # first tokens 0, 5, 8: only token 5 is in the loss
+    assert len(cut) == 1 and cut[0].input_ids.tolist() == [105]
+    online = CacheSamples(parts, max_length=8, block_size=3, need_hidden=False)
+    assert online[1].hidden is None and online[1].input_ids.tolist() == [105, 106, 107]
+
+
+def test_reader_refuses_parts_that_do_not_tile_their_partition():
+    parts = sorted(str(p) for p in FIXTURE.glob("*.safetensors"))
+    with pytest.raises(ValueError, match="do not tile"):
+        HiddenStateCacheReader(parts[1:])  # part 2 of 2 without part 1
+    with pytest.raises(ValueError, match="rest of that partition is missing"):
+        HiddenStateCacheReader(parts[:1])
+    with pytest.raises(ValueError, match="do not tile"):
+        HiddenStateCacheReader(parts[::-1])

@@ -23,6 +23,7 @@ Imports only torch, safetensors and numpy (no transformers needed at runtime).
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import tempfile
@@ -457,19 +458,79 @@ def load_target_config(target_dir: str | Path) -> dict[str, Any]:
 
 
 def _atomic_dir(dest: Path):
+    """A temp dir beside ``dest`` named ``.<name>.tmp-<pid>-*`` (:func:`clean_stale_temps` finds it after a kill)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    return Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under ``root`` and the directories themselves, so a rename publishes durable data."""
+    for p in sorted(root.rglob("*"), reverse=True):
+        if p.is_file():
+            with open(p, "rb+") as f:
+                os.fsync(f.fileno())
+        elif p.is_dir():
+            _fsync_dir(p)
+    _fsync_dir(root)
 
 
 def _swap_into_place(tmp: Path, dest: Path):
-    """Rename tmp onto dest; an existing dest is moved aside first and removed afterwards."""
+    """Fsync tmp, rename it onto dest (an existing dest is moved aside first, removed afterwards), fsync the parent."""
+    _fsync_tree(tmp)
     old = None
     if dest.exists():
         old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
         os.replace(dest, old)
     os.replace(tmp, dest)
+    _fsync_dir(dest.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+_STALE = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)(?:-.*)?")
+
+
+def clean_stale_temps(directory: Path) -> list[Path]:
+    """Remove temp and moved-aside dirs/files a killed writer left in ``directory`` (``.<name>.tmp-<pid>-*``,
+    ``.<name>.old-<pid>``) whose process is gone; if ``<name>`` itself is missing, a moved-aside old copy is
+    put back first (a kill between the two renames of :func:`_swap_into_place`). Returns what was removed."""
+    removed: list[Path] = []
+    if not directory.is_dir():
+        return removed
+    for p in sorted(directory.iterdir()):
+        m = _STALE.fullmatch(p.name)
+        if m is None or _pid_alive(int(m.group("pid"))):
+            continue
+        dest = directory / m.group("name")
+        if ".old-" in p.name and not dest.exists():
+            os.replace(p, dest)  # the new copy never landed: the old one is still the current one
+            continue
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def drafter_state_dict(drafter: nn.Module) -> dict[str, torch.Tensor]:

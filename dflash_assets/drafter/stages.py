@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from dflash_assets.store import layout
 from dflash_assets.chart_data import curve_points, share_at_least
-from dflash_assets.drafter.training import DrafterRecipe
+from dflash_assets.drafter.recipe import DrafterRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +63,9 @@ def training_shards(store: Any, recipe: DrafterRecipe) -> list[str]:
 
 def _training_files(store: Any, recipe: DrafterRecipe, shards: list[str]) -> list[Path]:
     if recipe.online:
-        from dflash_assets.tokenization.quality import require_quality_gate
+        from dflash_assets.tokenization.quality import verified_samples_path
 
-        for shard in shards:
-            require_quality_gate(store, shard)
-        return [store.local_path(layout.tokenized_samples(s)) for s in shards]
+        return [verified_samples_path(store, s) for s in shards]  # refused unless the gate passed these bytes
     parts = layout.list_hidden_state_parts(store)
     files = []
     for shard in shards:

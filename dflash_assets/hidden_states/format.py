@@ -25,7 +25,10 @@ atomically through the store (``Store.upload_file`` / ``staged_file``).
 
 Reads: :class:`HiddenStateShard` memory-maps a file with safetensors'
 ``safe_open`` and returns one sample's rows through ``get_slice`` without
-loading the file; :class:`HiddenStateCacheReader` spans the parts of a partition.
+loading the file; :class:`HiddenStateCacheReader` spans part files (one
+partition or many; the drafter's training reads through it), opening each by
+ranged reads of its header and offsets and reading samples through a source
+(local files, or a bounded cache of store parts).
 
 Budgets: :func:`bytes_per_token`, :func:`estimate_partition_bytes`,
 :func:`projected_corpus_bytes` and :func:`check_budget`, which raises
@@ -36,11 +39,14 @@ Imports only numpy, torch and safetensors.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import struct
 import threading
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +62,10 @@ __all__ = [
     "SafetensorsStreamWriter",
     "HiddenStateShard",
     "HiddenStateCacheReader",
+    "LocalFiles",
+    "PartIndex",
+    "read_header",
+    "read_small_tensor",
     "SampleStates",
     "shard_tensor_specs",
     "dtype_size",
@@ -434,15 +444,17 @@ class SafetensorsStreamWriter:
 
 @dataclass(frozen=True)
 class SampleStates:
-    """One sample's rows: ``hidden`` [n, n_layers*H], ``input_ids`` [n] int32, ``loss_mask`` [n] uint8."""
+    """One sample's rows: ``hidden`` [n, n_layers*H] (None when not read), ``input_ids`` [n] int32, ``loss_mask`` [n] uint8."""
 
     prompt_id: str
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
 
     def layer(self, j: int, hidden_size: int) -> torch.Tensor:
         """Hidden states of the ``j``-th captured layer (position in ``layer_ids``): [n, H]."""
+        if self.hidden is None:
+            raise ValueError("this sample was read without its hidden states")
         return self.hidden[:, j * hidden_size:(j + 1) * hidden_size]
 
 
@@ -490,42 +502,173 @@ class HiddenStateShard:
         self.close()
 
 
-class HiddenStateCacheReader:
-    """All parts of one partition as one sequence of samples (global index = partition order)."""
+_NP_DTYPES = {"I64": np.int64, "I32": np.int32, "U8": np.uint8, "I8": np.int8, "I16": np.int16,
+              "F32": np.float32, "F64": np.float64, "F16": np.float16, "BOOL": np.bool_}
+_MAX_HEADER_BYTES = 1 << 30
 
-    def __init__(self, paths: Sequence[str | os.PathLike]):
-        shards = [HiddenStateShard(p) for p in paths]
-        self.shards = sorted(shards, key=lambda s: s.meta.sample_start)
-        expected = 0
-        for s in self.shards:
-            if s.meta.sample_start != expected:
-                raise ValueError(f"parts do not tile the partition: {s.path.name} starts at sample "
-                                 f"{s.meta.sample_start}, expected {expected}")
-            expected += len(s)
-        self._starts = np.array([s.meta.sample_start for s in self.shards], dtype=np.int64)
+
+def read_header(read_range: Callable[[int, int], bytes]) -> tuple[dict[str, Any], int]:
+    """A safetensors file's JSON header and the offset where its data starts, from two ranged reads."""
+    head = read_range(0, 8)
+    if len(head) != 8:
+        raise ValueError("not a safetensors file: shorter than 8 bytes")
+    (n,) = struct.unpack("<Q", head)
+    if n > _MAX_HEADER_BYTES:
+        raise ValueError(f"not a safetensors file: header length {n}")
+    return json.loads(read_range(8, n)), 8 + n
+
+
+def read_small_tensor(read_range: Callable[[int, int], bytes], header: Mapping[str, Any], data_start: int,
+                      name: str) -> np.ndarray:
+    """One (small) tensor of a safetensors file as numpy, through one ranged read (``cu_seqlens``, ``loss_mask``)."""
+    info = header[name]
+    a, b = info["data_offsets"]
+    return np.frombuffer(read_range(data_start + a, b - a), dtype=_NP_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+class LocalFiles:
+    """Part files on a local disk, keys being paths; keeps up to ``max_open`` ``safe_open`` handles (LRU).
+
+    The source :class:`HiddenStateCacheReader` reads through by default. A bounded
+    cache of parts fetched from a store has the same three methods
+    (``read_range``, ``reading``, ``close``).
+    """
+
+    def __init__(self, max_open: int = 16):
+        self.max_open = max_open
+        self._handles: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        with open(key, "rb") as f:
+            return os.pread(f.fileno(), length, start)
+
+    @contextlib.contextmanager
+    def reading(self, key: str) -> Iterator[Any]:
+        """The file's ``safe_open`` handle, for slices copied out within the ``with``."""
+        from safetensors import safe_open
+
+        with self._lock:
+            h = self._handles.get(key)
+            if h is None:
+                h = self._handles[key] = safe_open(str(key), framework="pt")
+                while len(self._handles) > self.max_open:
+                    self._handles.popitem(last=False)
+            else:
+                self._handles.move_to_end(key)
+        yield h
+
+    def close(self) -> None:
+        with self._lock:
+            self._handles.clear()
+
+
+@dataclass(frozen=True)
+class PartIndex:
+    """What a reader keeps of one part file: its metadata, sample offsets and size (no tensor data)."""
+
+    key: str
+    meta: ShardMetadata
+    cu_seqlens: np.ndarray  # int64 [num_samples + 1]
+    nbytes: int  # the file's size
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+
+class HiddenStateCacheReader:
+    """Samples of hidden-state cache part files, one partition or many, as one sequence (global index).
+
+    ``keys``: the part files in order (local paths, or store keys with a
+    ``source``): a partition's parts in part order, partitions one after the
+    other; each partition must be complete (its parts tile its samples).
+    Opening reads only each part's header, ``cu_seqlens`` (and ``loss_mask``
+    when ``keep`` is given), by ranged reads; samples are read on access, by
+    slices, through ``source`` (default: :class:`LocalFiles`; training passes
+    a bounded cache of store parts). ``max_length`` cuts samples to their
+    first tokens; ``keep(loss_mask)`` (of the cut sample) drops samples it
+    returns False for. ``need_hidden=False`` reads only ids and masks
+    (tokenized samples in the cache layout). This is the one reader of the
+    cache: the drafter's training reads through it too.
+    """
+
+    def __init__(self, keys: Sequence[str | os.PathLike], source: Any = None, *, need_hidden: bool = True,
+                 max_length: int | None = None, keep: Callable[[np.ndarray], bool] | None = None):
+        self.source = source if source is not None else LocalFiles()
+        self.need_hidden = need_hidden
+        self.parts: list[PartIndex] = []
+        part_of, starts, lengths, within = [], [], [], []
+        prev: ShardMetadata | None = None
+        for p, key in enumerate(str(k) for k in keys):
+            rr = functools.partial(self.source.read_range, key)
+            header, data_start = read_header(rr)
+            meta = ShardMetadata.from_header(header.get("__metadata__") or {})
+            expected = 0 if meta.part_index == 0 else (prev.sample_start + len(prev.prompt_ids) if prev else -1)
+            if (meta.part_index and (prev is None or prev.part_index != meta.part_index - 1
+                                     or prev.num_parts != meta.num_parts)) or meta.sample_start != expected:
+                raise ValueError(f"parts do not tile the partition: {Path(key).name} is part {meta.part_index + 1} "
+                                 f"of {meta.num_parts} starting at sample {meta.sample_start}, expected {expected} "
+                                 "(give a partition's parts in order, all of them)")
+            if prev is not None and prev.part_index < prev.num_parts - 1 and meta.part_index == 0:
+                raise ValueError(f"parts do not tile the partition: the part before {Path(key).name} "
+                                 f"is {prev.part_index + 1} of {prev.num_parts}; the rest of that partition is missing")
+            cu = read_small_tensor(rr, header, data_start, "cu_seqlens").astype(np.int64)
+            lm = read_small_tensor(rr, header, data_start, "loss_mask") if keep is not None else None
+            nbytes = data_start + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            self.parts.append(PartIndex(key, meta, cu, nbytes))
+            for j in range(len(cu) - 1):
+                a, n = int(cu[j]), int(cu[j + 1] - cu[j])
+                if max_length is not None:
+                    n = min(n, max_length)
+                if keep is not None and not keep(lm[a:a + n]):
+                    continue
+                part_of.append(p), starts.append(a), lengths.append(n), within.append(j)
+            prev = meta
+        if prev is not None and prev.part_index < prev.num_parts - 1:
+            raise ValueError(f"parts do not tile the partition: the last part given is {prev.part_index + 1} of "
+                             f"{prev.num_parts}; the rest of that partition is missing")
+        self.part_of = np.asarray(part_of, dtype=np.int32)  # per sample: index into self.parts
+        self._start = np.asarray(starts, dtype=np.int64)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self._within = np.asarray(within, dtype=np.int64)
 
     @classmethod
-    def from_store(cls, store: Any, keys: Sequence[str]) -> HiddenStateCacheReader:
-        """Open parts through a store's ``local_path`` (S3 objects are cached locally once)."""
-        return cls([store.local_path(k) for k in keys])
+    def from_store(cls, store: Any, keys: Sequence[str], **kwargs: Any) -> HiddenStateCacheReader:
+        """Open parts through a store's ``local_path`` (S3 objects are downloaded once, unbounded)."""
+        return cls([store.local_path(k) for k in keys], **kwargs)
 
     @property
     def meta(self) -> ShardMetadata:
-        return self.shards[0].meta
+        return self.parts[0].meta
+
+    @property
+    def layer_ids(self) -> list[int] | None:
+        return list(self.meta.layer_ids) if self.parts else None
 
     def __len__(self) -> int:
-        return sum(len(s) for s in self.shards)
+        return len(self.part_of)
 
     @property
     def prompt_ids(self) -> list[str]:
-        return [p for s in self.shards for p in s.meta.prompt_ids]
+        return [self.parts[p].meta.prompt_ids[j] for p, j in zip(self.part_of.tolist(), self._within.tolist())]
 
     def __getitem__(self, i: int) -> SampleStates:
         if not 0 <= i < len(self):
             raise IndexError(i)
-        k = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return self.shards[k][i - int(self._starts[k])]
+        part = self.parts[int(self.part_of[i])]
+        a = int(self._start[i])
+        b = a + int(self.lengths[i])
+        with self.source.reading(part.key) as h:
+            ids, mask = h.get_slice("input_ids")[a:b], h.get_slice("loss_mask")[a:b]
+            hidden = h.get_slice("hidden")[a:b] if self.need_hidden else None
+        return SampleStates(part.meta.prompt_ids[int(self._within[i])], hidden, ids, mask)
 
     def close(self) -> None:
-        for s in self.shards:
-            s.close()
+        self.source.close()
+
+    def __enter__(self) -> HiddenStateCacheReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

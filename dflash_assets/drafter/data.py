@@ -1,0 +1,265 @@
+"""Training data for the drafter: samples in step order, from the hidden-state cache or tokenized samples.
+
+Reads hidden-state cache parts through the one cache reader
+(:class:`~dflash_assets.hidden_states.format.HiddenStateCacheReader`: local
+files, or a bounded local cache of store parts, see
+:mod:`~dflash_assets.hidden_states.part_cache`), or, online, tokenized samples
+from Parquet, streamed by row group (int32 ids, a few decoded row groups at a
+time, never the corpus in memory). Picks anchors, plans which samples each
+rank sees at each step (:class:`BatchPlan`, a pure function of seed, epoch and
+step), and collates batches in a background thread (:class:`BatchLoader`).
+Writes nothing. Imports numpy and torch (pyarrow lazily).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from dflash_assets.drafter.recipe import DrafterRecipe
+from dflash_assets.hidden_states.format import HiddenStateCacheReader
+
+__all__ = ["Sample", "CacheSamples", "ParquetSamples", "open_training_data", "sample_anchors", "anchor_rng",
+           "Batch", "collate", "BatchPlan", "BatchLoader"]
+
+
+@dataclass
+class Sample:
+    input_ids: np.ndarray  # (T,) int64
+    loss_mask: np.ndarray  # (T,) bool
+    hidden: torch.Tensor | None  # (T, n*H) target features; None in online mode
+
+
+def _num_anchor_positions(loss_mask: np.ndarray, block_size: int) -> int:
+    return int(loss_mask[: max(len(loss_mask) - block_size + 1, 0)].sum())
+
+
+class CacheSamples:
+    """Training sequences from hidden-state cache parts (or tokenized samples in the cache layout).
+
+    A view of the one cache reader: samples cut to ``max_length`` tokens, those
+    without an anchor position dropped. ``source``: where part files are read
+    (default local paths; a :class:`~dflash_assets.hidden_states.part_cache.BoundedPartCache`
+    for store parts). ``groups`` / ``group_bytes``: the part of each sample
+    and each part's size, for a plan that keeps reads local to a few parts.
+    """
+
+    def __init__(self, files: Sequence[str | Path], max_length: int, block_size: int, need_hidden: bool = True,
+                 source: Any = None):
+        self.reader = HiddenStateCacheReader(
+            files, source, need_hidden=need_hidden, max_length=max_length,
+            keep=lambda lm: _num_anchor_positions(lm, block_size) > 0)
+        self.layer_ids = self.reader.layer_ids
+        self.groups = self.reader.part_of
+        self.group_bytes = np.asarray([p.nbytes for p in self.reader.parts], dtype=np.int64)
+        self.group_keys = [p.key for p in self.reader.parts]
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, i: int) -> Sample:
+        s = self.reader[i]
+        return Sample(s.input_ids.numpy().astype(np.int64), s.loss_mask.numpy().astype(bool), s.hidden)
+
+
+class ParquetSamples:
+    """Tokenized samples (online mode) from Parquet files with ``input_ids`` and ``loss_mask`` lists.
+
+    Streams by row group: opening reads only the ``loss_mask`` column, one row
+    group at a time, to index the samples that have an anchor position; a
+    sample is read by decoding its row group (ids as int32, masks as uint8),
+    and at most ``max_row_groups`` decoded row groups are kept. Memory is
+    bounded by a few row groups, never by the corpus.
+    """
+
+    def __init__(self, files: Sequence[str | Path], max_length: int, block_size: int, max_row_groups: int = 4):
+        import pyarrow.parquet as pq
+
+        self.files = [str(f) for f in files]
+        self.max_length = max_length
+        self.layer_ids = None
+        self._cache: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self._max = max(1, max_row_groups)
+        self._lock = threading.Lock()
+        rg_ids, rows, sizes = [], [], []
+        self._row_groups: list[tuple[int, int]] = []
+        for fi, path in enumerate(self.files):
+            pf = pq.ParquetFile(path)
+            for rg in range(pf.metadata.num_row_groups):
+                col = pf.read_row_group(rg, columns=["loss_mask"]).column("loss_mask").combine_chunks()
+                offsets = col.offsets.to_numpy()
+                values = col.values.to_numpy(zero_copy_only=False)
+                g = len(self._row_groups)
+                self._row_groups.append((fi, rg))
+                sizes.append(pf.metadata.row_group(rg).total_byte_size)
+                for r in range(len(offsets) - 1):
+                    a = int(offsets[r])
+                    n = min(int(offsets[r + 1]) - a, max_length)
+                    if _num_anchor_positions(values[a:a + n], block_size) > 0:
+                        rg_ids.append(g), rows.append(r)
+        self.groups = np.asarray(rg_ids, dtype=np.int32)  # per sample: its row group
+        self._rows = np.asarray(rows, dtype=np.int64)
+        self.group_bytes = np.asarray(sizes, dtype=np.int64)
+
+    def _row_group(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        import pyarrow.parquet as pq
+
+        with self._lock:
+            if g in self._cache:
+                self._cache.move_to_end(g)
+                return self._cache[g]
+        fi, rg = self._row_groups[g]
+        t = pq.ParquetFile(self.files[fi]).read_row_group(rg, columns=["input_ids", "loss_mask"])
+        ids = t.column("input_ids").combine_chunks()
+        lm = t.column("loss_mask").combine_chunks()
+        entry = (ids.offsets.to_numpy(), ids.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False),
+                 lm.offsets.to_numpy(), lm.values.to_numpy(zero_copy_only=False).astype(np.uint8, copy=False))
+        with self._lock:
+            self._cache[g] = entry
+            while len(self._cache) > self._max:
+                self._cache.popitem(last=False)
+        return entry
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, i: int) -> Sample:
+        id_off, ids, lm_off, lm = self._row_group(int(self.groups[i]))
+        r = int(self._rows[i])
+        a, b = int(id_off[r]), min(int(id_off[r + 1]), int(id_off[r]) + self.max_length)
+        c = int(lm_off[r])
+        return Sample(ids[a:b].astype(np.int64), lm[c:c + b - a].astype(bool), None)
+
+
+def open_training_data(files: Sequence[str | Path], recipe: DrafterRecipe, source: Any = None):
+    """The recipe's training sequences: Parquet samples online, else cache parts (through ``source``)."""
+    files = [str(f) for f in files]
+    if recipe.online and all(f.endswith(".parquet") for f in files):
+        return ParquetSamples(files, recipe.max_length, recipe.block_size)
+    return CacheSamples(files, recipe.max_length, recipe.block_size, need_hidden=not recipe.online, source=source)
+
+
+# ----------------------------------------------------------------------------------------------
+# Anchors, blocks, masks
+
+
+def sample_anchors(loss_mask: np.ndarray, block_size: int, max_anchors: int, rng: np.random.Generator) -> np.ndarray:
+    """Sorted random anchors: loss_mask = 1 and position <= len - block_size, at most max_anchors."""
+    valid = np.flatnonzero(loss_mask[: max(len(loss_mask) - block_size + 1, 0)])
+    n = min(max_anchors, len(valid))
+    return np.sort(rng.choice(valid, size=n, replace=False))
+
+
+def anchor_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """Anchors depend only on (seed, epoch, sample): same run whatever the rank layout or resume."""
+    return np.random.default_rng([seed, epoch, index])
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (b, S) int64
+    loss_mask: torch.Tensor  # (b, S) bool
+    hidden: torch.Tensor | None  # (b, S, n*H)
+    anchors: torch.Tensor  # (b, N) int64, sorted per row; 0 where not kept
+    keep: torch.Tensor  # (b, N) bool, False for padding blocks
+    num_tokens: int  # real sequence tokens in the batch
+
+    def to(self, device, non_blocking: bool = True) -> "Batch":
+        mv = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return Batch(mv(self.input_ids), mv(self.loss_mask), mv(self.hidden), mv(self.anchors), mv(self.keep), self.num_tokens)
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def collate(samples: list[Sample], anchors: list[np.ndarray], seq_multiple: int = 1,
+            anchor_multiple: int = 1, pin: bool = False) -> Batch:
+    """Pad sequences (right) and anchor lists into a batch; padding never enters the loss."""
+    b = len(samples)
+    S = _round_up(max(len(s.input_ids) for s in samples), seq_multiple)
+    N = _round_up(max(len(a) for a in anchors), anchor_multiple)
+    ids = torch.zeros(b, S, dtype=torch.long)
+    lm = torch.zeros(b, S, dtype=torch.bool)
+    anc = torch.zeros(b, N, dtype=torch.long)
+    keep = torch.zeros(b, N, dtype=torch.bool)
+    hidden = None
+    if samples[0].hidden is not None:
+        h0 = samples[0].hidden
+        hidden = torch.zeros(b, S, h0.shape[-1], dtype=h0.dtype, pin_memory=pin)
+    for i, (s, a) in enumerate(zip(samples, anchors)):
+        T = len(s.input_ids)
+        ids[i, :T] = torch.from_numpy(s.input_ids)
+        lm[i, :T] = torch.from_numpy(s.loss_mask)
+        anc[i, : len(a)] = torch.from_numpy(a.astype(np.int64))
+        keep[i, : len(a)] = True
+        if hidden is not None:
+            hidden[i, :T] = s.hidden
+    if pin:
+        ids, lm, anc, keep = ids.pin_memory(), lm.pin_memory(), anc.pin_memory(), keep.pin_memory()
+    return Batch(ids, lm, hidden, anc, keep, sum(len(s.input_ids) for s in samples))
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches in step order (a background thread reads ahead)
+
+
+class BatchPlan:
+    """Which samples each rank sees at each step: a pure function of (seed, epoch, step, rank)."""
+
+    def __init__(self, n: int, recipe: DrafterRecipe, world: int, rank: int):
+        self.n, self.recipe, self.world, self.rank = n, recipe, world, rank
+        self.global_batch = recipe.batch_size * world
+        self.steps_per_epoch = math.ceil(n / self.global_batch)
+        self.total_steps = self.steps_per_epoch * recipe.epochs
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def indices(self, step: int) -> tuple[int, list[int]]:
+        epoch, i = divmod(step, self.steps_per_epoch)
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.recipe.seed, epoch, 7]).permutation(self.n))
+        perm = self._perm[1]
+        start = i * self.global_batch + self.rank * self.recipe.batch_size
+        # the last global batch of an epoch wraps around so that every rank always has a full batch
+        return epoch, [int(perm[(start + j) % self.n]) for j in range(self.recipe.batch_size)]
+
+
+class BatchLoader:
+    def __init__(self, data, plan: BatchPlan, start_step: int, stop_step: int, cuda: bool, depth: int = 2):
+        self.data, self.plan, self.cuda = data, plan, cuda
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._run, args=(start_step, stop_step), daemon=True)
+        self.thread.start()
+
+    def _make(self, step: int) -> Batch:
+        r = self.plan.recipe
+        epoch, idx = self.plan.indices(step)
+        samples = [self.data[i] for i in idx]
+        anchors = [sample_anchors(s.loss_mask, r.block_size, r.max_anchors, anchor_rng(r.seed, epoch, i))
+                   for s, i in zip(samples, idx)]
+        # flex tiles are 128 wide: pad S and N*B to multiples of 128 on GPU
+        return collate(samples, anchors, seq_multiple=128 if self.cuda else 1,
+                       anchor_multiple=max(1, 128 // r.block_size) if self.cuda else 1, pin=self.cuda)
+
+    def _run(self, start: int, stop: int):
+        try:
+            for step in range(start, stop):
+                self.q.put((step, self._make(step)))
+        except BaseException as e:  # surface loader errors in the training thread
+            self.q.put((None, e))
+
+    def next(self) -> tuple[int, Batch]:
+        step, batch = self.q.get()
+        if step is None:
+            raise batch
+        return step, batch
+

@@ -1,0 +1,104 @@
+"""A drafter training run's definition (:class:`DrafterRecipe`, one ``drafter_recipes`` partition) and its result.
+
+Reads and writes nothing; the recipe's JSON form is what ``drafter_recipes/<name>.json`` holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash_assets.drafter.model import loss_gamma
+
+__all__ = ["DrafterRecipe", "TrainResult"]
+
+
+@dataclass(frozen=True)
+class DrafterRecipe:
+    """Everything that defines a drafter training run (a `drafter_recipes` partition)."""
+
+    name: str
+    version: str = "1"
+    block_size: int = 16
+    num_layers: int = 5
+    epochs: int = 6
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    max_length: int = 3072
+    max_anchors: int = 512
+    gamma: float | None = None  # None: derived from block_size (7 for 16, 5 for 10, 4 for 8)
+    batch_size: int = 1  # sequences per process per step
+    seed: int = 0
+    partitions: tuple[str, ...] = ()  # data selection: partition keys of the cache / samples
+    online: bool = False  # compute target hidden states during training instead of the cache
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    target_layer_ids: tuple[int, ...] | None = None  # None: cache metadata, else the default rule
+    mask_token_id: int | None = None  # None: the target tokenizer's <|MASK|> / known family id
+    save_every: int = 500  # steps between resumable training states
+    attention: str = "auto"  # auto (flex on GPU, sdpa on CPU) | flex | sdpa
+    compile: bool = True  # GPU only: torch.compile the decoder layers and the loss chunks
+    checkpoint_dtype: str = "bfloat16"  # dtype of the published drafter weights
+
+    @property
+    def loss_gamma(self) -> float:
+        return self.gamma if self.gamma is not None else loss_gamma(self.block_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DrafterRecipe":
+        d = dict(d)
+        for k in ("partitions", "target_layer_ids"):
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
+        return cls(**d)
+
+    def fingerprint(self) -> str:
+        """Hash of the fields that change the run (not save_every / compile / attention)."""
+        d = {k: v for k, v in self.to_dict().items() if k not in ("save_every", "compile", "attention")}
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
+
+
+@dataclass
+class TrainResult:
+    checkpoint_dir: Path | None  # the published drafter (None if stopped before the end)
+    state_dir: Path | None  # the last resumable training state
+    steps: int
+    total_steps: int
+    losses: list[float]  # global loss of every step from step 1
+    tokens_per_s: float  # sequence tokens (all ranks) per second, this invocation
+    accuracy_by_position: list[float]  # k = 1..B-1, over the last (possibly partial) epoch
+    resumed_from_step: int | None
+    wall_s: float
+    num_sequences: int
+    world_size: int
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.steps >= self.total_steps
+
+    def metrics(self) -> dict[str, Any]:
+        tail = self.losses[-50:]
+        return {
+            "steps": self.steps,
+            "total_steps": self.total_steps,
+            "final_loss": float(np.mean(tail)) if tail else float("nan"),
+            "first_loss": self.losses[0] if self.losses else float("nan"),
+            "tokens_per_s": self.tokens_per_s,
+            "accuracy_by_position": self.accuracy_by_position,
+            "mean_accuracy": float(np.mean(self.accuracy_by_position)) if self.accuracy_by_position else 0.0,
+            "resumed_from_step": self.resumed_from_step,
+            "wall_s": self.wall_s,
+            "num_sequences": self.num_sequences,
+            "world_size": self.world_size,
+        }
+
