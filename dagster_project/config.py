@@ -1,14 +1,29 @@
-"""Run configuration of each stage: one ``dg.Config`` per stage, defaults that are safe.
+"""Run configuration of each stage: what a run may choose, within limits; defaults that are safe.
 
 Each class converts to the library's own config object, so a notebook and the
-Dagster UI accept the same settings.
+Dagster UI accept the same settings. Nothing here names a command, a host, an
+address or a path on a host: those are deployment settings (``deployment.py``).
+The one path a run may give, the ingest's ``source_uri``, must be the
+configured source or lie under ``DFLASH_PROMPT_SOURCE_ROOTS``.
 """
 
 import os
+import re
 from typing import Optional
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, field_validator
+
+
+class SourceNotAllowed(ValueError):
+    """A run asked to ingest a source the deployment does not allow."""
+
+
+def _within(uri: str, root: str) -> bool:
+    if uri.startswith("s3://") or root.startswith("s3://"):
+        return uri == root or uri.startswith(root.rstrip("/") + "/")
+    uri_path, root_path = os.path.realpath(uri), os.path.realpath(root)
+    return uri_path == root_path or uri_path.startswith(root_path.rstrip(os.sep) + os.sep)
 
 
 class IngestConfig(dg.Config):
@@ -29,9 +44,19 @@ class IngestConfig(dg.Config):
     )
 
     def resolved_source(self) -> str:
-        from dflash_assets.prompts.sources import embedded_sharegpt_path
+        """The source to read; a run's ``source_uri`` must be allowed by the deployment."""
+        from dagster_project.deployment import allowed_prompt_sources
 
-        return self.source_uri or os.environ.get("DFLASH_PROMPT_SOURCE") or str(embedded_sharegpt_path())
+        allowed = allowed_prompt_sources()
+        if self.source_uri is None:
+            return allowed[0]
+        if not any(_within(self.source_uri, root) for root in allowed):
+            raise SourceNotAllowed(
+                f"source_uri {self.source_uri!r} is not a source this deployment allows: {allowed}. "
+                "Set DFLASH_PROMPT_SOURCE, or add its directory or s3:// prefix to DFLASH_PROMPT_SOURCE_ROOTS "
+                "where the code location runs."
+            )
+        return self.source_uri
 
     def to_library(self):
         from dflash_assets.prompts.ingest import IngestConfig as LibIngestConfig
@@ -73,12 +98,13 @@ class TokenizeStageConfig(dg.Config):
 class GenerationStageConfig(dg.Config):
     """Sampling of the regenerated completions; hashed into every row (a changed config is visible)."""
 
-    max_new_tokens: int = Field(default=2048, description="Cap on generated tokens per assistant turn.")
-    temperature: float = Field(default=0.6, description="Qwen3 thinking-mode advice: 0.6.")
-    top_p: float = Field(default=0.95, description="Nucleus sampling.")
-    top_k: Optional[int] = Field(default=20, description="None: not sent (transformers serve rejects it anyway).")
-    max_turns: int = Field(default=8, description="Regenerate at most this many assistant turns per conversation.")
-    seed: Optional[int] = Field(default=None, description="Per-request seed where the engine supports one.")
+    max_new_tokens: int = Field(default=2048, ge=1, le=131_072, description="Cap on generated tokens per assistant turn.")
+    temperature: float = Field(default=0.6, ge=0.0, le=2.0, description="Qwen3 thinking-mode advice: 0.6.")
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0, description="Nucleus sampling.")
+    top_k: Optional[int] = Field(default=20, ge=1, le=1000,
+                                 description="None: not sent (transformers serve rejects it anyway).")
+    max_turns: int = Field(default=8, ge=1, le=64, description="Regenerate at most this many assistant turns per conversation.")
+    seed: Optional[int] = Field(default=None, ge=0, description="Per-request seed where the engine supports one.")
 
     def to_library(self, enable_thinking: bool):
         from dflash_assets.generation.engines import GenerationConfig
@@ -89,37 +115,64 @@ class GenerationStageConfig(dg.Config):
         )
 
 
+_DEVICE = re.compile(r"^(cpu|cuda(:\d{1,2})?|mps)$")
+
+
+def _check_device(value: Optional[str]) -> Optional[str]:
+    if value is not None and not _DEVICE.match(value):
+        raise ValueError(f"device {value!r}: expected cpu, cuda or cuda:N")
+    return value
+
+
 class HiddenStateCacheConfig(dg.Config):
+    """A run chooses devices and batching; the scratch disk is the deployment's (``DFLASH_GPU_SCRATCH_DIR``)."""
+
     devices: list[str] = Field(
         default_factory=lambda: ["cpu"],
         description="Devices on the GPU host, one worker each (e.g. ['cuda:0', 'cuda:1']); cpu for the tiny target.",
     )
-    tokens_per_batch: int = Field(default=16384, description="Samples are packed into batches of this many tokens.")
+    tokens_per_batch: int = Field(default=16384, ge=1, description="Samples are packed into batches of this many tokens.")
     budget_gb: Optional[float] = Field(
-        default=None, description="Refuse to compute when the cache would grow past this many GB (None: no limit)."
+        default=None, gt=0, description="Refuse to compute when the cache would grow past this many GB (None: no limit)."
     )
-    max_part_gb: float = Field(default=16.0, description="Split a partition's safetensors file above this size.")
-    scratch_dir: Optional[str] = Field(default=None, description="Fast local disk on the GPU host for staging.")
+    max_part_gb: float = Field(default=16.0, gt=0, description="Split a partition's safetensors file above this size.")
 
-    def to_stage_payload(self) -> dict:
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, value: list[str]) -> list[str]:
+        return [_check_device(v) for v in value]
+
+    def to_stage_payload(self, scratch_dir: Optional[str] = None) -> dict:
         return {
             "devices": self.devices, "tokens_per_batch": self.tokens_per_batch,
             "budget_bytes": int(self.budget_gb * 1e9) if self.budget_gb is not None else None,
-            "max_part_bytes": int(self.max_part_gb * 2**30), "scratch_dir": self.scratch_dir,
+            "max_part_bytes": int(self.max_part_gb * 2**30), "scratch_dir": scratch_dir,
         }
 
 
 class DrafterTrainingConfig(dg.Config):
+    """A run chooses the device; the training-state directory is the deployment's (``DFLASH_DRAFTER_WORK_DIR``)."""
+
     device: Optional[str] = Field(default=None, description="Training device on the GPU host (None: cuda if present).")
-    work_dir: Optional[str] = Field(
-        default=None, description="Persistent dir on the GPU host for resumable training states (None: cache dir)."
-    )
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: Optional[str]) -> Optional[str]:
+        return _check_device(value)
+
+    def to_stage_payload(self, work_dir: Optional[str] = None) -> dict:
+        return {"device": self.device, "work_dir": work_dir}
 
 
 class DrafterEvalConfig(dg.Config):
-    num_prompts: int = Field(default=16, description="Held-out prompts decoded speculatively.")
-    max_new_tokens: int = Field(default=128, description="Tokens generated per prompt.")
+    num_prompts: int = Field(default=16, ge=1, description="Held-out prompts decoded speculatively.")
+    max_new_tokens: int = Field(default=128, ge=1, le=32_768, description="Tokens generated per prompt.")
     device: Optional[str] = Field(default=None, description="Device on the GPU host (None: cuda if present).")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: Optional[str]) -> Optional[str]:
+        return _check_device(value)
 
 
 class GenerationPlanConfig(dg.Config):

@@ -132,7 +132,8 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
     """
     from dagster_project.definitions import defs
     from dagster_project.partitions import register_recipe
-    from dagster_project.resources import EngineFleetResource
+    from dagster_project.deployment import get_profile, store_for_profile
+    from dagster_project.resources import EngineFleetResource, deployment_resource
     from dflash_assets.embedded.defaults import embedded_engine_server
 
     t_start = time.time()
@@ -141,10 +142,9 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
     server = embedded_engine_server("transformers", port=0)  # the tiny target, on 127.0.0.1
     log.info("starting the engine: %s", server.command)
     with server:
-        resources = {**defs.resources, "engines": EngineFleetResource(
-            endpoints=[f"openai:{server.url}"], max_concurrency=engine_concurrency)}
-        if store is not None:  # a StoreResource, e.g. s3://... (tests run the whole graph on moto's S3)
-            resources["store"] = store
+        store = store or store_for_profile(get_profile())  # a StoreResource; tests pass s3://... on moto's S3
+        resources = {**defs.resources, "store": deployment_resource(store), "engines": deployment_resource(
+            EngineFleetResource(endpoints=[f"openai:{server.url}"], max_concurrency=engine_concurrency))}
 
         def materialize(selection: list[str], partition: str | None, run_config: dict[str, Any]) -> list[StageResult]:
             result = dg.materialize(defs.assets, selection=selection, partition_key=partition, instance=instance,
@@ -176,7 +176,7 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
         summary.failures.append("no shard passed its checks, so no drafter was trained.")
     elif drafter:
         recipe = demo_recipe(good)
-        register_recipe(instance, resources["store"].open(), recipe)
+        register_recipe(instance, store.open(), recipe)
         summary.recipe = recipe.name
         stages = materialize(DRAFTER_ASSETS, recipe.name, {"ops": {"drafter_eval": {"config": {
             "num_prompts": eval_prompts, "max_new_tokens": eval_new_tokens}}}})

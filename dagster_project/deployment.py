@@ -1,4 +1,10 @@
-"""Deployment profiles: one setting, ``DFLASH_PROFILE=local|cluster``, picks store, launchers and fleet.
+"""Deployment profiles: one setting, ``DFLASH_PROFILE=local|cluster``, picks every resource.
+
+The store, the target, the engine fleet and the GPU launcher all come from
+here, built from the environment when the definitions load, and are bound
+with ``deployment_resource``: a run cannot change them through run config
+(its validation refuses any ``resources:`` config). ``SETTINGS`` lists every
+variable, once; the README's table is checked against it.
 
 - ``local`` (the embedded default; no setting needed): a store directory
   under ``$DAGSTER_HOME`` (or ``$DFLASH_STORE``), GPU stages as local
@@ -14,8 +20,9 @@
   (``deploy/cluster/dagster.yaml``, ``DAGSTER_PG_*``).
 
 As in hooli's ``resource_def[get_env()]``: ``resources_for_profile(get_profile())``
-returns the resources of one profile. Secrets stay in the environment: the
-store URI is a ``dg.EnvVar``; credentials are read by boto3 on each host.
+returns the resources of one profile. Secrets stay in the environment:
+credentials are read by boto3 on each host, engine API keys from
+``DFLASH_ENGINE_API_KEY`` or the file ``DFLASH_ENGINE_API_KEY_FILE`` names.
 Settings that are lists (hosts, engine URLs) are read when definitions load,
 and a cluster profile with one missing fails right there, naming it.
 
@@ -30,8 +37,8 @@ from typing import Any, Literal, get_args
 
 import dagster as dg
 
-from dagster_project.pipes import GpuHostLauncher
-from dagster_project.resources import StoreResource
+from dagster_project.pipes import DEFAULT_STAGE_TIMEOUT_S, GpuHostLauncher
+from dagster_project.resources import EngineFleetResource, StoreResource, TargetModelResource, deployment_resource
 
 __all__ = [
     "Profile",
@@ -39,15 +46,17 @@ __all__ = [
     "get_profile",
     "resources_for_profile",
     "store_for_profile",
+    "target_for_profile",
+    "engines_for_profile",
     "gpu_launcher_for_profile",
-    "fleet_settings",
+    "allowed_prompt_sources",
     "missing_settings",
     "DeploymentConfigError",
 ]
 
 Profile = Literal["local", "cluster"]
 PROFILE_ENV = "DFLASH_PROFILE"
-DEFAULT_GPU_LAUNCH = "ssh -o BatchMode=yes {host}"
+DEFAULT_GPU_LAUNCH = "ssh -o BatchMode=yes -o ServerAliveInterval=30 -o ServerAliveCountMax=4 {host}"
 
 # Every setting a profile reads, with what it is for (the README table is built from this).
 SETTINGS: dict[str, str] = {
@@ -59,13 +68,20 @@ SETTINGS: dict[str, str] = {
     "DFLASH_GPU_REMOTE_SHELL": "1 (default): remote command as one shell string (ssh); 0: as argv (kubectl exec)",
     "DFLASH_GPU_PYTHON": "python on the GPU hosts (default python3)",
     "DFLASH_GPU_WORKDIR": "working directory on the GPU hosts",
-    "DFLASH_GPU_ENV": "extra env for GPU stages, space-separated K=V (e.g. HF_HOME=/nvme/hf)",
+    "DFLASH_GPU_ENV": "extra env for GPU stages, space-separated K=V (e.g. HF_HOME=/nvme/hf); sent over stdin",
+    "DFLASH_GPU_STAGE_TIMEOUT_S": f"a GPU stage is stopped after this many seconds (default {DEFAULT_STAGE_TIMEOUT_S:.0f})",
+    "DFLASH_GPU_SCRATCH_DIR": "fast local disk on the GPU hosts for staging cache parts (default: a temp dir)",
+    "DFLASH_DRAFTER_WORK_DIR": "persistent dir on the GPU hosts for resumable training states (default: the cache)",
     "DFLASH_ENGINE_URLS": "generation engines (or one sglang-router), comma-separated (required for cluster; "
                           "unset on local: each generating step starts transformers serve on the tiny target)",
     "DFLASH_ENGINE_KIND": "sglang (cluster default) or openai (local default), for URLs without a kind prefix",
     "DFLASH_ENGINE_CONCURRENCY": "requests in flight per engine (default 32)",
+    "DFLASH_ENGINE_API_KEY": "bearer token sent to the engines (secret: never logged)",
+    "DFLASH_ENGINE_API_KEY_FILE": "file holding that token, read when definitions load (instead of the variable)",
     "DFLASH_TARGET_MODEL": "the target model directory (default: the embedded tiny target); also read by `dflash engine`",
+    "DFLASH_TARGET_THINKING": "1 (default): render prompts with thinking on; 0: off",
     "DFLASH_PROMPT_SOURCE": "prompt source the ingest and its sensor read (default: the embedded ShareGPT file)",
+    "DFLASH_PROMPT_SOURCE_ROOTS": "other sources a run may ingest: comma-separated path or s3:// prefixes (default: none)",
     "DFLASH_CACHE": "local cache of built artifacts: tiny targets, tokenizer, drafter work dirs (default ~/.cache/dflash-assets)",
 }
 REQUIRED: dict[str, tuple[str, ...]] = {
@@ -102,47 +118,92 @@ def _split(value: str | None) -> list[str]:
     return [part for part in (value or "").replace(",", " ").split() if part]
 
 
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    return default if not value else value not in ("0", "false", "no", "off")
+
+
+def _number(name: str, default: float, cast=float):
+    value = os.environ.get(name, "").strip()
+    try:
+        return cast(value) if value else default
+    except ValueError:
+        raise DeploymentConfigError(f"{name}={value!r} is not a number: {SETTINGS[name]}") from None
+
+
 def store_for_profile(profile: Profile) -> StoreResource:
     if profile == "cluster":
         _require(profile)
         # boto3 reads AWS_ENDPOINT_URL / AWS_DEFAULT_REGION / credentials itself, on every host.
-        return StoreResource(uri=dg.EnvVar("DFLASH_STORE"))
+        return StoreResource(uri=os.environ["DFLASH_STORE"].strip())
     return StoreResource()  # $DFLASH_STORE, else $DAGSTER_HOME/dflash-store, else ./.dflash/store
 
 
+def target_for_profile(profile: Profile) -> TargetModelResource:
+    """The target: ``DFLASH_TARGET_MODEL`` (None: the embedded tiny target), thinking per ``DFLASH_TARGET_THINKING``."""
+    return TargetModelResource(model_path=os.environ.get("DFLASH_TARGET_MODEL", "").strip() or None,
+                               enable_thinking=_flag("DFLASH_TARGET_THINKING", True))
+
+
+def engine_api_key() -> str | None:
+    """The engines' bearer token: ``DFLASH_ENGINE_API_KEY``, else the file ``DFLASH_ENGINE_API_KEY_FILE`` names."""
+    if key := os.environ.get("DFLASH_ENGINE_API_KEY", "").strip():
+        return key
+    if path := os.environ.get("DFLASH_ENGINE_API_KEY_FILE", "").strip():
+        try:
+            return open(path, encoding="utf-8").read().strip() or None
+        except OSError as e:
+            raise DeploymentConfigError(f"DFLASH_ENGINE_API_KEY_FILE: cannot read {path!r} ({e.strerror})") from None
+    return None
+
+
+def engines_for_profile(profile: Profile) -> EngineFleetResource:
+    """``DFLASH_ENGINE_URLS`` with their kind and concurrency; none on local: the embedded engine per step."""
+    if profile == "cluster":
+        _require(profile)
+    return EngineFleetResource(
+        endpoints=_split(os.environ.get("DFLASH_ENGINE_URLS")),
+        default_kind=os.environ.get("DFLASH_ENGINE_KIND", "").strip() or ("sglang" if profile == "cluster" else "openai"),
+        max_concurrency=int(_number("DFLASH_ENGINE_CONCURRENCY", 32, int)),
+        api_key=engine_api_key(),
+    )
+
+
+def allowed_prompt_sources() -> list[str]:
+    """What a run's ``source_uri`` may name: the configured source, the embedded file, ``DFLASH_PROMPT_SOURCE_ROOTS``."""
+    from dflash_assets.prompts.sources import embedded_sharegpt_path
+
+    configured = os.environ.get("DFLASH_PROMPT_SOURCE", "").strip()
+    return [*([configured] if configured else []), str(embedded_sharegpt_path()),
+            *_split(os.environ.get("DFLASH_PROMPT_SOURCE_ROOTS"))]
+
+
 def gpu_launcher_for_profile(profile: Profile) -> GpuHostLauncher:
+    paths = {"scratch_dir": os.environ.get("DFLASH_GPU_SCRATCH_DIR", "").strip() or None,
+             "work_dir": os.environ.get("DFLASH_DRAFTER_WORK_DIR", "").strip() or None,
+             "timeout_s": _number("DFLASH_GPU_STAGE_TIMEOUT_S", DEFAULT_STAGE_TIMEOUT_S)}
     if profile == "local":
-        return GpuHostLauncher()  # a local subprocess of this interpreter
+        return GpuHostLauncher(**paths)  # a local subprocess of this interpreter
     _require(profile)
     prefix = shlex.split(os.environ.get("DFLASH_GPU_LAUNCH") or DEFAULT_GPU_LAUNCH)
     env = dict(item.split("=", 1) for item in shlex.split(os.environ.get("DFLASH_GPU_ENV", "")) if "=" in item)
     return GpuHostLauncher(
         command_prefix=prefix,
         hosts=_split(os.environ.get("DFLASH_GPU_HOSTS")),
-        remote_shell=os.environ.get("DFLASH_GPU_REMOTE_SHELL", "1").strip() not in ("0", "false", "no"),
+        remote_shell=_flag("DFLASH_GPU_REMOTE_SHELL", True),
         python=os.environ.get("DFLASH_GPU_PYTHON") or "python3",
         workdir=os.environ.get("DFLASH_GPU_WORKDIR") or None,
         env=env,
+        **paths,
     )
 
 
-def fleet_settings(profile: Profile) -> dict[str, Any]:
-    """Hook for the engine fleet: keyword arguments of ``dflash_assets.generation.fleet.EngineFleetConfig``.
-
-    Holds ``endpoints`` only; the caller adds ``target_model`` (and an API key
-    through ``dg.EnvVar``). ``local`` with no ``DFLASH_ENGINE_URLS`` returns no
-    endpoints: there, ``EngineFleetResource`` starts the embedded engine for
-    each step that generates on the tiny target.
-    """
-    if profile == "cluster":
-        _require(profile)
-    kind = os.environ.get("DFLASH_ENGINE_KIND", "sglang" if profile == "cluster" else "openai").strip()
-    concurrency = int(os.environ.get("DFLASH_ENGINE_CONCURRENCY", "32"))
-    urls = _split(os.environ.get("DFLASH_ENGINE_URLS"))
-    return {"endpoints": [{"url": url, "kind": kind, "max_concurrency": concurrency} for url in urls]}
-
-
-def resources_for_profile(profile: Profile | None = None) -> dict[str, Any]:
-    """The resources of one profile: ``store`` and ``gpu_launcher`` (the fleet comes from ``fleet_settings``)."""
+def resources_for_profile(profile: Profile | None = None) -> dict[str, dg.ResourceDefinition]:
+    """Every resource of one profile (store, target, engines, gpu_launcher), none settable by run config."""
     profile = profile or get_profile()
-    return {"store": store_for_profile(profile), "gpu_launcher": gpu_launcher_for_profile(profile)}
+    return {
+        "store": deployment_resource(store_for_profile(profile)),
+        "target": deployment_resource(target_for_profile(profile)),
+        "engines": deployment_resource(engines_for_profile(profile)),
+        "gpu_launcher": deployment_resource(gpu_launcher_for_profile(profile)),
+    }

@@ -20,11 +20,18 @@ Launch, chosen by configuration:
   environment plus the stage's variables.
 - ``command_prefix=["ssh", "-o", "BatchMode=yes", "{host}"]`` with
   ``hosts=[...]``: the remote command is one shell-quoted string
-  ``cd WORKDIR && exec env K=V ... python3 -m dflash_assets.pipes_worker STAGE
-  --env-stdin``; credentials (names with SECRET, TOKEN, PASSWORD, ACCESS_KEY)
-  go as one JSON line on stdin, never on a command line and never logged.
+  ``cd WORKDIR && exec python3 -m dflash_assets.pipes_worker STAGE
+  --env-stdin``. Every variable for the stage goes as one JSON line on stdin
+  except the few in ``COMMAND_LINE_ENV`` (PATH, PYTHONPATH, ... which must be
+  set before Python starts), so no value reaches a command line (``ps``) or
+  the event log, whatever its name; the log lists the names only. ssh gets
+  keepalives (``ServerAliveInterval``) and every stage a timeout, so a host
+  that hangs or vanishes frees its ``gpu`` pool slot.
 - ``remote_shell=False`` appends the remote argv as separate arguments
   (``kubectl exec -i POD --``, ``docker exec -i CONTAINER``, ``srun``).
+
+The launcher is a deployment setting (``deployment.py`` builds it from the
+environment): run config cannot change its command, hosts or environment.
 
 Reads: the store (through ``StoreResource``), the orchestrator's environment
 (only the names in ``forward_env``). Writes: the ``_pipes/`` session objects
@@ -54,6 +61,7 @@ import dagster as dg
 from dagster_aws.pipes import PipesS3ContextInjector, PipesS3MessageReader
 from pydantic import Field
 
+from dagster_project.resources import DeploymentResource
 from dflash_assets.pipes_worker import (
     EXTRA_CONFIG,
     EXTRA_PARTITION_KEYS,
@@ -73,6 +81,9 @@ __all__ = [
     "HOST_TAG",
     "WORKER_MODULE",
     "DEFAULT_FORWARD_ENV",
+    "COMMAND_LINE_ENV",
+    "DEFAULT_STAGE_TIMEOUT_S",
+    "with_ssh_keepalive",
 ]
 
 WORKER_MODULE = "dflash_assets.pipes_worker"
@@ -88,14 +99,30 @@ DEFAULT_FORWARD_ENV = (
     "AWS_ENDPOINT_URL",
     "AWS_ENDPOINT_URL_S3",
 )  # not AWS_CA_BUNDLE or AWS_PROFILE: they name files on the orchestrator; set them in `env` if the host has them
-_SECRET_MARKERS = ("SECRET", "TOKEN", "PASSWORD", "ACCESS_KEY", "CREDENTIAL")
+# The only variables set on the remote command line (they must exist before Python starts, and hold no secret);
+# every other variable, whatever its name, goes over stdin.
+COMMAND_LINE_ENV = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "PYTHONUNBUFFERED")
+DEFAULT_STAGE_TIMEOUT_S = 48 * 3600.0  # a stage that runs longer is stopped: raise it for long trainings
+SSH_KEEPALIVE = ("-o", "ServerAliveInterval=30", "-o", "ServerAliveCountMax=4")  # a vanished host fails in ~2 min
+_SECRET_WORDS = {"SECRET", "TOKEN", "PASSWORD", "PASSWD", "PWD", "KEY", "APIKEY", "CREDENTIAL", "CREDENTIALS",
+                 "PRIVATE", "AUTH", "PAT", "DSN", "COOKIE", "SIGNATURE"}
 _BOOTSTRAP_RE = re.compile(r"(DAGSTER_PIPES_(?:CONTEXT|MESSAGES))=[A-Za-z0-9+/=_-]+")
 
 
 def is_secret_name(name: str) -> bool:
-    """Env var names whose values travel on stdin and are never logged."""
-    upper = name.upper()
-    return any(marker in upper for marker in _SECRET_MARKERS)
+    """Names that look like credentials (``OPENAI_API_KEY``, ``DB_PASSWD``, ``GITHUB_PAT``, ``PG_DSN``).
+
+    Informational: no value of any variable is logged or put on a remote command line, whatever its name.
+    """
+    return any(word in _SECRET_WORDS for word in re.split(r"[^A-Z0-9]+", name.upper()))
+
+
+def with_ssh_keepalive(prefix: Sequence[str]) -> list[str]:
+    """``prefix`` with ssh keepalive options added when it runs ssh and sets none itself."""
+    prefix = list(prefix)
+    if prefix and os.path.basename(prefix[0]) == "ssh" and not any("ServerAlive" in part for part in prefix):
+        return [prefix[0], *SSH_KEEPALIVE, *prefix[1:]]
+    return prefix
 
 
 def check_specs_for(stage: str, asset: Any, *, blocking: bool = False) -> list[dg.AssetCheckSpec]:
@@ -140,6 +167,7 @@ class LaunchSpec:
     stdin: bytes | None
     cwd: str | None
     display: str
+    env_names: tuple[str, ...] = ()  # what the stage gets beyond the host's own environment (names, for the log)
 
 
 def build_launch(
@@ -157,12 +185,13 @@ def build_launch(
     worker = ["-m", WORKER_MODULE, stage, "--message-interval", f"{message_interval:g}"]
     if not command_prefix:
         argv = [python or sys.executable, *worker]
-        return LaunchSpec(argv, {**os.environ, **remote_env}, None, workdir, _display(argv))
+        return LaunchSpec(argv, {**os.environ, **remote_env}, None, workdir, _display(argv), tuple(sorted(remote_env)))
 
-    prefix = _fill_host(command_prefix, host)
-    public = {k: v for k, v in remote_env.items() if not is_secret_name(k)}
-    secret = {k: v for k, v in remote_env.items() if is_secret_name(k)}
-    remote = ["env", *[f"{k}={v}" for k, v in public.items()], python or "python3", *worker, "--env-stdin"]
+    prefix = _fill_host(with_ssh_keepalive(command_prefix), host)
+    public = {k: v for k, v in remote_env.items() if k in COMMAND_LINE_ENV}
+    private = {k: v for k, v in remote_env.items() if k not in COMMAND_LINE_ENV}
+    remote = [*(["env", *[f"{k}={v}" for k, v in public.items()]] if public else []), python or "python3", *worker,
+              "--env-stdin"]
     if remote_shell:
         cmd = shlex.join(remote)
         if workdir:
@@ -170,8 +199,8 @@ def build_launch(
         argv = [*prefix, cmd]
     else:
         argv = [*prefix, *(["env", "-C", workdir] if workdir else []), *remote]
-    stdin = (json.dumps(secret) + "\n").encode()
-    return LaunchSpec(argv, None, stdin, None, _display(argv))
+    stdin = (json.dumps(private) + "\n").encode()
+    return LaunchSpec(argv, None, stdin, None, _display(argv), tuple(sorted(remote_env)))
 
 
 def _fill_host(prefix: Sequence[str], host: str | None) -> list[str]:
@@ -183,7 +212,7 @@ def _fill_host(prefix: Sequence[str], host: str | None) -> list[str]:
 
 
 def _display(argv: Sequence[str]) -> str:
-    """argv for the log, Pipes bootstrap blobs shortened (secrets never reach argv)."""
+    """argv for the log, Pipes bootstrap blobs shortened (on a remote launch no value but COMMAND_LINE_ENV's is in it)."""
     return _BOOTSTRAP_RE.sub(r"\1=…", shlex.join(argv))
 
 
@@ -200,7 +229,7 @@ class _StoreS3MessageReader(PipesS3MessageReader):
                "include_stdio_in_messages": self.include_stdio_in_messages}
 
 
-class GpuHostLauncher(dg.ConfigurableResource):
+class GpuHostLauncher(DeploymentResource):
     """Starts a stage's work on a GPU host through Dagster Pipes, with context and messages in the store."""
 
     command_prefix: list[str] = Field(
@@ -220,7 +249,10 @@ class GpuHostLauncher(dg.ConfigurableResource):
         description="Orchestrator env vars passed to the host when set (secret-named ones via stdin, never logged).",
     )
     poll_interval_s: float = Field(default=5.0, description="Seconds between message uploads and polls (S3 transport).")
-    timeout_s: Optional[float] = Field(default=None, description="Kill the stage after this many seconds.")
+    timeout_s: Optional[float] = Field(default=DEFAULT_STAGE_TIMEOUT_S, gt=0,
+                                       description="Stop the stage after this many seconds (None: never).")
+    scratch_dir: Optional[str] = Field(default=None, description="Fast local disk on the GPU hosts for staging.")
+    work_dir: Optional[str] = Field(default=None, description="Persistent dir on the GPU hosts for training states.")
     stdio_in_messages: bool = Field(default=False, description="Also ship the host's stdout/stderr through the store.")
 
     def run(
@@ -266,6 +298,7 @@ class GpuHostLauncher(dg.ConfigurableResource):
                     message_interval=self.poll_interval_s,
                 )
                 context.log.info(f"[dflash] stage {stage} on {where}: {spec.display}")
+                context.log.info(f"[dflash] environment for the stage (names only): {', '.join(spec.env_names)}")
                 _run_process(context, spec, f"stage {stage} on {where}", self.timeout_s)
         return dg.PipesClientCompletedInvocation(session, metadata={"gpu_host": where})
 
@@ -361,3 +394,6 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _tail_metadata(tail: Sequence[str]) -> dict[str, dg.MetadataValue]:
     return {"stderr_tail": dg.MetadataValue.md("```\n" + "".join(tail)[-4000:] + "\n```")}
+
+
+GpuLauncherParam = dg.ResourceParam[GpuHostLauncher]  # what a GPU asset's parameter is annotated with

@@ -1,4 +1,10 @@
-"""Resources shared by the stages: the store, the target model and the engine fleet.
+"""Deployment resources: the store, the target model, the engine fleet (and, in ``pipes.py``, the GPU launcher).
+
+These are deployment settings: the profile builds them from the environment
+(``deployment.py``) and ``deployment_resource`` binds them with an empty
+config schema, so a run that tries to set one from run config (the
+launchpad) fails validation before anything starts. What a run may choose
+(sampling, recipes, partitions) lives in ``config.py``.
 
 The store is addressed by one URI (a local directory by default, or
 ``s3://bucket/prefix``); S3 clients come from dagster-aws's ``S3Resource``,
@@ -10,21 +16,66 @@ fleet starts its own ``transformers serve`` (``EmbeddedEngine``) and the
 resource stops it when the step ends; anywhere else an empty fleet fails the
 step at once, saying how to start an engine.
 
-Reads: environment variables (``DFLASH_*``). Writes nothing; the embedded
-engine writes its log to a temporary file.
+Reads: nothing by itself (``deployment.py`` reads the environment). Writes
+nothing; the embedded engine writes its log to a temporary file.
 """
 
-
-import os
-from typing import Optional
+from typing import Any, Optional
 
 import dagster as dg
-from pydantic import Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
 from dflash_assets.store.backends import LocalStore, S3Store, default_store_uri, open_store
 
+__all__ = [
+    "DeploymentResource",
+    "deployment_resource",
+    "StoreResource",
+    "TargetModelResource",
+    "EngineFleetResource",
+    "no_engine_message",
+]
 
-class StoreResource(dg.ConfigurableResource):
+
+class DeploymentResource(BaseModel):
+    """A resource whose settings come from the deployment profile, never from a run (frozen once built)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def for_step(self, log: Any = None) -> "DeploymentResource":
+        """The object one step uses; resources with per-step state return a fresh copy."""
+        return self
+
+    def close(self) -> None:
+        """Release what ``for_step`` started (nothing by default)."""
+
+
+def deployment_resource(value: DeploymentResource) -> dg.ResourceDefinition:
+    """``value`` as a Dagster resource that run config cannot change.
+
+    The config schema is empty, so ``resources: {name: {config: {...}}}`` in a
+    run's config is refused by Dagster's validation ("unexpected config
+    entry") before the run starts: launcher commands, store addresses, engine
+    URLs and target paths are set where the deployment is, not per run.
+    """
+    if not isinstance(value, DeploymentResource):
+        raise TypeError(f"expected a DeploymentResource, got {type(value).__name__}")
+
+    def _init(context: dg.InitResourceContext):
+        step = value.for_step(log=context.log)
+        try:
+            yield step
+        finally:
+            step.close()
+
+    doc = (type(value).__doc__ or type(value).__name__).strip().splitlines()[0]
+    return dg.ResourceDefinition(
+        resource_fn=_init, config_schema={},
+        description=f"{doc} Deployment setting: set by DFLASH_PROFILE and the environment, not by run config.",
+    )
+
+
+class StoreResource(DeploymentResource):
     """Where every asset's data lives: a local directory or ``s3://bucket/prefix``."""
 
     uri: str = Field(default_factory=default_store_uri, description="Store root: a directory or s3://bucket/prefix.")
@@ -40,7 +91,7 @@ class StoreResource(dg.ConfigurableResource):
         return open_store(self.uri)
 
 
-class TargetModelResource(dg.ConfigurableResource):
+class TargetModelResource(DeploymentResource):
     """The target LLM: weights, tokenizer, chat template and DFlash layer choice.
 
     Leave ``model_path`` unset for the embedded default (a tiny random-weight
@@ -48,10 +99,7 @@ class TargetModelResource(dg.ConfigurableResource):
     real target, point it at a local model directory (e.g. Qwen3.6-27B).
     """
 
-    model_path: Optional[str] = Field(
-        default_factory=lambda: os.environ.get("DFLASH_TARGET_MODEL") or None,
-        description="Local model directory (default: $DFLASH_TARGET_MODEL); None = the embedded tiny target.",
-    )
+    model_path: Optional[str] = Field(default=None, description="Local model directory; None = the embedded tiny target.")
     tokenizer_path: Optional[str] = Field(default=None, description="Tokenizer directory; defaults to model_path.")
     chat_template_path: Optional[str] = Field(default=None, description="Jinja file replacing the target's template.")
     enable_thinking: bool = Field(default=True, description="Render prompts with thinking on (reasoning traces).")
@@ -80,7 +128,7 @@ class TargetModelResource(dg.ConfigurableResource):
         )
 
 
-class EngineFleetResource(dg.ConfigurableResource):
+class EngineFleetResource(DeploymentResource):
     """The generation endpoints: SGLang hosts, one sglang-router URL, or OpenAI-compatible servers.
 
     Each endpoint is a URL, optionally prefixed by its kind (``sglang:``,
@@ -92,29 +140,27 @@ class EngineFleetResource(dg.ConfigurableResource):
     With no endpoints, on the local profile (``DFLASH_PROFILE`` unset or
     ``local``) and the embedded tiny target, ``fleet_config`` starts the
     embedded engine for this step (``transformers serve`` on 127.0.0.1, a
-    free port) and ``teardown_after_execution`` stops it. Whether that may
+    free port) and ``close`` stops it when the step ends. Whether that may
     happen is read from the environment, never from run config.
     """
 
-    endpoints: list[str] = Field(
-        default_factory=lambda: [u for u in os.environ.get("DFLASH_ENGINE_URLS", "").split(",") if u.strip()],
-        description="Endpoint URLs (default: $DFLASH_ENGINE_URLS, comma-separated).",
-    )
-    default_kind: str = Field(default_factory=lambda: os.environ.get("DFLASH_ENGINE_KIND", "openai"),
-                              description="sglang | openai | transformers, for URLs without a kind prefix.")
-    max_concurrency: int = Field(default_factory=lambda: int(os.environ.get("DFLASH_ENGINE_CONCURRENCY", "32")),
-                                 description="Requests in flight per endpoint.")
+    endpoints: list[str] = Field(default_factory=list, description="Endpoint URLs, optionally kind-prefixed.")
+    default_kind: str = Field(default="openai", description="sglang | openai | transformers, for URLs without a prefix.")
+    max_concurrency: int = Field(default=32, ge=1, description="Requests in flight per endpoint.")
     served_model_name: Optional[str] = Field(default=None, description="Also accept endpoints serving this name.")
     request_timeout_s: float = Field(default=1800.0, description="Limit for one assistant turn.")
     max_retries: int = Field(default=4, description="Retries per request (408/429/5xx, connection errors).")
+    api_key: Optional[SecretStr] = Field(default=None, description="Bearer token for the engines (masked in repr).")
 
     _embedded: Optional[object] = PrivateAttr(default=None)  # EmbeddedEngine, once a step asked for it
     _log: Optional[object] = PrivateAttr(default=None)
 
-    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        self._log = context.log
+    def for_step(self, log: Any = None) -> "EngineFleetResource":
+        step = self.model_copy()
+        step._embedded, step._log = None, log
+        return step
 
-    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+    def close(self) -> None:
         if self._embedded is not None:
             self._embedded.stop()
             self._embedded = None
@@ -161,3 +207,9 @@ def no_engine_message(profile: str, target_model: str) -> str:
         "--start prints the command. Only the local profile with the embedded tiny target starts an engine "
         "(transformers serve) by itself."
     )
+
+
+# What an asset's parameter is annotated with: the resource, bound by ``deployment_resource``.
+StoreParam = dg.ResourceParam[StoreResource]
+TargetParam = dg.ResourceParam[TargetModelResource]
+EnginesParam = dg.ResourceParam[EngineFleetResource]

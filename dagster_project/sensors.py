@@ -34,7 +34,7 @@ import dagster as dg
 
 from dagster_project.config import IngestConfig
 from dagster_project.jobs import ingest_prompts_job
-from dagster_project.resources import StoreResource
+from dagster_project.resources import StoreParam
 from dflash_assets.store.backends import S3Store
 
 __all__ = [
@@ -125,7 +125,7 @@ def build_prompt_source_sensor(
         description="Re-ingest the prompt corpus (prompt_corpus) when the prompt source changes "
         "(local size/mtime or S3 ETag); new shards become prompt_shards partitions.",
     )
-    def _sensor(context: dg.SensorEvaluationContext, store: StoreResource) -> dg.RunRequest | dg.SkipReason:
+    def _sensor(context: dg.SensorEvaluationContext, store: StoreParam) -> dg.RunRequest | dg.SkipReason:
         uri = source_uri or IngestConfig().resolved_source()
         opened = store.open() if uri.startswith("s3://") else None
         client = opened.client if isinstance(opened, S3Store) else None

@@ -31,6 +31,7 @@ import json
 import os
 import socket
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,13 +61,16 @@ def _selftest(call: StageCall) -> StageResult:
 
     Reports what the host saw (cwd, host name, the *names* of its environment
     variables, whether ``dagster`` got imported) so tests can prove that
-    nothing leaked from the orchestrator. ``config["fail"]`` raises on purpose.
+    nothing leaked from the orchestrator. ``config["fail"]`` raises on purpose;
+    ``config["hang_s"]`` sleeps that long first (a hung stage).
     """
     cfg = call.config
     data = call.store.read_bytes(cfg["input_key"])
     call.log.info(f"selftest: read {len(data)} bytes from {cfg['input_key']} (partition {call.partition_key})")
     if cfg.get("fail"):
         raise RuntimeError(f"selftest asked to fail: {cfg['fail']}")
+    if cfg.get("hang_s"):  # a stage that hangs: the launcher's timeout must stop it
+        time.sleep(float(cfg["hang_s"]))
     out = data[::-1]
     call.store.write_bytes(cfg["output_key"], out)
     call.log.info(f"selftest: wrote {len(out)} bytes to {cfg['output_key']}")

@@ -16,6 +16,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def prompt_sources_under_tmp(tmp_path_factory, monkeypatch):
+    """The test session is the deployment: a run may ingest sources under pytest's temp dirs.
+
+    ``tests/test_trust_boundaries.py`` removes this to show what a run may not read.
+    """
+    monkeypatch.setenv("DFLASH_PROMPT_SOURCE_ROOTS", str(tmp_path_factory.getbasetemp()))
+
+
 @pytest.fixture
 def local_store(tmp_path) -> LocalStore:
     return LocalStore(tmp_path / "store")

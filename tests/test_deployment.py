@@ -21,14 +21,16 @@ from dagster_postgres.utils import pg_url_from_config
 from dagster_project import deployment
 from dagster_project.deployment import (
     DeploymentConfigError,
-    fleet_settings,
+    engines_for_profile,
     get_profile,
+    gpu_launcher_for_profile,
     missing_settings,
     resources_for_profile,
+    store_for_profile,
 )
 from dagster_project.instance_config import INSTANCE_YAML, instance_yaml, postgres_env, write_instance_yaml
-from dagster_project.pipes import GpuHostLauncher, check_specs_for
-from dagster_project.resources import EngineFleetResource, StoreResource
+from dagster_project.pipes import GpuLauncherParam, check_specs_for
+from dagster_project.resources import EngineFleetResource, StoreParam, StoreResource, deployment_resource
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_ENV = ("DFLASH_STORE", "DFLASH_GPU_HOSTS", "DFLASH_ENGINE_URLS", "DFLASH_GPU_LAUNCH", "DFLASH_GPU_PYTHON",
@@ -58,11 +60,11 @@ def test_unknown_profile_is_refused(monkeypatch):
 
 def test_local_profile_needs_no_setting(tmp_path, monkeypatch):
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
-    res = resources_for_profile()
-    assert set(res) == {"store", "gpu_launcher"}
-    assert res["store"].uri == str(tmp_path / "dflash-store")
-    assert res["gpu_launcher"].command_prefix == [] and res["gpu_launcher"].hosts == []
-    assert fleet_settings("local") == {"endpoints": []}
+    assert set(resources_for_profile()) == {"store", "target", "engines", "gpu_launcher"}
+    with dg.build_resources(resources_for_profile()) as built:
+        assert built.store.uri == str(tmp_path / "dflash-store")
+        assert built.gpu_launcher.command_prefix == [] and built.gpu_launcher.hosts == []
+        assert built.engines.endpoints == [] and built.target.model_path is None
 
 
 def test_cluster_profile_names_what_is_missing(monkeypatch):
@@ -78,31 +80,31 @@ def test_cluster_profile_settings(monkeypatch):
     monkeypatch.setenv("DFLASH_ENGINE_URLS", "http://router:30000")
     monkeypatch.setenv("DFLASH_GPU_PYTHON", "/opt/dflash/.venv/bin/python")
     monkeypatch.setenv("DFLASH_GPU_ENV", "HF_HOME=/nvme/hf CUDA_VISIBLE_DEVICES=0,1")
-    res = resources_for_profile("cluster")
-    gpu = res["gpu_launcher"]
-    assert gpu.command_prefix == ["ssh", "-o", "BatchMode=yes", "{host}"] and gpu.remote_shell
+    gpu = gpu_launcher_for_profile("cluster")
+    assert gpu.command_prefix == ["ssh", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=30", "-o",
+                                  "ServerAliveCountMax=4", "{host}"] and gpu.remote_shell
     assert gpu.hosts == ["gpu-1", "gpu-2", "gpu-3"] and gpu.python == "/opt/dflash/.venv/bin/python"
     assert gpu.env == {"HF_HOME": "/nvme/hf", "CUDA_VISIBLE_DEVICES": "0,1"}
-    with dg.build_resources({"store": res["store"]}) as built:  # the store URI is a dg.EnvVar, read at run time
-        assert built.store.uri == "s3://dflash/prod"
+    assert gpu.timeout_s == 48 * 3600  # a hung stage frees its gpu pool slot
+    assert store_for_profile("cluster").uri == "s3://dflash/prod"
 
     monkeypatch.setenv("DFLASH_GPU_LAUNCH", "kubectl exec -i -n gpu {host} --")
     monkeypatch.setenv("DFLASH_GPU_REMOTE_SHELL", "0")
-    gpu = resources_for_profile("cluster")["gpu_launcher"]
+    monkeypatch.setenv("DFLASH_GPU_STAGE_TIMEOUT_S", "3600")
+    gpu = gpu_launcher_for_profile("cluster")
+    assert gpu.timeout_s == 3600
     assert gpu.command_prefix == ["kubectl", "exec", "-i", "-n", "gpu", "{host}", "--"] and not gpu.remote_shell
 
 
-def test_fleet_hook_builds_an_engine_fleet_config(monkeypatch):
-    from dflash_assets.generation.fleet import EngineFleetConfig
-
+def test_the_profile_builds_the_engine_fleet_from_the_environment(monkeypatch):
     monkeypatch.setenv("DFLASH_ENGINE_URLS", "http://gpu-1:30000,http://gpu-2:30000")
     monkeypatch.setenv("DFLASH_ENGINE_CONCURRENCY", "64")
-    config = EngineFleetConfig(**fleet_settings("local"), target_model="Qwen/Qwen3.6-27B")
+    config = engines_for_profile("local").fleet_config(target_model="Qwen/Qwen3.6-27B")
     assert [(e.url, e.kind, e.max_concurrency) for e in config.endpoints] == [
         ("http://gpu-1:30000", "openai", 64), ("http://gpu-2:30000", "openai", 64)]
     monkeypatch.setenv("DFLASH_STORE", "s3://b/p")
     monkeypatch.setenv("DFLASH_GPU_HOSTS", "gpu-1")
-    assert {e["kind"] for e in fleet_settings("cluster")["endpoints"]} == {"sglang"}
+    assert {e.kind for e in engines_for_profile("cluster").fleet_config(target_model="t").endpoints} == {"sglang"}
 
 
 def test_cluster_profile_runs_a_stage_end_to_end(s3_store, moto_endpoint, monkeypatch):
@@ -118,7 +120,7 @@ def test_cluster_profile_runs_a_stage_end_to_end(s3_store, moto_endpoint, monkey
     s3_store.write_bytes("in/x.bin", b"12345")
 
     @dg.asset(check_specs=check_specs_for("selftest", "staged"))
-    def staged(context: dg.AssetExecutionContext, gpu_launcher: GpuHostLauncher, store: StoreResource):
+    def staged(context: dg.AssetExecutionContext, gpu_launcher: GpuLauncherParam, store: StoreParam):
         payload = {"input_key": "in/x.bin", "output_key": "out/x.bin"}
         return gpu_launcher.run(context, "selftest", payload, store).get_materialize_result()
 
@@ -167,8 +169,8 @@ def test_local_profile_generates_on_an_embedded_engine_it_starts_and_stops(tmp_p
     monkeypatch.setenv("DFLASH_PROFILE", "local")
     monkeypatch.delenv("DFLASH_ENGINE_URLS", raising=False)
     store = StoreResource(uri=str(tmp_path / "store"))
-    resources = {**defs.resources, "store": store, "engines": EngineFleetResource()}
-    assert resources["engines"].endpoints == []
+    resources = {**defs.resources, "store": deployment_resource(store),
+                 "engines": deployment_resource(EngineFleetResource())}
     with dg.instance_for_test() as instance:
         ingest = {"ops": {"prompt_corpus": {"config": {"limit": 3, "max_prompts_per_shard": 3}}}}
         assert dg.materialize(defs.assets, selection=["prompt_corpus"], instance=instance, resources=resources,
@@ -313,5 +315,5 @@ def test_cluster_env_example_sets_every_required_variable(monkeypatch):
     for key in ours:
         monkeypatch.setenv(key, env[key])
     assert get_profile() == "cluster" and missing_settings("cluster") == []
-    gpu = resources_for_profile()["gpu_launcher"]
+    gpu = gpu_launcher_for_profile(get_profile())
     assert gpu.hosts == ["gpu-1", "gpu-2", "gpu-3", "gpu-4"] and gpu.env == {"HF_HOME": "/nvme/hf"}

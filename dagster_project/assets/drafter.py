@@ -13,8 +13,8 @@ import dagster as dg
 from dagster_project.config import DrafterEvalConfig, DrafterTrainingConfig
 from dagster_project.metadata import render_pipes_result
 from dagster_project.partitions import drafter_recipes
-from dagster_project.pipes import GpuHostLauncher, check_specs_for
-from dagster_project.resources import StoreResource, TargetModelResource
+from dagster_project.pipes import GpuLauncherParam, check_specs_for
+from dagster_project.resources import StoreParam, TargetParam
 from dagster_project.versions import code_version
 
 
@@ -27,10 +27,10 @@ from dagster_project.versions import code_version
     code_version=code_version("1", DrafterTrainingConfig, target=True),
     pool="gpu",
 )
-def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainingConfig, store: StoreResource,
-                       target: TargetModelResource, gpu_launcher: GpuHostLauncher) -> dg.MaterializeResult:
+def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainingConfig, store: StoreParam,
+                       target: TargetParam, gpu_launcher: GpuLauncherParam) -> dg.MaterializeResult:
     """A trained DFlash drafter (``DFlashDraftModel``): model.safetensors + config.json, resumable training."""
-    payload = {**config.model_dump(), "target": target.spec().model_dump()}
+    payload = {**config.to_stage_payload(work_dir=gpu_launcher.work_dir), "target": target.spec().model_dump()}
     return render_pipes_result(gpu_launcher.run(context, "drafter_checkpoint", payload, store).get_materialize_result())
 
 
@@ -44,8 +44,8 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainin
     pool="gpu",
     check_specs=check_specs_for("drafter_eval", "drafter_eval"),
 )
-def drafter_eval(context: dg.AssetExecutionContext, config: DrafterEvalConfig, store: StoreResource,
-                 target: TargetModelResource, gpu_launcher: GpuHostLauncher):
+def drafter_eval(context: dg.AssetExecutionContext, config: DrafterEvalConfig, store: StoreParam,
+                 target: TargetParam, gpu_launcher: GpuLauncherParam):
     """Acceptance length tau (tokens per verification) of the checkpoint against its target, per category."""
     payload = {**config.model_dump(), "target": target.spec().model_dump()}
     for result in gpu_launcher.run(context, "drafter_eval", payload, store).get_results():

@@ -11,8 +11,8 @@ import dagster as dg
 
 from dagster_project.config import HiddenStateCacheConfig
 from dagster_project.partitions import prompt_shards
-from dagster_project.pipes import GpuHostLauncher
-from dagster_project.resources import StoreResource, TargetModelResource
+from dagster_project.pipes import GpuLauncherParam
+from dagster_project.resources import StoreParam, TargetParam
 from dagster_project.versions import code_version
 
 
@@ -25,9 +25,9 @@ from dagster_project.versions import code_version
     code_version=code_version("1", HiddenStateCacheConfig, target=True),
     pool="gpu",
 )
-def hidden_state_cache(context: dg.AssetExecutionContext, config: HiddenStateCacheConfig, store: StoreResource,
-                       target: TargetModelResource, gpu_launcher: GpuHostLauncher) -> dg.MaterializeResult:
+def hidden_state_cache(context: dg.AssetExecutionContext, config: HiddenStateCacheConfig, store: StoreParam,
+                       target: TargetParam, gpu_launcher: GpuLauncherParam) -> dg.MaterializeResult:
     """Target hidden states of the DFlash layers for every token: ``hidden`` [tokens, n_layers*H],
     ``input_ids``, ``loss_mask``, ``cu_seqlens`` (safetensors, memory-mappable per sample)."""
-    payload = {**config.to_stage_payload(), "target": target.spec().model_dump()}
+    payload = {**config.to_stage_payload(scratch_dir=gpu_launcher.scratch_dir), "target": target.spec().model_dump()}
     return gpu_launcher.run(context, "hidden_state_cache", payload, store).get_materialize_result()

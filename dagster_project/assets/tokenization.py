@@ -15,7 +15,7 @@ import dagster as dg
 from dagster_project.config import TokenizeStageConfig
 from dagster_project.metadata import check_metadata, loss_tokens_chart, to_metadata
 from dagster_project.partitions import prompt_shards
-from dagster_project.resources import StoreResource, TargetModelResource
+from dagster_project.resources import StoreParam, TargetParam
 from dagster_project.versions import code_version
 from dflash_assets.store import layout
 from dflash_assets.target.chat_template import ChatRenderer
@@ -63,8 +63,8 @@ def _encoder_and_renderer(spec):
         for name in SEVERITY
     ],
 )
-def tokenized_samples(context: dg.AssetExecutionContext, config: TokenizeStageConfig, store: StoreResource,
-                      target: TargetModelResource):
+def tokenized_samples(context: dg.AssetExecutionContext, config: TokenizeStageConfig, store: StoreParam,
+                      target: TargetParam):
     """input_ids + loss_mask per sample, rendered with the target's chat template (Parquet).
 
     The supervised span runs from after ``<|im_start|>assistant\\n<think>\\n`` through
