@@ -32,7 +32,7 @@ concurrency:
   runs:
     max_concurrent_runs: 2  # the dev machine has 2 cores
   pools:
-    default_limit: 1  # pool "gpu": one GPU step at a time unless `dagster instance concurrency set gpu N`
+    default_limit: 1  # pool "gpu": one GPU step at a time unless `dagster instance concurrency set gpu N`; pool "ingest": keep 1
 telemetry:
   enabled: false
 """
@@ -72,7 +72,7 @@ concurrency:
         limit: 1
   pools:
     granularity: op  # GPU assets use pool "gpu": dagster instance concurrency set gpu <number of GPU hosts>
-    default_limit: 1  # safe until that is set: one GPU step at a time
+    default_limit: 1  # safe until that is set: one GPU step at a time; pool "ingest" (prompt_corpus) stays at 1
 run_monitoring:
   enabled: true
   start_timeout_seconds: 300

@@ -199,3 +199,12 @@ def test_a_hung_stage_is_stopped_by_its_timeout(tmp_path):
     assert not result.success
     assert "timed out after 3s" in result.get_step_failure_events()[0].step_failure_data.error.message
     assert time.monotonic() - start < 120  # not the 600 s the stage asked for
+
+
+def test_ingest_runs_one_at_a_time(defs):
+    """Item 3, Dagster's side: prompt_corpus holds the 'ingest' pool, whose limit is 1 in both shipped instances."""
+    from dagster_project.instance_config import instance_yaml
+
+    assert defs.get_assets_def("prompt_corpus").op.pool == "ingest"
+    for profile in ("local", "cluster"):
+        assert "default_limit: 1" in instance_yaml(profile)

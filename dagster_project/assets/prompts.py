@@ -21,6 +21,7 @@ from dflash_assets.prompts.ingest import ingest_prompt_source, materialize_promp
     kinds={"python", "parquet"},
     owners=["team:ml-data"],
     code_version=code_version("1", IngestConfig),
+    pool="ingest",  # one ingest at a time (pools default to 1); the library's commit lock guards the rest
 )
 def prompt_corpus(context: dg.AssetExecutionContext, config: IngestConfig, store: StoreParam) -> dg.MaterializeResult:
     """Ingest the prompt source: normalize, deduplicate, quarantine bad records, assign stable shards.
