@@ -6,15 +6,36 @@ shapes (SGLang itself cannot be installed here), decoding with the real
 Qwen3.6 tokenizer. The blocking `empty_response_ratio` check fails,
 `hidden_state_cache` does not run in that run, and a later run of
 `hidden_state_cache` alone is refused by the quality gate on the GPU host.
+
+The gate names the samples it checked (issue 14 item 2). Reproduced there: a
+good run wrote a passing gate, completions were regenerated with 87% stubs,
+the tokenization step was killed right after the samples were written, and a
+later GPU run cached the stubs under the old passing gate. Now the gate names
+the sha256 of the samples' bytes, is pending while they are written, and the
+GPU stages read samples only through a check of that hash.
 """
 
+import hashlib
+
 import dagster as dg
+import pyarrow as pa
 import pytest
 
 from dagster_project.definitions import defs
 from dagster_project.resources import EngineFleetResource, StoreResource, TargetModelResource
 from dflash_assets.testing.sglang_loopback import LoopbackServer
+from dflash_assets.store import layout
 from dflash_assets.store.backends import LocalStore
+from dflash_assets.tokenization.encoder import qwen3_6_encoder
+from dflash_assets.tokenization.quality import (
+    QualityGateFailed,
+    publish_samples,
+    read_verified_samples,
+    require_quality_gate,
+    verified_samples_path,
+    write_quality_gate,
+)
+from dflash_assets.tokenization.samples import COMPLETIONS_MESSAGES_TYPE, tokenize_completions
 
 
 @pytest.fixture
@@ -69,3 +90,112 @@ def test_stub_completions_fail_the_blocking_check_and_never_reach_the_gpu(stub_e
         failure = next(e for e in again.all_events if e.event_type_value == "STEP_FAILURE")
         assert "blocking checks failed (empty_response_ratio)" in str(failure.event_specific_data.error)
         assert materialized("hidden_state_cache") is None
+
+
+# -- the gate names the samples it checked (issue 14 item 2) ---------------------------------------------
+
+SHARD = "shard-00000"
+REASONING = "Let me think about this step by step, carefully, and check the numbers twice before answering."
+ANSWER = "Here is a complete answer with enough words in it to count as a real response to the question."
+
+
+def conversation(i: int, stub: bool) -> list[dict]:
+    reply = ({"role": "assistant", "content": "OK.", "reasoning_content": ""} if stub
+             else {"role": "assistant", "content": f"{ANSWER} ({i})", "reasoning_content": REASONING})
+    return [{"role": "user", "content": f"Question number {i}?", "reasoning_content": None}, reply]
+
+
+@pytest.fixture(scope="module")
+def enc():
+    from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
+
+    return qwen3_6_encoder(build_qwen3_6_tokenizer(), strict=True)
+
+
+def samples(enc, n: int = 100, stubs: int = 0) -> pa.Table:
+    convs = [conversation(i, stub=i < stubs) for i in range(n)]
+    table = pa.table({"prompt_id": pa.array([f"p{i}" for i in range(n)]),
+                      "messages": pa.array(convs, COMPLETIONS_MESSAGES_TYPE)})
+    return tokenize_completions(table, enc)[0]
+
+
+class Killed(Exception):
+    """Stands for SIGKILL of the tokenization step at one point of its writes."""
+
+
+class KilledAfter:
+    """A store that dies right after writing the samples Parquet (before the gate that would follow)."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def write_parquet(self, key, table, **kwargs):
+        self._store.write_parquet(key, table, **kwargs)
+        raise Killed(key)
+
+
+@pytest.mark.parametrize("store_fixture", ["local_store", "s3_store"])
+def test_gate_names_the_sha256_of_the_samples_it_checked(enc, request, store_fixture):
+    store = request.getfixturevalue(store_fixture)
+    table = samples(enc)
+    published = publish_samples(store, SHARD, table)
+    gate = require_quality_gate(store, SHARD)
+    data = store.read_bytes(layout.tokenized_samples(SHARD))
+    assert gate["status"] == "checked" and gate["samples_sha256"] == hashlib.sha256(data).hexdigest() == published.sha256
+    assert gate["data_version"] == published.data_version == published.sha256[:16]
+    assert gate["checks"]["empty_response_ratio"]["passed"] and gate["checks"]["schema"]["passed"]
+    assert read_verified_samples(store, SHARD).equals(table)
+    assert read_verified_samples(store, SHARD, columns=["prompt_id"]).column_names == ["prompt_id"]
+    assert hashlib.sha256(verified_samples_path(store, SHARD).read_bytes()).hexdigest() == published.sha256
+
+
+def test_samples_replaced_after_a_passing_gate_are_refused_by_the_gpu_stage(enc, local_store, tiny_dense_target):
+    """The issue's scenario: passing gate, then 87% stubs written over the samples with no new gate."""
+    from dflash_assets.hidden_states.stage import cache_partition_for_shard
+    from dflash_assets.target.spec import TargetModelSpec
+
+    publish_samples(local_store, SHARD, samples(enc))
+    require_quality_gate(local_store, SHARD)  # passes
+    stubs = samples(enc, stubs=87)
+    local_store.write_parquet(layout.tokenized_samples(SHARD), stubs)  # what a kill after this write leaves
+
+    with pytest.raises(QualityGateFailed, match="not the ones the quality gate checked"):
+        cache_partition_for_shard(local_store, SHARD, TargetModelSpec(model_path=str(tiny_dense_target)))
+    assert local_store.list(layout.HIDDEN_STATE_CACHE) == []  # nothing cached
+    with pytest.raises(QualityGateFailed, match="not the ones"):  # the online drafter's read
+        verified_samples_path(local_store, SHARD)
+    with pytest.raises(QualityGateFailed, match="not the ones"):
+        require_quality_gate(local_store, SHARD, samples_sha256=hashlib.sha256(
+            local_store.read_bytes(layout.tokenized_samples(SHARD))).hexdigest())
+
+
+def test_a_kill_between_samples_and_gate_leaves_a_gate_that_blocks(enc, local_store):
+    publish_samples(local_store, SHARD, samples(enc))
+    with pytest.raises(Killed):  # regenerated with 87% stubs; the step dies right after writing the samples
+        publish_samples(KilledAfter(local_store), SHARD, samples(enc, stubs=87))
+    assert local_store.read_json(layout.quality_gate(SHARD))["status"] == "pending"
+    with pytest.raises(QualityGateFailed, match="pending"):
+        require_quality_gate(local_store, SHARD)
+    with pytest.raises(QualityGateFailed, match="pending"):
+        read_verified_samples(local_store, SHARD)
+    # the next complete run checks the stubs and fails them: still blocked, now for the right reason
+    publish_samples(local_store, SHARD, samples(enc, stubs=87))
+    with pytest.raises(QualityGateFailed, match="empty_response_ratio"):
+        read_verified_samples(local_store, SHARD)
+
+
+def test_gates_that_name_no_samples_block(enc, local_store):
+    published = publish_samples(local_store, SHARD, samples(enc))
+    gate = local_store.read_json(layout.quality_gate(SHARD))
+    old = {k: gate[k] for k in ("data_version", "checks", "blocking")}  # the format before gates named their data
+    local_store.write_json(layout.quality_gate(SHARD), old)
+    with pytest.raises(QualityGateFailed, match="names no samples hash"):
+        read_verified_samples(local_store, SHARD)
+    with pytest.raises(ValueError, match="64-hex"):  # the 16-hex data version is not enough to name the bytes
+        write_quality_gate(local_store, SHARD, published.outcomes, published.data_version)
+    local_store.delete(layout.quality_gate(SHARD))
+    with pytest.raises(QualityGateFailed, match="no quality record"):
+        verified_samples_path(local_store, SHARD)

@@ -5,8 +5,9 @@ target's chat template, tokenizes it into ``input_ids`` + ``loss_mask`` and
 writes ``tokenized_samples/<shard>.parquet``. The checks run on the written
 table in the same step; ``empty_response_ratio`` and ``schema`` are blocking,
 so a bad partition never reaches the GPU stages. Their outcomes are also
-written to ``tokenized_samples/<shard>.quality.json``, which the GPU stages
-verify wherever they run.
+written to ``tokenized_samples/<shard>.quality.json`` with the sha256 of the
+samples they checked (the gate is pending while the samples are written);
+the GPU stages verify both wherever they run.
 """
 
 
@@ -20,7 +21,7 @@ from dagster_project.versions import code_version
 from dflash_assets.store import layout
 from dflash_assets.target.chat_template import ChatRenderer
 from dflash_assets.tokenization.encoder import build_encoder
-from dflash_assets.tokenization.quality import BLOCKING_CHECKS, evaluate_quality, write_quality_gate
+from dflash_assets.tokenization.quality import BLOCKING_CHECKS, publish_samples
 from dflash_assets.tokenization.samples import tokenize_completions
 
 SEVERITY = {
@@ -75,9 +76,9 @@ def tokenized_samples(context: dg.AssetExecutionContext, config: TokenizeStageCo
     encoder, renderer = _encoder_and_renderer(spec)
     table, stats = tokenize_completions(st.read_parquet(layout.completions(shard)), encoder,
                                         config.to_library(), template=renderer)
-    version = st.write_parquet(layout.tokenized_samples(shard), table)[:16]  # the writer returns its sha256
-    outcomes = evaluate_quality(table, config.thresholds(thinking_requested=target.enable_thinking))
-    write_quality_gate(st, shard, outcomes, version)
+    # gate pending, samples, then the gate naming the samples' sha256: a kill in between leaves a blocking gate
+    published = publish_samples(st, shard, table, config.thresholds(thinking_requested=target.enable_thinking))
+    version, outcomes = published.data_version, published.outcomes
     context.log.info(f"{shard}: {stats.samples} samples from {stats.conversations} conversations, "
                      f"{stats.tokens} tokens ({stats.loss_tokens} supervised), dropped {stats.dropped or 'none'}")
     loss_tokens = loss_tokens_chart(table.column("num_loss_tokens").to_numpy(), config.min_loss_tokens)

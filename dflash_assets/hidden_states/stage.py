@@ -75,11 +75,11 @@ def cache_partition_for_shard(store: Any, shard: str, target: Any, *, devices: S
     the whole corpus's cache at this partition's tokens per sample.
     """
     from dflash_assets.hidden_states.format import bytes_per_token, projected_corpus_bytes
-    from dflash_assets.tokenization.quality import require_quality_gate
+    from dflash_assets.tokenization.quality import read_verified_samples, require_quality_gate
 
     gate = require_quality_gate(store, shard)
     facts = target.validate()
-    table = store.read_parquet(layout.tokenized_samples(shard), columns=["prompt_id", "input_ids", "loss_mask", "num_tokens"])
+    table = read_verified_samples(store, shard, gate, columns=["prompt_id", "input_ids", "loss_mask", "num_tokens"])
     used = sum(store.size(k) for other, parts in layout.list_hidden_state_parts(store).items() if other != shard
                for k in parts)
     dtype = "float32" if all(str(d).startswith("cpu") for d in devices) and target.dtype != "bfloat16" else "bfloat16"

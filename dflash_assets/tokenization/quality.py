@@ -3,20 +3,28 @@
 Reads a samples table (`SAMPLES_SCHEMA`): the check functions
 (`empty_response_check`, `thinking_ratio_check`, `truncation_ratio_check`,
 `schema_check`) are pure functions over it returning `CheckOutcome`, and
-`evaluate_quality` runs them all; Dagster check bodies only wrap them. Writes
-and reads the gate record ``tokenized_samples/<shard>.quality.json`` through
-the store (`write_quality_gate`, `require_quality_gate`).
+`evaluate_quality` runs them all; Dagster check bodies only wrap them.
+
+The gate: `publish_samples` writes ``tokenized_samples/<shard>.quality.json``
+as pending, then ``<shard>.parquet``, then the gate naming the sha256 of
+exactly those Parquet bytes with the outcomes. The GPU stages read samples
+only through `read_verified_samples` / `verified_samples_path`, which refuse
+(`QualityGateFailed`) a missing, pending, failed or stale gate: samples that
+are not the bytes the gate checked never reach a GPU.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from dflash_assets.chart_data import binned_counts
 from dflash_assets.store import layout
@@ -26,15 +34,20 @@ __all__ = [
     "BLOCKING_CHECKS",
     "LOSS_TOKEN_BIN_EDGES",
     "CheckOutcome",
+    "PublishedSamples",
     "QualityGateFailed",
     "QualityThresholds",
     "empty_response_check",
     "evaluate_quality",
     "loss_token_histogram",
+    "mark_quality_gate_pending",
+    "publish_samples",
+    "read_verified_samples",
     "require_quality_gate",
     "schema_check",
     "thinking_ratio_check",
     "truncation_ratio_check",
+    "verified_samples_path",
     "write_quality_gate",
 ]
 
@@ -122,10 +135,12 @@ def thinking_ratio_check(table: pa.Table, floor: float = 0.9, thinking_requested
         "num_samples": n,
         "num_with_reasoning": int(has.sum()),
         "thinking_requested": thinking_requested,
+        "applicable": thinking_requested,
         "examples_without_reasoning": _examples(table, ~has),
     }
-    if not thinking_requested:
-        return CheckOutcome(True, metadata, f"thinking not requested; {ratio:.2%} of samples have reasoning")
+    if not thinking_requested:  # thinking off, or a target without a thinking mode (SmolLM2): nothing to check
+        return CheckOutcome(True, metadata, f"not applicable: thinking is off or the target has no thinking mode; "
+                                            f"{ratio:.2%} of samples have reasoning")
     passed = n > 0 and ratio >= floor
     return CheckOutcome(passed, metadata, f"{ratio:.2%} of {n} samples have non-empty reasoning (floor {floor:.2%})")
 
@@ -233,25 +248,113 @@ def evaluate_quality(table: pa.Table, thresholds: QualityThresholds = QualityThr
 
 
 class QualityGateFailed(RuntimeError):
-    """A blocking check of the samples partition failed: no GPU time is spent on it."""
+    """The samples may not go to a GPU: a blocking check failed, the gate is missing or pending, or the
+    samples are not the bytes the gate checked."""
 
 
-def write_quality_gate(store: Any, shard: str, outcomes: Mapping[str, CheckOutcome], data_version: str) -> None:
-    """Record the check outcomes next to the samples, so later stages on any host can refuse bad data."""
-    store.write_json(layout.quality_gate(shard), {
-        "data_version": data_version,
+GATE_PENDING = "pending"
+GATE_CHECKED = "checked"
+
+
+@dataclass(frozen=True)
+class PublishedSamples:
+    """What `publish_samples` wrote: the samples' sha256 (their data version) and the check outcomes."""
+
+    sha256: str
+    outcomes: dict[str, CheckOutcome]
+
+    @property
+    def data_version(self) -> str:
+        return self.sha256[:16]
+
+
+def mark_quality_gate_pending(store: Any, shard: str) -> None:
+    """Replace the shard's gate by a pending one, which blocks: done before the samples are rewritten, so
+    a run killed between the samples and the gate leaves a gate that refuses them."""
+    store.write_json(layout.quality_gate(shard), {"status": GATE_PENDING, "checks": {},
+                                                  "blocking": list(BLOCKING_CHECKS)})
+
+
+def write_quality_gate(store: Any, shard: str, outcomes: Mapping[str, CheckOutcome],
+                       samples_sha256: str) -> dict[str, Any]:
+    """Record the check outcomes of the samples whose Parquet bytes hash to `samples_sha256` (hex sha256,
+    what `store.write_parquet` returns), so later stages on any host can refuse bad or other data."""
+    if not (isinstance(samples_sha256, str) and len(samples_sha256) == 64):
+        raise ValueError(f"samples_sha256 must be the 64-hex sha256 of the samples file, got {samples_sha256!r}")
+    record = {
+        "status": GATE_CHECKED,
+        "samples_sha256": samples_sha256,
+        "data_version": samples_sha256[:16],
         "checks": {name: {"passed": o.passed, "description": o.description} for name, o in outcomes.items()},
         "blocking": list(BLOCKING_CHECKS),
-    })
+    }
+    store.write_json(layout.quality_gate(shard), record)
+    return record
 
 
-def require_quality_gate(store: Any, shard: str) -> dict[str, Any]:
-    """Raise `QualityGateFailed` unless the shard's blocking checks passed; return the gate record."""
-    if not store.exists(layout.quality_gate(shard)):
-        raise QualityGateFailed(f"{shard}: no quality record at {layout.quality_gate(shard)}; materialize tokenized_samples first")
-    gate = store.read_json(layout.quality_gate(shard))
+def publish_samples(store: Any, shard: str, table: pa.Table,
+                    thresholds: QualityThresholds = QualityThresholds()) -> PublishedSamples:
+    """Check `table`, then publish it with its gate: gate pending, samples, gate naming the samples' sha256.
+
+    Whatever point a kill stops this at, the samples a reader finds are either the ones the gate names
+    (and passed) or refused.
+    """
+    outcomes = evaluate_quality(table, thresholds)
+    mark_quality_gate_pending(store, shard)
+    sha256 = store.write_parquet(layout.tokenized_samples(shard), table)
+    write_quality_gate(store, shard, outcomes, sha256)
+    return PublishedSamples(sha256, outcomes)
+
+
+def require_quality_gate(store: Any, shard: str, samples_sha256: str | None = None) -> dict[str, Any]:
+    """Raise `QualityGateFailed` unless the shard's gate is complete and its blocking checks passed, and
+    (when `samples_sha256` is given) it checked exactly those samples; return the gate record."""
+    key = layout.quality_gate(shard)
+    if not store.exists(key):
+        raise QualityGateFailed(f"{shard}: no quality record at {key}; materialize tokenized_samples first")
+    gate = store.read_json(key)
+    if gate.get("status") == GATE_PENDING:
+        raise QualityGateFailed(f"{shard}: the quality gate is pending (a tokenized_samples run stopped between "
+                                "writing the samples and checking them); materialize tokenized_samples again")
+    if gate.get("status") != GATE_CHECKED or not isinstance(gate.get("samples_sha256"), str):
+        raise QualityGateFailed(f"{shard}: the quality record at {key} names no samples hash (written before "
+                                "gates named their data); materialize tokenized_samples again")
     failed = [n for n in gate["blocking"] if not gate["checks"].get(n, {}).get("passed", False)]
     if failed:
         details = "; ".join(f"{n}: {gate['checks'][n]['description']}" for n in failed if n in gate["checks"])
         raise QualityGateFailed(f"{shard}: blocking checks failed ({', '.join(failed)}): {details}")
+    if samples_sha256 is not None:
+        _same_samples(shard, gate, samples_sha256)
     return gate
+
+
+def read_verified_samples(store: Any, shard: str, gate: Mapping[str, Any] | None = None,
+                          columns: list[str] | None = None) -> pa.Table:
+    """The shard's samples, read once and hashed: refused (`QualityGateFailed`) unless the gate passed
+    exactly these bytes. `gate`: a record `require_quality_gate` already returned (else it is read)."""
+    gate = gate if gate is not None else require_quality_gate(store, shard)
+    data = store.read_bytes(layout.tokenized_samples(shard))
+    _same_samples(shard, gate, hashlib.sha256(data).hexdigest())
+    return pq.read_table(pa.BufferReader(data), columns=columns)
+
+
+def verified_samples_path(store: Any, shard: str) -> Path:
+    """A local path of the shard's samples (the store's file, or its download), refused unless the gate
+    passed exactly that file's bytes."""
+    gate = require_quality_gate(store, shard)
+    path = Path(store.local_path(layout.tokenized_samples(shard)))
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    _same_samples(shard, gate, digest.hexdigest())
+    return path
+
+
+def _same_samples(shard: str, gate: Mapping[str, Any], sha256: str) -> None:
+    if sha256 != gate.get("samples_sha256"):
+        raise QualityGateFailed(
+            f"{shard}: the samples (sha256 {sha256[:16]}) are not the ones the quality gate checked "
+            f"(sha256 {str(gate.get('samples_sha256'))[:16]}): they changed after the check; "
+            "materialize tokenized_samples again"
+        )
