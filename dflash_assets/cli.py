@@ -5,7 +5,8 @@ that generates completions for the target:
 
 - ``--kind sglang`` (default when a target is given): ``python -m
   sglang.launch_server --model-path ... --port ... --tp ... --host 127.0.0.1
-  --reasoning-parser qwen3``; reach it with endpoint kind ``sglang``.
+  --reasoning-parser qwen3`` (no parser for a target whose template has no
+  thinking mode, e.g. SmolLM2); reach it with endpoint kind ``sglang``.
   SGLang needs a CUDA host (``pip install 'dflash-assets[sglang]'``).
 - ``--kind transformers`` (default with no target, the embedded default):
   ``transformers serve <tiny target dir> --host 127.0.0.1 --port N``, which
@@ -55,6 +56,18 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_engine)
 
 
+def _reasoning_parser(target: str) -> str | None:
+    """SGLang's `qwen3` reasoning parser for a target whose template has a thinking mode; none for one without
+    (SmolLM2). A target whose template cannot be read here (e.g. only on the GPU host) keeps `qwen3`."""
+    from dflash_assets.target.conventions import TargetModelError
+    from dflash_assets.target.spec import TargetModelSpec
+
+    try:
+        return "qwen3" if TargetModelSpec(model_path=target).chat_conventions().thinking_supported else None
+    except TargetModelError:
+        return "qwen3"
+
+
 def _run_engine(args: argparse.Namespace) -> int:
     from dflash_assets.embedded.defaults import embedded_engine_server
     from dflash_assets.generation.server import local_engine_server
@@ -68,6 +81,8 @@ def _run_engine(args: argparse.Namespace) -> int:
     extra = [a for a in (args.extra or []) if a != "--"]
     options = dict(port=args.port, host=args.host, tp=args.tp, served_model_name=args.served_model_name,
                    log_path=args.log, extra_args=extra)
+    if target is not None and kind == "sglang":
+        options["reasoning_parser"] = _reasoning_parser(target)
     server = (local_engine_server(kind, target, **options) if target is not None
               else embedded_engine_server(kind, **options))  # the tiny target, in float32 on CPU
     ep = server.endpoint_config(args.max_concurrency)

@@ -28,6 +28,7 @@ from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer, tokenizer_ha
         (36, 5, [1, 9, 17, 25, 33]),  # Qwen3-8B
         (64, 5, [1, 16, 31, 46, 61]),  # Qwen3.6-27B
         (32, 5, [1, 8, 15, 22, 29]),
+        (30, 5, [1, 8, 14, 20, 27]),  # SmolLM2-135M (7.5 and 20.5 round half to even)
         (36, 8, [1, 6, 10, 15, 19, 24, 28, 33]),
         (8, 5, [1, 2, 3, 4, 5]),  # the tiny targets
         (36, 1, [18]),

@@ -40,7 +40,7 @@ def completions(context: dg.AssetExecutionContext, config: GenerationStageConfig
     try:
         result = regenerate_shard(
             st.read_parquet(layout.raw_prompts(shard)), shard=shard, store=st, fleet=fleet,
-            generation=config.to_library(enable_thinking=target.enable_thinking), tokenizer=tokenizer,
+            generation=config.to_library(enable_thinking=spec.thinking()), tokenizer=tokenizer,
             progress=lambda update: context.log.info(str(update)),
             on_probe=lambda probe: context.log.info(f"engine probe:\n{probe.markdown()}"),
         )

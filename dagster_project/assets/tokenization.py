@@ -11,6 +11,8 @@ the GPU stages verify both wherever they run.
 """
 
 
+import dataclasses
+
 import dagster as dg
 
 from dagster_project.config import TokenizeStageConfig
@@ -68,16 +70,21 @@ def tokenized_samples(context: dg.AssetExecutionContext, config: TokenizeStageCo
                       target: TargetParam):
     """input_ids + loss_mask per sample, rendered with the target's chat template (Parquet).
 
-    The supervised span runs from after ``<|im_start|>assistant\\n<think>\\n`` through
-    ``<|im_end|>\\n``, reasoning included (SpecForge's ``qwen3.5`` convention).
+    The supervised span runs from after the target's assistant header through its end of turn, both read
+    off its own template: ``<|im_start|>assistant\\n<think>\\n`` ... ``<|im_end|>\\n``, reasoning included,
+    for Qwen3.5/3.6 with thinking (SpecForge's ``qwen3.5`` convention); ``<|im_start|>assistant\\n`` ...
+    ``<|im_end|>\\n`` for a ChatML target without thinking (SmolLM2), whose thinking_ratio does not apply.
     """
     shard, st = context.partition_key, store.open()
     spec = target.spec()
+    chat = spec.chat_conventions()
     encoder, renderer = _encoder_and_renderer(spec)
+    library_config = dataclasses.replace(config.to_library(), assistant_header=chat.assistant_header,
+                                         end_of_turn=chat.end_of_turn)
     table, stats = tokenize_completions(st.read_parquet(layout.completions(shard)), encoder,
-                                        config.to_library(), template=renderer)
+                                        library_config, template=renderer)
     # gate pending, samples, then the gate naming the samples' sha256: a kill in between leaves a blocking gate
-    published = publish_samples(st, shard, table, config.thresholds(thinking_requested=target.enable_thinking))
+    published = publish_samples(st, shard, table, config.thresholds(thinking_requested=chat.thinking))
     version, outcomes = published.data_version, published.outcomes
     context.log.info(f"{shard}: {stats.samples} samples from {stats.conversations} conversations, "
                      f"{stats.tokens} tokens ({stats.loss_tokens} supervised), dropped {stats.dropped or 'none'}")

@@ -36,13 +36,14 @@ __all__ = ["engine_server_command", "EngineServer", "local_engine_server", "defa
 
 def engine_server_command(kind: Literal["sglang", "transformers"], model_path: str | os.PathLike, *, port: int,
                           host: str = "127.0.0.1", tp: int = 1, served_model_name: str | None = None,
-                          reasoning_parser: str = "qwen3", extra_args: Sequence[str] = (),
+                          reasoning_parser: str | None = "qwen3", extra_args: Sequence[str] = (),
                           python: str | None = None) -> list[str]:
     """argv that serves ``model_path`` on ``host:port``.
 
     - ``sglang``: ``python -m sglang.launch_server --model-path P --port N
       --tp T --host H --reasoning-parser qwen3`` (speak to it with kind
-      ``sglang`` at ``/generate`` or kind ``openai``).
+      ``sglang`` at ``/generate`` or kind ``openai``); ``reasoning_parser=None``
+      for a target without a thinking mode (SmolLM2) omits the parser.
     - ``transformers``: ``transformers serve P --host H --port N`` (pinned to P,
       which it loads at start; OpenAI-compatible, kind ``openai``).
     """
@@ -50,7 +51,7 @@ def engine_server_command(kind: Literal["sglang", "transformers"], model_path: s
     model_path = str(model_path)
     if kind == "sglang":
         argv = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--port", str(port),
-                "--tp", str(tp), "--host", host, "--reasoning-parser", reasoning_parser]
+                "--tp", str(tp), "--host", host] + (["--reasoning-parser", reasoning_parser] if reasoning_parser else [])
         if served_model_name:
             argv += ["--served-model-name", served_model_name]
     elif kind == "transformers":
@@ -166,7 +167,8 @@ def default_server_port(kind: str) -> int:
 def local_engine_server(kind: Literal["sglang", "transformers"], target: str | os.PathLike, *,
                         port: int | None = None, host: str = "127.0.0.1", tp: int = 1,
                         served_model_name: str | None = None, log_path: str | os.PathLike | None = None,
-                        extra_args: Sequence[str] = (), dtype: str | None = None) -> EngineServer:
+                        extra_args: Sequence[str] = (), dtype: str | None = None,
+                        reasoning_parser: str | None = "qwen3") -> EngineServer:
     """An ``EngineServer`` (not started) for ``target`` on this host.
 
     ``kind='transformers'`` runs ``transformers serve`` (reach it with
@@ -186,7 +188,7 @@ def local_engine_server(kind: Literal["sglang", "transformers"], target: str | o
             s.bind((host, 0))
             port = s.getsockname()[1]
     argv = engine_server_command(kind, model, port=port, host=host, tp=tp, served_model_name=served_model_name,
-                                 extra_args=extra_args)
+                                 extra_args=extra_args, reasoning_parser=reasoning_parser)
     env = None
     if kind == "transformers" and "OMP_NUM_THREADS" not in os.environ:
         # torch's default (one OpenMP thread per core) spin-waits when the host is shared: on a

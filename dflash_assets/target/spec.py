@@ -13,12 +13,17 @@ file; it writes nothing.
   layer i = HF `hidden_states[i + 1]`. An explicit `target_layer_ids` always
   wins.
 - `TargetModelSpec.validate()` resolves everything into a frozen
-  `TargetFacts` or raises `TargetModelError` (a ValueError) with the reason.
+  `TargetFacts` or raises `TargetModelError` (a ValueError) with the reason;
+  the facts include the chat conventions read off the target's own template
+  (`chat_conventions()`: thinking supported and used, assistant header, end
+  of turn) and whether the embeddings are tied.
 - `TargetModelSpec.config_fingerprint()`: short hash of what changes pipeline
   outputs, for Dagster code versions.
 
 Mask token: by default `<|MASK|>` must be in the tokenizer (the tiny targets
-have it at 248077). For a production tokenizer without it either set
+have it at 248077), or the tokenizer must declare its own `mask_token`
+(the converted SmolLM2 declares `<empty_output>`, id 16: its embedding has
+no free row). For a production tokenizer with neither, either set
 `mask_token_id` (e.g. 248070, what published Qwen3.5/3.6 drafters use) or
 `add_mask_token=True`, which appends `<|MASK|>` as a special token at id
 `len(tokenizer)` the way SpecForge does (151669 for Qwen3, 248077 for
@@ -39,7 +44,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from dflash_assets.target.chat_template import ChatRenderer, load_chat_template, template_hash
 from dflash_assets.target.conventions import (
     DEFAULT_NUM_TARGET_LAYERS,
+    ChatConventions,
     TargetModelError,
+    derive_chat_conventions,
     dflash_target_layer_ids,
     resolve_mask_token_id,
 )
@@ -107,6 +114,8 @@ class TargetFacts:
     tokenizer_hash: str
     template_hash: str
     dtype: str
+    tie_word_embeddings: bool = False  # lm_head is embed_tokens (SmolLM2); the drafter reuses it either way
+    chat: ChatConventions | None = None  # thinking, assistant header, end of turn: read off the template
 
 
 class TargetModelSpec(BaseModel):
@@ -191,9 +200,22 @@ class TargetModelSpec(BaseModel):
         return self.layer_ids_for_depth(text.num_hidden_layers)
 
     def mask_token_id_for(self, tok: "PreTrainedTokenizerBase") -> int:
-        """The mask id: the explicit `mask_token_id`, else `mask_token` looked up in `tok`."""
+        """The mask id: the explicit `mask_token_id`, else `mask_token` looked up in `tok`, else (default
+        name only) the tokenizer's own declared mask token (see `conventions`)."""
+        declared = getattr(tok, "mask_token", None)
         return resolve_mask_token_id(self.mask_token_id, lambda t: token_id(tok, t), mask_token=self.mask_token,
-                                     where=repr(self.resolved_tokenizer_path))
+                                     where=repr(self.resolved_tokenizer_path),
+                                     declared=declared if isinstance(declared, str) else None)
+
+    def chat_conventions(self, tok: "PreTrainedTokenizerBase | None" = None) -> ChatConventions:
+        """Thinking (supported, used), assistant header and end of turn, read off this target's template
+        rendered with this spec's template kwargs (`conventions.derive_chat_conventions`)."""
+        tok = tok if tok is not None else self.load_tokenizer()
+        return derive_chat_conventions(ChatRenderer.from_tokenizer(tok), self.chat_template_kwargs)
+
+    def thinking(self) -> bool:
+        """Whether generation runs with reasoning: thinking requested and the template has a thinking mode."""
+        return self.chat_conventions().thinking
 
     def mask_token_id_resolved(self) -> int:
         """The mask id, loading the tokenizer when no explicit id is set."""
@@ -235,6 +257,7 @@ class TargetModelSpec(BaseModel):
             raise TargetModelError(f"mask token id {mask_id} is outside the model's {model_vocab} embedding rows")
         mask_token = tok.convert_ids_to_tokens(mask_id) if mask_id < len(tok) else None
         eos = tok.eos_token_id
+        chat = self.chat_conventions(tok)
         return TargetFacts(
             model_path=self.model_path,
             model_type=text.model_type,
@@ -249,6 +272,8 @@ class TargetModelSpec(BaseModel):
             tokenizer_hash=tokenizer_hash(tok),
             template_hash=template_hash(template),
             dtype=self.dtype,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),  # the outer config decides
+            chat=chat,
         )
 
     def _checked_layer_ids(self, num_layers: int) -> list[int]:
