@@ -228,3 +228,63 @@ def test_in_process_transformers_endpoint_is_explicit_and_works(tiny_dense_targe
     assert res.table.num_rows == 2 and res.probe.rows[0].kind == "transformers" and res.probe.rows[0].usable
     assert all(1 <= n <= 4 for r in res.table.to_pylist() for n in r["completion_tokens"])
     assert set(res.table["endpoint"].to_pylist()) == {f"inprocess://{tiny_dense_target}"}
+
+
+# -- broken or hostile engines in a run (issue 14 item 4) ---------------------------------
+
+
+def test_replies_of_the_wrong_shape_are_retried_not_failed(tok, local_store):
+    with LoopbackServer(model_path=TARGET, bad_shape_every=3) as srv:
+        cfg = EngineFleetConfig(target_model=TARGET, backoff_initial_s=0.01, backoff_max_s=0.05,
+                                endpoints=[EndpointConfig(url=srv.url, max_concurrency=4)])
+        res = regenerate_shard(prompts(12, turns=1), shard="w", store=local_store, fleet=cfg,
+                               generation=GenerationConfig(max_new_tokens=64), tokenizer=tok)
+        assert srv.stats.failed > 0
+    assert res.table.num_rows == 12 and res.failed.num_rows == 0 and res.stats.retries == srv.stats.failed
+
+
+def test_hung_endpoint_is_cut_off_and_its_work_moves_on(tok, local_store):
+    """A server that accepts requests and never answers holds no slot for long: read timeout, excluded, failover."""
+    with LoopbackServer(model_path=TARGET, delay_s=6) as hung, LoopbackServer(model_path=TARGET) as good:
+        cfg = EngineFleetConfig(target_model=TARGET, backoff_initial_s=0.01, request_timeout_s=120,
+                                read_timeout_s=0.4, read_timeout_per_token_s=0.0,
+                                endpoints=[EndpointConfig(url=hung.url, max_concurrency=4),
+                                           EndpointConfig(url=good.url, max_concurrency=4)])
+        t0 = time.perf_counter()
+        res = regenerate_shard(prompts(16, turns=1), shard="hung", store=local_store, fleet=cfg,
+                               generation=GenerationConfig(max_new_tokens=64), tokenizer=tok)
+        elapsed = time.perf_counter() - t0
+        assert hung.stats.generate_requests >= 3  # it did receive work
+    assert res.table.num_rows == 16 and res.failed.num_rows == 0
+    assert set(res.table["endpoint"].to_pylist()) == {good.url}
+    ep = res.stats.endpoints[hung.url]
+    assert ep["dead"] and "read timeout" in ep["dead_reason"]
+    assert elapsed < 5, elapsed  # not 120 s (the total limit), nor 6 s (the hung server's delay)
+
+
+def test_api_key_per_endpoint_from_config_environment_or_file_never_shown(tok, local_store, tmp_path, monkeypatch):
+    keys = {"a": "sk-fleet-wide-aaaaaaaa", "b": "sk-from-env-bbbbbbbb", "c": "sk-from-file-cccccccc"}
+    monkeypatch.setenv("LOOPBACK_B_KEY", keys["b"])
+    (tmp_path / "c.key").write_text(keys["c"] + "\n")
+    with LoopbackServer(model_path=TARGET, api_key=keys["a"]) as a, \
+            LoopbackServer(model_path=TARGET, api_key=keys["b"]) as b, \
+            LoopbackServer(model_path=TARGET, api_key=keys["c"]) as c:
+        cfg = EngineFleetConfig(target_model=TARGET, api_key=keys["a"], endpoints=[
+            EndpointConfig(url=a.url, max_concurrency=2),
+            EndpointConfig(url=b.url, kind="openai", max_concurrency=2, api_key_env="LOOPBACK_B_KEY"),
+            EndpointConfig(url=c.url, max_concurrency=2, api_key_file=str(tmp_path / "c.key"))])
+        res = regenerate_shard(prompts(12, turns=1), shard="auth", store=local_store, fleet=cfg,
+                               generation=GenerationConfig(max_new_tokens=64), tokenizer=tok)
+        assert a.stats.unauthorized == b.stats.unauthorized == c.stats.unauthorized == 0
+        assert a.stats.generate_requests and b.stats.chat_requests and c.stats.generate_requests
+        # without a key the endpoint is refused with a clear status, and the key shows nowhere
+        probe = probe_fleet(cfg.model_copy(update={"api_key": None}), tok)
+    assert res.table.num_rows == 12 and res.failed.num_rows == 0
+    assert probe.rows[0].status != "ok" and "HTTP 401" in probe.rows[0].detail
+    shown = [repr(cfg), str(cfg), cfg.model_dump_json(), repr(cfg.endpoints), probe.markdown(), str(res.probe),
+             str(res.stats.to_metadata()), repr(res.stats)]
+    for key in keys.values():
+        assert not any(key in text for text in shown), key
+    monkeypatch.delenv("LOOPBACK_B_KEY")
+    with pytest.raises(ValueError, match="LOOPBACK_B_KEY.*not set"):
+        probe_fleet(cfg, tok)

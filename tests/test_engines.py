@@ -243,3 +243,100 @@ def test_transformers_engine_in_process(tiny_dense_target, tok):
     assert a.prompt_tokens == len(ChatTokenizer(tok).prompt_ids(MESSAGES, True))
     assert 1 <= a.completion_tokens <= 5 and a.finish_reason in ("length", "stop")
     assert (a.content, a.reasoning_content) == (b.content, b.reasoning_content)  # greedy is deterministic
+
+
+# -- broken or hostile engines (issue 14 item 4) ----------------------------------------
+
+
+def _engine(kind: str, url: str, tok, **kwargs):
+    return SGLangEngine(url, tok, **kwargs) if kind == "sglang" else OpenAIEngine(url, **kwargs)
+
+
+async def _probe_then_chat(eng, gen=GenerationConfig(max_new_tokens=16)):
+    async with eng:
+        probe = await eng.probe()
+        return probe, await eng.chat(MESSAGES, gen)
+
+
+@pytest.mark.parametrize("kind", ["sglang", "openai"])
+def test_reply_of_the_wrong_shape_is_a_retryable_error_naming_the_endpoint(tok, kind):
+    with LoopbackServer(model_path="/models/Qwen3.6-27B", bad_shape_every=1) as srv:
+        with pytest.raises(EngineError) as info:
+            run(_probe_then_chat(_engine(kind, srv.url, tok)))
+    err = info.value
+    assert err.retryable and not err.connection and err.endpoint == srv.url
+    assert srv.url in str(err) and "unexpected reply shape" in str(err)
+
+
+@pytest.mark.parametrize("kind", ["sglang", "openai"])
+def test_redirect_is_not_followed(tok, kind):
+    """A 307 must not re-send the prompt to another host: the request fails, naming the redirect."""
+    with LoopbackServer(model_path="/models/Qwen3.6-27B") as elsewhere, \
+            LoopbackServer(model_path="/models/Qwen3.6-27B", redirect_to=elsewhere.url) as srv:
+        with pytest.raises(EngineError) as info:
+            run(_probe_then_chat(_engine(kind, srv.url, tok)))
+        assert srv.stats.redirected == 1
+        assert elsewhere.stats.generate_requests == 0 and elsewhere.stats.chat_requests == 0  # the prompt stayed
+    assert info.value.status == 307 and "redirect" in str(info.value) and not info.value.retryable
+
+
+@pytest.mark.parametrize("kind", ["sglang", "openai"])
+def test_hung_server_is_cut_off_by_the_read_timeout(tok, kind):
+    import time
+
+    with LoopbackServer(model_path="/models/Qwen3.6-27B", delay_s=5) as srv:
+        t0 = time.perf_counter()
+        with pytest.raises(EngineError) as info:
+            run(_probe_then_chat(_engine(kind, srv.url, tok, request_timeout_s=60, read_timeout_s=0.5,
+                                         read_timeout_per_token_s=0.0)))
+        elapsed = time.perf_counter() - t0
+    assert elapsed < 3.5, elapsed  # not the 60 s total limit, nor the server's 5 s
+    assert info.value.connection and "read timeout" in str(info.value)
+
+
+def test_read_timeout_grows_with_the_requested_tokens(tok):
+    eng = SGLangEngine("http://127.0.0.1:1", tok, read_timeout_s=300, read_timeout_per_token_s=0.1)
+    assert eng.read_timeout_for(2048) == pytest.approx(504.8)
+    assert SGLangEngine("http://127.0.0.1:1", tok, read_timeout_s=None).read_timeout_for(2048) is None
+
+
+@pytest.mark.parametrize("kind", ["sglang", "openai"])
+def test_reply_body_size_is_capped(tok, kind):
+    with LoopbackServer(model_path="/models/Qwen3.6-27B", pad_reply_bytes=300_000) as srv:
+        with pytest.raises(EngineError, match="max_response_bytes") as info:
+            run(_probe_then_chat(_engine(kind, srv.url, tok, max_response_bytes=100_000)))
+        probe, res = run(_probe_then_chat(_engine(kind, srv.url, tok)))  # the default cap (64 MiB) lets it through
+    assert srv.url in str(info.value) and res.completion_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["sglang", "openai"])
+def test_reply_naming_another_model_is_refused(tok, kind):
+    with LoopbackServer(model_path="/models/Qwen3.6-27B", reply_model="/models/Llama-3-8B") as srv:
+        with pytest.raises(EngineError, match="Llama-3-8B") as info:
+            run(_probe_then_chat(_engine(kind, srv.url, tok)))
+    assert info.value.retryable and srv.url in str(info.value)
+    # the same model under another spelling of its id is fine
+    with LoopbackServer(model_path="/models/Qwen3.6-27B", reply_model="Qwen/Qwen3.6-27B") as srv:
+        _, res = run(_probe_then_chat(_engine(kind, srv.url, tok)))
+    assert res.completion_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["sglang", "openai"])
+def test_plain_text_health_answer_is_healthy(tok, kind):
+    with LoopbackServer(model_path="/models/Qwen3.6-27B", health_body="ok") as srv:
+        probe, res = run(_probe_then_chat(_engine(kind, srv.url, tok)))
+    assert probe.healthy and probe.error is None and res.completion_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["sglang", "openai"])
+def test_api_key_is_sent_as_bearer_and_kept_out_of_reprs_and_errors(tok, kind):
+    key = "sk-loopback-0123456789abcdef"
+    with LoopbackServer(model_path="/models/Qwen3.6-27B", api_key=key) as srv:
+        probe, res = run(_probe_then_chat(_engine(kind, srv.url, tok, api_key=key)))
+        assert probe.healthy and res.completion_tokens > 0 and srv.stats.unauthorized == 0
+        wrong = _engine(kind, srv.url, tok, api_key="sk-wrong")
+        with pytest.raises(EngineError) as info:
+            run(_probe_then_chat(wrong))
+        assert srv.stats.unauthorized >= 1
+    assert key not in repr(_engine(kind, srv.url, tok, api_key=key)) and "sk-wrong" not in repr(wrong)
+    assert "sk-wrong" not in str(info.value) and info.value.status == 401 and not info.value.retryable

@@ -22,7 +22,9 @@
 Every engine answers ``probe()`` (health, served model, latency) and
 ``chat(messages, generation) -> ChatResult``; failures raise ``EngineError``
 whose ``retryable``/``connection`` flags drive the fleet's retry and failover
-(``generation.fleet``). ``GenerationConfig`` (pydantic) holds the sampling
+(``generation.fleet``). Broken or hostile servers are guarded against in
+``Engine`` (no redirects, read timeout, capped bodies, reply shape and model
+checks, bearer token never shown). ``GenerationConfig`` (pydantic) holds the sampling
 settings and gives the ``config_hash`` stored with every completion row.
 
 Starting a server on a host is ``generation.server``'s job.
@@ -306,21 +308,42 @@ def _strip_stop_text(text: str) -> str:
 
 
 class Engine(abc.ABC):
-    """One generation endpoint. Use as ``async with engine:``; ``probe`` then ``chat``."""
+    """One generation endpoint. Use as ``async with engine:``; ``probe`` then ``chat``.
+
+    Guards against a broken or hostile server: redirects are never followed
+    (the prompt goes to the configured URL only), a reply with no byte for
+    ``read_timeout_s`` (+ ``read_timeout_per_token_s`` per requested token: a
+    non-streaming reply comes in one piece at the end) fails the request, a
+    body over ``max_response_bytes`` is cut off with an error, a reply of the
+    wrong shape is a retryable ``EngineError`` naming the endpoint, and a
+    reply naming a model other than the one probed is refused. ``api_key`` is
+    sent as ``Authorization: Bearer`` on every request and kept out of reprs,
+    errors and logs.
+    """
 
     kind: str = ""
 
     def __init__(self, url: str, *, max_concurrency: int = 32, connect_timeout_s: float = 10.0,
-                 request_timeout_s: float = 1800.0, probe_timeout_s: float = 10.0, name: str | None = None):
+                 request_timeout_s: float = 1800.0, probe_timeout_s: float = 10.0, name: str | None = None,
+                 read_timeout_s: float | None = 300.0, read_timeout_per_token_s: float = 0.1,
+                 max_response_bytes: int = 64 * 1024 * 1024, api_key: str | None = None):
         self.url = url.rstrip("/")
         self.name = name or self.url
         self.max_concurrency = max_concurrency
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
         self.probe_timeout_s = probe_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.read_timeout_per_token_s = read_timeout_per_token_s
+        self.max_response_bytes = max_response_bytes
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.served_model = ""
+        self.accepted_models: set[str] = set()  # normalized ids a reply may name (set by the fleet's probe)
         self._session = None
         self._urls: dict[str, Any] = {}
+
+    def __repr__(self) -> str:  # never the key
+        return f"{type(self).__name__}({self.url!r}, served_model={self.served_model!r})"
 
     async def __aenter__(self) -> "Engine":
         await self.open()
@@ -352,30 +375,69 @@ class Engine(abc.ABC):
 
     # -- HTTP helpers --------------------------------------------------------
 
-    async def _request(self, method: str, path: str, payload: Any = None, *, timeout_s: float | None = None,
-                       headers: dict | None = None) -> Any:
-        """JSON request; maps every failure to ``EngineError`` with the right flags."""
+    def read_timeout_for(self, max_new_tokens: int | None) -> float | None:
+        """Seconds without a reply byte after which a request fails (None: only the total limit)."""
+        if self.read_timeout_s is None:
+            return None
+        return self.read_timeout_s + self.read_timeout_per_token_s * (max_new_tokens or 0)
+
+    async def _send(self, method: str, path: str, payload: Any = None, *, timeout_s: float | None = None,
+                    read_timeout_s: float | None = None, headers: dict | None = None) -> tuple[int, bytes]:
+        """One request, no redirect followed, body capped; (status, body). Transport failures are
+        ``EngineError(connection=True)``."""
         import aiohttp
 
         if self._session is None:
             await self.open()
-        kwargs: dict[str, Any] = {"headers": {**_JSON_HEADERS, **headers} if headers else _JSON_HEADERS}
+        kwargs: dict[str, Any] = {"headers": {**_JSON_HEADERS, **self._auth, **(headers or {})},
+                                  "allow_redirects": False}
         if payload is not None:
             kwargs["data"] = json_dumps(payload)
-        if timeout_s is not None:
-            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.connect_timeout_s))
+        total = timeout_s if timeout_s is not None else self.request_timeout_s
+        sock_read = read_timeout_s if timeout_s is None else None
+        if timeout_s is not None or sock_read is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=total, sock_connect=min(total, self.connect_timeout_s),
+                                                      sock_read=min(sock_read, total) if sock_read else None)
         url = self._urls.get(path)
         if url is None:  # parsed once per path: yarl parsing is a visible share of a fast request
             from yarl import URL
 
             url = self._urls[path] = URL(self.url + path)
+        where = f"{method} {self.url}{path}"
         try:
             async with self._session.request(method, url, **kwargs) as resp:
-                body = await resp.read()
                 status = resp.status
+                if 300 <= status < 400:
+                    target = resp.headers.get("Location", "?")
+                    raise EngineError(f"{where}: HTTP {status} redirect to {target[:200]} not followed (the "
+                                      "request goes to the configured URL only; configure the final URL)",
+                                      status=status, endpoint=self.url)
+                body = await self._read_capped(resp, where)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, OSError) as e:
-            raise EngineError(f"{method} {self.url}{path}: {type(e).__name__}: {e}", connection=True,
-                              endpoint=self.url) from e
+            what = (f"no reply byte for {sock_read:g} s (read timeout)"
+                    if isinstance(e, aiohttp.ServerTimeoutError) and sock_read else f"{type(e).__name__}: {e}")
+            raise EngineError(f"{where}: {what}", connection=True, endpoint=self.url) from e
+        return status, body
+
+    async def _read_capped(self, resp: Any, where: str) -> bytes:
+        cap = self.max_response_bytes
+        declared = resp.content_length
+        if declared is not None and declared > cap:
+            raise EngineError(f"{where}: reply of {declared:,} bytes exceeds max_response_bytes ({cap:,})",
+                              endpoint=self.url)
+        chunks, size = [], 0
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > cap:
+                raise EngineError(f"{where}: reply exceeds max_response_bytes ({cap:,}); cut off", endpoint=self.url)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _request(self, method: str, path: str, payload: Any = None, *, timeout_s: float | None = None,
+                       read_timeout_s: float | None = None, headers: dict | None = None) -> Any:
+        """JSON request; maps every failure to ``EngineError`` with the right flags."""
+        status, body = await self._send(method, path, payload, timeout_s=timeout_s, read_timeout_s=read_timeout_s,
+                                        headers=headers)
         if status >= 400:
             snippet = body[:300].decode("utf-8", "replace")
             raise EngineError(f"{method} {self.url}{path}: HTTP {status}: {snippet}", status=status,
@@ -389,7 +451,30 @@ class Engine(abc.ABC):
                               endpoint=self.url) from e
 
     async def _get_ok(self, path: str) -> None:
-        await self._request("GET", path, timeout_s=self.probe_timeout_s)
+        """Any 2xx is healthy, whatever the body (``ok``, JSON or nothing)."""
+        status, body = await self._send("GET", path, timeout_s=self.probe_timeout_s)
+        if status >= 400:
+            raise EngineError(f"GET {self.url}{path}: HTTP {status}: {body[:300].decode('utf-8', 'replace')}",
+                              status=status, retryable=status in RETRYABLE_STATUS, endpoint=self.url)
+
+    @contextlib.contextmanager
+    def _reply_shape(self, path: str, reply: Any):
+        """A reply of valid JSON in the wrong shape: a retryable ``EngineError`` naming the endpoint."""
+        try:
+            yield
+        except (AttributeError, KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineError(f"{self.url}{path}: unexpected reply shape ({type(e).__name__}: {e}): "
+                              f"{str(reply)[:200]}", retryable=True, endpoint=self.url) from e
+
+    def _check_model(self, path: str, named: Any) -> None:
+        """Refuse a reply that names a model other than the one this endpoint was probed serving."""
+        if not named or not (self.served_model or self.accepted_models):
+            return
+        named = str(named)
+        ok = {normalize_model_id(self.served_model), *self.accepted_models} - {""}
+        if named != self.served_model and normalize_model_id(named) not in ok:
+            raise EngineError(f"{self.url}{path}: reply names model {named[:200]!r}, this endpoint was probed "
+                              f"serving {self.served_model!r}; reply refused", retryable=True, endpoint=self.url)
 
     # -- interface -----------------------------------------------------------
 
@@ -450,12 +535,14 @@ class SGLangEngine(Engine):
             await self._get_ok("/health")
             latency = time.perf_counter() - t0
             info = await self._request("GET", "/get_model_info", timeout_s=self.probe_timeout_s) or {}
+            with self._reply_shape("/get_model_info", info):
+                names = [str(info.get("model_path") or "")]
         except EngineError as e:
             return EngineProbe(self.url, self.kind, False, error=str(e))
-        names = [str(info.get("model_path") or "")]
         with contextlib.suppress(EngineError):  # served-model-name lives in /v1/models on newer SGLang
             models = await self._request("GET", "/v1/models", timeout_s=self.probe_timeout_s) or {}
-            names += [str(m.get("id")) for m in models.get("data", []) if m.get("id")]
+            with self._reply_shape("/v1/models", models):
+                names += [str(m.get("id")) for m in models.get("data", []) if m.get("id")]
         names = tuple(dict.fromkeys(n for n in names if n))
         self.served_model = names[0] if names else ""
         return EngineProbe(self.url, self.kind, True, names, latency, None if names else "no model_path in /get_model_info")
@@ -463,7 +550,14 @@ class SGLangEngine(Engine):
     def _stop_ids(self, gen: GenerationConfig) -> list[int]:
         return sorted(self.tok.stop_ids | set(gen.stop_token_ids))
 
-    def _result(self, out: dict, gen: GenerationConfig, t0: float) -> ChatResult:
+    def _result(self, out: Any, gen: GenerationConfig, t0: float) -> ChatResult:
+        with self._reply_shape("/generate", out):
+            return self._parse_result(out, gen, t0)
+
+    def _parse_result(self, out: Any, gen: GenerationConfig, t0: float) -> ChatResult:
+        if not isinstance(out, dict):
+            raise TypeError(f"a reply item is a {type(out).__name__}, not an object")
+        self._check_model("/generate", out.get("model"))
         meta = out.get("meta_info") or {}
         finish = _finish_type(meta.get("finish_reason"))
         if finish == "abort":
@@ -471,6 +565,8 @@ class SGLangEngine(Engine):
             raise EngineError(f"{self.url}/generate aborted the request: {message}", retryable=True, endpoint=self.url)
         ids = out.get("output_ids")
         if ids is not None:
+            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+                raise TypeError("output_ids is not a list of token ids")
             reasoning, content = self.tok.split_output_ids(ids, gen.enable_thinking, gen.stop_token_ids)
             n_out = int(meta.get("completion_tokens", len(ids)))
         else:  # older SGLang: text only
@@ -485,16 +581,15 @@ class SGLangEngine(Engine):
         """Raw ``POST /generate`` for one prompt or a batch of prompts (a list of id lists)."""
         payload = {"input_ids": input_ids,
                    "sampling_params": _sglang_sampling_params(generation, self._stop_ids(generation), ignore_eos)}
-        return await self._request("POST", "/generate", payload)
+        return await self._request("POST", "/generate", payload,
+                                   read_timeout_s=self.read_timeout_for(generation.max_new_tokens))
 
     async def chat(self, messages: Sequence[dict], generation: GenerationConfig, *, ignore_eos: bool = False) -> ChatResult:
         ids = self.tok.prompt_ids(messages, generation.enable_thinking)
         t0 = time.perf_counter()
         out = await self.generate_ids(ids, generation, ignore_eos=ignore_eos)
-        if isinstance(out, list):
+        if isinstance(out, list) and len(out) == 1:
             out = out[0]
-        if not isinstance(out, dict):
-            raise EngineError(f"{self.url}/generate: unexpected reply {str(out)[:200]}", retryable=True, endpoint=self.url)
         return self._result(out, generation, t0)
 
     async def chat_batch(self, conversations: Sequence[Sequence[dict]], generation: GenerationConfig) -> list[ChatResult]:
@@ -514,28 +609,28 @@ class OpenAIEngine(Engine):
     kind = "openai"
 
     def __init__(self, url: str, *, api_key: str | None = None, extra_sampling_params: bool | None = None, **kwargs):
-        super().__init__(url, **kwargs)
-        self.api_key = api_key
+        super().__init__(url, api_key=api_key, **kwargs)
         self.extra_sampling_params = extra_sampling_params  # None: decided by the probe
         self.dialect: str | None = None
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def probe(self) -> EngineProbe:
         t0 = time.perf_counter()
         try:
-            models = await self._request("GET", "/v1/models", timeout_s=self.probe_timeout_s, headers=self._headers) or {}
+            models = await self._request("GET", "/v1/models", timeout_s=self.probe_timeout_s) or {}
             latency = time.perf_counter() - t0
+            with self._reply_shape("/v1/models", models):
+                data = models.get("data", []) if isinstance(models, dict) else []
+                names = tuple(str(m["id"]) for m in data if m.get("id"))
+                # `transformers serve` tags its /v1/models entries with a non-OpenAI `status` object.
+                served_by_transformers = any(isinstance(m.get("status"), dict) for m in data)
         except EngineError as e:
             return EngineProbe(self.url, self.kind, False, error=str(e))
-        data = models.get("data", []) if isinstance(models, dict) else []
-        names = tuple(str(m["id"]) for m in data if m.get("id"))
-        # `transformers serve` tags its /v1/models entries with a non-OpenAI `status` object.
-        self.dialect = "transformers_serve" if any(isinstance(m.get("status"), dict) for m in data) else "openai"
+        self.dialect = "transformers_serve" if served_by_transformers else "openai"
         if self.extra_sampling_params is None:
             self.extra_sampling_params = self.dialect != "transformers_serve"
         healthy, error = True, None
         try:
-            await self._request("GET", "/health", timeout_s=self.probe_timeout_s, headers=self._headers)
+            await self._get_ok("/health")
         except EngineError as e:
             if e.status != 404:  # vLLM/SGLang/transformers have /health; some proxies do not
                 healthy, error = False, str(e)
@@ -580,14 +675,15 @@ class OpenAIEngine(Engine):
     async def chat(self, messages: Sequence[dict], generation: GenerationConfig, *, ignore_eos: bool = False) -> ChatResult:
         t0 = time.perf_counter()
         out = await self._request("POST", "/v1/chat/completions", self._payload(messages, generation, ignore_eos),
-                                  headers=self._headers)
+                                  read_timeout_s=self.read_timeout_for(generation.max_new_tokens))
         latency = time.perf_counter() - t0
-        try:
-            choice = out["choices"][0]
-            msg = choice.get("message") or {}
-        except (KeyError, IndexError, TypeError) as e:
-            raise EngineError(f"{self.url}/v1/chat/completions: unexpected reply {str(out)[:200]}", retryable=True,
-                              endpoint=self.url) from e
+        with self._reply_shape("/v1/chat/completions", out):
+            return self._parse_chat(out, generation, latency)
+
+    def _parse_chat(self, out: Any, generation: GenerationConfig, latency: float) -> ChatResult:
+        self._check_model("/v1/chat/completions", out.get("model"))
+        choice = out["choices"][0]
+        msg = choice.get("message") or {}
         content = _strip_stop_text(msg.get("content") or "")
         reasoning = msg.get("reasoning_content")
         if reasoning is None:

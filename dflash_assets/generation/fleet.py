@@ -23,6 +23,15 @@ cancelled and their tasks go back to the queue without being charged, so
 other endpoints finish them; each task is resolved exactly once (done or
 failed). If every endpoint dies, the run stops with ``NoEngineAvailable``
 listing what is left. Failures stay on the task; the caller decides.
+The run is one ``_Dispatch`` object; ``EndpointState`` is each endpoint's
+state during it (in flight, consecutive failures, excluded, stats).
+
+Broken or hostile engines (see ``generation.engines.Engine``): a reply of the
+wrong shape is retried, a redirect fails the request, ``read_timeout_s`` cuts
+off a hung server (then it is excluded like a dead one), bodies are capped at
+``max_response_bytes``, a reply naming another model is refused. Each endpoint
+may carry a bearer token (``api_key``, ``api_key_env``, ``api_key_file``, else
+the fleet's ``api_key``); tokens are ``SecretStr``, never in reprs or tables.
 
 Reads: HTTP endpoints. Writes nothing.
 """
@@ -30,13 +39,15 @@ Reads: HTTP endpoints. Writes nothing.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from dflash_assets.generation.engines import (
     ChatResult,
@@ -62,6 +73,7 @@ __all__ = [
     "FleetRunStats",
     "EngineFleet",
     "build_engine",
+    "endpoint_api_key",
     "probe_fleet",
     "aprobe_fleet",
     "serves_target",
@@ -87,7 +99,10 @@ class EndpointConfig(BaseModel):
     served_model_name: str | None = Field(None, description="Name this endpoint serves the target under "
                                           "(overrides the fleet-wide alias).")
     name: str | None = None
-    api_key: str | None = Field(None, description="Bearer token for OpenAI-compatible servers.")
+    api_key: SecretStr | None = Field(None, description="Bearer token for this endpoint (masked in repr and dumps; "
+                                      "default: the fleet's api_key).")
+    api_key_env: str | None = Field(None, description="Name of an environment variable holding this endpoint's token.")
+    api_key_file: str | None = Field(None, description="File holding this endpoint's token (a mounted secret).")
     extra_sampling_params: bool | None = Field(
         None, description="openai kind: send top_k/min_p/... (SGLang, vLLM). None: on unless the probe "
         "recognizes `transformers serve`, which rejects them.")
@@ -110,6 +125,15 @@ class EngineFleetConfig(BaseModel):
     backoff_initial_s: float = Field(1.0, ge=0)
     backoff_max_s: float = Field(30.0, ge=0)
     dead_after_failures: int = Field(3, ge=1, description="Consecutive connection failures that mark an endpoint dead.")
+    read_timeout_s: float | None = Field(
+        300.0, gt=0, description="A request with no reply byte for this long (plus read_timeout_per_token_s per "
+        "requested token: a non-streaming reply comes in one piece at the end) fails as a connection error, so a "
+        "hung server is cut off well before request_timeout_s. None: only request_timeout_s.")
+    read_timeout_per_token_s: float = Field(0.1, ge=0, description="Added to read_timeout_s per max_new_tokens.")
+    max_response_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Larger reply bodies are cut off with "
+                                    "an error.")
+    api_key: SecretStr | None = Field(None, description="Bearer token sent to every endpoint without its own "
+                                      "(masked in repr and dumps; never logged).")
 
     @model_validator(mode="after")
     def _unique_urls(self) -> "EngineFleetConfig":
@@ -204,13 +228,41 @@ def serves_target(served_models: Sequence[str], target_model: str, alias: str | 
     return None
 
 
+def endpoint_api_key(ep: EndpointConfig, config: EngineFleetConfig) -> str | None:
+    """The endpoint's bearer token: its own ``api_key``, ``api_key_file``, ``api_key_env``, else the fleet's.
+
+    A named file or variable that is missing or empty is an error (a typo must not send requests unauthenticated).
+    """
+    if ep.api_key is not None:
+        return ep.api_key.get_secret_value() or None
+    if ep.api_key_file:
+        try:
+            key = Path(ep.api_key_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ValueError(f"endpoint {ep.url}: cannot read api_key_file {ep.api_key_file!r} ({e.strerror})") from None
+        if not key:
+            raise ValueError(f"endpoint {ep.url}: api_key_file {ep.api_key_file!r} is empty")
+        return key
+    if ep.api_key_env:
+        key = os.environ.get(ep.api_key_env, "").strip()
+        if not key:
+            raise ValueError(f"endpoint {ep.url}: environment variable {ep.api_key_env} (api_key_env) is not set")
+        return key
+    if config.api_key is not None:
+        return config.api_key.get_secret_value() or None
+    return None
+
+
 def build_engine(ep: EndpointConfig, config: EngineFleetConfig, tokenizer: Any = None) -> Engine:
     common = dict(max_concurrency=ep.max_concurrency, connect_timeout_s=config.connect_timeout_s,
-                  request_timeout_s=config.request_timeout_s, probe_timeout_s=config.probe_timeout_s, name=ep.name)
+                  request_timeout_s=config.request_timeout_s, probe_timeout_s=config.probe_timeout_s, name=ep.name,
+                  read_timeout_s=config.read_timeout_s, read_timeout_per_token_s=config.read_timeout_per_token_s,
+                  max_response_bytes=config.max_response_bytes)
     if ep.kind == "sglang":
-        return SGLangEngine(ep.url, tokenizer, **common)
+        return SGLangEngine(ep.url, tokenizer, api_key=endpoint_api_key(ep, config), **common)
     if ep.kind == "openai":
-        return OpenAIEngine(ep.url, api_key=ep.api_key, extra_sampling_params=ep.extra_sampling_params, **common)
+        return OpenAIEngine(ep.url, api_key=endpoint_api_key(ep, config),
+                            extra_sampling_params=ep.extra_sampling_params, **common)
     if ep.kind == "transformers":
         return TransformersEngine(ep.model_path or config.target_model, device=ep.device, tokenizer=tokenizer, **common)
     raise ValueError(f"unknown endpoint kind {ep.kind!r}")
@@ -226,6 +278,9 @@ def _status_row(ep: EndpointConfig, engine: Engine, probe: EngineProbe, config: 
         return EndpointStatus(engine.url, ep.kind, served, probe.healthy, latency, False, "wrong_model",
                               f"serves {served or 'nothing'}, target is {config.target_model}")
     engine.served_model = match  # the name to send as `model`
+    # what a reply may name: the matched name, the target, the alias (normalized)
+    engine.accepted_models = {normalize_model_id(n) for n in (match, config.target_model,
+                                                              ep.served_model_name or config.served_model_name) if n}
     if not probe.healthy:
         return EndpointStatus(engine.url, ep.kind, match, False, latency, True, "unhealthy", probe.error or "")
     return EndpointStatus(engine.url, ep.kind, match, True, latency, True, "ok")

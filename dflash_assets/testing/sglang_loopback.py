@@ -16,6 +16,10 @@ be installed (it needs CUDA). Routes:
 - ``GET /loopback/stats``: request counters (not an SGLang route; tests use
   it to count requests at the server).
 
+Misbehaviour modes (``LoopbackConfig``) play a broken or hostile engine:
+replies of the wrong shape, redirects, padded bodies, another model's name,
+a plain-text ``/health``, a required bearer token; ``delay_s`` plays a hung one.
+
 "Generation" is deterministic: the output for a prompt is derived from a hash
 of its ids (plus the sampling seed): ``R`` reasoning tokens, ``</think>``,
 ``C`` content tokens, end-of-turn, cut at ``max_new_tokens`` (finish
@@ -83,6 +87,13 @@ class LoopbackConfig:
     reasoning_field: bool = True  # /v1/chat/completions: False = no reasoning parser (<think> stays in content)
     tokenizer_json: str | None = None
     stub_ratio: float = 0.0  # share of prompts answered with the stub "\n</think>\n\nOK.<|im_end|>" (empty reasoning)
+    # Misbehaviour of a broken or hostile engine (generate and chat routes):
+    bad_shape_every: int = 0  # every Nth request answers valid JSON in the wrong shape (0: never)
+    redirect_to: str | None = None  # answer 307 to this base URL (+ the same path) instead of generating
+    pad_reply_bytes: int = 0  # add a padding field of this many bytes to every reply
+    reply_model: str | None = None  # the model a reply names (default: the served name; /generate names none)
+    health_body: str = ""  # GET /health body (e.g. "ok" as plain text, as some servers answer)
+    api_key: str | None = None  # require "Authorization: Bearer <key>" on every route (401 otherwise)
 
 
 @dataclass
@@ -92,6 +103,8 @@ class _Stats:
     chat_requests: int = 0
     model_info_requests: int = 0  # identity probes (GET /get_model_info)
     failed: int = 0
+    unauthorized: int = 0  # requests refused for a missing or wrong bearer token
+    redirected: int = 0
     prompts_seen: dict[str, int] = field(default_factory=dict)
     last_body: dict | None = None
 
@@ -166,12 +179,26 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
     def jresp(obj: Any, status: int = 200) -> "web.Response":
         return web.Response(body=_dumps(obj), status=status, content_type="application/json")
 
-    def maybe_fail() -> "web.Response | None":
+    def maybe_fail(request: "web.Request") -> "web.Response | None":
         counter["n"] += 1
         if cfg.fail_every and counter["n"] % cfg.fail_every == 0:
             stats.failed += 1
             return jresp({"error": "loopback: injected failure"}, cfg.fail_status)
+        if cfg.redirect_to:
+            stats.redirected += 1
+            raise web.HTTPTemporaryRedirect(cfg.redirect_to.rstrip("/") + request.path)
+        if cfg.bad_shape_every and counter["n"] % cfg.bad_shape_every == 0:
+            stats.failed += 1
+            wrong = ({"choices": ["not an object"], "model": served} if request.path.startswith("/v1/")
+                     else {"output_ids": "not ids", "meta_info": []})
+            return jresp(wrong)
         return None
+
+    def finish_reply(obj: Any) -> Any:
+        if cfg.pad_reply_bytes:
+            for item in obj if isinstance(obj, list) else [obj]:
+                item["padding"] = "x" * cfg.pad_reply_bytes
+        return obj
 
     async def delay(n_tokens: int) -> None:
         wait = cfg.delay_s + cfg.per_token_s * n_tokens
@@ -205,7 +232,7 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
         body = _loads(await request.read())
         stats.generate_requests += 1
         stats.last_body = body
-        if (failed := maybe_fail()) is not None:
+        if (failed := maybe_fail(request)) is not None:
             return failed
         params = body.get("sampling_params") or {}
         ids, text = body.get("input_ids"), body.get("text")
@@ -218,19 +245,21 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
             await delay(max(o["meta_info"]["completion_tokens"] for o in outs))
             for o in outs:
                 o["meta_info"]["e2e_latency"] = time.perf_counter() - t0
-            return jresp(outs)
+            return jresp(finish_reply(outs))
         stats.generate_prompts += 1
         out = one(ids, text, params, t0, stats.generate_requests)
         await delay(out["meta_info"]["completion_tokens"])
         out["meta_info"]["e2e_latency"] = time.perf_counter() - t0
-        return jresp(out)
+        if cfg.reply_model:
+            out["model"] = cfg.reply_model
+        return jresp(finish_reply(out))
 
     async def chat(request: "web.Request") -> "web.Response":
         t0 = time.perf_counter()
         body = _loads(await request.read())
         stats.chat_requests += 1
         stats.last_body = body
-        if (failed := maybe_fail()) is not None:
+        if (failed := maybe_fail(request)) is not None:
             return failed
         if body.get("model") not in (None, served):
             return jresp({"error": f"model {body.get('model')!r} not served here"}, 404)
@@ -253,18 +282,27 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         n_prompt = sum(len(str(m.get("content", ""))) for m in body.get("messages", []))
-        return jresp({
+        return jresp(finish_reply({
             "id": f"loopback-{stats.chat_requests}", "object": "chat.completion", "created": int(time.time()),
-            "model": served,
+            "model": cfg.reply_model or served,
             "choices": [{"index": 0, "finish_reason": finish["type"],
                          "message": message}],
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(out),
                       "total_tokens": n_prompt + len(out)},
             "e2e_latency": time.perf_counter() - t0,
-        })
+        }))
 
     async def health(_request: "web.Request") -> "web.Response":
+        if cfg.health_body:
+            return web.Response(status=200, text=cfg.health_body)  # text/plain
         return web.Response(status=200)
+
+    @web.middleware
+    async def bearer_auth(request: "web.Request", handler: Any) -> "web.StreamResponse":
+        if cfg.api_key and request.headers.get("Authorization") != f"Bearer {cfg.api_key}":
+            stats.unauthorized += 1
+            return jresp({"error": "missing or wrong API key"}, 401)
+        return await handler(request)
 
     async def model_info(_request: "web.Request") -> "web.Response":
         stats.model_info_requests += 1
@@ -280,7 +318,7 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
                       "chat_requests": stats.chat_requests, "failed": stats.failed,
                       "distinct_prompts": len(stats.prompts_seen)})
 
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[bearer_auth])
     app.router.add_post("/generate", generate)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
