@@ -12,6 +12,7 @@ import pytest
 from chart_png import MAX_CHART_BYTES, PNG_SIGNATURE, decode_chart
 from dagster_project.demo_runner import run_demo
 from dagster_project.resources import StoreResource
+from dflash_assets.store import layout
 from dflash_assets.store.backends import S3Store
 
 
@@ -48,12 +49,14 @@ def test_whole_graph_on_s3(moto_endpoint, monkeypatch):
         assert f"raw_prompts/{shard}.parquet" in keys
         assert f"completions/{shard}.parquet" in keys
         assert f"tokenized_samples/{shard}.parquet" in keys
-        assert f"hidden_state_cache/{shard}.safetensors" in keys
-    assert {"drafter_checkpoint/demo-v1/model.safetensors", "drafter_checkpoint/demo-v1/config.json",
-            "drafter_eval/demo-v1.json"} <= set(keys)
+        parts = layout.list_hidden_state_parts(s3).get(shard, [])  # the parts its manifest names
+        assert parts and set(parts) <= set(keys)
+    checkpoint = layout.drafter_checkpoint_files(s3, "demo-v1")
+    assert set(checkpoint) == {"model.safetensors", "config.json", "train_metrics.json"}
+    assert {*checkpoint.values(), "drafter_eval/demo-v1.json"} <= set(keys)
     assert not [k for k in keys if k.startswith("_pipes/")]  # Pipes sessions cleaned up
     for shard in shards:  # the blocking checks ran and passed on every shard
         gate = s3.read_json(f"tokenized_samples/{shard}.quality.json")
         assert gate["checks"]["empty_response_ratio"]["passed"] and gate["checks"]["schema"]["passed"]
-    config = s3.read_json("drafter_checkpoint/demo-v1/config.json")
+    config = s3.read_json(checkpoint["config.json"])
     assert config["architectures"] == ["DFlashDraftModel"] and config["dflash_config"]["target_layer_ids"]

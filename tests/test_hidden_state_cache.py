@@ -39,6 +39,7 @@ from dflash_assets.hidden_states.format import (
     projected_corpus_bytes,
     shard_tensor_specs,
 )
+from dflash_assets.store import layout
 from dflash_assets.target.tokenizer import tokenizer_hash
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,12 +170,16 @@ def test_partition_roundtrip_through_store(targets, local_store):
     row_bytes = bytes_per_token(2, 64, "float32")
     spec = hsc.CaptureSpec(target=str(path), target_id="tiny/dense", layer_ids=layer_ids, dtype="float32",
                            tokens_per_batch=BUDGET, max_part_bytes=60 * row_bytes, upstream_data_version="dv-42")
-    result = stage.write_hidden_state_cache(local_store, "hidden_state_cache", samples_table(samples), spec,
-                                          stem="shard-00007", models=[model])
+    result = stage.write_hidden_state_cache(local_store, "shard-00007", samples_table(samples), spec, models=[model])
 
     # 138 tokens in parts of at most 60 tokens' bytes, whole samples each: [7,23,1,23] [40,5] [23,16]
-    assert result.keys == tuple(f"hidden_state_cache/shard-00007-0000{k}-of-00003.safetensors" for k in (1, 2, 3))
-    assert local_store.list("hidden_state_cache") == list(result.keys)
+    manifest = local_store.read_json("hidden_state_cache/shard-00007.manifest.json")
+    version = manifest["version"]
+    assert result.keys == tuple(f"hidden_state_cache/shard-00007/{version}/shard-00007-0000{k}-of-00003.safetensors"
+                                for k in (1, 2, 3))
+    assert local_store.list("hidden_state_cache") == sorted([*result.keys, "hidden_state_cache/shard-00007.manifest.json"])
+    assert [e["bytes"] for e in manifest["files"]] == [local_store.size(k) for k in result.keys]
+    assert layout.list_hidden_state_parts(local_store) == {"shard-00007": list(result.keys)}
     meta = result.metadata()
     assert meta["num_samples"] == 8 and meta["num_tokens"] == sum(LENGTHS) and meta["num_parts"] == 3
     assert meta["packing"] == "packed" and meta["layer_ids"] == [1, 3]
@@ -208,13 +213,18 @@ def test_partition_roundtrip_through_store(targets, local_store):
     with HiddenStateShard(local_store.local_path(result.keys[1])) as shard:
         assert shard.meta.sample_start == 4 and len(shard) == 2 and shard.span(1) == (40, 45)
 
-    # Re-materialized as one part: the three old parts go, other stems stay.
+    # Re-materialized as one part: the three old parts go (and a part written before manifests), other stems stay.
     local_store.write_bytes("hidden_state_cache/shard-00070.safetensors", b"other partition")
-    again = stage.write_hidden_state_cache(local_store, "hidden_state_cache/", samples, dataclasses.replace(
-        spec, max_part_bytes=1 << 30, tokenizer_hash="t"), stem="shard-00007", models=[model])
-    assert again.keys == ("hidden_state_cache/shard-00007.safetensors",)
-    assert local_store.list("hidden_state_cache") == ["hidden_state_cache/shard-00007.safetensors",
-                                                      "hidden_state_cache/shard-00070.safetensors"]
+    local_store.write_bytes("hidden_state_cache/shard-00007-00001-of-00002.safetensors", b"pre-manifest part")
+    again = stage.write_hidden_state_cache(local_store, "shard-00007", samples, dataclasses.replace(
+        spec, max_part_bytes=1 << 30, tokenizer_hash="t"), models=[model])
+    new_version = local_store.read_json("hidden_state_cache/shard-00007.manifest.json")["version"]
+    assert new_version > version
+    assert again.keys == (f"hidden_state_cache/shard-00007/{new_version}/shard-00007.safetensors",)
+    assert local_store.list("hidden_state_cache") == sorted([*again.keys, "hidden_state_cache/shard-00007.manifest.json",
+                                                             "hidden_state_cache/shard-00070.safetensors"])
+    assert layout.list_hidden_state_parts(local_store) == {"shard-00007": list(again.keys),
+                                                          "shard-00070": ["hidden_state_cache/shard-00070.safetensors"]}
     assert torch.equal(HiddenStateCacheReader.from_store(local_store, again.keys)[4].hidden, expected[4])
 
 

@@ -8,9 +8,10 @@ is the recipe's name, which carries its version (``demo-v1``).
   selects (or, for an online recipe, the tokenized samples, after checking
   their quality gate), trains in a work directory on the GPU host (resumable:
   a killed run continues from its last saved state there), and publishes
-  ``drafter_checkpoint/<recipe>/{model.safetensors,config.json}`` plus
-  ``train_metrics.json``.
-- :func:`eval_recipe` downloads that checkpoint, renders held-out prompts
+  ``drafter_checkpoint/<recipe>/<version>/{model.safetensors,config.json,train_metrics.json}``,
+  then ``drafter_checkpoint/<recipe>/manifest.json`` naming them (last, so a
+  kill never mixes files of two runs; see ``store.manifest``).
+- :func:`eval_recipe` downloads the checkpoint its manifest names, renders held-out prompts
   (shards the recipe did not train on) with the target's chat template, runs
   greedy speculative decoding against the target, checks losslessness, and
   writes ``drafter_eval/<recipe>.json``.
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_assets.store import layout
+from dflash_assets.store.manifest import publish_files
 from dflash_assets.chart_data import curve_points, share_at_least
 from dflash_assets.drafter.recipe import DrafterRecipe
 
@@ -111,12 +113,18 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
     if result.checkpoint_dir is None:
         raise RuntimeError(f"recipe {name}: stopped at step {result.steps}/{result.total_steps} before the end; "
                            f"run again to resume from {result.state_dir}")
-    prefix = layout.drafter_checkpoint_prefix(name)
-    for fname in CHECKPOINT_FILES:
-        store.upload_file(layout.drafter_checkpoint_file(name, fname), Path(result.checkpoint_dir) / fname)
     metrics = result.metrics()
-    store.write_json(layout.drafter_checkpoint_file(name, "train_metrics.json"), {**metrics, "losses": result.losses, "recipe": recipe.to_dict(),
-                                                      "shards": shards, "target": target.model_path})
+    metrics_path = Path(result.checkpoint_dir).parent / "train_metrics.json"
+    metrics_path.write_text(json.dumps({**metrics, "losses": result.losses, "recipe": recipe.to_dict(),
+                                        "shards": shards, "target": target.model_path}, indent=2, default=str))
+    # every file under a new version, the manifest last: a kill never leaves a new model beside an old config
+    legacy = [layout.drafter_checkpoint_file(name, f) for f in (*CHECKPOINT_FILES, "train_metrics.json")]
+    manifest = publish_files(
+        store, layout.drafter_checkpoint_manifest(name), layout.drafter_checkpoint_prefix(name),
+        {**{f: Path(result.checkpoint_dir) / f for f in CHECKPOINT_FILES}, "train_metrics.json": metrics_path},
+        extra={"recipe": name, "recipe_fingerprint": recipe.fingerprint()},
+        stale=[k for k in legacy if store.exists(k)])
+    prefix = f"{layout.drafter_checkpoint_prefix(name)}/{manifest['version']}"
     losses = result.losses
     return {
         "recipe": name, "recipe_fingerprint": recipe.fingerprint(), "shards": shards,
@@ -167,9 +175,13 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
         log(f"recipe {name} trained on every shard: evaluating on training prompts (tau is optimistic)")
     tok = target.load_tokenizer()
     stop = sorted({i for i in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if isinstance(i, int)})
+    files = layout.drafter_checkpoint_files(store, name, CHECKPOINT_FILES)
+    if missing := [f for f in CHECKPOINT_FILES if f not in files]:
+        raise FileNotFoundError(f"recipe {name!r} has no published checkpoint ({', '.join(missing)} missing); "
+                                "materialize drafter_checkpoint first")
     with tempfile.TemporaryDirectory(prefix="dflash-eval-") as tmp:
         for fname in CHECKPOINT_FILES:
-            Path(tmp, fname).write_bytes(store.read_bytes(layout.drafter_checkpoint_file(name, fname)))
+            Path(tmp, fname).write_bytes(store.read_bytes(files[fname]))
         log(f"recipe {name}: speculative decoding of {len(prompts)} prompts, {max_new_tokens} new tokens each")
         result = evaluate_drafter(tmp, target.model_path, prompts, max_new_tokens=max_new_tokens,
                                   stop_token_ids=stop, check_lossless=True, device=device)

@@ -2,7 +2,9 @@
 
 Reads ``tokenized_samples/<shard>.parquet`` and its quality gate from the
 store, captures the partition locally (:mod:`dflash_assets.hidden_states.capture`)
-and publishes its part files under ``hidden_state_cache/``. :func:`pipes_stage`
+and publishes its part files under ``hidden_state_cache/<shard>/<version>/``,
+then the manifest ``hidden_state_cache/<shard>.manifest.json`` naming them
+(``store.manifest``: a kill leaves readers the old set or the new one). :func:`pipes_stage`
 is what ``python -m dflash_assets.pipes_worker hidden_state_cache`` runs.
 Imports torch and transformers through the capture module.
 """
@@ -23,40 +25,46 @@ from torch import nn
 
 from dflash_assets.hidden_states.capture import CaptureResult, CaptureSpec, capture_partition
 from dflash_assets.store import layout
+from dflash_assets.store.manifest import manifest_files, publish_files, remove_stale_scratch, scratch_prefix
 
 __all__ = ["write_hidden_state_cache", "cache_partition_for_shard", "pipes_stage"]
 
 logger = logging.getLogger(__name__)
 
 
-def write_hidden_state_cache(store: Any, key_prefix: str, samples: Any, spec: CaptureSpec, *,
-                             stem: str, devices: Sequence[str] = ("cpu",), models: Sequence[nn.Module] | None = None,
+def write_hidden_state_cache(store: Any, shard: str, samples: Any, spec: CaptureSpec, *,
+                             devices: Sequence[str] = ("cpu",), models: Sequence[nn.Module] | None = None,
                              scratch_dir: str | os.PathLike | None = None, used_bytes: int = 0) -> CaptureResult:
-    """Capture a partition into a local scratch dir, then publish each part atomically through ``store``.
+    """Capture a partition into a local scratch dir, then publish its parts through ``store`` as one.
 
-    Keys: ``{key_prefix}/{stem}.safetensors`` or ``{key_prefix}/{stem}-0000k-of-0000n.safetensors``.
-    Parts of an earlier run of the same stem that this run did not write (a
-    different part count) are deleted after the new ones are published.
-    Scratch files are removed afterwards. Returns the result with ``keys`` set.
+    The parts go to ``hidden_state_cache/<shard>/<version>/<shard>[-0000k-of-0000n].safetensors``, then
+    the manifest ``hidden_state_cache/<shard>.manifest.json`` names them (written last: readers see the
+    old complete set until then), then parts of older publications, and those written before
+    manifests, are deleted. Scratch directories of killed earlier runs are removed first, this run's
+    afterwards. Returns the result with ``keys`` set.
     """
-    prefix = key_prefix.strip("/")
-    tmp = Path(tempfile.mkdtemp(prefix="dflash-hidden-", dir=scratch_dir))
+    scratch_root = Path(scratch_dir or tempfile.gettempdir())
+    for gone in remove_stale_scratch(scratch_root, "hidden"):
+        logger.info("removed %s, left by a run that no longer runs", gone)
+    tmp = Path(tempfile.mkdtemp(prefix=scratch_prefix("hidden"), dir=scratch_root))
     try:
-        result = capture_partition(samples, spec, tmp, stem=stem, devices=devices, models=models,
+        result = capture_partition(samples, spec, tmp, stem=shard, devices=devices, models=models,
                                    used_bytes=used_bytes)
-        keys = []
-        for p in result.paths:
-            key = f"{prefix}/{p.name}"
-            store.upload_file(key, p)
-            keys.append(key)
+        legacy = [k for k in store.list(layout.HIDDEN_STATE_CACHE) if _legacy_part(k, shard)]
+        manifest = publish_files(
+            store, layout.hidden_state_manifest(shard), layout.hidden_state_versions(shard),
+            {p.name: p for p in result.paths}, stale=legacy,
+            extra={"shard": shard, "num_samples": result.num_samples, "num_tokens": result.num_tokens,
+                   "layer_ids": list(result.layer_ids), "upstream_data_version": spec.upstream_data_version})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    ours = re.compile(rf"{re.escape(prefix)}/{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?\.safetensors")
-    for old in store.list(prefix):
-        if ours.fullmatch(old) and old not in keys:
-            store.delete(old)
-    return dataclasses.replace(result, keys=tuple(keys))
+    return dataclasses.replace(result, keys=tuple(manifest_files(manifest).values()))
 
+
+def _legacy_part(key: str, shard: str) -> bool:
+    """A part of ``shard`` written before manifests (``hidden_state_cache/<shard>[-k-of-n].safetensors``)."""
+    pattern = rf"{re.escape(layout.HIDDEN_STATE_CACHE)}/{re.escape(shard)}(-\d{{5}}-of-\d{{5}})?\.safetensors"
+    return re.fullmatch(pattern, key) is not None
 
 
 # ----------------------------------------------------------------------------
@@ -80,8 +88,10 @@ def cache_partition_for_shard(store: Any, shard: str, target: Any, *, devices: S
     gate = require_quality_gate(store, shard)
     facts = target.validate()
     table = read_verified_samples(store, shard, gate, columns=["prompt_id", "input_ids", "loss_mask", "num_tokens"])
-    used = sum(store.size(k) for other, parts in layout.list_hidden_state_parts(store).items() if other != shard
-               for k in parts)
+    # one listing of the cache and one read per manifest (sizes are in the manifests), not a request per part
+    used = sum(e["bytes"] if e["bytes"] is not None else store.size(e["key"])
+               for other, entries in layout.list_hidden_state_entries(store).items() if other != shard
+               for e in entries)
     dtype = "float32" if all(str(d).startswith("cpu") for d in devices) and target.dtype != "bfloat16" else "bfloat16"
     spec = CaptureSpec(
         target=target.model_path, layer_ids=tuple(facts.layer_ids), target_id=target.model_path, dtype=dtype,
@@ -89,8 +99,8 @@ def cache_partition_for_shard(store: Any, shard: str, target: Any, *, devices: S
         tokenizer_hash=facts.tokenizer_hash, upstream_data_version=gate["data_version"],
     )
     log(f"{shard}: capturing layers {list(facts.layer_ids)} of {table.num_rows} samples on {list(devices)} ({dtype})")
-    result = write_hidden_state_cache(store, layout.HIDDEN_STATE_CACHE, table, spec, stem=shard, devices=devices,
-                                      scratch_dir=scratch_dir, used_bytes=used)
+    result = write_hidden_state_cache(store, shard, table, spec, devices=devices, scratch_dir=scratch_dir,
+                                      used_bytes=used)
     per_token = bytes_per_token(len(facts.layer_ids), facts.hidden_size, dtype)
     corpus_samples = _corpus_prompts(store) or table.num_rows
     projected = projected_corpus_bytes(corpus_samples, result.num_tokens / max(1, result.num_samples),

@@ -2,8 +2,9 @@
 
 Every stage, the Dagster assets and the tests name keys through these
 functions, so the layout is read and changed here only. Keys are relative to
-the store root (a directory or ``s3://bucket/prefix``). Reads and writes
-nothing itself; the ``list_*`` helpers list one prefix of a store.
+the store root (a directory or ``s3://bucket/prefix``). Writes nothing; the
+``list_*`` helpers list one prefix of a store, and the helpers of multi-file
+outputs read their manifest (``store.manifest``).
 
     prompt_corpus/index.json                     the committed corpus (shards, sha256, generation)
     prompt_corpus/staged/gen-<N>/<shard>.parquet staged shards of ingest generation N
@@ -13,9 +14,12 @@ nothing itself; the ``list_*`` helpers list one prefix of a store.
     raw_prompts/<shard>.parquet
     completions/<shard>.parquet                  + _failed/<shard>.parquet, _journal/<shard>/...
     tokenized_samples/<shard>.parquet            + <shard>.quality.json (the quality gate)
-    hidden_state_cache/<shard>[-NNNNN-of-NNNNN].safetensors
+    hidden_state_cache/<shard>.manifest.json     the partition's parts (readers trust only this list)
+    hidden_state_cache/<shard>/<version>/<shard>[-NNNNN-of-NNNNN].safetensors
+    hidden_state_cache/<shard>[-NNNNN-of-NNNNN].safetensors   (before manifests; read when no manifest)
     drafter_recipes/<recipe>.json
-    drafter_checkpoint/<recipe>/<file>
+    drafter_checkpoint/<recipe>/manifest.json    the checkpoint's files (readers trust only this list)
+    drafter_checkpoint/<recipe>/<version>/<file> (before manifests: drafter_checkpoint/<recipe>/<file>)
     drafter_eval/<recipe>.json
 """
 
@@ -93,9 +97,19 @@ def quality_gate(shard: str) -> str:
 
 
 def hidden_state_part(shard: str, part: int | None = None, parts: int | None = None) -> str:
-    """One part of a partition's cache: ``<shard>.safetensors``, or ``<shard>-00001-of-00003.safetensors``."""
+    """One part of a partition's cache as written before manifests: ``<shard>[-00001-of-00003].safetensors``."""
     suffix = "" if parts is None else f"-{part:05d}-of-{parts:05d}"
     return f"{HIDDEN_STATE_CACHE}/{shard}{suffix}.safetensors"
+
+
+def hidden_state_manifest(shard: str) -> str:
+    """The manifest naming a partition's current parts (see ``store.manifest``)."""
+    return f"{HIDDEN_STATE_CACHE}/{shard}.manifest.json"
+
+
+def hidden_state_versions(shard: str) -> str:
+    """The prefix under which each publication of a partition's parts gets its own ``<version>/``."""
+    return f"{HIDDEN_STATE_CACHE}/{shard}"
 
 
 # --- drafter ------------------------------------------------------------------------
@@ -109,7 +123,23 @@ def drafter_checkpoint_prefix(name: str) -> str:
 
 
 def drafter_checkpoint_file(name: str, file_name: str) -> str:
+    """A checkpoint file as written before manifests (read when the recipe has no manifest)."""
     return f"{drafter_checkpoint_prefix(name)}/{file_name}"
+
+
+def drafter_checkpoint_manifest(name: str) -> str:
+    """The manifest naming the recipe's current checkpoint files; they live under ``<prefix>/<version>/``."""
+    return f"{drafter_checkpoint_prefix(name)}/manifest.json"
+
+
+def drafter_checkpoint_files(store: Any, name: str, file_names: tuple[str, ...] = ()) -> dict[str, str]:
+    """File name -> key of the recipe's current checkpoint: from its manifest, else the pre-manifest keys."""
+    from dflash_assets.store.manifest import manifest_files, read_manifest
+
+    manifest = read_manifest(store, drafter_checkpoint_manifest(name))
+    if manifest is not None:
+        return manifest_files(manifest)
+    return {f: drafter_checkpoint_file(name, f) for f in file_names if store.exists(drafter_checkpoint_file(name, f))}
 
 
 def drafter_eval(name: str) -> str:
@@ -140,14 +170,35 @@ def list_sample_shards(store: Any) -> list[str]:
     return _shards_of(store, TOKENIZED_SAMPLES, ".parquet")
 
 
-def list_hidden_state_parts(store: Any) -> dict[str, list[str]]:
-    """Every cached partition and its part keys (sorted), from one listing of the cache prefix."""
-    parts: dict[str, list[str]] = {}
+def list_hidden_state_entries(store: Any) -> dict[str, list[dict[str, Any]]]:
+    """Every cached partition and its parts in order, each ``{"key", "bytes"}``, from one listing of the cache
+    prefix plus one read per manifest. A partition with a manifest has exactly the parts it names (parts of
+    unfinished or older publications are ignored); one without (written before manifests) has its direct
+    ``<shard>[-NNNNN-of-NNNNN].safetensors`` objects, ``bytes`` None."""
+    from dflash_assets.store.manifest import read_manifest
+
+    legacy: dict[str, list[str]] = {}
+    manifests: list[str] = []
     for key in store.list(HIDDEN_STATE_CACHE):
-        m = _CACHE_PART.fullmatch(key[len(HIDDEN_STATE_CACHE) + 1:])
-        if m is not None:
-            parts.setdefault(m.group("shard"), []).append(key)
-    return {shard: sorted(keys) for shard, keys in sorted(parts.items())}
+        name = key[len(HIDDEN_STATE_CACHE) + 1:]
+        if "/" in name:
+            continue  # a version directory: only a manifest makes its files visible
+        if name.endswith(".manifest.json"):
+            manifests.append(name[: -len(".manifest.json")])
+        elif (m := _CACHE_PART.fullmatch(name)) is not None:
+            legacy.setdefault(m.group("shard"), []).append(key)
+    out: dict[str, list[dict[str, Any]]] = {s: [{"key": k, "bytes": None} for k in sorted(keys)]
+                                            for s, keys in legacy.items()}
+    for shard in manifests:
+        manifest = read_manifest(store, hidden_state_manifest(shard))
+        if manifest is not None:
+            out[shard] = [{"key": e["key"], "bytes": e.get("bytes")} for e in manifest["files"]]
+    return dict(sorted(out.items()))
+
+
+def list_hidden_state_parts(store: Any) -> dict[str, list[str]]:
+    """Every cached partition and its part keys in part order (see :func:`list_hidden_state_entries`)."""
+    return {shard: [e["key"] for e in entries] for shard, entries in list_hidden_state_entries(store).items()}
 
 
 def hidden_state_parts(store: Any, shard: str) -> list[str]:

@@ -1,0 +1,129 @@
+"""Multi-file outputs published as one: files under a fresh version prefix, then a manifest naming them.
+
+A partition's cache parts or a drafter checkpoint is several objects. Writing
+them over the old ones one at a time lets a kill leave a mix of old and new
+files. Here each publication uploads its files under a new version prefix
+(``<prefix>/<version>/<name>``), then writes the manifest (one small JSON
+object, atomic) last, then removes the files of older versions. Readers take
+the file list from the manifest only, so a kill at any point leaves readers the
+old complete set or the new complete set; files no manifest names are ignored
+and removed by the next publication.
+
+Reads and writes the store (the ``Store`` protocol of ``store.backends``);
+also removes scratch directories a killed process left on a local disk
+(:func:`remove_stale_scratch`, by the process id in their names).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MANIFEST_FORMAT", "new_version", "publish_files", "read_manifest", "manifest_files", "pid_alive",
+           "scratch_prefix", "remove_stale_scratch"]
+
+MANIFEST_FORMAT = "dflash-manifest/v1"
+
+
+def new_version() -> str:
+    """A version name that sorts by start time (microseconds, UTC) and is unique: ``20261201T034501.123456-1a2b3c4d``.
+
+    A run killed before its manifest started before any later run, so its files sort older and the
+    later run's publication removes them.
+    """
+    ns = time.time_ns()
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(ns // 10**9)) + f".{ns // 1000 % 10**6:06d}-{secrets.token_hex(4)}"
+
+
+def publish_files(store: Any, manifest_key: str, version_prefix: str, files: Mapping[str, str | os.PathLike], *,
+                  version: str | None = None, extra: Mapping[str, Any] | None = None,
+                  stale: Iterable[str] = ()) -> dict[str, Any]:
+    """Upload ``files`` (name -> local path) as ``<version_prefix>/<version>/<name>``, then write the manifest.
+
+    After the manifest, objects under ``version_prefix`` that belong to older
+    versions, and the ``stale`` keys (files of an older layout), are deleted.
+    Objects of a newer version (a concurrent publication) are left alone.
+    Returns the manifest: ``{"format", "version", "files": [{"name", "key", "bytes"}], **extra}``.
+    """
+    version = version or new_version()
+    base = version_prefix.strip("/")
+    entries = []
+    for name, path in files.items():
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"file name {name!r} must be a plain name")
+        key = f"{base}/{version}/{name}"
+        store.upload_file(key, path)
+        entries.append({"name": name, "key": key, "bytes": os.path.getsize(path)})
+    manifest = {**(extra or {}), "format": MANIFEST_FORMAT, "version": version, "files": entries}
+    store.write_json(manifest_key, manifest)  # the switch: readers see the new set from here on
+    keep = {e["key"] for e in entries}
+    for key in store.list(base):
+        rest = key[len(base) + 1:]
+        older = "/" in rest and rest.split("/", 1)[0] < version
+        if key not in keep and older:
+            store.delete(key)
+    for key in stale:
+        if key not in keep:
+            store.delete(key)
+    return manifest
+
+
+def read_manifest(store: Any, manifest_key: str) -> dict[str, Any] | None:
+    """The manifest at ``manifest_key``, or None when there is none; a malformed one raises ValueError."""
+    try:
+        doc = store.read_json(manifest_key)
+    except FileNotFoundError:
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT or not isinstance(doc.get("files"), list):
+        raise ValueError(f"{manifest_key}: not a {MANIFEST_FORMAT} manifest")
+    return doc
+
+
+def manifest_files(manifest: Mapping[str, Any]) -> dict[str, str]:
+    """File name -> store key, in the manifest's order."""
+    return {e["name"]: e["key"] for e in manifest["files"]}
+
+
+# --- scratch space a killed process left behind --------------------------------------
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (a reused id counts as alive: nothing is removed)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def scratch_prefix(tag: str) -> str:
+    """``dflash-<tag>-<pid>-``: the name prefix of a scratch directory, for ``tempfile.mkdtemp(prefix=...)``."""
+    return f"dflash-{tag}-{os.getpid()}-"
+
+
+def remove_stale_scratch(directory: str | os.PathLike, tag: str) -> list[Path]:
+    """Remove ``dflash-<tag>-<pid>-*`` entries in ``directory`` whose process is gone; returns what was removed."""
+    d = Path(directory)
+    pattern = re.compile(rf"dflash-{re.escape(tag)}-(\d+)-.*")
+    removed = []
+    if not d.is_dir():
+        return removed
+    for p in d.iterdir():
+        m = pattern.fullmatch(p.name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
