@@ -57,6 +57,20 @@ def test_staged_file_publishes_only_on_success(store):
     assert store.local_path("big/obj.bin").read_bytes() == b"x" * 1000
 
 
+def test_create_writes_only_once(store):
+    """create() is the commit primitive: of many writers of one key exactly one wins; the object is never replaced."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert store.create("commits/gen-1.json", b"first") is True
+    assert store.create("commits/gen-1.json", b"second") is False
+    assert store.read_bytes("commits/gen-1.json") == b"first"
+    with ThreadPoolExecutor(8) as pool:
+        wins = list(pool.map(lambda k: store.create("commits/gen-2.json", b"writer %d" % k), range(8)))
+    assert wins.count(True) == 1
+    assert store.read_bytes("commits/gen-2.json") == b"writer %d" % wins.index(True)
+    assert store.list("commits") == ["commits/gen-1.json", "commits/gen-2.json"]  # no temp file left behind
+
+
 def test_bad_keys_are_refused(tmp_path):
     store = LocalStore(tmp_path)
     for key in ["", "../escape", "a/../../b", "a//b"]:

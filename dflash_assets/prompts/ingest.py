@@ -13,19 +13,34 @@ Two steps, because Dagster runs them separately:
 
 Store layout (all writes atomic through the store)::
 
-    prompt_corpus/index.json                        commit point: generation, manifest key, shard -> staged object
-    prompt_corpus/manifest/gen-000003.parquet       assignment manifest: prompt_id, shard, generation
-    prompt_corpus/staged/gen-000003/shard-00007.parquet   rows of a shard, rewritten only when it gains prompts
+    prompt_corpus/commits/gen-000003.json           the commit: generation 3's index (generation, run, manifest
+                                                    key, shard -> staged object + sha256), created once
+    prompt_corpus/index.json                        a copy of the newest commit, written after it
+    prompt_corpus/manifest/gen-000003-<run>.parquet assignment manifest: prompt_id, shard, generation
+    prompt_corpus/staged/gen-000003-<run>/shard-00007.parquet   rows of a shard, rewritten only when it gains prompts
     prompt_corpus/quarantine/<source>.parquet       rejected records of the latest ingest of <source>
     prompt_corpus/reports/<source>.json             that ingest's IngestReport
     raw_prompts/shard-00007.parquet                 one raw_prompts partition
 
-Manifest and staged shards are new objects per generation; ``index.json`` is
-written last, so a crash leaves the previous corpus intact. Objects referenced
-by neither the new nor the previous index are deleted after the commit (the
-previous generation stays so that a partition run that read the old index can
-still finish). Each partition reads only its own staged shard, never the
+Concurrent ingests: each run stages under keys carrying its own random run
+id, so no run overwrites another's objects. Generation N is committed by
+*creating* ``commits/gen-N.json`` (``Store.create``: a hard link locally,
+``If-None-Match: *`` on S3), which exactly one run can do; a run that finds
+it taken raises :class:`ConcurrentIngestError`, removes its own staged
+objects and commits nothing (run it again). Readers take ``index.json`` and
+roll forward through newer commit objects, so a crash between the commit and
+``index.json`` loses nothing. The quarantine and report are written after the
+commit (the quarantine alone when nothing is valid). Garbage collection
+deletes only unreferenced objects of generations up to the previous one
+(runs that lost or died), never those of a newer generation (a run still in
+flight), and commit objects more than 16 generations old. The previous
+generation's objects stay so that a partition run that read the old index
+can still finish. Each partition reads only its own staged shard, never the
 whole corpus (914K prompts are ~900 shards).
+
+Memory: rejected records go to a local Parquet file a row group at a time
+(``quarantine_rows_per_group``), uploaded once; one shard's rows are held
+while it fills; the dedupe set and the manifest hold a prompt id per prompt.
 
 Normalization (``normalize_record``):
 
@@ -64,21 +79,24 @@ that is no longer in the source stays in its shard (the corpus only grows;
 counted as ``kept_not_in_source``); start a new store prefix to drop
 prompts. Lowering ``max_prompts_per_shard`` later leaves fuller existing
 shards as they are.
-One ingest at a time per store: the index is read at the start and
-overwritten at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import re
+import shutil
+import tempfile
 import time
 import unicodedata
+import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -99,6 +117,7 @@ __all__ = [
     "Prompt",
     "Rejection",
     "NoValidPromptsError",
+    "ConcurrentIngestError",
     "QUARANTINE_REASONS",
     "PROMPT_SCHEMA",
     "QUARANTINE_SCHEMA",
@@ -185,6 +204,7 @@ class IngestConfig:
     category_field: str = "category"
     max_raw_record_chars: int = DEFAULT_MAX_RAW_RECORD_CHARS  # a record's raw text, before parsing
     quarantine_raw_chars: int = 4096  # raw JSON kept per quarantined record
+    quarantine_rows_per_group: int = 4096  # rejected records held in memory before they go to the Parquet file
 
     def __post_init__(self) -> None:
         if self.max_prompts_per_shard < 1:
@@ -193,6 +213,8 @@ class IngestConfig:
             raise ValueError("max_record_chars must be >= 1")
         if self.limit is not None and self.limit < 1:
             raise ValueError("limit must be >= 1 or None")
+        if self.quarantine_rows_per_group < 1:
+            raise ValueError("quarantine_rows_per_group must be >= 1")
         if self.leading_assistant not in ("drop", "quarantine"):
             raise ValueError("leading_assistant must be 'drop' or 'quarantine'")
 
@@ -515,11 +537,13 @@ class _CorpusIndex:
     manifest_key: str | None = None
     shards: dict[str, _ShardEntry] = field(default_factory=dict)
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    run: str | None = None  # the ingest run that committed this generation
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": 1,
             "generation": self.generation,
+            "run": self.run,
             "manifest_key": self.manifest_key,
             "shards": {k: asdict(v) for k, v in sorted(self.shards.items())},
             "sources": self.sources,
@@ -534,13 +558,31 @@ class _CorpusIndex:
             manifest_key=obj["manifest_key"],
             shards={k: _ShardEntry(**v) for k, v in obj["shards"].items()},
             sources=obj.get("sources", {}),
+            run=obj.get("run"),
         )
 
 
 def _load_index(store: Any) -> _CorpusIndex:
-    if not store.exists(layout.corpus_index()):
-        return _CorpusIndex()
-    return _CorpusIndex.from_json(store.read_json(layout.corpus_index()))
+    """The newest committed generation: ``index.json``, rolled forward through any newer commit objects.
+
+    ``index.json`` is written after the commit object, so it can lag (a crash
+    in between) or, rarely, be set back by a slow writer; the commit objects
+    are the truth and are never overwritten.
+    """
+    try:
+        index = _CorpusIndex.from_json(store.read_json(layout.corpus_index()))
+    except FileNotFoundError:
+        index = _CorpusIndex()
+    while True:
+        try:
+            obj = store.read_json(layout.corpus_commit(index.generation + 1))
+        except FileNotFoundError:
+            return index
+        index = _CorpusIndex.from_json(obj)
+
+
+class ConcurrentIngestError(RuntimeError):
+    """Another ingest committed the generation this one was building; nothing of this one was committed."""
 
 
 def corpus_prompt_count(store: Any) -> int:
@@ -608,13 +650,21 @@ class _ShardBuilder:
 
 
 class _QuarantineWriter:
-    """Buffers rejected records; ``write`` publishes one Parquet object."""
+    """Rejected records, streamed to a local Parquet file a row group at a time; ``publish`` uploads it.
 
-    def __init__(self, source: str, raw_chars: int):
+    Memory holds at most ``rows_per_group`` rows (each raw text truncated to
+    ``raw_chars``), whatever the number of rejected records.
+    """
+
+    def __init__(self, source: str, raw_chars: int, rows_per_group: int = 4096):
         self.source = source
         self.raw_chars = raw_chars
+        self.rows_per_group = rows_per_group
         self.cols: dict[str, list[Any]] = {f.name: [] for f in QUARANTINE_SCHEMA}
         self.counts: Counter[str] = Counter()
+        self._dir = tempfile.mkdtemp(prefix="dflash-quarantine-")
+        self.path = Path(self._dir) / "quarantine.parquet"
+        self._writer = pq.ParquetWriter(self.path, QUARANTINE_SCHEMA, compression="zstd")
 
     def add(self, index: int, reason: str, detail: str, *, record: Any = _MISSING, raw: str | None = None,
             raw_chars: int = 0, byte_offset: int | None = None) -> None:
@@ -635,9 +685,25 @@ class _QuarantineWriter:
         c["raw_chars"].append(raw_chars)
         c["raw"].append(raw)
         self.counts[reason] += 1
+        if len(c["reason"]) >= self.rows_per_group:
+            self._flush()
 
-    def table(self) -> pa.Table:
-        return pa.table(self.cols, schema=QUARANTINE_SCHEMA)
+    def _flush(self) -> None:
+        if self.cols["reason"]:
+            self._writer.write_table(pa.table(self.cols, schema=QUARANTINE_SCHEMA))
+            self.cols = {f.name: [] for f in QUARANTINE_SCHEMA}
+
+    def publish(self, store: Any, key: str) -> None:
+        """Close the file and upload it to ``key`` (atomic through the store)."""
+        self._flush()
+        self._writer.close()
+        store.upload_file(key, self.path)
+
+    def close(self) -> None:
+        """Remove the local file (after ``publish``, or when the ingest fails)."""
+        with contextlib.suppress(Exception):
+            self._writer.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 # --- ingest ----------------------------------------------------------------------
@@ -650,11 +716,31 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
     ``source_uri``: a path, ``file://`` or ``s3://`` URI (read with ``s3_client``,
     else the store's client, else a new boto3 client), bytes or a binary stream.
     Returns the report; raises :class:`NoValidPromptsError` when nothing is valid
-    (the quarantine table is still written, the corpus is left unchanged).
+    (the quarantine table is still written, the corpus is left unchanged), and
+    :class:`ConcurrentIngestError` when another ingest committed first (nothing
+    of this one is committed; its staged objects are removed; run it again).
     """
     config = config or IngestConfig()
+    quarantine = _QuarantineWriter(source_name := _safe_name(config.source_name or _default_source_name(source_uri)),
+                                   config.quarantine_raw_chars, config.quarantine_rows_per_group)
+    run = uuid.uuid4().hex[:12]
+    staged: list[str] = []  # objects this run wrote under staged/ and manifest/
+    committed = False
+    try:
+        report = _ingest(source_uri, store, config, s3_client, source_name, run, quarantine, staged)
+        committed = True
+        return report
+    finally:
+        quarantine.close()
+        if not committed:
+            for key in staged:  # never another run's objects: these keys carry this run's id
+                with contextlib.suppress(Exception):
+                    store.delete(key)
+
+
+def _ingest(source_uri: Any, store: Any, config: IngestConfig, s3_client: Any, source: str, run: str,
+            quarantine: _QuarantineWriter, staged: list[str]) -> IngestReport:
     t0 = time.perf_counter()
-    source = _safe_name(config.source_name or _default_source_name(source_uri))
     index = _load_index(store)
     generation = index.generation + 1
     cap = config.max_prompts_per_shard
@@ -685,12 +771,12 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
             return
         table = b.table()
         data = _parquet_bytes(table)
-        key = layout.corpus_staged_shard(generation, b.shard)
+        key = layout.corpus_staged_shard(generation, b.shard, run)
+        staged.append(key)
         store.write_bytes(key, data)
         (changed_shards if b.shard in shards else new_shards).append(b.shard)
         shards[b.shard] = _ShardEntry(key, table.num_rows, hashlib.sha256(data).hexdigest(), generation)
 
-    quarantine = _QuarantineWriter(source, config.quarantine_raw_chars)
     seen: set[str] = set()
     notes: Counter[str] = Counter()
     roles: Counter[str] = Counter()
@@ -732,10 +818,11 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
                 limit_reached = True
                 break
     summary = reader.summary
+    del seen
 
     quarantine_key = layout.corpus_quarantine(source)
-    store.write_parquet(quarantine_key, quarantine.table())
     if valid == 0:
+        quarantine.publish(store, quarantine_key)
         counts = ", ".join(f"{k}={v}" for k, v in quarantine.counts.most_common()) or "none"
         why = f"{records} records read; quarantined: {counts}"
         if summary.truncated:
@@ -749,18 +836,33 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
     flush(builder)
 
     new_manifest = pa.table({"prompt_id": new_ids, "shard": new_shard_of,
-                             "generation": [generation] * len(new_ids)}, schema=MANIFEST_SCHEMA)
+                             "generation": pa.array([generation] * len(new_ids), pa.int32())},
+                            schema=MANIFEST_SCHEMA)
+    del new_ids, new_shard_of
     if old_manifest is not None:
         new_manifest = pa.concat_tables([old_manifest.cast(MANIFEST_SCHEMA), new_manifest])
-    manifest_key = layout.corpus_manifest(generation)
+    manifest_key = layout.corpus_manifest(generation, run)
+    staged.append(manifest_key)
     store.write_parquet(manifest_key, new_manifest)
 
     seconds = time.perf_counter() - t0
     sources = dict(index.sources)
-    sources[source] = {"uri": summary.uri, "generation": generation, "valid": valid, "new_prompts": len(new_ids)}
-    new_index = _CorpusIndex(generation, manifest_key, shards, sources)
-    store.write_json(layout.corpus_index(), new_index.to_json())  # the commit
+    sources[source] = {"uri": summary.uri, "generation": generation, "valid": valid, "new_prompts": len(new_manifest)
+                       - (old_manifest.num_rows if old_manifest is not None else 0)}
+    new_index = _CorpusIndex(generation, manifest_key, shards, sources, run)
+    # The commit: generation N's index is created once; a run that finds it taken lost the race.
+    if not store.create(layout.corpus_commit(generation), json.dumps(new_index.to_json(), indent=2).encode()):
+        winner = _load_index(store)
+        raise ConcurrentIngestError(
+            f"another ingest (run {winner.run or 'unknown'}) committed generation {generation} of the prompt "
+            f"corpus at {store.uri} while this one (run {run}, source {source}) ran from generation "
+            f"{index.generation}; nothing of this run was committed and its staged objects are removed. "
+            "Run the ingest again: it starts from the new corpus. (Ingests of one store should run one at a time.)"
+        )
+    store.write_json(layout.corpus_index(), new_index.to_json())  # a copy for readers; may lag, see _load_index
+    quarantine.publish(store, quarantine_key)
 
+    new_prompts = sources[source]["new_prompts"]
     report = IngestReport(
         source_uri=summary.uri,
         source_name=source,
@@ -776,7 +878,7 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
         parse_error=summary.parse_error,
         json_arrays=summary.json_arrays,
         limit_reached=limit_reached,
-        new_prompts=len(new_ids),
+        new_prompts=new_prompts,
         existing_prompts=existing,
         kept_not_in_source=len(in_corpus) - existing,
         corpus_prompts=new_manifest.num_rows,
@@ -794,14 +896,28 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
     return report
 
 
+_KEEP_COMMITS = 16  # commit objects kept behind the newest (index.json rolls forward through them)
+
+
 def _collect_garbage(store: Any, current: _CorpusIndex, previous: _CorpusIndex) -> None:
-    """Delete staged shards and manifests that neither index references."""
+    """Delete staged shards, manifests and commits that no live ingest can need.
+
+    An unreferenced object of generation <= ``previous.generation`` belongs to
+    a run that lost or died (that generation is committed by another run), so
+    it goes; objects of newer generations may belong to an ingest still
+    running (it will fail to commit and remove them itself) and stay.
+    """
     keep = {e.key for e in current.shards.values()} | {e.key for e in previous.shards.values()}
     keep |= {current.manifest_key, previous.manifest_key}
     for prefix in (layout.corpus_staged_prefix(), layout.corpus_manifest_prefix()):
         for key in store.list(prefix):
-            if key not in keep:
+            gen = layout.corpus_key_generation(key)
+            if key not in keep and gen is not None and gen <= previous.generation:
                 store.delete(key)
+    for key in store.list(layout.corpus_commits_prefix()):
+        gen = layout.corpus_key_generation(key)
+        if gen is not None and gen < current.generation - _KEEP_COMMITS:
+            store.delete(key)
 
 
 # --- materialize -------------------------------------------------------------------

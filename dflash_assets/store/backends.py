@@ -20,6 +20,11 @@ with ``ValueError`` (and a local key that resolves outside the root through a
 symlink), so no caller reaches outside the store root.
 Reads: ``read_bytes``, ``read_parquet``, ``read_json``, ``local_path`` (for
 memory-mapping; S3 objects are downloaded to a cache once).
+
+``create(key, data)`` writes only if no object ``key`` exists, atomically
+(locally a hard link of a complete temp file, which fails if the name exists;
+on S3 a PUT with ``If-None-Match: *``): of two writers exactly one gets True.
+Commit points that must never be overwritten use it.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class Store(Protocol):
     uri: str
 
     def write_bytes(self, key: str, data: bytes) -> None: ...
+    def create(self, key: str, data: bytes) -> bool: ...
     def read_bytes(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def size(self, key: str) -> int: ...
@@ -163,6 +169,26 @@ class LocalStore(_StoreHelpers):
     def write_bytes(self, key: str, data: bytes) -> None:
         self._publish(key, lambda f: f.write(data))
 
+    def create(self, key: str, data: bytes) -> bool:
+        """Publish ``data`` at ``key`` only if nothing is there; False (nothing written) if an object exists."""
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, dest)  # fails if dest exists; readers never see a partial object
+            except FileExistsError:
+                return False
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        _fsync_dir(dest.parent)
+        return True
+
     def upload_file(self, key: str, path: str | os.PathLike) -> None:
         def copy(f: BinaryIO) -> None:
             with open(path, "rb") as src:
@@ -250,6 +276,26 @@ class S3Store(_StoreHelpers):
 
     def write_bytes(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def create(self, key: str, data: bytes) -> bool:
+        """PUT with ``If-None-Match: *``: False (nothing written) if the object exists."""
+        import time
+
+        from botocore.exceptions import ClientError
+
+        for attempt in range(5):
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+                return True
+            except ClientError as e:
+                code = e.response.get("Error", {}).get("Code")
+                if code in ("PreconditionFailed", "412"):
+                    return False
+                if code == "ConditionalRequestConflict" and attempt < 4:  # a racing conditional PUT: ask again
+                    time.sleep(0.05 * 2**attempt)
+                    continue
+                raise
+        raise AssertionError("unreachable")
 
     def upload_file(self, key: str, path: str | os.PathLike) -> None:
         # Multipart uploads only become visible on CompleteMultipartUpload: atomic.

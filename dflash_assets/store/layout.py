@@ -6,9 +6,10 @@ the store root (a directory or ``s3://bucket/prefix``). Writes nothing; the
 ``list_*`` helpers list one prefix of a store, and the helpers of multi-file
 outputs read their manifest (``store.manifest``).
 
-    prompt_corpus/index.json                     the committed corpus (shards, sha256, generation)
-    prompt_corpus/staged/gen-<N>/<shard>.parquet staged shards of ingest generation N
-    prompt_corpus/manifest/gen-<N>.parquet       prompt -> shard manifest of generation N
+    prompt_corpus/commits/gen-<N>.json           generation N of the corpus index, created once (the commit)
+    prompt_corpus/index.json                     a copy of the newest commit (readers roll forward from it)
+    prompt_corpus/staged/gen-<N>-<run>/<shard>.parquet  staged shards of ingest run <run> for generation N
+    prompt_corpus/manifest/gen-<N>-<run>.parquet prompt -> shard manifest of that run
     prompt_corpus/quarantine/<source>.parquet    rejected records with a reason each
     prompt_corpus/reports/<source>.json          the ingest report
     raw_prompts/<shard>.parquet
@@ -50,16 +51,35 @@ def corpus_staged_prefix() -> str:
     return f"{PROMPT_CORPUS}/staged"
 
 
-def corpus_staged_shard(generation: int, shard: str) -> str:
-    return f"{corpus_staged_prefix()}/gen-{generation:06d}/{shard}.parquet"
+def corpus_staged_shard(generation: int, shard: str, run: str) -> str:
+    """A shard staged by ingest run ``run`` for generation ``generation`` (unique per run: runs never share one)."""
+    return f"{corpus_staged_prefix()}/gen-{generation:06d}-{run}/{shard}.parquet"
 
 
 def corpus_manifest_prefix() -> str:
     return f"{PROMPT_CORPUS}/manifest"
 
 
-def corpus_manifest(generation: int) -> str:
-    return f"{corpus_manifest_prefix()}/gen-{generation:06d}.parquet"
+def corpus_manifest(generation: int, run: str) -> str:
+    return f"{corpus_manifest_prefix()}/gen-{generation:06d}-{run}.parquet"
+
+
+def corpus_commits_prefix() -> str:
+    return f"{PROMPT_CORPUS}/commits"
+
+
+def corpus_commit(generation: int) -> str:
+    """Generation ``generation`` of the corpus index; created once, never overwritten."""
+    return f"{corpus_commits_prefix()}/gen-{generation:06d}.json"
+
+
+_CORPUS_GENERATION = re.compile(r"/gen-(\d{6,})(?:-[0-9a-z]+)?(?:/|\.)")
+
+
+def corpus_key_generation(key: str) -> int | None:
+    """The generation a staged shard, manifest or commit key belongs to (None for other keys)."""
+    m = _CORPUS_GENERATION.search(key)
+    return int(m.group(1)) if m else None
 
 
 def corpus_quarantine(source: str) -> str:
