@@ -14,12 +14,16 @@ import textwrap
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import pytest
 
 from dflash_assets.store import layout
 from dflash_assets.generation.completions import (
     GenerationConfig,
+    TooManyFailedPrompts,
     aregenerate_shard,
+    failed_prompts_markdown,
     output_schema,
     regenerate_shard,
 )
@@ -58,7 +62,7 @@ def test_output_table_rows_failures_and_stats(tok, local_store):
     gen = GenerationConfig(max_new_tokens=64, max_turns=3)
     with LoopbackServer(model_path=TARGET) as srv:
         res = regenerate_shard(rows, shard="shard-00000", store=local_store, fleet=fleet(srv), generation=gen,
-                               tokenizer=tok)
+                               tokenizer=tok, max_failed_ratio=0.2)  # 1 of 7 fails: published
         requests = srv.stats.generate_requests
     table = local_store.read_parquet(layout.completions("shard-00000"))
     assert table.schema.equals(output_schema()) and table.equals(res.table)
@@ -152,6 +156,60 @@ def test_resume_reuses_only_rows_of_the_same_config_hash(tok, local_store):
     assert again.stats.prompts_resumed == 9 and again.stats.prompts_generated == 0 and again.table.equals(first.table)
     assert other.stats.prompts_resumed == 0 and set(other.table["config_hash"].to_pylist()) == {b.config_hash(TARGET)}
     assert local_store.list(layout.completions_journal("c")) == []  # success without keep_journal: journal removed
+
+
+def test_rerun_after_success_reuses_published_rows_of_the_same_config_hash(tok, local_store):
+    """The journal is gone after success; a re-run (one new prompt) still regenerates only what has no row."""
+    rows = prompts(9)
+    gen = GenerationConfig(max_new_tokens=64)
+    turns = sum(len(r["user_turns"]) for r in rows)
+    extra = {"prompt_id": "new", "system": None, "user_turns": ["one more"]}
+    with LoopbackServer(model_path=TARGET) as srv:
+        first = regenerate_shard(rows, shard="pub", store=local_store, fleet=fleet(srv), generation=gen, tokenizer=tok)
+        assert local_store.list(layout.completions_journal("pub")) == []
+        again = regenerate_shard(rows[:4] + [extra] + rows[4:], shard="pub", store=local_store, fleet=fleet(srv),
+                                 generation=gen, tokenizer=tok)
+        assert srv.stats.generate_requests == turns + 1  # only the new prompt
+        other = regenerate_shard(rows, shard="pub", store=local_store, fleet=fleet(srv),
+                                 generation=gen.model_copy(update={"temperature": 0.7}), tokenizer=tok)
+        assert srv.stats.generate_requests == 2 * turns + 1  # another config_hash: nothing reused
+    assert again.stats.prompts_resumed == again.stats.prompts_resumed_published == 9
+    assert again.table["prompt_id"].to_pylist() == [r["prompt_id"] for r in rows[:4]] + ["new"] + \
+        [r["prompt_id"] for r in rows[4:]]
+    kept = again.table.filter(pa.compute.not_equal(again.table["prompt_id"], "new"))
+    assert kept.equals(first.table)  # reused rows are published unchanged, timestamps included
+    assert other.stats.prompts_resumed == 0
+
+
+def test_too_many_failed_prompts_fail_the_shard_and_the_next_run_retries_only_them(tok, local_store):
+    rows = [{"prompt_id": f"p{i:02d}", "system": None, "user_turns": [f"q{i}"]} for i in range(20)]
+    gen = GenerationConfig(max_new_tokens=64)
+    with LoopbackServer(model_path=TARGET, fail_every=5, fail_status=400) as bad:  # 400: not retried
+        with pytest.raises(TooManyFailedPrompts, match=r"4 of 20 prompts failed \(20.0% > max_failed_ratio 1.0%\)") \
+                as info:
+            regenerate_shard(rows, shard="t", store=local_store, fleet=fleet(bad), generation=gen, tokenizer=tok)
+    res = info.value.result
+    assert res.stats.prompts_failed == 4 and res.table.num_rows == 16 and res.sha256 == ""
+    assert not local_store.exists(layout.completions("t"))  # a partial shard is not published
+    failed_ids = set(local_store.read_parquet(layout.completions_failed("t"))["prompt_id"].to_pylist())
+    assert len(failed_ids) == 4 and all("HTTP 400" in r for r in res.failed["reason"].to_pylist())
+    listed = failed_prompts_markdown(res.failed)  # what the asset puts in the failure's metadata
+    assert listed.startswith("4 failed prompts") and all(f"| {pid} | 0 | 1 | POST http" in listed for pid in failed_ids)
+    assert listed.count("HTTP 400") == 4
+    with LoopbackServer(model_path=TARGET) as good:
+        retry = regenerate_shard(rows, shard="t", store=local_store, fleet=fleet(good), generation=gen, tokenizer=tok)
+        assert good.stats.generate_requests == 4  # only the failed ones
+    assert retry.table.num_rows == 20 and retry.failed.num_rows == 0 and retry.stats.prompts_resumed == 16
+    assert local_store.read_parquet(layout.completions_failed("t")).num_rows == 0
+    # within the ratio the shard is published, failures listed, and they are retried on the next run
+    with LoopbackServer(model_path=TARGET, fail_every=5, fail_status=400) as bad:
+        part = regenerate_shard(rows, shard="u", store=local_store, fleet=fleet(bad), generation=gen, tokenizer=tok,
+                                max_failed_ratio=0.25)
+    assert part.table.num_rows == 16 and local_store.read_parquet(layout.completions("u")).num_rows == 16
+    with LoopbackServer(model_path=TARGET) as good:
+        rest = regenerate_shard(rows, shard="u", store=local_store, fleet=fleet(good), generation=gen, tokenizer=tok)
+        assert good.stats.generate_requests == 4
+    assert rest.table.num_rows == 20
 
 
 def test_progress_callback(tok, local_store):

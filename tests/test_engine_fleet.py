@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from dflash_assets.generation.completions import aregenerate_shard, regenerate_shard
+from dflash_assets.generation.completions import TooManyFailedPrompts, aregenerate_shard, regenerate_shard
 from dflash_assets.generation.fleet import (
     EndpointConfig,
     EngineFleetConfig,
@@ -116,9 +116,12 @@ def test_failures_are_reported_not_dropped(tok, local_store, status, reason):
     with LoopbackServer(model_path=TARGET, fail_every=1, fail_status=status) as srv:
         cfg = EngineFleetConfig(target_model=TARGET, max_retries=2, backoff_initial_s=0.01, backoff_max_s=0.02,
                                 endpoints=[EndpointConfig(url=srv.url, max_concurrency=2)])
-        res = regenerate_shard(prompts(4, turns=1), shard="f", store=local_store, fleet=cfg,
-                               generation=GenerationConfig(), tokenizer=tok)
+        with pytest.raises(TooManyFailedPrompts, match="4 of 4 prompts failed") as info:
+            regenerate_shard(prompts(4, turns=1), shard="f", store=local_store, fleet=cfg,
+                             generation=GenerationConfig(), tokenizer=tok)
+    res = info.value.result
     assert res.table.num_rows == 0 and res.failed.num_rows == 4
+    assert not local_store.exists("completions/f.parquet")  # nothing published: the partition fails
     assert all(reason in r for r in res.failed["reason"].to_pylist())
     assert local_store.read_parquet("completions/_failed/f.parquet").num_rows == 4
     assert local_store.list("completions/_journal/f") == []  # nothing finished, nothing journaled

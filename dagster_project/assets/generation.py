@@ -15,7 +15,12 @@ from dagster_project.metadata import response_length_chart, to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import EnginesParam, StoreParam, TargetParam
 from dagster_project.versions import code_version
-from dflash_assets.generation.completions import regenerate_shard, response_length_histogram
+from dflash_assets.generation.completions import (
+    TooManyFailedPrompts,
+    failed_prompts_markdown,
+    regenerate_shard,
+    response_length_histogram,
+)
 from dflash_assets.generation.fleet import NoEngineAvailable
 from dflash_assets.generation.plan import mean_output_tokens, plan_generation
 from dflash_assets.prompts.ingest import corpus_prompt_count
@@ -46,11 +51,18 @@ def completions(context: dg.AssetExecutionContext, config: GenerationStageConfig
         )
     except NoEngineAvailable as e:  # nothing serves the target: fail now, no retry, no slow fallback
         raise dg.Failure(description=str(e), allow_retries=False) from e
+    except TooManyFailedPrompts as e:  # nothing published; the next attempt retries only the failed prompts
+        raise dg.Failure(description=str(e), metadata={
+            **to_metadata(e.result.stats.to_metadata()),
+            "failed_prompts": dg.MetadataValue.md(failed_prompts_markdown(e.result.failed))}) from e
     if result.stats.prompts_failed:
-        context.log.warning(f"{result.stats.prompts_failed} prompts failed after retries: see {result.failed_key}")
+        context.log.warning(f"{result.stats.prompts_failed} prompts failed after retries (retried on the next "
+                            f"materialization): see {result.failed_key}")
     metadata = {**to_metadata(result.stats.to_metadata()), "failed_key": dg.MetadataValue.text(result.failed_key),
                 "response_length_histogram": response_length_chart(
                     response_length_histogram(result.table, config.max_new_tokens), config.max_new_tokens)}
+    if result.stats.prompts_failed:
+        metadata["failed_prompts"] = dg.MetadataValue.md(failed_prompts_markdown(result.failed))
     if result.probe is not None:
         metadata["engines"] = dg.MetadataValue.md(result.probe.markdown())
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(result.sha256[:16]))

@@ -24,9 +24,15 @@ Writes, through the store:
   (or could not be generated), with reasons (``failed_schema()``); written
   every run, empty when nothing failed.
 
-The journal is deleted once the final Parquet is written and nothing failed
-(``keep_journal`` keeps it); with failures it stays, so a re-run retries only
-the failed prompts. Progress (done/total, tokens/s, ETA) goes to a callback
+A run reuses, besides the journal, the rows already published in
+``completions/<shard>.parquet`` with the same ``config_hash`` (a re-run after
+success regenerates only prompts without such a row). When more than
+``max_failed_ratio`` of the shard's prompts failed (default 1%), nothing is
+published: ``_failed`` lists them, the journal keeps the finished rows, and
+``TooManyFailedPrompts`` is raised so the partition fails; the next run
+retries only the failed prompts. The journal is deleted once the final
+Parquet is written and nothing failed (``keep_journal`` keeps it); with
+failures it stays. Progress (done/total, tokens/s, ETA) goes to a callback
 every few seconds; ``GenerationStats`` (tokens/s per endpoint, finish reason
 counts, empty answers, empty reasoning) comes back with the tables.
 """
@@ -57,6 +63,8 @@ __all__ = [
     "GenerationStats",
     "CompletionsResult",
     "CompletionJournal",
+    "TooManyFailedPrompts",
+    "failed_prompts_markdown",
     "output_schema",
     "failed_schema",
     "regenerate_shard",
@@ -143,7 +151,8 @@ class GenerationStats:
     prompts_total: int = 0
     prompts_done: int = 0
     prompts_generated: int = 0
-    prompts_resumed: int = 0
+    prompts_resumed: int = 0  # rows reused: from the journal or the published table, same config_hash
+    prompts_resumed_published: int = 0  # of those, from the published table
     prompts_failed: int = 0
     duplicates_dropped: int = 0
     turns: int = 0
@@ -181,6 +190,18 @@ class CompletionsResult:
     failed_key: str
     config_hash: str
     sha256: str  # of the published completions file: its data version
+
+
+class TooManyFailedPrompts(RuntimeError):
+    """More prompts of a shard failed than ``max_failed_ratio`` allows; the shard was not published.
+
+    ``result`` holds the failed table (also written to ``completions/_failed/<shard>.parquet``) and the stats;
+    its ``table`` holds the rows that succeeded (kept in the journal for the next run).
+    """
+
+    def __init__(self, message: str, result: "CompletionsResult"):
+        super().__init__(message)
+        self.result = result
 
 
 # ----------------------------------------------------------------------------
@@ -304,6 +325,28 @@ class _Conversation:
         }
 
 
+def _published_rows(store: Any, shard: str, config_hash: str, inputs: dict[str, dict]) -> dict[str, dict]:
+    """Rows of the published ``completions/<shard>.parquet`` with this ``config_hash`` whose prompt is still an input,
+    as journal-shaped dicts (timestamps in epoch seconds)."""
+    key = layout.completions(shard)
+    if not store.exists(key):
+        return {}
+    table = store.read_parquet(key)
+    if "config_hash" not in table.column_names:
+        return {}
+    import pyarrow.compute as pc
+
+    table = table.filter(pc.equal(table["config_hash"], config_hash))
+    rows: dict[str, dict] = {}
+    for row in table.to_pylist():
+        if row["prompt_id"] in inputs:
+            for name in ("started_at", "finished_at"):
+                if row.get(name) is not None:
+                    row[name] = row[name].timestamp()
+            rows.setdefault(row["prompt_id"], row)
+    return rows
+
+
 def _input_rows(prompts: Any) -> list[dict]:
     if isinstance(prompts, pa.Table):
         return prompts.to_pylist()
@@ -357,6 +400,7 @@ async def aregenerate_shard(
     flush_every: int = 64,
     flush_interval_s: float = 10.0,
     keep_journal: bool = False,
+    max_failed_ratio: float = 0.01,
     engines: Sequence[Engine] | None = None,
 ) -> CompletionsResult:
     """Regenerate the assistant turns of ``prompts`` (one shard) over the fleet; resume from the journal.
@@ -368,7 +412,9 @@ async def aregenerate_shard(
     ``progress_interval_s``; ``on_probe`` the fleet's one probe, before any
     work. The journal is flushed every ``flush_every`` rows or
     ``flush_interval_s`` seconds and kept after success with
-    ``keep_journal``. ``engines``: prebuilt engines instead of the config's.
+    ``keep_journal``. ``max_failed_ratio``: the share of failed prompts
+    above which nothing is published and ``TooManyFailedPrompts`` is raised
+    (1.0: always publish). ``engines``: prebuilt engines instead of the config's.
     Writes the journal, ``completions/<shard>.parquet`` and
     ``completions/_failed/<shard>.parquet``. Raises ``NoEngineAvailable``
     when no endpoint serves the target, or when all die mid-run (the journal
@@ -391,8 +437,11 @@ async def aregenerate_shard(
         order.append(pid)
     stats.prompts_total = len(order)
 
-    done_rows: dict[str, dict] = {pid: r for pid, r in journal.load(config_hash).items() if pid in inputs}
+    published = await asyncio.to_thread(_published_rows, store, shard, config_hash, inputs)
+    journaled = {pid: r for pid, r in journal.load(config_hash).items() if pid in inputs}
+    done_rows: dict[str, dict] = {**published, **journaled}
     stats.prompts_resumed = len(done_rows)
+    stats.prompts_resumed_published = len(set(published) - set(journaled))
     failed: dict[str, dict] = {}
     tasks: list[_Conversation] = []
     for pid in order:
@@ -476,7 +525,11 @@ async def aregenerate_shard(
     table = _rows_to_table(rows)
     failed_rows = [failed[pid] for pid in order if pid in failed]
     failed_table = pa.Table.from_pylist(failed_rows, schema=failed_schema())
-    digest = await asyncio.to_thread(store.write_parquet, layout.completions(shard), table)
+    too_many = len(failed_rows) > max_failed_ratio * stats.prompts_total
+    if too_many:  # not published: the finished rows stay in the journal, earlier published ones where they are
+        digest = ""
+    else:
+        digest = await asyncio.to_thread(store.write_parquet, layout.completions(shard), table)
     await asyncio.to_thread(store.write_parquet, layout.completions_failed(shard), failed_table)
     if not failed_rows and not keep_journal:
         await asyncio.to_thread(journal.clear)
@@ -491,14 +544,32 @@ async def aregenerate_shard(
     stats.wall_s = time.perf_counter() - t_start
     stats.tokens_per_s = stats.completion_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
     emit_progress()
-    return CompletionsResult(shard, table, failed_table, stats, probe, layout.completions(shard),
-                             layout.completions_failed(shard), config_hash, digest)
+    result = CompletionsResult(shard, table, failed_table, stats, probe, layout.completions(shard),
+                               layout.completions_failed(shard), config_hash, digest)
+    if too_many:
+        reasons = "; ".join(f"{r['prompt_id']}: {r['reason'][:120]}" for r in failed_rows[:3])
+        raise TooManyFailedPrompts(
+            f"[{shard}] {len(failed_rows)} of {stats.prompts_total} prompts failed "
+            f"({len(failed_rows) / max(stats.prompts_total, 1):.1%} > max_failed_ratio {max_failed_ratio:.1%}); "
+            f"nothing published, {len(rows)} finished rows kept for the next run, which retries only the failed. "
+            f"Failed list: {layout.completions_failed(shard)}. First: {reasons}", result)
+    return result
 
 
 @functools.wraps(aregenerate_shard, assigned=("__module__", "__annotations__"))
 def regenerate_shard(*args: Any, **kwargs: Any) -> CompletionsResult:
     """Blocking form of ``aregenerate_shard``: the same arguments (defined once, there), run to completion."""
     return run_sync(aregenerate_shard(*args, **kwargs))
+
+
+def failed_prompts_markdown(failed: pa.Table, limit: int = 50) -> str:
+    """The failed prompts of a shard as a markdown table (prompt id, turns done, attempts, reason), for metadata."""
+    lines = [f"{failed.num_rows} failed prompts" + (f" (first {limit})" if failed.num_rows > limit else ""), "",
+             "| prompt_id | turns done | attempts | reason |", "| --- | --- | --- | --- |"]
+    for r in failed.slice(0, limit).to_pylist():
+        reason = (r["reason"] or "").replace("|", "\\|").replace("\n", " ")[:200]
+        lines.append(f"| {r['prompt_id']} | {r['turns_done']} | {r['attempts']} | {reason} |")
+    return "\n".join(lines)
 
 
 RESPONSE_TOKEN_BIN_EDGES = (0, 1, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384)
