@@ -64,7 +64,8 @@ CASES = [
          {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4.", "reasoning_content": "Got it."}],
         {},
         "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\nUse the tool.\n</think>\n\n"
-        '\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call><|im_end|>\n'
+        "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n"
+        "</tool_call><|im_end|>\n"
         "<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n<think>\nGot it.\n</think>\n\n4.<|im_end|>\n", id="tool-round"),
 ]
@@ -191,3 +192,117 @@ def test_one_reasoning_splitter_for_generated_text_and_messages(text, thinking, 
     if "</think>" in text:  # a message holding the same text in its content splits the same way
         assert split_reasoning({"role": "assistant", "content": text}) == expected
     assert split_reasoning({"role": "assistant", "content": "C", "reasoning_content": "R"}) == ("R", "C")
+
+
+# -- the published Qwen3.6 template's behaviour (issue 17) ------------------------------------------
+# Expected strings follow the template published with the Qwen3.6 models (chat_template.jinja): the packaged
+# template was written to render the same strings (compared on 1,152 renders of tool, system, multi-step,
+# whitespace and media cases on 2026-12-01; the published file is not in this repository).
+
+TOOLS_PREAMBLE_END = (
+    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+    "<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n"
+    "</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n"
+    "- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested "
+    "within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n"
+    "- You may provide optional reasoning for your function call in natural language BEFORE the function call, "
+    "but NOT after\n- If there is no function call available, answer the question like normal with your current "
+    "knowledge and do not tell the user about function calls\n</IMPORTANT>"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+WEATHER_JSON = ('{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", '
+                '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}')
+
+
+def call(name, **arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+AGENTIC = [
+    {"role": "system", "content": "  You are terse.\n"},
+    {"role": "user", "content": "\n Weather in Paris and Rome?  "},
+    {"role": "assistant", "content": "", "reasoning_content": "  Two cities.\n\n", "tool_calls": [call("get_weather", city="Paris")]},
+    {"role": "tool", "content": " 18C \n"},
+    {"role": "assistant", "content": " Now Rome. ", "reasoning_content": "",
+     "tool_calls": [call("get_weather", city="Rome", days=2), call("get_weather", city="Rome", detail={"hourly": [1, 2]})]},
+    {"role": "tool", "content": "21C"},
+    {"role": "tool", "content": "21C, 22C"},
+    {"role": "assistant", "content": "\n\nParis 18C, Rome 21C.  ", "reasoning_content": "\nBoth known.\n"},
+]
+AGENTIC_TEXT = (
+    "<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n" + WEATHER_JSON
+    + TOOLS_PREAMBLE_END + "\n\nYou are terse.<|im_end|>\n"
+    "<|im_start|>user\nWeather in Paris and Rome?<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\nTwo cities.\n</think>\n\n"
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call><|im_end|>\n"
+    "<|im_start|>user\n<tool_response>\n18C\n</tool_response><|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\nNow Rome.\n\n"
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
+    "</function>\n</tool_call>\n"
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=detail>\n"
+    '{"hourly": [1, 2]}\n</parameter>\n</function>\n</tool_call><|im_end|>\n'
+    "<|im_start|>user\n<tool_response>\n21C\n</tool_response>\n<tool_response>\n21C, 22C\n</tool_response><|im_end|>\n"
+    "<|im_start|>assistant\n<think>\nBoth known.\n</think>\n\nParis 18C, Rome 21C.<|im_end|>\n"
+)
+
+
+def test_agentic_conversation_renders_as_the_published_template(tok):
+    """Tool list in the system turn (the system prompt after it), every step after the last user query with
+    its think block (empty reasoning too), calls as <function=...>/<parameter=...> blocks (two newlines
+    before the first when the step has text, one between calls, JSON for non-string values), consecutive
+    results in one user turn, all text trimmed."""
+    assert render(tok, AGENTIC, tools=[WEATHER]) == AGENTIC_TEXT
+    assert render_chat(AGENTIC, tools=[WEATHER]) == AGENTIC_TEXT
+    prompt = render(tok, AGENTIC[:-1], tools=[WEATHER], add_generation_prompt=True)
+    assert prompt == AGENTIC_TEXT[: AGENTIC_TEXT.rindex("<|im_start|>assistant\n")] + "<|im_start|>assistant\n<think>\n"
+
+
+@pytest.mark.parametrize("messages,kwargs,expected", [
+    pytest.param([{"role": "system", "content": "\tBe kind. \n"}, {"role": "user", "content": "  hi\n\n"},
+                  {"role": "assistant", "content": " \nhello \n", "reasoning_content": "\n\n  greet  \n"}], {},
+                 "<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                 "<|im_start|>assistant\n<think>\ngreet\n</think>\n\nhello<|im_end|>\n", id="whitespace-trimmed"),
+    pytest.param([{"role": "system", "content": "  "}, U1, {"role": "assistant", "content": "4.", "reasoning_content": ""}],
+                 {"tools": [WEATHER]},
+                 "<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n" + WEATHER_JSON
+                 + TOOLS_PREAMBLE_END + "<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+                 "<|im_start|>assistant\n<think>\n\n</think>\n\n4.<|im_end|>\n", id="tools-empty-system-empty-reasoning"),
+    pytest.param([U1, {"role": "assistant", "content": "4.", "reasoning_content": "Add."}, U2,
+                  {"role": "assistant", "content": "6.", "reasoning_content": "Again."}], {"preserve_thinking": True},
+                 "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\nAdd.\n</think>\n\n4.<|im_end|>\n"
+                 "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n<think>\nAgain.\n</think>\n\n6.<|im_end|>\n",
+                 id="preserve-thinking"),
+    pytest.param([U1, {"role": "assistant", "content": "", "tool_calls": [call("add", a=2, b=2)]},
+                  {"role": "tool", "content": "4"}, U2, {"role": "assistant", "content": "6."}], {},
+                 "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n<function=add>\n"
+                 "<parameter=a>\n2\n</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n</tool_call><|im_end|>\n"
+                 "<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n"
+                 "<|im_start|>assistant\n<think>\n\n</think>\n\n6.<|im_end|>\n", id="tool-step-before-the-last-query"),
+    pytest.param([U1, {"role": "assistant", "content": "", "reasoning_content": "r",
+                       "tool_calls": [call("add", a=2, b=2)]},
+                  {"role": "user", "content": "<tool_response>\n4\n</tool_response>"}], {"add_generation_prompt": True},
+                 "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\nr\n</think>\n\n<tool_call>\n"
+                 "<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n"
+                 "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n"
+                 "<|im_start|>assistant\n<think>\n", id="wrapped-tool-result-is-not-a-query"),
+])
+def test_published_template_cases(tok, messages, kwargs, expected):
+    assert render(tok, messages, **kwargs) == expected
+    assert render_chat(messages, **kwargs) == expected
+
+
+@pytest.mark.parametrize("messages,message", [
+    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}], "No user query"),
+    ([U1, {"role": "system", "content": "late"}], "System message must be at the beginning"),
+    ([U1, {"role": "developer", "content": "x"}], "Unexpected message role"),
+    ([U1, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": '{"a": 1}'}}]}],
+     "must be a mapping"),
+])
+def test_published_template_errors(tok, messages, message):
+    from jinja2.exceptions import TemplateError
+
+    with pytest.raises(TemplateError, match=message):
+        render_chat(messages)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import unicodedata
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from jinja2.exceptions import TemplateError
 
 from dflash_assets.target.chat_template import ChatRenderer, render_chat, split_reasoning
 from dflash_assets.tokenization.encoder import BACKEND_HF, BACKEND_TIKTOKEN, GPT2_PAT_STR, TiktokenParts, build_encoder, qwen3_6_encoder
@@ -19,6 +21,7 @@ from dflash_assets.tokenization.quality import (
     truncation_ratio_check,
 )
 from dflash_assets.tokenization.samples import (
+    AGENTIC_MESSAGES_TYPE,
     COMPLETIONS_MESSAGES_TYPE,
     SAMPLES_SCHEMA,
     TokenizeConfig,
@@ -85,11 +88,20 @@ def test_renderer_equals_apply_chat_template(tok, sharegpt):
         [SYSTEM, user("q"), assistant("a", "r")],
         [user("q1"), assistant("a1", "r1"), user("q2"), assistant("<think>\ninline r\n</think>\n\na2")],
     ]
+    refused = 0
     for messages in convs:
-        want = tok.apply_chat_template(messages, tokenize=False)
+        try:
+            want = tok.apply_chat_template(messages, tokenize=False)
+        except TemplateError as e:  # e.g. an assistant-only record: no user query (as the published template)
+            refused += 1
+            for render in (renderer, from_tok, render_chat):
+                with pytest.raises(TemplateError, match=str(e)):
+                    render(messages)
+            continue
         assert renderer(messages) == want
         assert from_tok(messages) == want
         assert render_chat(messages) == want
+    assert 0 < refused < len(convs) // 10
     assert renderer([user("q")], add_generation_prompt=True).endswith("<|im_start|>assistant\n<think>\n")
 
 
@@ -354,3 +366,130 @@ def test_schema_check_on_sliced_and_null_tables(healthy):
     assert schema_check(healthy.slice(37, 20)).passed  # sliced list offsets do not start at 0
     with_null = healthy.set_column(4, "num_tokens", pa.array([None] + healthy.column("num_tokens").to_pylist()[1:], pa.int32()))
     assert "null values" in schema_check(with_null).description
+
+
+# -- agentic conversations: every step after the last user query (issue 17) -------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}
+
+
+def tool_call(name, arguments_json, call_id="c1"):
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments_json}}
+
+
+def step(answer, reasoning, *calls):
+    return {"role": "assistant", "content": answer, "reasoning_content": reasoning,
+            "tool_calls": list(calls) or None, "tool_call_id": None, "name": None}
+
+
+def tool_result(text):
+    return {"role": "tool", "content": text, "reasoning_content": None, "tool_calls": None, "tool_call_id": "c1",
+            "name": "get_weather"}
+
+
+def agentic_table(conversations, tools=None) -> pa.Table:
+    def plain(m):
+        return {"tool_calls": None, "tool_call_id": None, "name": None, "reasoning_content": None, **m}
+
+    columns = {"prompt_id": pa.array([f"a{i}" for i in range(len(conversations))], pa.string()),
+               "messages": pa.array([[plain(m) for m in c] for c in conversations], AGENTIC_MESSAGES_TYPE)}
+    if tools is not None:
+        columns["tools"] = pa.array(tools, pa.string())
+    return pa.table(columns)
+
+
+def spans_text(enc, row) -> list[str]:
+    """The decoded text of each contiguous supervised span, in order."""
+    ids, mask = np.array(row["input_ids"]), np.array(row["loss_mask"])
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return [enc.decode(ids[a:b]) for a, b in zip(edges[0::2], edges[1::2])]
+
+
+AGENT_CONV = [
+    SYSTEM, user("Weather in Paris, then Rome?"),
+    step("", "Paris first.", tool_call("get_weather", '{"city": "Paris"}')),
+    tool_result("18C"),
+    step("Now Rome.", "Then Rome.", tool_call("get_weather", '{"city": "Rome"}')),
+    tool_result("21C"),
+    step("Paris 18C, Rome 21C.", "Both known."),
+]
+CALL_PARIS = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+CALL_ROME = "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>"
+
+
+def test_agentic_masks_cover_every_step_after_the_last_user_query(tok, enc):
+    """SpecForge's qwen3.5 convention: each step's reasoning, text and tool calls through <|im_end|>\\n are
+    supervised; the tool list, the system and user turns and the tool results are context."""
+    table, stats = tokenize_completions(agentic_table([AGENT_CONV], [json.dumps([WEATHER_TOOL])]), enc)
+    assert stats.samples == 1 and stats.dropped == {} and stats.agentic_samples == 1
+    (row,) = table.to_pylist()
+    assert spans_text(enc, row) == [
+        "Paris first.\n</think>\n\n" + CALL_PARIS + "<|im_end|>\n",
+        "Then Rome.\n</think>\n\nNow Rome.\n\n" + CALL_ROME + "<|im_end|>\n",
+        "Both known.\n</think>\n\nParis 18C, Rome 21C.<|im_end|>\n",
+    ]
+    context = unsupervised_text(enc, row)
+    assert "<tools>" in context and "<tool_response>\n18C\n</tool_response>" in context
+    assert "<tool_response>\n21C\n</tool_response>" in context
+    parsed = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                                   for c in m["tool_calls"]] if m.get("tool_calls") else None} for m in AGENT_CONV]
+    rendered = tok.apply_chat_template(parsed, tools=[WEATHER_TOOL], tokenize=False)
+    assert row["input_ids"] == tok(rendered, add_special_tokens=False)["input_ids"]
+    assert row["has_reasoning"] and not row["answer_empty"]
+    assert row["turn_index"] == 2  # the conversation's third assistant message ends the supervised turn
+
+    # the previous rule (last assistant message only) supervised a third as many steps here
+    last_only = tokenize_completions(completions([[SYSTEM, user("Weather in Paris, then Rome?"),
+                                                   assistant("Paris 18C, Rome 21C.", "Both known.")]]), enc)[0]
+    assert row["num_loss_tokens"] > 2.5 * last_only.column("num_loss_tokens")[0].as_py()
+
+
+def test_agentic_turns_are_the_steps_between_user_queries(enc):
+    conv = [user("q1"), step("", "r1", tool_call("get_weather", '{"city": "A"}')), tool_result("1"),
+            step("a1", "s1"), user("q2"), step("", "r2", tool_call("get_weather", '{"city": "B"}')), tool_result("2"),
+            step("a2", "s2"), user("trailing")]
+    last, _ = tokenize_completions(agentic_table([conv]), enc)
+    every, stats = tokenize_completions(agentic_table([conv]), enc, TokenizeConfig(supervise="every_turn"))
+    (row,) = last.to_pylist()
+    assert [s.split("\n</think>")[0] for s in spans_text(enc, row)] == ["r2", "s2"]  # the steps after q2 only
+    assert "trailing" not in enc.decode(row["input_ids"])
+    rows = every.to_pylist()
+    assert [r["turn_index"] for r in rows] == [1, 3] and stats.samples == 2
+    assert [s.split("\n</think>")[0] for s in spans_text(enc, rows[0])] == ["r1", "s1"]
+    assert rows[1]["input_ids"] == row["input_ids"] and rows[1]["loss_mask"] == row["loss_mask"]
+
+
+def test_tool_call_only_steps_are_not_empty_responses(enc):
+    """A conversation that ends at a tool call (completions stop where a regenerated call differs from the
+    source's) supervises that call: empty_response_ratio counts it as a response."""
+    calls_only = [user("Weather?"), step("", "", tool_call("get_weather", '{"city": "Paris"}'))]
+    two_calls = [user("Weather?"), step("", "Check.", tool_call("get_weather", '{"city": "Paris"}')),
+                 tool_result("18C"), step(" ", "", tool_call("get_weather", '{"city": "Rome, Italy"}'))]
+    table, _ = tokenize_completions(agentic_table([calls_only, two_calls]), enc)
+    rows = table.to_pylist()
+    assert [r["answer_empty"] for r in rows] == [False, False]
+    assert [r["has_reasoning"] for r in rows] == [False, True]
+    assert all(r["num_loss_tokens"] >= 16 for r in rows)
+    outcome = empty_response_check(table)
+    assert outcome.passed and outcome.metadata["num_empty"] == 0
+    # without a call the same empty step is an empty response
+    empty, _ = tokenize_completions(agentic_table([[user("Weather?"), step("", "")]]), enc)
+    assert empty.column("answer_empty").to_pylist() == [True]
+
+
+def test_malformed_agentic_rows_are_dropped_with_a_reason(enc):
+    good = [user("Weather?"), step("", "r", tool_call("get_weather", '{"city": "Paris"}')), tool_result("18C"),
+            step("Sunny.", "ok")]
+    bad_args = [user("Weather?"), step("", "r", tool_call("get_weather", '{"city": Paris}'))]
+    list_args = [user("Weather?"), step("", "r", tool_call("get_weather", '["Paris"]'))]
+    no_name = [user("Weather?"), step("", "r", tool_call("", "{}"))]
+    late_system = [user("Weather?"), SYSTEM, step("Sunny.", "ok")]
+    conversations = [good, bad_args, list_args, no_name, late_system, good]
+    tools = [json.dumps([WEATHER_TOOL]), None, None, None, None, "{not json"]
+    table, stats = tokenize_completions(agentic_table(conversations, tools), enc)
+    assert table.column("prompt_id").to_pylist() == ["a0"]
+    assert stats.dropped == {"bad_tool_call": 3, "template_error": 1, "bad_tools": 1}
+    meta = stats.as_metadata()
+    assert meta["dropped_bad_tool_call"] == 3 and meta["dropped"] == 5
