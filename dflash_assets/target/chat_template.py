@@ -10,11 +10,16 @@ the tokenization stage, the generation clients' `ChatTokenizer`, the tiny
 targets' training). `split_reasoning` / `split_reasoning_text` split a think
 block off a message or off generated text. Writes nothing.
 
-Format (see DESIGN.md "Chat format"): turns are `<|im_start|>{role}\\n{content}<|im_end|>\\n`;
-an assistant turn after the last user message renders as
+Format of the packaged template (see DESIGN.md "Chat format"; it renders
+what the published Qwen3.6 template does): turns are
+`<|im_start|>{role}\\n{content}<|im_end|>\\n`, text trimmed; an assistant turn
+after the last user query renders as
 `<|im_start|>assistant\\n<think>\\n{reasoning}\\n</think>\\n\\n{content}<|im_end|>\\n`
 (reasoning from the message's `reasoning_content`), earlier assistant turns
-without the think block. Generation prompt: `<|im_start|>assistant\\n<think>\\n`
+without the think block; tool calls as `<tool_call>\\n<function=NAME>\\n
+<parameter=ARG>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`, tool
+results in a user turn as `<tool_response>\\n...\\n</tool_response>`, the tool
+list in the system turn. Generation prompt: `<|im_start|>assistant\\n<think>\\n`
 with thinking, `<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n` with
 `enable_thinking=False`.
 """

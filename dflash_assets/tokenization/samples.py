@@ -109,7 +109,7 @@ AGENTIC_MESSAGES_TYPE = pa.list_(pa.struct([
 SAMPLES_SCHEMA = pa.schema(
     [
         ("prompt_id", pa.string()),
-        ("turn_index", pa.int32()),  # 0-based ordinal of the supervised assistant turn in its conversation
+        ("turn_index", pa.int32()),  # 0-based ordinal (among assistant messages) of the sample's last supervised one
         ("input_ids", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.uint8())),
         ("num_tokens", pa.int32()),
