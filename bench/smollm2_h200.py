@@ -246,6 +246,8 @@ def train_online(target, head, samples, dcfg, *, epochs: int, batch_tokens: int,
 
 
 def evaluate(drafter, target_dir: Path, prompts, *, max_new_tokens: int, lossless: bool, device) -> dict:
+    """tau (overall, by block position: share of verifications accepting position k, summing to tau; by
+    category) of `drafter` on `prompts`, the target in float32."""
     import torch
 
     from dflash_assets.chart_data import share_at_least
@@ -254,10 +256,12 @@ def evaluate(drafter, target_dir: Path, prompts, *, max_new_tokens: int, lossles
     target = load_target(target_dir, device=device, dtype=torch.float32)  # exact comparisons
     result = evaluate_drafter(drafter, target, prompts, max_new_tokens=max_new_tokens, stop_token_ids=[2],
                               check_lossless=lossless, device=device)
+    B = drafter.config.block_size
+    counts = list(result.acceptance_length_counts) + [0] * (B + 1 - len(result.acceptance_length_counts))
     return {"tau": round(result.tau, 4), "lossless": result.lossless if lossless else None,
             "num_mismatches": result.num_mismatches, "num_prompts": len(prompts),
             "num_verifications": result.num_verifications, "num_new_tokens": result.num_new_tokens,
-            "tau_by_position": [round(x, 4) for x in share_at_least(result.acceptance_length_counts)],
+            "tau_by_position": [round(x, 4) for x in share_at_least(counts)],
             "tau_by_category": {k: round(v, 4) for k, v in result.tau_by_category.items()},
             "wall_s": round(result.wall_s, 1)}
 
