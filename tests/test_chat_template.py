@@ -306,3 +306,14 @@ def test_published_template_errors(tok, messages, message):
 
     with pytest.raises(TemplateError, match=message):
         render_chat(messages)
+
+
+def test_generation_client_renders_tool_definitions(tok):
+    """The generation clients' prompt of an agentic conversation carries the tool list, as apply_chat_template."""
+    from dflash_assets.generation.engines import ChatTokenizer
+
+    client, head = ChatTokenizer(tok), AGENTIC[:4]
+    want = tok.apply_chat_template(head, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+    assert client.render(head, True, tools=[WEATHER]) == want and "<tools>\n" + WEATHER_JSON in want
+    assert client.prompt_ids(head, True, tools=[WEATHER]) == tok(want, add_special_tokens=False)["input_ids"]
+    assert "<tools>" not in client.render(head, True)

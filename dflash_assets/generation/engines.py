@@ -253,11 +253,13 @@ class ChatTokenizer:
             return None
         return ChatRenderer.from_tokenizer(self.tokenizer)
 
-    def render(self, messages: Sequence[dict], enable_thinking: bool) -> str:
+    def render(self, messages: Sequence[dict], enable_thinking: bool, tools: Sequence[dict] | None = None) -> str:
+        """The generation prompt of `messages` (with `tools`, JSON schemas, in the system turn when given)."""
         if self._render is not None:
-            return self._render(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+            return self._render(messages, add_generation_prompt=True, tools=tools, enable_thinking=enable_thinking)
         return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+            list(messages), tools=list(tools) if tools is not None else None, tokenize=False,
+            add_generation_prompt=True, enable_thinking=enable_thinking
         )
 
     def encode(self, text: str) -> list[int]:
@@ -265,8 +267,9 @@ class ChatTokenizer:
             return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def prompt_ids(self, messages: Sequence[dict], enable_thinking: bool) -> list[int]:
-        return self.encode(self.render(messages, enable_thinking))
+    def prompt_ids(self, messages: Sequence[dict], enable_thinking: bool,
+                   tools: Sequence[dict] | None = None) -> list[int]:
+        return self.encode(self.render(messages, enable_thinking, tools))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
