@@ -65,6 +65,10 @@ class CacheSamples:
     def __len__(self) -> int:
         return len(self.reader)
 
+    def advance(self, position: int) -> None:
+        if hasattr(self.reader.source, "advance"):
+            self.reader.source.advance(position)
+
     def __getitem__(self, i: int) -> Sample:
         s = self.reader[i]
         return Sample(s.input_ids.numpy().astype(np.int64), s.loss_mask.numpy().astype(bool), s.hidden)
@@ -76,18 +80,20 @@ class ParquetSamples:
     Streams by row group: opening reads only the ``loss_mask`` column, one row
     group at a time, to index the samples that have an anchor position; a
     sample is read by decoding its row group (ids as int32, masks as uint8),
-    and at most ``max_row_groups`` decoded row groups are kept. Memory is
-    bounded by a few row groups, never by the corpus.
+    and decoded row groups are kept up to ``max_bytes`` (least recently used
+    go first). Memory is bounded by that, never by the corpus; the training
+    plan shuffles within windows of row groups of half that size.
     """
 
-    def __init__(self, files: Sequence[str | Path], max_length: int, block_size: int, max_row_groups: int = 4):
+    def __init__(self, files: Sequence[str | Path], max_length: int, block_size: int, max_bytes: int = 1 << 30):
         import pyarrow.parquet as pq
 
         self.files = [str(f) for f in files]
         self.max_length = max_length
+        self.max_bytes = int(max_bytes)
         self.layer_ids = None
-        self._cache: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
-        self._max = max(1, max_row_groups)
+        self._cache: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self._held = 0
         self._lock = threading.Lock()
         rg_ids, rows, sizes = [], [], []
         self._row_groups: list[tuple[int, int]] = []
@@ -99,7 +105,7 @@ class ParquetSamples:
                 values = col.values.to_numpy(zero_copy_only=False)
                 g = len(self._row_groups)
                 self._row_groups.append((fi, rg))
-                sizes.append(pf.metadata.row_group(rg).total_byte_size)
+                sizes.append(self._decoded_bytes(int(offsets[-1]) - int(offsets[0]), len(offsets) - 1))
                 for r in range(len(offsets) - 1):
                     a = int(offsets[r])
                     n = min(int(offsets[r + 1]) - a, max_length)
@@ -107,7 +113,11 @@ class ParquetSamples:
                         rg_ids.append(g), rows.append(r)
         self.groups = np.asarray(rg_ids, dtype=np.int32)  # per sample: its row group
         self._rows = np.asarray(rows, dtype=np.int64)
-        self.group_bytes = np.asarray(sizes, dtype=np.int64)
+        self.group_bytes = np.asarray(sizes, dtype=np.int64)  # decoded size of each row group
+
+    @staticmethod
+    def _decoded_bytes(tokens: int, rows: int) -> int:
+        return tokens * 5 + (rows + 1) * 16  # int32 ids + uint8 masks + two offset arrays
 
     def _row_group(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         import pyarrow.parquet as pq
@@ -123,9 +133,12 @@ class ParquetSamples:
         entry = (ids.offsets.to_numpy(), ids.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False),
                  lm.offsets.to_numpy(), lm.values.to_numpy(zero_copy_only=False).astype(np.uint8, copy=False))
         with self._lock:
-            self._cache[g] = entry
-            while len(self._cache) > self._max:
-                self._cache.popitem(last=False)
+            if g not in self._cache:
+                self._cache[g] = entry
+                self._held += int(self.group_bytes[g])
+            while self._held > self.max_bytes and len(self._cache) > 1:
+                old, _ = self._cache.popitem(last=False)
+                self._held -= int(self.group_bytes[old])
         return entry
 
     def __len__(self) -> int:
@@ -143,7 +156,8 @@ def open_training_data(files: Sequence[str | Path], recipe: DrafterRecipe, sourc
     """The recipe's training sequences: Parquet samples online, else cache parts (through ``source``)."""
     files = [str(f) for f in files]
     if recipe.online and all(f.endswith(".parquet") for f in files):
-        return ParquetSamples(files, recipe.max_length, recipe.block_size)
+        limit = int(recipe.cache_limit_gb * 1e9) if recipe.cache_limit_gb else 1 << 30
+        return ParquetSamples(files, recipe.max_length, recipe.block_size, max_bytes=limit)
     return CacheSamples(files, recipe.max_length, recipe.block_size, need_hidden=not recipe.online, source=source)
 
 
@@ -214,28 +228,76 @@ def collate(samples: list[Sample], anchors: list[np.ndarray], seq_multiple: int 
 
 
 class BatchPlan:
-    """Which samples each rank sees at each step: a pure function of (seed, epoch, step, rank)."""
+    """Which samples each rank sees at each step: a pure function of (seed, epoch, step, rank).
 
-    def __init__(self, n: int, recipe: DrafterRecipe, world: int, rank: int):
+    Each epoch is a permutation of the samples. With ``groups`` (the part or
+    row group of each sample), ``group_bytes`` and ``window_bytes``, and more
+    data than one window, the permutation keeps reads local: the groups are
+    shuffled, cut into windows of at most ``window_bytes`` (one group at
+    least), and the samples are shuffled within each window; a bounded cache
+    then holds the current window while it fetches the next.
+    """
+
+    def __init__(self, n: int, recipe: DrafterRecipe, world: int, rank: int, *, groups: np.ndarray | None = None,
+                 group_bytes: np.ndarray | None = None, window_bytes: int | None = None):
         self.n, self.recipe, self.world, self.rank = n, recipe, world, rank
         self.global_batch = recipe.batch_size * world
         self.steps_per_epoch = math.ceil(n / self.global_batch)
         self.total_steps = self.steps_per_epoch * recipe.epochs
         self._perm: tuple[int, np.ndarray] | None = None
+        self.windowed = (groups is not None and group_bytes is not None and window_bytes is not None
+                         and int(np.sum(group_bytes)) > window_bytes)
+        if self.windowed:
+            self._group_bytes = np.asarray(group_bytes, dtype=np.int64)
+            order = np.argsort(groups, kind="stable")
+            counts = np.bincount(groups, minlength=len(self._group_bytes))
+            self._members = np.split(order, np.cumsum(counts)[:-1])  # per group: its samples, ascending
+            self._window_bytes = int(window_bytes)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if self._perm is None or self._perm[0] != epoch:
+            rng = np.random.default_rng([self.recipe.seed, epoch, 7])
+            if not self.windowed:
+                perm = rng.permutation(self.n)
+            else:
+                windows, cur, size = [], [], 0
+                for g in rng.permutation(len(self._group_bytes)).tolist():
+                    if cur and size + self._group_bytes[g] > self._window_bytes:
+                        windows.append(cur)
+                        cur, size = [], 0
+                    cur.append(g)
+                    size += int(self._group_bytes[g])
+                windows.append(cur)
+                perm = np.concatenate([rng.permutation(np.concatenate([self._members[g] for g in w]))
+                                       for w in windows]).astype(np.int64)
+            self._perm = (epoch, perm)
+        return self._perm[1]
 
     def indices(self, step: int) -> tuple[int, list[int]]:
         epoch, i = divmod(step, self.steps_per_epoch)
-        if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, np.random.default_rng([self.recipe.seed, epoch, 7]).permutation(self.n))
-        perm = self._perm[1]
+        perm = self.permutation(epoch)
         start = i * self.global_batch + self.rank * self.recipe.batch_size
         # the last global batch of an epoch wraps around so that every rank always has a full batch
         return epoch, [int(perm[(start + j) % self.n]) for j in range(self.recipe.batch_size)]
 
+    def sample_order(self, start_step: int, stop_step: int) -> np.ndarray:
+        """This rank's samples from ``start_step`` to ``stop_step``, in the order it reads them."""
+        b, out = self.recipe.batch_size, []
+        for epoch in range(start_step // self.steps_per_epoch, -(-stop_step // self.steps_per_epoch)):
+            first = max(start_step, epoch * self.steps_per_epoch) - epoch * self.steps_per_epoch
+            last = min(stop_step, (epoch + 1) * self.steps_per_epoch) - epoch * self.steps_per_epoch
+            steps = np.arange(first, last, dtype=np.int64)
+            idx = (steps[:, None] * self.global_batch + self.rank * b + np.arange(b)[None, :]) % self.n
+            out.append(self.permutation(epoch)[idx].ravel())
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
 
 class BatchLoader:
+    """Collates the plan's batches in a background thread, ``depth`` steps ahead of training."""
+
     def __init__(self, data, plan: BatchPlan, start_step: int, stop_step: int, cuda: bool, depth: int = 2):
         self.data, self.plan, self.cuda = data, plan, cuda
+        self.start = start_step
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.thread = threading.Thread(target=self._run, args=(start_step, stop_step), daemon=True)
         self.thread.start()
@@ -243,7 +305,11 @@ class BatchLoader:
     def _make(self, step: int) -> Batch:
         r = self.plan.recipe
         epoch, idx = self.plan.indices(step)
-        samples = [self.data[i] for i in idx]
+        samples = []
+        for j, i in enumerate(idx):
+            if hasattr(self.data, "advance"):  # where the reader is in the plan: a bounded cache prefetches from here
+                self.data.advance((step - self.start) * r.batch_size + j)
+            samples.append(self.data[i])
         anchors = [sample_anchors(s.loss_mask, r.block_size, r.max_anchors, anchor_rng(r.seed, epoch, i))
                    for s, i in zip(samples, idx)]
         # flex tiles are 128 wide: pad S and N*B to multiples of 128 on GPU

@@ -45,6 +45,11 @@ class DrafterRecipe:
     attention: str = "auto"  # auto (flex on GPU, sdpa on CPU) | flex | sdpa
     compile: bool = True  # GPU only: torch.compile the decoder layers and the loss chunks
     checkpoint_dtype: str = "bfloat16"  # dtype of the published drafter weights
+    # Offline: at most this many GB of cache parts on the training host's disk (parts read from the store are
+    # fetched ahead and evicted behind); online: decoded Parquet row groups held in memory. Samples are then
+    # shuffled within windows of parts (row groups) of half this size, so reads stay local. None: offline reads
+    # every part where the store keeps it (an S3 store downloads all of them, unbounded), online holds 1 GB.
+    cache_limit_gb: float | None = None
 
     @property
     def loss_gamma(self) -> float:
@@ -64,6 +69,8 @@ class DrafterRecipe:
     def fingerprint(self) -> str:
         """Hash of the fields that change the run (not save_every / compile / attention)."""
         d = {k: v for k, v in self.to_dict().items() if k not in ("save_every", "compile", "attention")}
+        if d.get("cache_limit_gb") is None:  # unset: the same fingerprint as before the field existed
+            d.pop("cache_limit_gb", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
 
@@ -81,6 +88,7 @@ class TrainResult:
     num_sequences: int
     world_size: int
     config: dict[str, Any] = field(default_factory=dict)
+    data_stats: dict[str, Any] = field(default_factory=dict)  # the bounded part cache's counters, when one was used
 
     @property
     def finished(self) -> bool:

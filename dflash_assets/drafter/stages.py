@@ -63,20 +63,25 @@ def training_shards(store: Any, recipe: DrafterRecipe) -> list[str]:
     return list(layout.list_hidden_state_parts(store))
 
 
+def _cache_entries(store: Any, recipe: DrafterRecipe, shards: list[str]) -> list[dict[str, Any]]:
+    """The cache parts a recipe trains on, in order, each ``{"key", "bytes"}`` (from the manifests)."""
+    entries = layout.list_hidden_state_entries(store)
+    out = []
+    for shard in shards:
+        if not entries.get(shard):
+            raise FileNotFoundError(f"recipe {recipe.name!r} selects {shard!r}, which has no hidden-state cache; "
+                                    f"materialize hidden_state_cache for it first")
+        out += [{"key": e["key"], "bytes": e["bytes"] if e["bytes"] is not None else store.size(e["key"])}
+                for e in entries[shard]]
+    return out
+
+
 def _training_files(store: Any, recipe: DrafterRecipe, shards: list[str]) -> list[Path]:
     if recipe.online:
         from dflash_assets.tokenization.quality import verified_samples_path
 
         return [verified_samples_path(store, s) for s in shards]  # refused unless the gate passed these bytes
-    parts = layout.list_hidden_state_parts(store)
-    files = []
-    for shard in shards:
-        keys = parts.get(shard, [])
-        if not keys:
-            raise FileNotFoundError(f"recipe {recipe.name!r} selects {shard!r}, which has no hidden-state cache; "
-                                    f"materialize hidden_state_cache for it first")
-        files += [store.local_path(k) for k in keys]
-    return files
+    return [store.local_path(e["key"]) for e in _cache_entries(store, recipe, shards)]
 
 
 def default_work_dir() -> Path:
@@ -96,10 +101,25 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
     shards = training_shards(store, recipe)
     if not shards:
         raise FileNotFoundError(f"recipe {name!r}: no training data in the store yet")
-    files = _training_files(store, recipe, shards)
+    source = None
+    if recipe.cache_limit_gb and not recipe.online and str(getattr(store, "uri", "")).startswith("s3://"):
+        # parts stay in the store; at most cache_limit_gb of them on this host's disk at once
+        from dflash_assets.hidden_states.part_cache import BoundedPartCache
+
+        entries = _cache_entries(store, recipe, shards)
+        files = [e["key"] for e in entries]
+        source = BoundedPartCache(store, files, int(recipe.cache_limit_gb * 1e9),
+                                  sizes={e["key"]: e["bytes"] for e in entries},
+                                  cache_dir=Path(work_dir or default_work_dir()) / "parts")
+        data_sig = [(Path(e["key"]).name, e["bytes"]) for e in entries]
+        log(f"recipe {name}: parts read through a local cache of at most {recipe.cache_limit_gb} GB "
+            f"({sum(e['bytes'] for e in entries) / 1e9:.3f} GB of parts in the store)")
+    else:
+        files = _training_files(store, recipe, shards)
+        data_sig = [(Path(f).name, Path(f).stat().st_size) for f in files]
     # The work dir is keyed by the recipe, its data and the trainer's code (and torch), so changed data or
     # a changed trainer never resumes (or re-publishes) a stale run.
-    data_tag = hashlib.sha256(json.dumps([(str(f.name), f.stat().st_size) for f in files]).encode()).hexdigest()[:8]
+    data_tag = hashlib.sha256(json.dumps(data_sig).encode()).hexdigest()[:8]
     code_tag = build_fingerprint(modules=["dflash_assets.drafter.training"], packages=["torch"]).digest[:8]
     work = Path(work_dir or default_work_dir()) / f"{name}-{recipe.fingerprint()}-{data_tag}-{code_tag}"
     log(f"recipe {name}: {len(shards)} shards, {len(files)} files, work dir {work} (resumes from its last state)")
@@ -108,8 +128,14 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         if m["step"] % log_every == 0 or m["step"] == 1:
             log(f"step {m['step']}: loss {m['loss']:.4f}, lr {m['lr']:.2e}, {m.get('tokens_per_s', 0):.0f} tok/s")
 
-    result = train_drafter(recipe, files, target.model_path, work, resume=True, log=on_step, device=device,
-                           max_steps=max_steps)
+    try:
+        result = train_drafter(recipe, files, target.model_path, work, resume=True, log=on_step, device=device,
+                               max_steps=max_steps, source=source)
+    finally:
+        if source is not None:
+            source.close()  # its local parts go with it
+    if result.data_stats:
+        log(f"recipe {name}: part cache {result.data_stats}")
     if result.checkpoint_dir is None:
         raise RuntimeError(f"recipe {name}: stopped at step {result.steps}/{result.total_steps} before the end; "
                            f"run again to resume from {result.state_dir}")
@@ -137,6 +163,7 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         "loss_curve": curve_points(losses, max_points=200),
         "accuracy_by_position": [round(float(a), 4) for a in result.accuracy_by_position],
         "checkpoint": store.url(prefix),
+        **({"part_cache": result.data_stats} if result.data_stats else {}),
     }
 
 

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -123,10 +124,14 @@ def train_drafter(
     *,
     device: str | torch.device | None = None,
     max_steps: int | None = None,
+    source: Any = None,
 ) -> TrainResult:
     """Train (or continue training) a drafter; see the module docstring for what is read and written.
 
     data_files: hidden-state cache partitions (offline) or tokenized-sample files (recipe.online).
+    source: where cache parts are read (default: data_files are local paths); a
+    ``hidden_states.part_cache.BoundedPartCache`` reads store keys through a bounded local cache, and is
+    told the plan's part order so it fetches ahead. It is closed when training ends.
     max_steps: stop after this global step (a resumable state is saved there); for smoke runs/tests.
     log: called on every rank-0 step with {"step", "loss", "lr", "tokens_per_s", "acc_by_pos", ...}.
     """
@@ -149,7 +154,7 @@ def train_drafter(
     B = recipe.block_size
 
     # -- data and configs
-    data = open_training_data(data_files, recipe)
+    data = open_training_data(data_files, recipe, source=source)
     if len(data) == 0:
         raise ValueError("no training sequence has an anchor position (loss_mask empty?)")
     target_cfg = load_target_config(target_dir)
@@ -176,7 +181,12 @@ def train_drafter(
             drafter, device_ids=[device.index] if cuda else None, broadcast_buffers=False)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay,
                                   **({"fused": True} if cuda else {}))
-    plan = BatchPlan(len(data), recipe, world, rank)
+    window = None  # with a cache limit, samples are shuffled within windows of parts that fit half of it
+    if getattr(data, "groups", None) is not None and (recipe.cache_limit_gb or recipe.online):
+        window = getattr(data, "max_bytes", None) or int((recipe.cache_limit_gb or 0) * 1e9)
+        window //= 2
+    plan = BatchPlan(len(data), recipe, world, rank, groups=getattr(data, "groups", None),
+                     group_bytes=getattr(data, "group_bytes", None), window_bytes=window or None)
     total = plan.total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, recipe.warmup_ratio))
 
@@ -195,6 +205,9 @@ def train_drafter(
 
     # -- loop
     stop = min(total, max_steps) if max_steps is not None else total
+    if source is not None and hasattr(source, "set_schedule") and step < stop:
+        to_cache = np.asarray([source.part_index(k) for k in data.group_keys], dtype=np.int32)
+        source.set_schedule(to_cache[data.groups[plan.sample_order(step, stop)]])
     loader = BatchLoader(data, plan, step, stop, cuda) if step < stop else None
     gamma = recipe.loss_gamma
     tokens_seen, t_loop = 0, time.perf_counter()
@@ -233,6 +246,9 @@ def train_drafter(
     if loader is not None:
         loader.thread.join(timeout=5)
     t_loop = time.perf_counter() - t_loop
+    data_stats = source.stats.as_dict() if hasattr(source, "stats") else {}
+    if source is not None and hasattr(source, "close"):
+        source.close()
 
     ckpt = None
     if step >= total:
@@ -247,7 +263,7 @@ def train_drafter(
         checkpoint_dir=ckpt, state_dir=latest_state_dir(state_root), steps=step, total_steps=total,
         losses=losses, tokens_per_s=tokens_seen / max(t_loop, 1e-9), accuracy_by_position=acc,
         resumed_from_step=resumed_from, wall_s=time.perf_counter() - t_start, num_sequences=len(data),
-        world_size=world, config=config.to_hf_dict())
+        world_size=world, config=config.to_hf_dict(), data_stats=data_stats)
 
 
 def _save_state(rank, world, state_root, step, model, optimizer, scheduler, recipe, total, losses, acc_counts):
