@@ -31,11 +31,11 @@ def _touch_bytes(path: Path) -> None:
 
 def test_project_modules_follow_imports_inside_functions_and_stop_at_the_package():
     modules = CK.project_modules(["dflash_assets.embedded.tiny_targets"])
-    # tiny_target_training imports tokenization.samples inside a function (the ShareGPT reader): it counts,
+    # tiny_target_training imports prompts.sources inside a function (the ShareGPT reader): it counts,
     # and so does the __init__.py of each package on the way.
     assert {"dflash_assets.embedded.tiny_targets", "dflash_assets.embedded.tiny_target_training", "dflash_assets.target.tokenizer",
-            "dflash_assets.target", "dflash_assets.target.chat_template", "dflash_assets.tokenization",
-            "dflash_assets.tokenization.samples", "dflash_assets.cache_keys"} <= set(modules)
+            "dflash_assets.target", "dflash_assets.target.chat_template", "dflash_assets.prompts",
+            "dflash_assets.prompts.sources", "dflash_assets.cache_keys"} <= set(modules)
     assert "dflash_assets.drafter.decoding" not in modules and "dflash_assets.store.backends" not in modules
     assert all(p.is_file() and p.suffix == ".py" for p in modules.values())
     assert not any(name.startswith(("torch", "transformers")) for name in modules)
@@ -63,14 +63,14 @@ def test_tiny_target_key_changes_with_its_builder_code(package_copy):
     _touch_bytes(package_copy / "drafter" / "decoding.py")  # not imported by the build
     assert TT.target_fingerprint("dense").digest == base
 
-    _touch_bytes(package_copy / "tokenization" / "samples.py")  # imported indirectly (the ShareGPT reader)
+    _touch_bytes(package_copy / "prompts" / "sources.py")  # imported indirectly (the ShareGPT reader)
     indirect = TT.target_fingerprint("dense").digest
     assert indirect != base
 
     _touch_bytes(package_copy / "embedded" / "tiny_target_training.py")  # the training itself
     direct = TT.target_fingerprint("dense")
     assert direct.digest not in (base, indirect)
-    assert set(direct.inputs["modules"]) >= {"dflash_assets.embedded.tiny_target_training", "dflash_assets.tokenization.samples"}
+    assert set(direct.inputs["modules"]) >= {"dflash_assets.embedded.tiny_target_training", "dflash_assets.prompts.sources"}
 
 
 def test_tiny_target_key_changes_with_data_settings_and_library_versions(tmp_path, monkeypatch):
