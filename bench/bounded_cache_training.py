@@ -115,11 +115,11 @@ def write_parts(store_root: Path, dims: dict, args, dev: str) -> list[str]:
     return keys
 
 
-def timed_run(recipe, files, target, out, source=None) -> dict:
+def timed_run(recipe, files, target, out, source=None, max_steps=None) -> dict:
     steps: list[tuple[float, int]] = []
     t = time.perf_counter()
     res = train_drafter(recipe, files, target, out, resume=False, log=lambda m: steps.append((time.perf_counter(), m["tokens"])),
-                        source=source)
+                        source=source, max_steps=max_steps)
     wall = time.perf_counter() - t
     tail = steps[len(steps) // 2:]
     steady = sum(n for _, n in tail[1:]) / max(tail[-1][0] - tail[0][0], 1e-9) if len(tail) > 2 else None
@@ -171,6 +171,8 @@ def main(argv=None) -> int:
                                save_every=10**9, cache_limit_gb=args.limit_gb, num_layers=5 if not quick else 2,
                                block_size=16 if not quick else 4)
         limit = int(args.limit_gb * 1e9)
+        log("warm-up: 20 steps from local files (kernels, compile caches, allocator), not counted")
+        res["warmup"] = timed_run(recipe, [store.local_path(k) for k in keys], target, root / "out-warm", max_steps=20)
         log("run: local files")
         res["local"] = timed_run(recipe, [store.local_path(k) for k in keys], target, root / "out-local")
         log(f"local: {res['local']}")

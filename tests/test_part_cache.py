@@ -6,8 +6,6 @@ cache limit is smaller than two parts, so training must evict and fetch again.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
