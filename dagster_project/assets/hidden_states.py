@@ -4,7 +4,9 @@ Runs on whichever host has the GPU, through Dagster Pipes (``GpuHostLauncher``;
 a local subprocess by default). The host reads ``tokenized_samples/<shard>``
 from the store, refuses a partition whose blocking checks failed, captures
 the chosen layers with forward hooks (the model cut after the last one) and
-writes ``hidden_state_cache/<shard>.safetensors``. Limited by the ``gpu`` pool.
+writes its parts under ``hidden_state_cache/<shard>/<version>/``, then the
+manifest ``hidden_state_cache/<shard>.manifest.json`` naming them. Limited by
+the ``gpu`` pool.
 """
 
 import dagster as dg
