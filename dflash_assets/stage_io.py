@@ -3,7 +3,7 @@
 `pipes_worker` (the entry point on the host) builds a `StageCall`, calls the
 stage function, and reports its `StageResult` (materialization metadata,
 check outcomes, data version) back to Dagster. The stage libraries
-(`hidden_states.capture`, `drafter_stages`) import only this module, not the
+(`hidden_states.stage`, `drafter.stages`) import only this module, not the
 worker, so the worker can import them without a cycle. Stdlib only; reads and
 writes nothing.
 """
