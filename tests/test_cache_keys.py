@@ -36,7 +36,7 @@ def test_project_modules_follow_imports_inside_functions_and_stop_at_the_package
     assert {"dflash_assets.embedded.tiny_targets", "dflash_assets.embedded.tiny_target_training", "dflash_assets.target.tokenizer",
             "dflash_assets.target", "dflash_assets.target.chat_template", "dflash_assets.prompts",
             "dflash_assets.prompts.sources", "dflash_assets.cache_keys"} <= set(modules)
-    assert "dflash_assets.drafter.decoding" not in modules and "dflash_assets.store.backends" not in modules
+    assert "dflash_assets.drafter.decoding" not in modules and "dflash_assets.hidden_states.capture" not in modules
     assert all(p.is_file() and p.suffix == ".py" for p in modules.values())
     assert not any(name.startswith(("torch", "transformers")) for name in modules)
 
