@@ -65,3 +65,47 @@ def test_completions_probe_each_endpoint_once_and_log_the_table(tmp_path, tiny_d
             logs = [e.user_message for e in instance.all_logs(result.run_id) if e.user_message]
         assert engine.stats.model_info_requests == 1  # one probe per materialization, not one in the asset and one in the library
     assert sum("engine probe:" in m and "| endpoint |" in m for m in logs) == 1
+
+
+def test_generation_plan_takes_turns_and_lengths_from_the_completions(tmp_path, tiny_dense_target):
+    """Turns per prompt from the completions' num_turns (not 1.0), output length measured, burst on real prompts."""
+    import json
+
+    from dagster_project.config import GenerationStageConfig
+    from dflash_assets.store import layout
+    from dflash_assets.store.backends import LocalStore
+
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Question {i}"}, {"role": "assistant", "content": "A"},
+        {"role": "user", "content": f"Follow-up {i}"}]}) + "\n" for i in range(6)))
+    with LoopbackServer(model_path=str(tiny_dense_target)) as engine:
+        resources = {**defs.resources, "store": StoreResource(uri=str(tmp_path / "store")),
+                     "engines": EngineFleetResource(endpoints=[f"sglang:{engine.url}"], max_concurrency=2)}
+        with dg.instance_for_test() as instance:
+            dg.materialize(defs.assets, selection=["prompt_corpus"], instance=instance, resources=resources,
+                           run_config={"ops": {"prompt_corpus": {"config": {"source_uri": str(source)}}}})
+            (shard,) = instance.get_dynamic_partitions("prompt_shards")
+            empty = dg.materialize(defs.assets, selection=["generation_plan"], instance=instance, resources=resources,
+                                   run_config={"ops": {"generation_plan": {"config": {
+                                       "probe_max_new_tokens": 8, "probe_requests": 4}}}})
+            dg.materialize(defs.assets, selection=["raw_prompts", "completions"], partition_key=shard,
+                           instance=instance, resources=resources,
+                           run_config={"ops": {"completions": {"config": {"max_new_tokens": 64}}}})
+            engine.stats.prompts_seen.clear()
+            result = dg.materialize(defs.assets, selection=["generation_plan"], instance=instance,
+                                    resources=resources, run_config={"ops": {"generation_plan": {"config": {
+                                        "probe_max_new_tokens": 8, "probe_requests": 4}}}})
+            assert len(engine.stats.prompts_seen) == 4  # the burst sent 4 different real prompts
+    first = {k: v.value for k, v in empty.asset_materializations_for_node("generation_plan")[0].metadata.items()}
+    meta = {k: v.value for k, v in result.asset_materializations_for_node("generation_plan")[0].metadata.items()}
+    # nothing generated yet: the generation config's max_new_tokens, not a constant; one turn (no raw_prompts yet)
+    assert first["output_tokens_source"] == "max_new_tokens" and first["turns_source"] == "config"
+    assert first["total_output_tokens"] == 6 * GenerationStageConfig().max_new_tokens
+    table = LocalStore(tmp_path / "store").read_parquet(layout.completions(shard))
+    turns = sum(table["num_turns"].to_pylist())
+    tokens = sum(sum(t) for t in table["completion_tokens"].to_pylist())
+    assert turns == 12  # two regenerated turns per prompt
+    assert meta["output_tokens_source"] == "completions" and meta["turns_source"] == "completions"
+    assert meta["burst_prompts"] == "raw_prompts"
+    assert meta["total_output_tokens"] == int(6 * (turns / 6) * (tokens / turns))

@@ -291,3 +291,69 @@ def test_api_key_per_endpoint_from_config_environment_or_file_never_shown(tok, l
     monkeypatch.delenv("LOOPBACK_B_KEY")
     with pytest.raises(ValueError, match="LOOPBACK_B_KEY.*not set"):
         probe_fleet(cfg, tok)
+
+
+# -- the plan's inputs, read with bounded memory (issue 15 item 5) ---------------------------
+
+
+class _ColumnRecordingStore(LocalStore):
+    """A real local store that records every Parquet read (key, columns)."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.reads: list[tuple[str, tuple | None]] = []
+
+    def read_parquet(self, key, columns=None):
+        self.reads.append((key, tuple(columns) if columns is not None else None))
+        return super().read_parquet(key, columns=columns)
+
+
+def test_plan_inputs_come_from_completions_and_prompts_column_by_column(tok, tmp_path):
+    import pyarrow as pa
+
+    from dflash_assets.generation.plan import measure_completions, measure_prompts, mean_output_tokens
+    from dflash_assets.store import layout
+
+    store = _ColumnRecordingStore(tmp_path / "store")
+    assert measure_completions(store) is None and measure_prompts(store, max_turns=2) is None
+    shards = {"s0": prompts(5, turns=3), "s1": prompts(4, turns=1)}
+    gen = GenerationConfig(max_new_tokens=64, max_turns=2)
+    with LoopbackServer(model_path=TARGET) as srv:
+        cfg = EngineFleetConfig(target_model=TARGET, endpoints=[EndpointConfig(url=srv.url, max_concurrency=4)])
+        tables = {}
+        for shard, rows in shards.items():
+            store.write_parquet(layout.raw_prompts(shard), pa.Table.from_pylist(
+                [{**r, "num_user_turns": len(r["user_turns"])} for r in rows]))
+            tables[shard] = regenerate_shard(rows, shard=shard, store=store, fleet=cfg, generation=gen,
+                                             tokenizer=tok).table
+    store.reads.clear()
+    done = measure_completions(store)
+    all_rows = [r for t in tables.values() for r in t.to_pylist()]
+    per_turn = [n for r in all_rows for n in r["completion_tokens"]]
+    assert (done.shards, done.prompts, done.turns) == (2, 9, 5 * 2 + 4 * 1)  # num_turns, capped at max_turns
+    assert done.turns_per_prompt == pytest.approx(14 / 9) and done.completion_tokens == sum(per_turn)
+    assert done.output_tokens_per_turn == pytest.approx(sum(per_turn) / len(per_turn))
+    assert done.prompt_tokens == sum(n for r in all_rows for n in r["prompt_tokens"])
+    assert mean_output_tokens(tables["s0"]) == pytest.approx(
+        sum(n for r in tables["s0"].to_pylist() for n in r["completion_tokens"]) / 10)
+    # one shard at a time, and only the columns it sums: never a whole shard as Python objects
+    assert [k for k, _ in store.reads] == [layout.completions("s0"), layout.completions("s1")]
+    assert all(cols is not None and "messages" not in cols for _, cols in store.reads)
+    seen = measure_prompts(store, max_turns=2, sample=7)
+    assert (seen.prompts, seen.turns) == (9, 14) and len(seen.sample) == 7
+    assert seen.sample[0][0] == {"role": "system", "content": "Be brief."}  # prompt 0 has a system prompt
+    assert seen.sample[1] == ({"role": "user", "content": "question 1 part 0"},)
+
+
+def test_burst_sends_real_prompts_with_the_completions_sampling(tok):
+    from dflash_assets.generation.plan import measure_throughput
+
+    chats = [[{"role": "user", "content": f"real prompt number {i} " * (1 + i)}] for i in range(5)]
+    with LoopbackServer(model_path=TARGET) as srv:
+        cfg = EngineFleetConfig(target_model=TARGET, endpoints=[EndpointConfig(url=srv.url, max_concurrency=2)])
+        _, (m,) = measure_throughput(cfg, tokenizer=tok, max_new_tokens=16, requests=10, conversations=chats,
+                                     generation=GenerationConfig(temperature=0.3, top_p=0.8, seed=7))
+        sp = srv.stats.last_body["sampling_params"]
+        assert len(srv.stats.prompts_seen) == 5  # every real prompt, not one fixed one
+    assert m.ok == 10 and m.completion_tokens == 10 * 16
+    assert (sp["temperature"], sp["top_p"], sp["sampling_seed"], sp["ignore_eos"]) == (0.3, 0.8, 7, True)

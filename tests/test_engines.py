@@ -230,6 +230,22 @@ def test_openai_engine_against_transformers_serve(transformers_serve, tiny_dense
     assert res.reasoning_content or res.content
 
 
+@pytest.mark.slow
+def test_ignore_eos_reaches_transformers_serve(transformers_serve):
+    """The plan's burst asks for exactly max_new_tokens; `transformers serve` has no ignore_eos field, so the
+    client asks for min_new_tokens in the request's generation config."""
+    gen = GenerationConfig(max_new_tokens=48, temperature=0.0)
+
+    async def go():
+        async with OpenAIEngine(transformers_serve.url) as eng:
+            await eng.probe()
+            return await eng.chat(MESSAGES, gen), await eng.chat(MESSAGES, gen, ignore_eos=True)
+
+    free, forced = run(go())
+    assert free.completion_tokens < 48  # the trained tiny target ends its turn on its own ...
+    assert forced.completion_tokens == 48 and forced.finish_reason == "length"  # ... unless told not to
+
+
 def test_transformers_engine_in_process(tiny_dense_target, tok):
     gen = GenerationConfig(max_new_tokens=5, temperature=0.0)
 

@@ -22,7 +22,7 @@ from dflash_assets.generation.completions import (
     response_length_histogram,
 )
 from dflash_assets.generation.fleet import NoEngineAvailable
-from dflash_assets.generation.plan import mean_output_tokens, plan_generation
+from dflash_assets.generation.plan import measure_completions, measure_prompts, plan_generation
 from dflash_assets.prompts.ingest import corpus_prompt_count
 from dflash_assets.store import layout
 
@@ -83,17 +83,24 @@ def generation_plan(context: dg.AssetExecutionContext, config: GenerationPlanCon
     """
     st, spec = store.open(), target.spec()
     prompts = corpus_prompt_count(st)
-    measured = [st.read_parquet(k) for k in st.list("completions") if k.count("/") == 1 and k.endswith(".parquet")]
+    generation = GenerationStageConfig().to_library(enable_thinking=spec.thinking())  # completions' sampling
+    done = measure_completions(st)  # a few columns, one shard at a time
+    seen = measure_prompts(st, max_turns=generation.max_turns, sample=config.probe_requests or 64)
     output_tokens = config.expected_output_tokens or (
-        max(mean_output_tokens(t) for t in measured) if measured else config.assumed_max_new_tokens)
+        done.output_tokens_per_turn if done else generation.max_new_tokens)
+    turns = done.turns_per_prompt if done else (seen.turns_per_prompt if seen else config.turns_per_prompt)
     estimate = plan_generation(
         engines.fleet_config(target_model=spec.model_path), prompts=prompts, output_tokens_per_turn=output_tokens,
-        turns_per_prompt=config.turns_per_prompt, tokenizer=spec.load_tokenizer(),
+        turns_per_prompt=turns, tokenizer=spec.load_tokenizer(), generation=generation,
         max_new_tokens=config.probe_max_new_tokens, requests=config.probe_requests,
+        conversations=seen.sample if seen else None,
     )
     context.log.info(f"generation plan:\n{estimate.markdown()}")
     return dg.MaterializeResult(metadata={
         **to_metadata(estimate.to_metadata()),
-        "output_tokens_source": "config" if config.expected_output_tokens else ("measured" if measured else "assumed"),
+        "output_tokens_source": "config" if config.expected_output_tokens else (
+            "completions" if done else "max_new_tokens"),
+        "turns_source": "completions" if done else ("raw_prompts" if seen else "config"),
+        "burst_prompts": "raw_prompts" if seen else "fixed",
         "plan": dg.MetadataValue.md(estimate.markdown()),
     })

@@ -660,7 +660,10 @@ class OpenAIEngine(Engine):
             # `transformers serve` starts from the model's generation_config.json: `temperature` alone never
             # turns sampling on (a target shipping do_sample=false decodes greedily) and top_k/min_p/
             # repetition_penalty are no request fields there. It takes them as a GenerationConfig JSON string.
-            payload["generation_config"] = json.dumps(hf_generation_settings(gen))
+            settings = hf_generation_settings(gen)
+            if ignore_eos:  # no `ignore_eos` field there: end-of-turn is suppressed up to max_new_tokens instead
+                settings["min_new_tokens"] = gen.max_new_tokens
+            payload["generation_config"] = json.dumps(settings)
         if self.extra_sampling_params:
             if gen.top_k is not None and gen.top_k > 0:
                 payload["top_k"] = gen.top_k

@@ -9,12 +9,17 @@ measures completion tokens per second of wall time per endpoint.
 corpus: prompts x turns x expected output tokens / summed throughput, with
 each endpoint taking a share proportional to its throughput (so all finish
 together), plus the time each endpoint would need alone.
-``plan_generation`` does both. The expected output length is an input; take
-it from a measured sample (``mean_output_tokens`` of a completions table)
-rather than a guess. Results are a frozen dataclass with ``markdown()`` and
-``to_metadata()``.
+``plan_generation`` does both. The expected output length and turns per
+prompt are inputs: ``measure_completions`` reads them off the completions
+published so far (``completion_tokens`` and ``num_turns``, column by column,
+one shard at a time: memory bounded by a shard, never the corpus);
+``measure_prompts`` gives turns per prompt from the ``raw_prompts`` shards
+(``num_user_turns`` capped at ``max_turns``) and a sample of real
+conversations for the burst, so its prompts have real lengths. Results are
+frozen dataclasses with ``markdown()`` and ``to_metadata()``.
 
-Reads: HTTP endpoints (a few requests each). Writes nothing.
+Reads: HTTP endpoints (a few requests each); the store's ``completions`` and
+``raw_prompts`` shards (a few columns). Writes nothing.
 """
 
 from __future__ import annotations
@@ -24,8 +29,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, run_sync
 from dflash_assets.generation.engines import Engine, EngineError, GenerationConfig
+from dflash_assets.store import layout
 
 __all__ = [
     "EndpointThroughput",
@@ -36,6 +45,10 @@ __all__ = [
     "estimate_generation_time",
     "plan_generation",
     "mean_output_tokens",
+    "CompletionsMeasure",
+    "measure_completions",
+    "PromptsMeasure",
+    "measure_prompts",
     "format_duration",
 ]
 
@@ -124,23 +137,107 @@ def format_duration(seconds: float) -> str:
 
 
 def mean_output_tokens(completions: Any) -> float:
-    """Mean generated tokens per assistant turn of a completions table (Arrow or rows)."""
-    rows = completions.to_pylist() if hasattr(completions, "to_pylist") else list(completions)
-    counts = [n for r in rows for n in r["completion_tokens"]]
-    return sum(counts) / len(counts) if counts else 0.0
+    """Mean generated tokens per assistant turn of a completions table (Arrow, or rows)."""
+    if not isinstance(completions, pa.Table):
+        completions = pa.Table.from_pylist([{"completion_tokens": r["completion_tokens"]} for r in completions],
+                                           schema=pa.schema([("completion_tokens", pa.list_(pa.int32()))]))
+    flat = pc.list_flatten(completions.column("completion_tokens"))
+    return float(pc.sum(flat).as_py() or 0) / len(flat) if len(flat) else 0.0
+
+
+@dataclass(frozen=True)
+class CompletionsMeasure:
+    """Sums over the published completions: what a plan needs of the corpus generated so far."""
+
+    shards: int
+    prompts: int
+    turns: int
+    completion_tokens: int
+    prompt_tokens: int
+    turns_at_cap: int  # turns whose completion hit max_new_tokens (finish reason "length")
+
+    @property
+    def output_tokens_per_turn(self) -> float:
+        return self.completion_tokens / self.turns if self.turns else 0.0
+
+    @property
+    def turns_per_prompt(self) -> float:
+        return self.turns / self.prompts if self.prompts else 0.0
+
+    @property
+    def prompt_tokens_per_turn(self) -> float:
+        return self.prompt_tokens / self.turns if self.turns else 0.0
+
+
+def measure_completions(store: Any) -> CompletionsMeasure | None:
+    """Turns, output and prompt tokens of every published completions shard (None: none yet).
+
+    Reads four columns of one shard at a time and sums them in Arrow: no shard
+    is turned into Python objects, and memory is bounded by one shard.
+    """
+    shards = prompts = turns = out_tokens = in_tokens = at_cap = 0
+    for shard in layout.list_completion_shards(store):
+        t = store.read_parquet(layout.completions(shard),
+                               columns=["num_turns", "completion_tokens", "prompt_tokens", "finish_reasons"])
+        shards += 1
+        prompts += t.num_rows
+        turns += int(pc.sum(t.column("num_turns")).as_py() or 0)
+        out_tokens += int(pc.sum(pc.list_flatten(t.column("completion_tokens"))).as_py() or 0)
+        in_tokens += int(pc.sum(pc.list_flatten(t.column("prompt_tokens"))).as_py() or 0)
+        at_cap += int(pc.sum(pc.equal(pc.list_flatten(t.column("finish_reasons")), "length")).as_py() or 0)
+        del t
+    if not prompts:
+        return None
+    return CompletionsMeasure(shards, prompts, turns, out_tokens, in_tokens, at_cap)
+
+
+@dataclass(frozen=True)
+class PromptsMeasure:
+    """Turns per prompt of the ``raw_prompts`` shards (capped at ``max_turns``) and a sample of their chats."""
+
+    shards: int
+    prompts: int
+    turns: int
+    sample: tuple[tuple[dict, ...], ...]  # first-turn requests (system + first user turn) of the first prompts
+
+    @property
+    def turns_per_prompt(self) -> float:
+        return self.turns / self.prompts if self.prompts else 0.0
+
+
+def measure_prompts(store: Any, *, max_turns: int, sample: int = 64) -> PromptsMeasure | None:
+    """Turns per prompt over every ``raw_prompts`` shard (one column, one shard at a time) and ``sample`` real
+    first-turn requests for the throughput burst. None when no shard is materialized yet."""
+    shards = prompts = turns = 0
+    chats: list[tuple[dict, ...]] = []
+    for shard in layout.list_raw_prompt_shards(store):
+        key = layout.raw_prompts(shard)
+        t = store.read_parquet(key, columns=["num_user_turns"])
+        shards += 1
+        prompts += t.num_rows
+        turns += int(pc.sum(pc.min_element_wise(t.column("num_user_turns"), max_turns)).as_py() or 0)
+        if len(chats) < sample:
+            head = store.read_parquet(key, columns=["system", "user_turns"]).slice(0, sample - len(chats))
+            for row in head.to_pylist():
+                first = (row["user_turns"] or [""])[0]
+                system = ({"role": "system", "content": row["system"]},) if row["system"] else ()
+                chats.append((*system, {"role": "user", "content": first}))
+    if not prompts:
+        return None
+    return PromptsMeasure(shards, prompts, turns, tuple(chats))
 
 
 async def _burst(engine: Engine, gen: GenerationConfig, requests: int, concurrency: int,
-                 messages: list[dict]) -> EndpointThroughput:
+                 conversations: Sequence[Sequence[dict]]) -> EndpointThroughput:
     sem = asyncio.Semaphore(concurrency)
     tokens, latencies, errors = [], [], []
 
-    async def one() -> None:
+    async def one(i: int) -> None:
         async with sem:
             t0 = time.perf_counter()
             try:
                 kwargs = {"ignore_eos": True} if engine.kind in ("sglang", "openai") else {}
-                res = await engine.chat(messages, gen, **kwargs)
+                res = await engine.chat(list(conversations[i % len(conversations)]), gen, **kwargs)
             except EngineError as e:
                 errors.append(str(e))
                 return
@@ -148,7 +245,7 @@ async def _burst(engine: Engine, gen: GenerationConfig, requests: int, concurren
             latencies.append(time.perf_counter() - t0)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one() for _ in range(requests)))
+    await asyncio.gather(*(one(i) for i in range(requests)))
     wall = time.perf_counter() - t0
     n_tok = sum(tokens)
     return EndpointThroughput(
@@ -161,18 +258,23 @@ async def _burst(engine: Engine, gen: GenerationConfig, requests: int, concurren
 async def ameasure_throughput(config: EngineFleetConfig, *, tokenizer: Any = None, max_new_tokens: int = 256,
                               requests: int | None = None, concurrency: int | None = None,
                               generation: GenerationConfig | None = None,
-                              prompt: str = PROBE_PROMPT) -> tuple[FleetProbe, list[EndpointThroughput]]:
+                              prompt: str = PROBE_PROMPT,
+                              conversations: Sequence[Sequence[dict]] | None = None,
+                              ) -> tuple[FleetProbe, list[EndpointThroughput]]:
     """Probe the fleet and measure each usable endpoint's throughput with one burst (all endpoints at once).
 
     ``concurrency`` defaults to each endpoint's ``max_concurrency`` (the load
-    a real run puts on it), ``requests`` to twice that.
+    a real run puts on it), ``requests`` to twice that. Request i sends
+    ``conversations[i % n]`` (real prompts: ``measure_prompts(...).sample``),
+    else the one fixed ``prompt``; sampling is ``generation``'s (the
+    completions' settings) with ``max_new_tokens`` and end-of-turn ignored.
     """
     gen = (generation or GenerationConfig()).model_copy(update={"max_new_tokens": max_new_tokens})
-    messages = [{"role": "user", "content": prompt}]
+    chats = [list(c) for c in conversations or () if c] or [[{"role": "user", "content": prompt}]]
     async with EngineFleet(config, tokenizer) as fleet:
         engines = fleet.live_endpoints
         bursts = [
-            _burst(e, gen, requests or 2 * (concurrency or e.max_concurrency), concurrency or e.max_concurrency, messages)
+            _burst(e, gen, requests or 2 * (concurrency or e.max_concurrency), concurrency or e.max_concurrency, chats)
             for e in engines
         ]
         results = await asyncio.gather(*bursts)
@@ -203,9 +305,11 @@ def estimate_generation_time(measurements: Sequence[EndpointThroughput], *, prom
 def plan_generation(config: EngineFleetConfig, *, prompts: int, output_tokens_per_turn: float,
                     turns_per_prompt: float = 1.0, tokenizer: Any = None, max_new_tokens: int = 256,
                     requests: int | None = None, concurrency: int | None = None,
-                    generation: GenerationConfig | None = None) -> GenerationEstimate:
+                    generation: GenerationConfig | None = None,
+                    conversations: Sequence[Sequence[dict]] | None = None) -> GenerationEstimate:
     """Measure the fleet (``measure_throughput``) and estimate the corpus's wall time."""
     probe, measured = measure_throughput(config, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
-                                         requests=requests, concurrency=concurrency, generation=generation)
+                                         requests=requests, concurrency=concurrency, generation=generation,
+                                         conversations=conversations)
     return estimate_generation_time(measured, prompts=prompts, output_tokens_per_turn=output_tokens_per_turn,
                                     turns_per_prompt=turns_per_prompt, probe=probe, probe_max_new_tokens=max_new_tokens)
