@@ -96,7 +96,7 @@ def test_generation_plan_takes_turns_and_lengths_from_the_completions(tmp_path, 
             result = dg.materialize(defs.assets, selection=["generation_plan"], instance=instance,
                                     resources=resources, run_config={"ops": {"generation_plan": {"config": {
                                         "probe_max_new_tokens": 8, "probe_requests": 4}}}})
-            assert len(engine.stats.prompts_seen) == 4  # the burst sent 4 different real prompts
+            assert len(engine.stats.prompts_seen) == 4  # the burst sent 4 different real requests
     first = {k: v.value for k, v in empty.asset_materializations_for_node("generation_plan")[0].metadata.items()}
     meta = {k: v.value for k, v in result.asset_materializations_for_node("generation_plan")[0].metadata.items()}
     # nothing generated yet: the generation config's max_new_tokens, not a constant; one turn (no raw_prompts yet)
@@ -107,5 +107,5 @@ def test_generation_plan_takes_turns_and_lengths_from_the_completions(tmp_path, 
     tokens = sum(sum(t) for t in table["completion_tokens"].to_pylist())
     assert turns == 12  # two regenerated turns per prompt
     assert meta["output_tokens_source"] == "completions" and meta["turns_source"] == "completions"
-    assert meta["burst_prompts"] == "raw_prompts"
+    assert meta["burst_prompts"] == "completions"  # real requests, history included
     assert meta["total_output_tokens"] == int(6 * (turns / 6) * (tokens / turns))

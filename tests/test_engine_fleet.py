@@ -339,6 +339,12 @@ def test_plan_inputs_come_from_completions_and_prompts_column_by_column(tok, tmp
     # one shard at a time, and only the columns it sums: never a whole shard as Python objects
     assert [k for k, _ in store.reads] == [layout.completions("s0"), layout.completions("s1")]
     assert all(cols is not None and "messages" not in cols for _, cols in store.reads)
+    sampled = measure_completions(store, sample=5).sample  # real requests as the run sent them
+    row0 = tables["s0"].to_pylist()[0]["messages"]
+    assert len(sampled) == 5 and sampled[0] == ({"role": "system", "content": "Be brief."},
+                                                {"role": "user", "content": "question 0 part 0"})
+    assert sampled[1] == (sampled[0][0], sampled[0][1], {"role": "assistant", "content": row0[2]["content"]},
+                          {"role": "user", "content": "question 0 part 1"})  # history re-sent, no reasoning
     seen = measure_prompts(store, max_turns=2, sample=7)
     assert (seen.prompts, seen.turns) == (9, 14) and len(seen.sample) == 7
     assert seen.sample[0][0] == {"role": "system", "content": "Be brief."}  # prompt 0 has a system prompt

@@ -84,8 +84,9 @@ def generation_plan(context: dg.AssetExecutionContext, config: GenerationPlanCon
     st, spec = store.open(), target.spec()
     prompts = corpus_prompt_count(st)
     generation = GenerationStageConfig().to_library(enable_thinking=spec.thinking())  # completions' sampling
-    done = measure_completions(st)  # a few columns, one shard at a time
-    seen = measure_prompts(st, max_turns=generation.max_turns, sample=config.probe_requests or 64)
+    sample = config.probe_requests or 64
+    done = measure_completions(st, sample=sample)  # a few columns, one shard at a time
+    seen = measure_prompts(st, max_turns=generation.max_turns, sample=sample)
     output_tokens = config.expected_output_tokens or (
         done.output_tokens_per_turn if done else generation.max_new_tokens)
     turns = done.turns_per_prompt if done else (seen.turns_per_prompt if seen else config.turns_per_prompt)
@@ -93,7 +94,7 @@ def generation_plan(context: dg.AssetExecutionContext, config: GenerationPlanCon
         engines.fleet_config(target_model=spec.model_path), prompts=prompts, output_tokens_per_turn=output_tokens,
         turns_per_prompt=turns, tokenizer=spec.load_tokenizer(), generation=generation,
         max_new_tokens=config.probe_max_new_tokens, requests=config.probe_requests,
-        conversations=seen.sample if seen else None,
+        conversations=(done.sample if done else ()) or (seen.sample if seen else None),
     )
     context.log.info(f"generation plan:\n{estimate.markdown()}")
     return dg.MaterializeResult(metadata={
@@ -101,6 +102,6 @@ def generation_plan(context: dg.AssetExecutionContext, config: GenerationPlanCon
         "output_tokens_source": "config" if config.expected_output_tokens else (
             "completions" if done else "max_new_tokens"),
         "turns_source": "completions" if done else ("raw_prompts" if seen else "config"),
-        "burst_prompts": "raw_prompts" if seen else "fixed",
+        "burst_prompts": "completions" if done and done.sample else ("raw_prompts" if seen else "fixed"),
         "plan": dg.MetadataValue.md(estimate.markdown()),
     })

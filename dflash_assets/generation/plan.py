@@ -12,7 +12,8 @@ together), plus the time each endpoint would need alone.
 ``plan_generation`` does both. The expected output length and turns per
 prompt are inputs: ``measure_completions`` reads them off the completions
 published so far (``completion_tokens`` and ``num_turns``, column by column,
-one shard at a time: memory bounded by a shard, never the corpus);
+one shard at a time: memory bounded by a shard, never the corpus; with a
+sample of real requests, history included);
 ``measure_prompts`` gives turns per prompt from the ``raw_prompts`` shards
 (``num_user_turns`` capped at ``max_turns``) and a sample of real
 conversations for the burst, so its prompts have real lengths. Results are
@@ -155,6 +156,7 @@ class CompletionsMeasure:
     completion_tokens: int
     prompt_tokens: int
     turns_at_cap: int  # turns whose completion hit max_new_tokens (finish reason "length")
+    sample: tuple[tuple[dict, ...], ...] = ()  # real requests (history re-sent, as the run sent them)
 
     @property
     def output_tokens_per_turn(self) -> float:
@@ -169,14 +171,36 @@ class CompletionsMeasure:
         return self.prompt_tokens / self.turns if self.turns else 0.0
 
 
-def measure_completions(store: Any) -> CompletionsMeasure | None:
+def _requests_of(messages: list[dict], turn: int) -> tuple[dict, ...]:
+    """The request a run sent for assistant turn ``turn``: the history (answers without reasoning) and the user turn."""
+    out: list[dict] = []
+    users = 0
+    for m in messages:
+        if m["role"] == "user":
+            if users == turn:
+                return (*out, {"role": "user", "content": m["content"]})
+            users += 1
+        out.append({"role": m["role"], "content": m["content"] or ""})
+    return tuple(out)
+
+
+def measure_completions(store: Any, *, sample: int = 0) -> CompletionsMeasure | None:
     """Turns, output and prompt tokens of every published completions shard (None: none yet).
 
     Reads four columns of one shard at a time and sums them in Arrow: no shard
-    is turned into Python objects, and memory is bounded by one shard.
+    is turned into Python objects, and memory is bounded by one shard. With
+    ``sample``, also that many real requests from the first rows (every turn
+    of a conversation in turn, history included): prompts of the length the run
+    really sends.
     """
     shards = prompts = turns = out_tokens = in_tokens = at_cap = 0
+    requests: list[tuple[dict, ...]] = []
     for shard in layout.list_completion_shards(store):
+        if len(requests) < sample:
+            head = store.read_parquet(layout.completions(shard), columns=["messages", "num_turns"]).slice(0, sample)
+            for row in head.to_pylist():
+                requests += [_requests_of(row["messages"], k) for k in range(row["num_turns"] or 0)]
+            del requests[sample:]
         t = store.read_parquet(layout.completions(shard),
                                columns=["num_turns", "completion_tokens", "prompt_tokens", "finish_reasons"])
         shards += 1
@@ -188,7 +212,7 @@ def measure_completions(store: Any) -> CompletionsMeasure | None:
         del t
     if not prompts:
         return None
-    return CompletionsMeasure(shards, prompts, turns, out_tokens, in_tokens, at_cap)
+    return CompletionsMeasure(shards, prompts, turns, out_tokens, in_tokens, at_cap, tuple(requests))
 
 
 @dataclass(frozen=True)
