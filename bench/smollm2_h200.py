@@ -25,6 +25,9 @@ Issue 16 item 4. Two modes:
     #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .smollm2_carry/b/gguf-*.whl &&
     #   PYTHONPATH=/tmp/site python3 bench/smollm2_h200.py --parts /tmp/smollm2/gguf.part-a \\
     #       .smollm2_carry/b/gguf.part-b --prompts .smollm2_carry/b/prompts.jsonl --out $OUT/smollm2_h200.json
+    # (all stages in one run, within 10 minutes through --gen-budget-s / --train-budget-s), or in two runs:
+    #   ... --stage generate --gen-budget-s 480 --out $OUT/generate.json, then right after
+    #   ... --stage train --train-budget-s 330 --out $OUT/smollm2_h200.json (same --prompts, same warm machine)
 """
 
 from __future__ import annotations
@@ -266,6 +269,27 @@ def evaluate(drafter, target_dir: Path, prompts, *, max_new_tokens: int, lossles
             "wall_s": round(result.wall_s, 1)}
 
 
+def save_samples(path: Path, samples, report: dict) -> None:
+    """Samples as flat arrays (no pickle): ids, loss masks, offsets; the generate stage's report beside."""
+    import numpy as np
+
+    offsets = np.cumsum([0] + [len(s[0]) for s in samples])
+    np.savez(path, ids=np.concatenate([s[0] for s in samples]), lm=np.concatenate([s[1] for s in samples]),
+             offsets=offsets)
+    path.with_suffix(".json").write_text(json.dumps(report))
+
+
+def load_samples(path: Path):
+    import numpy as np
+
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: run --stage generate first on this machine")
+    data = np.load(path, allow_pickle=False)
+    off = data["offsets"]
+    samples = [(data["ids"][a:b], data["lm"][a:b]) for a, b in zip(off[:-1], off[1:])]
+    return samples, json.loads(path.with_suffix(".json").read_text())
+
+
 def run(args) -> dict:
     import numpy as np
     import torch
@@ -284,7 +308,10 @@ def run(args) -> dict:
                     "args": vars(args), "stage_wall_s": times}
     work = Path(args.work)
     t = time.perf_counter()
-    gguf = reassemble(args.parts, work) if args.parts else Path(args.gguf)
+    if args.stage == "train":  # the generate stage of an earlier run on this machine left the GGUF and samples
+        gguf = work / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    else:
+        gguf = reassemble(args.parts, work) if args.parts else Path(args.gguf)
     target_dir = smollm2_target_path(cache_dir=work / "targets", gguf=gguf, log=log)
     times["convert"] = round(time.perf_counter() - t, 1)
 
@@ -299,32 +326,43 @@ def run(args) -> dict:
     prompt_ids = [render_prompt(tok, r)[-args.max_prompt_tokens:] for r in train_rows]
     times["load"] = round(time.perf_counter() - t, 1)
 
-    t = time.perf_counter()
-    outs, gen = generate_all(model, prompt_ids, batch=args.gen_batch, max_new_tokens=args.max_new_tokens, eos=2,
-                             pad=2, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                             budget_s=args.gen_budget_s)
-    times["generate"] = round(time.perf_counter() - t, 1)
-    report["generation"] = {**gen, "prompts": len(prompt_ids), "finished": sum(1 for o in outs if o and o[-1] == 2),
-                            "sample_answers": [tok.decode(o, skip_special_tokens=True)[:300]
-                                               for o in outs if o is not None][:3]}
+    saved = work / "samples.npz"
+    if args.stage == "train":
+        samples, earlier = load_samples(saved)
+        report.update(earlier)
+        report["stage_wall_s"] = times = {**earlier.get("stage_wall_s", {}), **times}
+    else:
+        t = time.perf_counter()
+        outs, gen = generate_all(model, prompt_ids, batch=args.gen_batch, max_new_tokens=args.max_new_tokens,
+                                 eos=2, pad=2, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                 budget_s=args.gen_budget_s)
+        times["generate"] = round(time.perf_counter() - t, 1)
+        report["generation"] = {**gen, "prompts": len(prompt_ids),
+                                "finished": sum(1 for o in outs if o and o[-1] == 2),
+                                "sample_answers": [tok.decode(o, skip_special_tokens=True)[:300]
+                                                   for o in outs if o is not None][:3]}
 
-    # Samples: the supervised span is what the target generated (after "<|im_start|>assistant\n"), through
-    # "<|im_end|>\n" (the template's end of turn: "\n" appended after a finished answer).
-    newline = tok("\n", add_special_tokens=False)["input_ids"]
-    samples, dropped = [], 0
-    for p, o in zip(prompt_ids, outs):
-        if o is None:  # not generated within the budget
-            continue
-        answer = list(o) + (newline if o and o[-1] == 2 else [])
-        if len(answer) < args.min_loss_tokens:
-            dropped += 1
-            continue
-        ids = np.array(p + answer, dtype=np.int64)
-        lm = np.concatenate([np.zeros(len(p), dtype=bool), np.ones(len(answer), dtype=bool)])
-        samples.append((ids, lm))
-    report["samples"] = {"kept": len(samples), "dropped_short": dropped,
-                         "tokens": int(sum(len(s[0]) for s in samples)),
-                         "supervised_tokens": int(sum(int(s[1].sum()) for s in samples))}
+        # Samples: the supervised span is what the target generated (after "<|im_start|>assistant\n"), through
+        # "<|im_end|>\n" (the template's end of turn: "\n" appended after a finished answer).
+        newline = tok("\n", add_special_tokens=False)["input_ids"]
+        samples, dropped = [], 0
+        for p, o in zip(prompt_ids, outs):
+            if o is None:  # not generated within the budget
+                continue
+            answer = list(o) + (newline if o and o[-1] == 2 else [])
+            if len(answer) < args.min_loss_tokens:
+                dropped += 1
+                continue
+            ids = np.array(p + answer, dtype=np.int64)
+            lm = np.concatenate([np.zeros(len(p), dtype=bool), np.ones(len(answer), dtype=bool)])
+            samples.append((ids, lm))
+        report["samples"] = {"kept": len(samples), "dropped_short": dropped,
+                             "tokens": int(sum(len(s[0]) for s in samples)),
+                             "supervised_tokens": int(sum(int(s[1].sum()) for s in samples))}
+        if args.stage == "generate":
+            save_samples(saved, samples, {k: report[k] for k in ("generation", "samples", "stage_wall_s")})
+            report["saved"] = str(saved)
+            return report
 
     tcfg = load_target_config(target_dir)
     layer_ids = dflash_target_layer_ids(tcfg["num_hidden_layers"])
@@ -365,6 +403,9 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prepare", metavar="DIR", help="write the carried files into DIR (here) and stop")
+    p.add_argument("--stage", choices=["all", "generate", "train"], default="all",
+                   help="generate: stop after generation, samples saved under --work; train: train and evaluate "
+                   "on the samples a generate stage saved on this machine (two runs of under 10 minutes each)")
     p.add_argument("--parts", nargs="+", help="the GGUF's parts, in order (reassembled and checked)")
     p.add_argument("--gguf", help="the GGUF itself (instead of --parts)")
     p.add_argument("--prompts", help="prompts.jsonl written by --prepare")
@@ -394,7 +435,7 @@ def main(argv=None) -> int:
     if args.prepare:
         prepare(Path(args.prepare), args.num_prompts)
         return 0
-    if not (args.parts or args.gguf) or not args.prompts:
+    if (args.stage != "train" and not (args.parts or args.gguf)) or not args.prompts:
         p.error("give --parts (or --gguf) and --prompts, or --prepare DIR")
     t0 = time.perf_counter()
     report = run(args)
@@ -403,7 +444,7 @@ def main(argv=None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    if args.work.startswith("/tmp/") and os.environ.get("SMOLLM2_KEEP_WORK") != "1":
+    if args.stage != "generate" and args.work.startswith("/tmp/") and os.environ.get("SMOLLM2_KEEP_WORK") != "1":
         shutil.rmtree(Path(args.work) / "targets", ignore_errors=True)
     return 0
 

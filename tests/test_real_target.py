@@ -211,3 +211,34 @@ def test_engine_command_has_no_reasoning_parser_for_a_non_thinking_target(smollm
     argv = engine_server_command("sglang", smollm2_target, port=30000, reasoning_parser=None)
     assert "--reasoning-parser" not in argv
     assert engine_server_command("sglang", "m", port=1)[-2:] == ["--reasoning-parser", "qwen3"]
+
+
+@pytest.mark.slow
+def test_demo_on_smollm2_passes_its_checks_and_reports_an_untrained_baseline(tmp_path, smollm2_target):
+    """`python -m dagster_project.demo --target smollm2` end to end (tiny sizes): the non-thinking target's
+    checks pass (thinking_ratio as not applicable), the drafter is lossless, and the untrained tau is beside."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "DFLASH_STORE")}
+    done = subprocess.run([sys.executable, "-m", "dagster_project.demo", "--home", str(tmp_path / "home"),
+                           "--target", "smollm2", "--prompts", "4", "--shard-size", "2", "--max-new-tokens", "24"],
+                          capture_output=True, text=True, timeout=1500, env=env, cwd=Path(__file__).parents[1])
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console
+    assert "SmolLM2-135M-Instruct" in done.stdout and "Traceback" not in console
+    summary = done.stdout[done.stdout.index("\nSummary\n"):]
+    assert re.search(r"shard-00000 .* 4/4 passed", summary) and re.search(r"shard-00001 .* 4/4 passed", summary)
+    assert re.search(r"tau \d\.\d{3} \(untrained drafter: \d\.\d{3}\)", summary), summary
+    import dagster as dg
+
+    with dg.DagsterInstance.from_ref(dg._core.instance.ref.InstanceRef.from_dir(str(tmp_path / "home"))) as instance:
+        evaluations = [e.dagster_event.event_specific_data for r in instance.get_runs()
+                       for e in instance.all_logs(r.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)]
+    thinking = [e for e in evaluations if e.asset_check_key.name == "thinking_ratio"]
+    assert len(thinking) == 2 and all(e.passed and "not applicable" in (e.description or "") for e in thinking)
+    lossless = [e for e in evaluations if e.asset_check_key.name == "lossless"]
+    assert len(lossless) == 1 and lossless[0].passed
