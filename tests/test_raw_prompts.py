@@ -138,8 +138,10 @@ def test_category_from_the_record():
     (conv(("gpt", "a"), ("gpt", "b")), "no_user_turn", "assistant-only"),
     (conv(("system", "shared from ChatHub")), "no_user_turn", "system-only"),
     (conv(("system", "s"), ("human", " \n"), ("gpt", "a")), "no_user_turn", "user turns are empty"),
-    (conv(("human", "q"), ("tool", "{}")), "unknown_role", "'tool'"),
-    (msgs(("user", "q"), ("function", "f")), "unknown_role", "'function'"),
+    (conv(("human", "q"), ("narrator", "{}")), "unknown_role", "'narrator'"),
+    # tool results are agentic turns now (issue 17); without a call before them they are orphans
+    (conv(("human", "q"), ("tool", "{}")), "orphan_tool_result", "no tool call before it"),
+    (msgs(("user", "q"), ("function", "f")), "orphan_tool_result", "no tool call before it"),
     (conv(("human", "q"), ("gpt", None)), "non_string_content", "NoneType"),
     (msgs(("user", 42)), "non_string_content", "int"),
     (msgs(("user", {"text": "q"})), "non_string_content", "dict"),

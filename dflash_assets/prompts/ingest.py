@@ -66,6 +66,30 @@ Normalization (``normalize_record``):
   id was already seen in this source are duplicates (the first is kept),
   counted, not quarantined.
 
+Agentic conversations (issue 17): a record with tool definitions (``tools``
+or ``functions``: a list, or its JSON text, of OpenAI ``{"type": "function",
+"function": {...}}`` or bare ``{"name", "parameters"}`` objects), assistant
+tool calls (OpenAI ``tool_calls``, legacy ``function_call``; ShareGPT
+``function_call``/``function-call`` turns whose value is the JSON of
+``{"name", "arguments"}`` or a list of them) or tool results (role
+``tool``/``function``; ShareGPT ``observation``/``function_response``) is
+normalized by :func:`normalize_agentic_record`. It keeps the system prompt
+(system turns and a top-level ``system`` field, as LLaMA-Factory's ShareGPT
+files carry it), the tool definitions (column ``tools``: JSON text, OpenAI
+form) and the sequence of user turns, recorded tool calls (name and
+arguments as an object; the assistant's text is dropped, as in plain chats)
+and tool results (column ``agentic_turns``: JSON text of ``{"role": "user",
+"content"}``, ``{"role": "assistant", "tool_calls": [{"id", "name",
+"arguments"}]}``, ``{"role": "tool", "content", "tool_call_id"?, "name"?}``);
+``user_turns`` holds its user turns as for a plain chat. Its id
+(:func:`agentic_prompt_id`) covers the system prompt, the tools and the
+turns (call ids left out), so it never equals a plain chat's. Malformed ones
+are quarantined: ``bad_tools``, ``bad_tool_call``, ``orphan_tool_result``,
+``missing_tool_result``. Plain chats are untouched: a shard without an
+agentic prompt is written exactly as before (``PROMPT_SCHEMA``); one with
+an agentic prompt has the two extra columns (``AGENTIC_PROMPT_SCHEMA``,
+null for its plain chats).
+
 Quarantine reasons: see :data:`QUARANTINE_REASONS`. Every rejected record
 becomes one row (reason, detail, raw JSON text truncated); counts per
 reason are in the report. Zero valid prompts raises :class:`NoValidPromptsError`.
@@ -122,7 +146,10 @@ __all__ = [
     "PROMPT_SCHEMA",
     "QUARANTINE_SCHEMA",
     "normalize_record",
+    "normalize_agentic_record",
     "prompt_id",
+    "agentic_prompt_id",
+    "AGENTIC_PROMPT_SCHEMA",
     "ingest_prompt_source",
     "materialize_prompt_shard",
     "list_shard_keys",
@@ -152,6 +179,12 @@ QUARANTINE_REASONS = {
     "late_system_turn": "a system turn after the conversation started",
     "no_user_turn": "no non-empty user turn (assistant-only, system-only, blank user turns)",
     "assistant_first": "starts with an assistant turn (only with leading_assistant='quarantine')",
+    "bad_tools": "tool definitions that are not a list of named function objects (or its JSON text), "
+                 "or tool calls recorded without any tool definitions",
+    "bad_tool_call": "a recorded tool call without a name, with arguments that are not a JSON object, "
+                     "or naming a tool the record does not define",
+    "orphan_tool_result": "a tool result with no tool call before it (or more results than calls)",
+    "missing_tool_result": "a tool call step followed by another turn before all its results",
 }
 
 PROMPT_SCHEMA = pa.schema([
@@ -179,6 +212,10 @@ QUARANTINE_SCHEMA = pa.schema([
     pa.field("raw_chars", pa.int64(), nullable=False),
     pa.field("raw", pa.string(), nullable=False),  # JSON text of the record, truncated
 ])
+
+# A shard holding an agentic prompt: two more columns (null for its plain chats).
+AGENTIC_PROMPT_SCHEMA = PROMPT_SCHEMA.append(pa.field("tools", pa.string())).append(
+    pa.field("agentic_turns", pa.string()))
 
 MANIFEST_SCHEMA = pa.schema([
     pa.field("prompt_id", pa.string(), nullable=False),
@@ -230,6 +267,8 @@ class Prompt:
     prompt_chars: int
     roles: tuple[str, ...]  # source roles (lower-cased) of the record's turns
     notes: tuple[str, ...] = ()  # what normalization changed, e.g. "user_turns_merged"
+    tools: str | None = None  # agentic: JSON text of the tool definitions (OpenAI form)
+    agentic_turns: str | None = None  # agentic: JSON text of user turns, recorded tool calls and tool results
 
 
 @dataclass(frozen=True)
@@ -266,6 +305,7 @@ class IngestReport:
     roles: dict[str, int]  # source role -> count over valid prompts
     quarantine_key: str
     seconds: float
+    agentic_prompts: int = 0  # valid prompts with tools, tool calls or tool results
 
     @property
     def quarantined_total(self) -> int:
@@ -292,7 +332,7 @@ class IngestReport:
             "shard_size_min": min(sizes, default=0), "shard_size_max": max(sizes, default=0),
             "new_shards": len(self.new_shards), "changed_shards": ", ".join(self.changed_shards) or "none",
             "notes": self.notes, "roles": self.roles, "quarantine_key": self.quarantine_key,
-            "seconds": self.seconds,
+            "seconds": self.seconds, "agentic_prompts": self.agentic_prompts,
         }
         return out
 
@@ -321,6 +361,7 @@ class ShardStats(Mapping):
     categories: dict[str, int]
     sha256: str  # of the Parquet bytes: a data version for the partition
     generation: int  # the ingest generation that last changed this shard
+    agentic_prompts: int = 0  # prompts with tools, tool calls or tool results
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -415,6 +456,8 @@ def normalize_record(record: Any, config: IngestConfig | None = None, *, index: 
         return Rejection("missing_conversation", f"conversation is a {type(turns).__name__}, not a list")
     if not turns:
         return Rejection("empty_conversation", "0 turns")
+    if _is_agentic(record, turns):
+        return normalize_agentic_record(record, config, index=index)
 
     systems: list[str] = []
     runs: list[list[str]] = []  # user turns; a run has no assistant turn inside
@@ -520,6 +563,301 @@ def normalize_record(record: Any, config: IngestConfig | None = None, *, index: 
 _DEFAULT_CONFIG = IngestConfig()
 
 
+# --- agentic conversations ---------------------------------------------------------
+
+TOOL, CALL = "tool", "call"
+AGENTIC_ROLE_MAP = {
+    "tool": TOOL, "function": TOOL, "observation": TOOL, "function_response": TOOL, "function-response": TOOL,
+    "function_call": CALL, "function-call": CALL,
+}
+TOOLS_FIELDS = ("tools", "functions")  # where a record keeps its tool definitions
+
+
+def _is_agentic(record: dict, turns: list) -> bool:
+    """Tool definitions, a tool call or a tool result anywhere in the record."""
+    for name in TOOLS_FIELDS:
+        value = record.get(name)
+        if value is not None and value != [] and not (isinstance(value, str) and value.strip() in ("", "[]")):
+            return True
+    for turn in turns:
+        if isinstance(turn, dict):
+            if turn.get("tool_calls") or turn.get("function_call"):
+                return True
+            role = turn["from"] if "from" in turn else turn.get("role")
+            if isinstance(role, str) and role.strip().lower() in AGENTIC_ROLE_MAP:
+                return True
+    return False
+
+
+def _parse_tools(record: dict) -> tuple[list[dict] | None, str | None]:
+    """(tool definitions in OpenAI form, None) or (None, why they are bad); (None, None) when there are none."""
+    name = next((f for f in TOOLS_FIELDS if record.get(f) is not None), None)
+    if name is None:
+        return None, None
+    value = record[name]
+    if isinstance(value, str):
+        if not value.strip():
+            return None, None
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            return None, f"'{name}' is not JSON: {e}"
+    if not isinstance(value, list):
+        return None, f"'{name}' is a JSON {type(value).__name__}, not a list"
+    tools: list[dict] = []
+    seen: set[str] = set()
+    for k, tool in enumerate(value):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict):
+            return None, f"'{name}' item {k} is not an object"
+        fname = fn.get("name")
+        if not isinstance(fname, str) or not fname.strip():
+            return None, f"'{name}' item {k} has no name"
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            return None, f"'{name}' item {k} ({fname}): parameters are not an object"
+        if fname in seen:
+            return None, f"'{name}' defines {fname!r} twice"
+        seen.add(fname)
+        tools.append({"type": "function", "function": fn})
+    return tools or None, None
+
+
+def _call_of(raw: Any, where: str) -> dict | str:
+    """``{"id", "name", "arguments"}`` of one recorded call, or why it is malformed."""
+    if not isinstance(raw, dict):
+        return f"{where} is a JSON {type(raw).__name__}, not an object"
+    fn = raw["function"] if isinstance(raw.get("function"), dict) else raw
+    name = fn.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return f"{where} has no name"
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return f"{where} ({name}): arguments are not JSON"
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return f"{where} ({name}): arguments are a JSON {type(args).__name__}, not an object"
+    call_id = raw.get("id")
+    return {"id": call_id if isinstance(call_id, str) and call_id else None, "name": name.strip(), "arguments": args}
+
+
+def _raw_calls(kind: str, turn: dict, content: Any, i: int) -> list | str:
+    """The recorded calls of an assistant turn (maybe none), or why they are malformed."""
+    if kind == CALL:  # ShareGPT: the value is the JSON of one call or a list of calls
+        value = content
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return f"turn {i}: the function_call value is not JSON"
+        if isinstance(value, dict):
+            return [value]
+        if isinstance(value, list) and value:
+            return value
+        return f"turn {i}: the function_call value is a JSON {type(value).__name__}, not a call"
+    calls = turn.get("tool_calls")
+    if calls:
+        return calls if isinstance(calls, list) else f"turn {i}: tool_calls is a {type(calls).__name__}, not a list"
+    if turn.get("function_call"):
+        return [turn["function_call"]]
+    return []
+
+
+def agentic_prompt_id(system: str | None, conversation: str) -> str:
+    """Content hash of a normalized agentic conversation: 20 hex chars of sha256.
+
+    Like :func:`prompt_id` (length-prefixed UTF-8 of ``system or ""`` and of
+    ``conversation``: the canonical JSON of tools and turns, keys sorted,
+    call ids left out) under another prefix, so no agentic id equals a plain one.
+    """
+    h = hashlib.sha256(b"dflash-agentic-prompt-v1")
+    for text in (system or "", conversation):
+        data = text.encode("utf-8")
+        h.update(len(data).to_bytes(8, "big"))
+        h.update(data)
+    return h.hexdigest()[:20]
+
+
+def normalize_agentic_record(record: dict, config: IngestConfig | None = None, *, index: int = 0) -> Prompt | Rejection:
+    """A record with tools, tool calls or tool results -> an agentic :class:`Prompt`, or a :class:`Rejection`.
+
+    The same rules as :func:`normalize_record` for system, user and leading
+    assistant turns (leading assistant turns drop their tool results too);
+    assistant text is dropped, recorded calls and tool results are kept.
+    A call step must be followed by all its results before the next turn
+    (``missing_tool_result``), except at the end of the conversation.
+    """
+    config = config or _DEFAULT_CONFIG
+    turns = record.get("conversations")
+    if turns is None:
+        turns = record.get("messages")
+    tools, why = _parse_tools(record)
+    if why is not None:
+        return Rejection("bad_tools", why)
+    declared = {t["function"]["name"] for t in tools} if tools else set()
+    systems: list[str] = []
+    top = record.get("system")
+    if top is not None:
+        if not isinstance(top, str):
+            return Rejection("non_string_content", f"the record's 'system' field is a {type(top).__name__}")
+        systems.append(top)
+    events: list[dict] = []
+    roles: list[str] = []
+    started = has_user = False
+    leading = empty_user = 0
+    merged = False
+    last: str | None = None  # user | calls | tool | answer
+    open_calls = 0  # calls of the last call step still without a result
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            return Rejection("bad_turn", f"turn {i} is a {type(turn).__name__}")
+        if "from" in turn:
+            role = turn["from"]
+            content = turn["value"] if "value" in turn else turn.get("content", _MISSING)
+        elif "role" in turn:
+            role = turn["role"]
+            content = turn["content"] if "content" in turn else turn.get("value", _MISSING)
+        else:
+            return Rejection("bad_turn", f"turn {i} has no 'from' or 'role'")
+        if not isinstance(role, str):
+            return Rejection("bad_turn", f"turn {i} role is a {type(role).__name__}")
+        name = role.strip().lower()
+        kind = ROLE_MAP.get(name) or AGENTIC_ROLE_MAP.get(name)
+        if kind is None:
+            return Rejection("unknown_role", f"turn {i} role {role[:40]!r}")
+        roles.append(name)
+        if kind == SYSTEM:
+            if started:
+                return Rejection("late_system_turn", f"system turn at position {i}")
+            text = _content_text(content) if content is not _MISSING else None
+            if text is None:
+                return Rejection("non_string_content", f"turn {i} (system) content is a {type(content).__name__}")
+            systems.append(text)
+            continue
+        started = True
+        if kind != USER and not has_user:  # before the first user turn: dropped, tool results too
+            leading += 1
+            continue
+        if kind == USER:
+            text = _content_text(content) if content is not _MISSING else None
+            if text is None:
+                return Rejection("non_string_content", f"turn {i} (user) content is a {type(content).__name__}")
+            text = _normalize("NFC", text).strip()
+            if not text:
+                empty_user += 1
+                continue
+            if open_calls:
+                return Rejection("missing_tool_result", f"turn {i}: a user turn before the results of "
+                                                        f"{open_calls} tool call(s)")
+            has_user = True
+            if last == "user":
+                events[-1]["content"] += "\n\n" + text
+                merged = True
+            else:
+                events.append({"role": "user", "content": text})
+            last = "user"
+        elif kind in (ASSISTANT, CALL):
+            if open_calls:
+                return Rejection("missing_tool_result", f"turn {i}: an assistant turn before the results of "
+                                                        f"{open_calls} tool call(s)")
+            if (kind == ASSISTANT and content is not _MISSING and content is not None
+                    and _content_text(content) is None):
+                return Rejection("non_string_content", f"turn {i} ({name}) content is a {type(content).__name__}")
+            raw = _raw_calls(kind, turn, None if content is _MISSING else content, i)
+            if isinstance(raw, str):
+                return Rejection("bad_tool_call", raw)
+            if not raw:
+                last = "answer"
+                continue
+            calls = []
+            for k, one in enumerate(raw):
+                call = _call_of(one, f"turn {i} call {k}")
+                if isinstance(call, str):
+                    return Rejection("bad_tool_call", call)
+                if not declared:
+                    return Rejection("bad_tools", f"turn {i} calls {call['name']!r} but the record defines no tools")
+                if call["name"] not in declared:
+                    return Rejection("bad_tool_call", f"turn {i} calls {call['name']!r}, not among the record's tools")
+                calls.append(call)
+            events.append({"role": "assistant", "tool_calls": calls})
+            last, open_calls = "calls", len(calls)
+        else:  # a tool result
+            if not open_calls:
+                return Rejection("orphan_tool_result", f"turn {i}: a tool result with no tool call before it"
+                                 if last not in ("calls", "tool") else f"turn {i}: more tool results than calls")
+            if content is _MISSING:
+                return Rejection("bad_turn", f"turn {i} has no content")
+            text = _content_text(content)
+            if text is None and isinstance(content, (dict, list)):
+                text = json.dumps(content, ensure_ascii=False)
+            if text is None:
+                return Rejection("non_string_content", f"turn {i} ({name}) content is a {type(content).__name__}")
+            event: dict[str, Any] = {"role": "tool", "content": _normalize("NFC", text).strip()}
+            for key in ("tool_call_id", "name"):
+                if isinstance(turn.get(key), str) and turn[key]:
+                    event[key] = turn[key]
+            events.append(event)
+            open_calls -= 1
+            last = "tool"
+
+    if not has_user:
+        return Rejection("no_user_turn", f"no non-empty user turn ({len(turns)} turns)")
+    if open_calls and last == "tool":
+        return Rejection("missing_tool_result", f"the conversation ends before the results of {open_calls} tool call(s)")
+    if leading and config.leading_assistant == "quarantine":
+        return Rejection("assistant_first", f"{leading} assistant or tool turn(s) before the first user turn")
+
+    notes = ["agentic"]
+    system_parts = [p for p in (_nfc(s) for s in systems) if p]
+    system = "\n\n".join(system_parts) if system_parts else None
+    if len(system_parts) > 1:
+        notes.append("system_turns_merged")
+    if systems and not system_parts:
+        notes.append("empty_system_dropped")
+    if empty_user:
+        notes.append("empty_user_turns_dropped")
+    if merged:
+        notes.append("user_turns_merged")
+    if leading:
+        notes.append("leading_assistant_dropped")
+    user_turns = tuple(e["content"] for e in events if e["role"] == "user")
+    tools_json = json.dumps(tools, ensure_ascii=False) if tools else None
+    turns_json = json.dumps(events, ensure_ascii=False)
+    chars = ((len(system) if system else 0) + len(turns_json) + (len(tools_json) if tools_json else 0))
+    if chars > config.max_record_chars:
+        return Rejection("oversize", f"system, tools and turns are {chars} chars > max_record_chars "
+                                     f"{config.max_record_chars}")
+    canonical = [({k: v for k, v in e.items() if k != "tool_call_id"} if e["role"] != "assistant"
+                  else {"role": "assistant", "tool_calls": [{"name": c["name"], "arguments": c["arguments"]}
+                                                            for c in e["tool_calls"]]}) for e in events]
+    try:
+        digest = agentic_prompt_id(system, json.dumps({"tools": tools, "turns": canonical}, ensure_ascii=False,
+                                                      sort_keys=True, separators=(",", ":")))
+    except UnicodeEncodeError:
+        return Rejection("invalid_utf8", "lone surrogate in system, tools or turns")
+
+    category = record.get(config.category_field)
+    category = _nfc(category) if isinstance(category, str) else ""
+    if category:
+        category = category.encode("utf-8", "backslashreplace").decode("utf-8")
+    return Prompt(
+        prompt_id=digest,
+        system=system,
+        user_turns=user_turns,
+        source_id=_id_text(record.get("id")) or f"#{index}",
+        category=category or "unknown",
+        starts_mid_conversation=leading > 0,
+        prompt_chars=chars,
+        roles=tuple(roles),
+        notes=tuple(notes),
+        tools=tools_json,
+        agentic_turns=turns_json,
+    )
+
+
 # --- corpus index ---------------------------------------------------------------
 
 
@@ -620,9 +958,12 @@ class _ShardBuilder:
 
     def __init__(self, shard: str, existing: pa.Table | None, capacity: int):
         self.shard = shard
-        self.existing = existing.cast(PROMPT_SCHEMA) if existing is not None else None
+        if existing is not None:
+            existing = existing.cast(AGENTIC_PROMPT_SCHEMA if "agentic_turns" in existing.column_names
+                                     else PROMPT_SCHEMA)
+        self.existing = existing
         self.free = capacity - (existing.num_rows if existing is not None else 0)
-        self.cols: dict[str, list[Any]] = {f.name: [] for f in PROMPT_SCHEMA}
+        self.cols: dict[str, list[Any]] = {f.name: [] for f in AGENTIC_PROMPT_SCHEMA}
 
     def add(self, p: Prompt, source: str, index: int, generation: int) -> None:
         c = self.cols
@@ -638,6 +979,8 @@ class _ShardBuilder:
         c["category"].append(p.category)
         c["starts_mid_conversation"].append(p.starts_mid_conversation)
         c["ingest_generation"].append(generation)
+        c["tools"].append(p.tools)
+        c["agentic_turns"].append(p.agentic_turns)
         self.free -= 1
 
     @property
@@ -645,8 +988,18 @@ class _ShardBuilder:
         return len(self.cols["prompt_id"])
 
     def table(self) -> pa.Table:
-        new = pa.table(self.cols, schema=PROMPT_SCHEMA)
-        return pa.concat_tables([self.existing, new]) if self.existing is not None else new
+        """PROMPT_SCHEMA while the shard holds no agentic prompt (plain shards as before), else AGENTIC_PROMPT_SCHEMA."""
+        old = self.existing
+        agentic = (any(v is not None for v in self.cols["agentic_turns"])
+                   or (old is not None and "agentic_turns" in old.column_names))
+        schema = AGENTIC_PROMPT_SCHEMA if agentic else PROMPT_SCHEMA
+        new = pa.table({f.name: self.cols[f.name] for f in schema}, schema=schema)
+        if old is None:
+            return new
+        if agentic and "agentic_turns" not in old.column_names:
+            for name in ("tools", "agentic_turns"):
+                old = old.append_column(schema.field(name), pa.nulls(old.num_rows, pa.string()))
+        return pa.concat_tables([old, new])
 
 
 class _QuarantineWriter:
@@ -780,7 +1133,7 @@ def _ingest(source_uri: Any, store: Any, config: IngestConfig, s3_client: Any, s
     seen: set[str] = set()
     notes: Counter[str] = Counter()
     roles: Counter[str] = Counter()
-    records = valid = duplicates = existing = 0
+    records = valid = duplicates = existing = agentic = 0
     limit_reached = False
 
     reader = read_source(source_uri, s3_client=s3_client, store=store,
@@ -802,6 +1155,7 @@ def _ingest(source_uri: Any, store: Any, config: IngestConfig, s3_client: Any, s
                 continue
             seen.add(p.prompt_id)
             valid += 1
+            agentic += p.agentic_turns is not None
             notes.update(p.notes)
             roles.update(p.roles)
             if p.prompt_id in in_corpus:
@@ -890,6 +1244,7 @@ def _ingest(source_uri: Any, store: Any, config: IngestConfig, s3_client: Any, s
         roles=dict(sorted(roles.items())),
         quarantine_key=quarantine_key,
         seconds=round(seconds, 3),
+        agentic_prompts=agentic,
     )
     store.write_json(layout.corpus_report(source), report.as_dict())
     _collect_garbage(store, new_index, index)
@@ -968,4 +1323,5 @@ def _shard_stats(table: pa.Table, shard: str, key: str, digest: str, generation:
         categories=counts("category"),
         sha256=digest,
         generation=generation,
+        agentic_prompts=(n - table.column("agentic_turns").null_count) if "agentic_turns" in table.column_names else 0,
     )
