@@ -317,12 +317,14 @@ def test_read_timeout_grows_with_the_requested_tokens(tok):
 
 
 @pytest.mark.parametrize("kind", ["sglang", "openai"])
-def test_reply_body_size_is_capped(tok, kind):
-    with LoopbackServer(model_path="/models/Qwen3.6-27B", pad_reply_bytes=300_000) as srv:
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_reply_body_size_is_capped(tok, kind, chunked):
+    with LoopbackServer(model_path="/models/Qwen3.6-27B", pad_reply_bytes=300_000, chunked=chunked) as srv:
         with pytest.raises(EngineError, match="max_response_bytes") as info:
             run(_probe_then_chat(_engine(kind, srv.url, tok, max_response_bytes=100_000)))
         probe, res = run(_probe_then_chat(_engine(kind, srv.url, tok)))  # the default cap (64 MiB) lets it through
     assert srv.url in str(info.value) and res.completion_tokens > 0
+    assert ("cut off" in str(info.value)) is chunked  # no declared length: counted as it arrives
 
 
 @pytest.mark.parametrize("kind", ["sglang", "openai"])

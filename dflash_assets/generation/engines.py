@@ -428,7 +428,9 @@ class Engine(abc.ABC):
         if declared is not None and declared > cap:
             raise EngineError(f"{where}: reply of {declared:,} bytes exceeds max_response_bytes ({cap:,})",
                               endpoint=self.url)
-        chunks, size = [], 0
+        if declared is not None:  # the parser stops at Content-Length: one read, the fast path
+            return await resp.read()
+        chunks, size = [], 0  # chunked or close-delimited: count as it comes
         async for chunk in resp.content.iter_chunked(1 << 16):
             size += len(chunk)
             if size > cap:

@@ -91,6 +91,7 @@ class LoopbackConfig:
     bad_shape_every: int = 0  # every Nth request answers valid JSON in the wrong shape (0: never)
     redirect_to: str | None = None  # answer 307 to this base URL (+ the same path) instead of generating
     pad_reply_bytes: int = 0  # add a padding field of this many bytes to every reply
+    chunked: bool = False  # send replies with Transfer-Encoding: chunked (no Content-Length)
     reply_model: str | None = None  # the model a reply names (default: the served name; /generate names none)
     health_body: str = ""  # GET /health body (e.g. "ok" as plain text, as some servers answer)
     api_key: str | None = None  # require "Authorization: Bearer <key>" on every route (401 otherwise)
@@ -177,7 +178,10 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
     counter = {"n": 0}
 
     def jresp(obj: Any, status: int = 200) -> "web.Response":
-        return web.Response(body=_dumps(obj), status=status, content_type="application/json")
+        resp = web.Response(body=_dumps(obj), status=status, content_type="application/json")
+        if cfg.chunked:
+            resp.enable_chunked_encoding()
+        return resp
 
     def maybe_fail(request: "web.Request") -> "web.Response | None":
         counter["n"] += 1
