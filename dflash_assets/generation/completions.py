@@ -24,6 +24,24 @@ Writes, through the store:
   (or could not be generated), with reasons (``failed_schema()``); written
   every run, empty when nothing failed.
 
+Agentic conversations (raw_prompts rows with ``agentic_turns`` and
+``tools``, see ``prompts.ingest``): the target regenerates every assistant
+step with the tool definitions in context. A step's tool calls come from the
+server's parsed ``tool_calls`` (SGLang/vLLM with a tool-call parser) or are
+parsed from its text (Qwen3.5/3.6 ``<tool_call><function=NAME>`` blocks,
+``generation.tool_calls``). Where the source recorded a call step, the
+regenerated calls must equal the recorded ones (same names in the same order,
+arguments equal as parsed JSON); then the source's tool results follow and
+the target takes the next step. Where they differ, or the target calls a
+tool where the source answered (or answers where the source called), the
+source's results no longer apply: the conversation stops there, keeping what
+was generated, and the row's ``agentic_stop`` says ``divergent_call``
+(``GenerationStats.agentic_stopped_at_divergent_call`` counts them). A shard
+with an agentic row is written with ``output_schema(agentic=True)``:
+``messages`` of the tokenizer's ``AGENTIC_MESSAGES_TYPE`` (tool calls with
+arguments as JSON text, role ``tool`` results), plus ``tools`` (JSON text)
+and ``agentic_stop``; a shard of plain chats keeps ``output_schema()``.
+
 A run reuses, besides the journal, the rows already published in
 ``completions/<shard>.parquet`` with the same ``config_hash`` (a re-run after
 success regenerates only prompts without such a row). When more than
@@ -54,6 +72,7 @@ from dflash_assets.store import layout
 from dflash_assets.chart_data import binned_counts
 from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, NoEngineAvailable, run_sync
 from dflash_assets.generation.engines import ChatResult, Engine, GenerationConfig, json_dumps, json_loads
+from dflash_assets.generation.tool_calls import calls_from_server, parse_qwen_tool_calls, same_calls
 
 __all__ = [
     "GenerationConfig",
@@ -74,13 +93,19 @@ __all__ = [
 
 
 _MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
+# The tokenizer's AGENTIC_MESSAGES_TYPE (tokenization.samples; generation may not import it: tested equal).
+_TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
+                        ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
+_AGENTIC_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string()),
+                              ("tool_calls", pa.list_(_TOOL_CALL)), ("tool_call_id", pa.string()),
+                              ("name", pa.string())])
 
 
-def output_schema() -> pa.Schema:
-    """Schema of ``completions/<shard>.parquet``."""
-    return pa.schema([
+def output_schema(agentic: bool = False) -> pa.Schema:
+    """Schema of ``completions/<shard>.parquet``; ``agentic``: of a shard holding an agentic conversation."""
+    schema = pa.schema([
         ("prompt_id", pa.string()),
-        ("messages", pa.list_(_MESSAGE)),
+        ("messages", pa.list_(_AGENTIC_MESSAGE if agentic else _MESSAGE)),
         ("num_turns", pa.int32()),
         ("finish_reasons", pa.list_(pa.string())),
         ("prompt_tokens", pa.list_(pa.int32())),
@@ -96,6 +121,9 @@ def output_schema() -> pa.Schema:
         ("attempts", pa.int32()),
         ("config_hash", pa.string()),
     ])
+    if agentic:
+        schema = schema.append(pa.field("tools", pa.string())).append(pa.field("agentic_stop", pa.string()))
+    return schema
 
 
 def failed_schema() -> pa.Schema:
@@ -112,7 +140,7 @@ def failed_schema() -> pa.Schema:
 
 def _rows_to_table(rows: Sequence[dict]) -> pa.Table:
     """Column by column (rows hold epoch seconds for the timestamps, as journaled)."""
-    schema = output_schema()
+    schema = output_schema(agentic=any("agentic_stop" in r for r in rows))
     arrays = []
     for f in schema:
         values = [r.get(f.name) for r in rows]
@@ -167,6 +195,10 @@ class GenerationStats:
     empty_content: int = 0  # assistant turns with an empty answer
     empty_reasoning: int = 0  # assistant turns with empty reasoning (thinking on)
     journal_chunks_written: int = 0
+    agentic_conversations: int = 0  # rows of agentic conversations (tools, tool calls or tool results)
+    agentic_steps: int = 0  # assistant steps of those rows
+    agentic_tool_calls: int = 0  # tool calls the target made in those rows
+    agentic_stopped_at_divergent_call: int = 0  # stopped where the target's calls left the source's
     endpoints: dict[str, dict] = field(default_factory=dict)
 
     def to_metadata(self) -> dict[str, Any]:
@@ -325,6 +357,111 @@ class _Conversation:
         }
 
 
+def _message(role: str, content: str | None, reasoning: str | None = None, tool_calls: list | None = None,
+             tool_call_id: str | None = None, name: str | None = None) -> dict:
+    return {"role": role, "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls,
+            "tool_call_id": tool_call_id, "name": name}
+
+
+class _AgenticConversation(_Conversation):
+    """Regenerates the assistant steps of an agentic conversation, feeding the source's tool results while the
+    target's calls equal the recorded ones; stops at the first step where they differ (``divergent_call``)."""
+
+    def __init__(self, prompt_id: str, system: str | None, events: list[dict], tools: list[dict] | None,
+                 gen: GenerationConfig, config_hash: str):
+        super().__init__(prompt_id, system, [e["content"] for e in events if e["role"] == "user"], gen, config_hash)
+        self.events = events
+        self.tools = tools
+        self.tools_json = json_dumps(tools).decode() if tools else None
+        self.pos = 0  # next source event
+        self.queries = 0  # user turns sent
+        self.awaiting_user = True
+        self.stop: str | None = None
+        self.messages = [_message("system", system)] if system else []
+
+    def _calls(self, res: ChatResult) -> tuple[str, list[dict]]:
+        if res.tool_calls is not None:  # the server ran a tool-call parser
+            calls, malformed = calls_from_server(res.tool_calls)
+            if not malformed:
+                return res.content, calls
+        content, calls, _ = parse_qwen_tool_calls(res.content or "", self.tools)
+        return content, calls
+
+    async def step(self, engine: Engine) -> tuple[bool, ChatResult]:
+        if self.started_at is None:
+            self.started_at = time.time()
+        self.attempts += 1
+        request = list(self.history)
+        user = None
+        if self.awaiting_user:
+            user = self.events[self.pos]["content"]
+            request.append({"role": "user", "content": user})
+        res = await engine.chat(request, self.gen, tools=self.tools)
+        # committed only after success: a failed request leaves the conversation where it was
+        content, calls = self._calls(res)
+        if user is not None:
+            self.messages.append(_message("user", user))
+            self.pos += 1
+            self.queries += 1
+            self.awaiting_user = False
+        step = len(self.results)
+        ids = [c.get("id") or f"call_{step}_{k}" for k, c in enumerate(calls)]
+        self.messages.append(_message(
+            "assistant", content, res.reasoning_content,
+            [{"id": i, "type": "function", "function": {"name": c["name"], "arguments": json_dumps(c["arguments"]).decode()}}
+             for i, c in zip(ids, calls)] or None))
+        self.history = request + [{"role": "assistant", "content": content, "reasoning_content": res.reasoning_content,
+                                   **({"tool_calls": [{"id": i, "type": "function", "function": {
+                                       "name": c["name"], "arguments": c["arguments"]}} for i, c in zip(ids, calls)]}
+                                      if calls else {})}]
+        self.results.append(res)
+        if res.finish_reason == "length" and self.gen.stop_after_truncated_turn:
+            self.stop = "truncated"
+            return True, res
+        events = self.events
+        recorded = events[self.pos] if self.pos < len(events) and events[self.pos]["role"] == "assistant" else None
+        if recorded is None:
+            if calls:  # a call where the source answered: no result to give
+                self.stop = "divergent_call"
+                return True, res
+            if self.pos >= len(events) or self.queries >= self.gen.max_turns:
+                return True, res
+            self.awaiting_user = True
+            return False, res
+        if not same_calls(calls, recorded["tool_calls"]):
+            self.stop = "divergent_call"
+            return True, res
+        self.pos += 1
+        results = []
+        while self.pos < len(events) and events[self.pos]["role"] == "tool":
+            results.append(events[self.pos])
+            self.pos += 1
+        for k, r in enumerate(results):
+            call_id = ids[k] if k < len(ids) else r.get("tool_call_id")
+            name = r.get("name") or (calls[k]["name"] if k < len(calls) else None)
+            self.history.append({"role": "tool", "content": r["content"], "tool_call_id": call_id, "name": name})
+            self.messages.append(_message("tool", r["content"], tool_call_id=call_id, name=name))
+        return not results, res  # a source ending at a call ends here
+
+    def row(self) -> dict:
+        row = super().row()
+        row["tools"] = self.tools_json
+        row["agentic_stop"] = self.stop
+        return row
+
+
+def _agentic_task(pid: str, row: dict, gen: GenerationConfig, config_hash: str) -> _AgenticConversation | str:
+    """The task of a raw_prompts row with ``agentic_turns``, or why it cannot be generated."""
+    try:
+        events = json_loads(row["agentic_turns"])
+        tools = json_loads(row["tools"]) if row.get("tools") else None
+    except ValueError as e:
+        return f"agentic_turns/tools are not JSON: {e}"
+    if not isinstance(events, list) or not events or events[0].get("role") != "user":
+        return "agentic_turns do not start with a user turn"
+    return _AgenticConversation(pid, row.get("system") or None, events, tools, gen, config_hash)
+
+
 def _published_rows(store: Any, shard: str, config_hash: str, inputs: dict[str, dict]) -> dict[str, dict]:
     """Rows of the published ``completions/<shard>.parquet`` with this ``config_hash`` whose prompt is still an input,
     as journal-shaped dicts (timestamps in epoch seconds)."""
@@ -377,9 +514,20 @@ def _turn_counts(rows: Iterable[dict], thinking: bool) -> tuple[dict[str, int], 
             if m["role"] != "assistant":
                 continue
             turns += 1
-            empty_content += not (m["content"] or "").strip()
+            empty_content += not (m["content"] or "").strip() and not m.get("tool_calls")  # a call is an answer
             empty_reasoning += thinking and not (m["reasoning_content"] or "").strip()
     return finish, empty_content, empty_reasoning, turns
+
+
+def _agentic_counts(rows: Iterable[dict], stats: "GenerationStats") -> None:
+    for row in rows:
+        if row.get("tools") is None:  # every agentic prompt has tools (ingest quarantines calls without them)
+            continue
+        stats.agentic_conversations += 1
+        steps = [m for m in row["messages"] if m["role"] == "assistant"]
+        stats.agentic_steps += len(steps)
+        stats.agentic_tool_calls += sum(len(m.get("tool_calls") or ()) for m in steps)
+        stats.agentic_stopped_at_divergent_call += row.get("agentic_stop") == "divergent_call"
 
 
 # ----------------------------------------------------------------------------
@@ -448,6 +596,14 @@ async def aregenerate_shard(
         if pid in done_rows:
             continue
         row = inputs[pid]
+        if row.get("agentic_turns"):
+            task = _agentic_task(pid, row, generation, config_hash)
+            if isinstance(task, str):
+                failed[pid] = {"prompt_id": pid, "reason": task, "errors": [], "turns_done": 0, "attempts": 0,
+                               "config_hash": config_hash}
+            else:
+                tasks.append(task)
+            continue
         turns = [str(t) for t in (row.get("user_turns") or [])][: generation.max_turns]
         if not turns:
             failed[pid] = {"prompt_id": pid, "reason": "no user turns", "errors": [], "turns_done": 0, "attempts": 0,
@@ -539,6 +695,7 @@ async def aregenerate_shard(
     stats.prompts_failed = len(failed_rows)
     stats.finish_reasons, stats.empty_content, stats.empty_reasoning, stats.turns = _turn_counts(
         rows, generation.enable_thinking)
+    _agentic_counts(rows, stats)
     stats.completion_tokens = generated["tokens"]
     stats.prompt_tokens = generated["prompt_tokens"]
     stats.wall_s = time.perf_counter() - t_start

@@ -171,6 +171,7 @@ class ChatResult:
     latency_s: float
     endpoint: str
     served_model: str
+    tool_calls: Any = None  # the server's parsed OpenAI ``tool_calls`` (a tool-call parser ran), else None
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,9 @@ class ChatTokenizer:
         stops = {self._token_id("<|im_end|>"), self._token_id("<|endoftext|>"), getattr(tokenizer, "eos_token_id", None)}
         self.stop_ids = frozenset(i for i in stops if isinstance(i, int))
         self._render = self._chat_renderer()
+        # Kept as text by `decode` even where the tokenizer marks them special: a step's tool calls
+        # (Qwen3.5/3.6 `<tool_call>` blocks) are parsed from the decoded content.
+        self._kept_marks = {i: t for t in ("<tool_call>", "</tool_call>") if (i := self._token_id(t)) is not None}
 
     def _token_id(self, token: str) -> int | None:
         try:
@@ -272,7 +276,17 @@ class ChatTokenizer:
         return self.encode(self.render(messages, enable_thinking, tools))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        ids = list(ids)
+        marks = self._kept_marks
+        if marks and any(i in marks for i in ids):
+            parts, start = [], 0
+            for k, i in enumerate(ids):
+                if i in marks:
+                    parts += [self.tokenizer.decode(ids[start:k], skip_special_tokens=True), marks[i]]
+                    start = k + 1
+            parts.append(self.tokenizer.decode(ids[start:], skip_special_tokens=True))
+            return "".join(parts)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def split_output_ids(self, ids: Sequence[int], enable_thinking: bool,
                          extra_stop_ids: Sequence[int] = ()) -> tuple[str, str]:
@@ -489,7 +503,8 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def chat(self, messages: Sequence[dict], generation: GenerationConfig) -> ChatResult:
-        """Generate the next assistant turn for ``messages`` (role/content dicts)."""
+        """Generate the next assistant turn for ``messages`` (role/content dicts; agentic ones also
+        tool_calls/tool results). Engines take ``tools=`` (JSON schemas) for agentic conversations."""
 
 
 def _sglang_sampling_params(gen: GenerationConfig, stop_ids: Sequence[int], ignore_eos: bool = False) -> dict:
@@ -589,8 +604,9 @@ class SGLangEngine(Engine):
         return await self._request("POST", "/generate", payload,
                                    read_timeout_s=self.read_timeout_for(generation.max_new_tokens))
 
-    async def chat(self, messages: Sequence[dict], generation: GenerationConfig, *, ignore_eos: bool = False) -> ChatResult:
-        ids = self.tok.prompt_ids(messages, generation.enable_thinking)
+    async def chat(self, messages: Sequence[dict], generation: GenerationConfig, *, ignore_eos: bool = False,
+                   tools: Sequence[dict] | None = None) -> ChatResult:
+        ids = self.tok.prompt_ids(messages, generation.enable_thinking, tools)
         t0 = time.perf_counter()
         out = await self.generate_ids(ids, generation, ignore_eos=ignore_eos)
         if isinstance(out, list) and len(out) == 1:
@@ -606,6 +622,21 @@ class SGLangEngine(Engine):
             raise EngineError(f"{self.url}/generate: batch of {len(batch)} got {str(outs)[:200]}", retryable=True,
                               endpoint=self.url)
         return [self._result(o, generation, t0) for o in outs]
+
+
+def _openai_message(m: dict) -> dict:
+    """A chat message for ``/v1/chat/completions``: role and content; tool calls (arguments as JSON text),
+    tool results' ids and an agentic step's reasoning when the message has them."""
+    out = {"role": m["role"], "content": m["content"]}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": c["function"]["arguments"]
+                                                if isinstance(c["function"]["arguments"], str)
+                                                else json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
+                             for c in m["tool_calls"]]
+    for key in ("tool_call_id", "name", "reasoning_content"):
+        if m.get(key) is not None:
+            out[key] = m[key]
+    return out
 
 
 class OpenAIEngine(Engine):
@@ -644,10 +675,11 @@ class OpenAIEngine(Engine):
         self.served_model = names[0] if names else ""
         return EngineProbe(self.url, self.kind, healthy, names, latency, error, self.dialect)
 
-    def _payload(self, messages: Sequence[dict], gen: GenerationConfig, ignore_eos: bool = False) -> dict:
+    def _payload(self, messages: Sequence[dict], gen: GenerationConfig, ignore_eos: bool = False,
+                 tools: Sequence[dict] | None = None) -> dict:
         payload: dict[str, Any] = {
             "model": self.served_model or None,
-            "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+            "messages": [_openai_message(m) for m in messages],
             "max_tokens": gen.max_new_tokens,
             "temperature": gen.temperature,
             "top_p": gen.top_p,
@@ -656,6 +688,8 @@ class OpenAIEngine(Engine):
         }
         if payload["model"] is None:
             del payload["model"]
+        if tools:
+            payload["tools"] = list(tools)
         if gen.seed is not None:
             payload["seed"] = gen.seed
         if self.dialect == "transformers_serve":
@@ -680,9 +714,10 @@ class OpenAIEngine(Engine):
                 payload["ignore_eos"] = True
         return payload
 
-    async def chat(self, messages: Sequence[dict], generation: GenerationConfig, *, ignore_eos: bool = False) -> ChatResult:
+    async def chat(self, messages: Sequence[dict], generation: GenerationConfig, *, ignore_eos: bool = False,
+                   tools: Sequence[dict] | None = None) -> ChatResult:
         t0 = time.perf_counter()
-        out = await self._request("POST", "/v1/chat/completions", self._payload(messages, generation, ignore_eos),
+        out = await self._request("POST", "/v1/chat/completions", self._payload(messages, generation, ignore_eos, tools),
                                   read_timeout_s=self.read_timeout_for(generation.max_new_tokens))
         latency = time.perf_counter() - t0
         with self._reply_shape("/v1/chat/completions", out):
@@ -707,7 +742,7 @@ class OpenAIEngine(Engine):
         usage = out.get("usage") or {}
         return ChatResult(content, reasoning, finish, int(usage.get("prompt_tokens", 0)),
                           int(usage.get("completion_tokens", 0)), latency, self.url,
-                          str(out.get("model") or self.served_model))
+                          str(out.get("model") or self.served_model), msg.get("tool_calls") or None)
 
 
 class TransformersEngine(Engine):
@@ -765,10 +800,11 @@ class TransformersEngine(Engine):
             out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs)
         return out[0, len(ids):].tolist()
 
-    async def chat(self, messages: Sequence[dict], generation: GenerationConfig) -> ChatResult:
+    async def chat(self, messages: Sequence[dict], generation: GenerationConfig, *,
+                   tools: Sequence[dict] | None = None) -> ChatResult:
         await self.open()
         assert self.tok is not None
-        ids = self.tok.prompt_ids(messages, generation.enable_thinking)
+        ids = self.tok.prompt_ids(messages, generation.enable_thinking, tools)
         stop_ids = sorted(self.tok.stop_ids | set(generation.stop_token_ids))
         t0 = time.perf_counter()
         async with self._lock:  # one generate at a time: the model is not re-entrant

@@ -16,6 +16,16 @@ be installed (it needs CUDA). Routes:
 - ``GET /loopback/stats``: request counters (not an SGLang route; tests use
   it to count requests at the server).
 
+Tool calls (``LoopbackConfig.tool_rules``): ``(trigger, name, arguments)``
+rules; when the prompt's last message (the text between its last two
+``<|im_start|>``, i.e. before the generation prompt; on the chat route the
+last message's content) contains a rule's trigger, the reply's content is
+``I will call NAME.`` and a Qwen3.5/3.6 ``<tool_call>`` block calling
+``name`` with ``arguments`` (the first rule that matches). ``/generate``
+needs ``tokenizer_json`` to read the prompt. ``tool_call_parser``: the chat
+route answers the call as parsed OpenAI ``tool_calls`` (finish
+``tool_calls``), as SGLang does when started with ``--tool-call-parser``.
+
 Misbehaviour modes (``LoopbackConfig``) play a broken or hostile engine:
 replies of the wrong shape, redirects, padded bodies, another model's name,
 a plain-text ``/health``, a required bearer token; ``delay_s`` plays a hung one.
@@ -95,6 +105,9 @@ class LoopbackConfig:
     reply_model: str | None = None  # the model a reply names (default: the served name; /generate names none)
     health_body: str = ""  # GET /health body (e.g. "ok" as plain text, as some servers answer)
     api_key: str | None = None  # require "Authorization: Bearer <key>" on every route (401 otherwise)
+    # Tool calls: ((trigger, name, arguments), ...), see the module docstring.
+    tool_rules: tuple = ()
+    tool_call_parser: bool = False  # chat route: answer parsed `tool_calls` instead of the call's text
 
 
 @dataclass
@@ -130,9 +143,35 @@ class _Generator:
         return "".join(f"<{i}>" if i not in (self.cfg.think_end_id, self.cfg.eos_id)
                        else ("</think>" if i == self.cfg.think_end_id else "<|im_end|>") for i in ids)
 
-    def full_output(self, key: bytes) -> list[int]:
-        """The untruncated deterministic output for a prompt key."""
+    def tool_rule(self, last_message: str) -> tuple[str, dict] | None:
+        """(name, arguments) of the first tool rule whose trigger is in the prompt's last message."""
+        for trigger, name, arguments in self.cfg.tool_rules:
+            if trigger in last_message:
+                return name, dict(arguments)
+        return None
+
+    def last_message(self, ids: list[int]) -> str:
+        if not self.cfg.tool_rules:
+            return ""
+        if self._tok is None:
+            raise ValueError("loopback tool_rules on /generate need tokenizer_json (to read the prompt)")
+        parts = self._tok.decode(ids, skip_special_tokens=False).split("<|im_start|>")
+        return parts[-2] if len(parts) >= 2 else parts[-1]
+
+    @staticmethod
+    def call_text(name: str, arguments: dict) -> str:
+        """The reply's content for a call: a sentence, then the Qwen3.5/3.6 block."""
+        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                         for k, v in arguments.items())
+        return f"I will call {name}.\n\n<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+    def full_output(self, key: bytes, tool: tuple[str, dict] | None = None) -> list[int]:
+        """The untruncated deterministic output for a prompt key (a tool call's, given ``tool``)."""
         c = self.cfg
+        if tool is not None:
+            rng = random.Random(hashlib.blake2b(key, digest_size=8).digest())
+            reasoning = [rng.randrange(c.token_lo, c.token_hi) for _ in range(rng.randint(*c.reasoning_tokens))]
+            return reasoning + [c.think_end_id] + self.encode("\n\n" + self.call_text(*tool)) + [c.eos_id]
         if c.instant:
             return [c.token_lo, c.think_end_id, c.token_lo + 1, c.eos_id]
         rng = random.Random(hashlib.blake2b(key, digest_size=8).digest())
@@ -144,8 +183,8 @@ class _Generator:
         body = [rng.randrange(c.token_lo, c.token_hi) for _ in range(n_r + n_c)]
         return body[:n_r] + [c.think_end_id] + body[n_r:] + [c.eos_id]
 
-    def generate(self, key: bytes, params: dict) -> tuple[list[int], dict]:
-        full = self.full_output(key)
+    def generate(self, key: bytes, params: dict, tool: tuple[str, dict] | None = None) -> tuple[list[int], dict]:
+        full = self.full_output(key, tool)
         max_new = int(params.get("max_new_tokens") or 128)
         stops = set(params.get("stop_token_ids") or ()) | {self.cfg.eos_id}
         if params.get("ignore_eos"):
@@ -213,7 +252,7 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
         if ids is None:
             ids = gen.encode(text or "")
         key = _prompt_key(ids, None, params.get("sampling_seed"))
-        out, finish = gen.generate(key, params)
+        out, finish = gen.generate(key, params, gen.tool_rule(gen.last_message(ids)) if cfg.tool_rules else None)
         digest = hashlib.blake2b(_dumps(ids), digest_size=8).hexdigest()
         stats.prompts_seen[digest] = stats.prompts_seen.get(digest, 0) + 1
         item = {
@@ -271,11 +310,22 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
         key = _prompt_key(None, json.dumps(body.get("messages"), sort_keys=True), body.get("seed"))
         params = {"max_new_tokens": body.get("max_tokens") or body.get("max_completion_tokens") or 128,
                   "ignore_eos": body.get("ignore_eos")}
-        out, finish = gen.generate(key, params)
+        messages = body.get("messages") or [{}]
+        tool = gen.tool_rule(str(messages[-1].get("content") or "")) if cfg.tool_rules else None
+        out, finish = gen.generate(key, params, tool)
         await delay(len(out))
         ids = [t for t in out if t != cfg.eos_id]
         reasoning: str | None
-        if not cfg.reasoning_field:  # no parser: the raw text, think block included
+        tool_calls = None
+        if tool is not None and cfg.think_end_id in ids:  # the call as text (no tokenizer needed), or parsed as SGLang's tool-call parser does
+            cut = ids.index(cfg.think_end_id)
+            reasoning, content = gen.decode(ids[:cut]), gen.call_text(*tool)
+            if finish["type"] == "stop" and cfg.tool_call_parser:
+                content = content.split("\n\n<tool_call>")[0]
+                tool_calls = [{"id": f"call_{stats.chat_requests}_0", "type": "function", "index": 0,
+                               "function": {"name": tool[0], "arguments": json.dumps(tool[1])}}]
+                finish = {"type": "tool_calls"}
+        elif not cfg.reasoning_field:  # no parser: the raw text, think block included
             reasoning, content = None, gen.decode(ids)
         elif cfg.think_end_id in ids:
             cut = ids.index(cfg.think_end_id)
@@ -285,6 +335,8 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
         message = {"role": "assistant", "content": content}
         if reasoning is not None:
             message["reasoning_content"] = reasoning
+        if tool_calls is not None:
+            message["tool_calls"] = tool_calls
         n_prompt = sum(len(str(m.get("content", ""))) for m in body.get("messages", []))
         return jresp(finish_reply({
             "id": f"loopback-{stats.chat_requests}", "object": "chat.completion", "created": int(time.time()),
