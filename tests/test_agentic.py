@@ -215,8 +215,22 @@ def test_agentic_pipeline_masks_cover_each_step(route, tok, enc, local_store, ti
                                   endpoints=[EndpointConfig(url=srv.url, kind=kind)])
         res = regenerate_shard(prompts, shard=shard, store=local_store, fleet=fleet, tokenizer=tok,
                                generation=GenerationConfig(max_new_tokens=256))
-        if route == "openai_parser":
-            assert "tools" in srv.stats.last_body
+        requests = srv.stats.generate_requests + srv.stats.chat_requests
+        again = regenerate_shard(prompts, shard=shard, store=local_store, fleet=fleet, tokenizer=tok,
+                                 generation=GenerationConfig(max_new_tokens=256))
+        assert srv.stats.generate_requests + srv.stats.chat_requests == requests  # resumed from the published rows
+        assert again.stats.prompts_resumed == 12 and again.stats.agentic_stopped_at_divergent_call == 6
+        one = prompts.filter(pa.array([r == "oa-weather-lyon" for r in prompts.column("source_id").to_pylist()]))
+        regenerate_shard(one, shard="shard-lyon", store=local_store, fleet=fleet, tokenizer=tok,
+                         generation=GenerationConfig(max_new_tokens=256))
+        body = srv.stats.last_body  # the last step's request carries the tool definitions and the history
+        if kind == "openai":
+            assert [t["function"]["name"] for t in body["tools"]] == ["get_weather", "get_forecast"]
+            assert [m["role"] for m in body["messages"]] == ["system", "user", "assistant", "tool", "assistant", "tool"]
+            assert json.loads(body["messages"][2]["tool_calls"][0]["function"]["arguments"]) == {"city": "Lyon"}
+        else:
+            text = tok.decode(body["input_ids"])
+            assert "<tools>\n" in text and text.count("<tool_response>") == 2
     table = local_store.read_parquet(layout.completions(shard))
     assert table.schema.equals(output_schema(agentic=True))
     assert table.schema.field("messages").type.equals(AGENTIC_MESSAGES_TYPE)  # what tokenization reads
