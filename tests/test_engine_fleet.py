@@ -363,3 +363,33 @@ def test_burst_sends_real_prompts_with_the_completions_sampling(tok):
         assert len(srv.stats.prompts_seen) == 5  # every real prompt, not one fixed one
     assert m.ok == 10 and m.completion_tokens == 10 * 16
     assert (sp["temperature"], sp["top_p"], sp["sampling_seed"], sp["ignore_eos"]) == (0.3, 0.8, 7, True)
+
+
+def test_pilot_on_real_prompts_predicts_the_run(tok, tmp_path):
+    """Before any completions: a pilot of real prompts through the whole path, scaled to the corpus."""
+    import pyarrow as pa
+
+    from dflash_assets.generation.plan import pilot, sample_prompt_rows
+    from dflash_assets.store import layout
+
+    store = LocalStore(tmp_path / "store")
+    rows = prompts(32, turns=2)
+    store.write_parquet(layout.raw_prompts("s0"), pa.Table.from_pylist(rows[:20]))
+    store.write_parquet(layout.raw_prompts("s1"), pa.Table.from_pylist(rows[20:]))
+    sample = sample_prompt_rows(store, 8)
+    assert sample["prompt_id"].to_pylist() == [r["prompt_id"] for r in rows[:8]]
+    assert sample_prompt_rows(store, 25).num_rows == 25  # across shards
+    assert sample_prompt_rows(LocalStore(tmp_path / "empty"), 3) is None
+    gen = GenerationConfig(max_new_tokens=64)
+    with LoopbackServer(model_path=TARGET, delay_s=0.1) as srv:  # 0.1 s a request, 4 in flight
+        cfg = EngineFleetConfig(target_model=TARGET, endpoints=[EndpointConfig(url=srv.url, max_concurrency=4)])
+        p = pilot(cfg, sample, generation=gen, tokenizer=tok)
+        assert not store.list(layout.completions_journal("pilot")) and not store.exists(layout.completions("pilot"))
+        t0 = time.perf_counter()
+        regenerate_shard(rows, shard="all", store=store, fleet=cfg, generation=gen, tokenizer=tok)
+        measured = time.perf_counter() - t0
+    assert (p.prompts, p.done, p.failed, p.turns, p.concurrency) == (8, 8, 0, 16, 4) and p.saturated
+    predicted = p.estimate_wall_s(32)
+    assert predicted == pytest.approx(measured, rel=0.3), (predicted, measured)  # 32 x 2 x 0.1 s / 4 = 1.6 s
+    meta = p.to_metadata(32)
+    assert meta["pilot_turns_per_prompt"] == 2.0 and meta["pilot_estimated_wall_s"] == round(predicted, 1)

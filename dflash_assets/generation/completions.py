@@ -190,6 +190,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     wall_s: float = 0.0
+    dispatch_s: float = 0.0  # of wall_s, the fleet's run (first request to last answer); the rest is fixed cost
     tokens_per_s: float = 0.0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     empty_content: int = 0  # assistant turns with an empty answer
@@ -667,6 +668,7 @@ async def aregenerate_shard(
                     on_probe(probe)
                 run = await fleet_runner.run(tasks, on_done=on_done, on_failed=on_failed)  # type: ignore[arg-type]
             stats.requests, stats.retries, stats.failovers = run.requests, run.retries, run.failovers
+            stats.dispatch_s = run.wall_s
             stats.endpoints = {url: asdict(ep) for url, ep in run.endpoints.items()}
         finally:
             tick.cancel()

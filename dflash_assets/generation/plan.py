@@ -19,6 +19,11 @@ sample of real requests, history included);
 conversations for the burst, so its prompts have real lengths. Results are
 frozen dataclasses with ``markdown()`` and ``to_metadata()``.
 
+Before any completions exist, ``pilot`` is the honest measure: it
+regenerates a sample of real prompts (``sample_prompt_rows``) through the
+whole completions path into a scratch store and scales its wall time to the
+corpus (``PilotMeasure.estimate_wall_s``).
+
 Reads: HTTP endpoints (a few requests each); the store's ``completions`` and
 ``raw_prompts`` shards (a few columns). Writes nothing.
 """
@@ -50,6 +55,10 @@ __all__ = [
     "measure_completions",
     "PromptsMeasure",
     "measure_prompts",
+    "sample_prompt_rows",
+    "PilotMeasure",
+    "apilot",
+    "pilot",
     "format_duration",
 ]
 
@@ -227,6 +236,79 @@ class PromptsMeasure:
     @property
     def turns_per_prompt(self) -> float:
         return self.turns / self.prompts if self.prompts else 0.0
+
+
+def sample_prompt_rows(store: Any, n: int) -> pa.Table | None:
+    """The first ``n`` rows of the ``raw_prompts`` shards (every column; one shard read at a time)."""
+    parts: list[pa.Table] = []
+    got = 0
+    for shard in layout.list_raw_prompt_shards(store):
+        if got >= n:
+            break
+        part = store.read_parquet(layout.raw_prompts(shard)).slice(0, n - got)
+        parts.append(part)
+        got += part.num_rows
+    return pa.concat_tables(parts, promote_options="default") if parts else None
+
+
+@dataclass(frozen=True)
+class PilotMeasure:
+    """A sample of real prompts regenerated through the whole completions path (scratch store)."""
+
+    prompts: int
+    done: int
+    failed: int
+    turns: int
+    completion_tokens: int
+    prompt_tokens: int
+    wall_s: float  # the whole regeneration, probe and writes included
+    dispatch_s: float  # of it, the fleet's run (first request to last answer)
+    concurrency: int  # requests in flight the fleet allowed (summed over usable endpoints)
+
+    @property
+    def saturated(self) -> bool:
+        """Enough prompts to keep every slot busy (twice the concurrency), as a real partition does."""
+        return self.prompts >= 2 * self.concurrency
+
+    def estimate_wall_s(self, prompts: int, partitions: int = 1) -> float:
+        """Wall time of ``prompts`` at the pilot's rate (prompts finished per second of dispatch), plus the
+        pilot's fixed cost (probe, tokenizer, writes) once per partition."""
+        if not self.done:
+            return float("inf")
+        return prompts * self.dispatch_s / self.done + partitions * max(self.wall_s - self.dispatch_s, 0.0)
+
+    def to_metadata(self, prompts: int, partitions: int = 1) -> dict[str, Any]:
+        wall = self.estimate_wall_s(prompts, partitions)
+        return {"pilot_prompts": self.prompts, "pilot_done": self.done, "pilot_failed": self.failed,
+                "pilot_wall_s": round(self.wall_s, 2), "pilot_turns_per_prompt": round(self.turns / max(self.done, 1), 3),
+                "pilot_output_tokens_per_turn": round(self.completion_tokens / max(self.turns, 1), 1),
+                "pilot_saturated": self.saturated,
+                "pilot_estimated_wall_s": round(wall, 1), "pilot_estimated_wall": format_duration(wall)}
+
+
+async def apilot(config: EngineFleetConfig, rows: Any, *, generation: GenerationConfig,
+                 tokenizer: Any = None) -> PilotMeasure:
+    """Regenerate ``rows`` (raw_prompts rows) over the fleet into a temporary local store and time it."""
+    import tempfile
+
+    from dflash_assets.generation.completions import aregenerate_shard
+    from dflash_assets.store.backends import LocalStore
+
+    seen: list[FleetProbe] = []
+    with tempfile.TemporaryDirectory(prefix="dflash-pilot-") as tmp:
+        res = await aregenerate_shard(rows, shard="pilot", store=LocalStore(tmp), fleet=config,
+                                      generation=generation, tokenizer=tokenizer, max_failed_ratio=1.0,
+                                      on_probe=seen.append)
+    usable = {r.endpoint for r in seen[0].usable} if seen else set()
+    concurrency = sum(ep.max_concurrency for ep in config.endpoints if ep.url.rstrip("/") in usable)
+    st = res.stats
+    return PilotMeasure(st.prompts_total, st.prompts_done, st.prompts_failed, st.turns, st.completion_tokens,
+                        st.prompt_tokens, st.wall_s, st.dispatch_s, concurrency)
+
+
+def pilot(config: EngineFleetConfig, rows: Any, **kwargs: Any) -> PilotMeasure:
+    """Blocking form of ``apilot``."""
+    return run_sync(apilot(config, rows, **kwargs))
 
 
 def measure_prompts(store: Any, *, max_turns: int, sample: int = 64) -> PromptsMeasure | None:
