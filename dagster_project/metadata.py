@@ -1,6 +1,7 @@
 """Turning library statistics into Dagster metadata the UI renders well; reads and writes nothing.
 
-- ``to_metadata``: a materialization's values. Numbers stay numbers (``int``/``float``): the UI plots them per
+- ``to_metadata``: a materialization's values, from the ``to_metadata()`` dict every result type of the
+  library returns (one name for all of them). Numbers stay numbers (``int``/``float``): the UI plots them per
   partition, or over time for a series such as one loss or tau per checkpoint.
 - ``check_metadata``: an asset check's values. The UI plots a check's numeric metadata as one line over time,
   joining every partition's result as if it were a time series, so numbers become text here.

@@ -180,7 +180,7 @@ def test_partition_roundtrip_through_store(targets, local_store):
     assert local_store.list("hidden_state_cache") == sorted([*result.keys, "hidden_state_cache/shard-00007.manifest.json"])
     assert [e["bytes"] for e in manifest["files"]] == [local_store.size(k) for k in result.keys]
     assert layout.list_hidden_state_parts(local_store) == {"shard-00007": list(result.keys)}
-    meta = result.metadata()
+    meta = result.to_metadata()
     assert meta["num_samples"] == 8 and meta["num_tokens"] == sum(LENGTHS) and meta["num_parts"] == 3
     assert meta["packing"] == "packed" and meta["layer_ids"] == [1, 3]
 

@@ -392,7 +392,7 @@ def test_reingest_with_added_prompts_never_moves_a_prompt(tmp_path, store):
                               "shard-00004": 1}
     assert r2.shards_to_materialize == ["shard-00002", "shard-00003", "shard-00004"]
     assert r2.corpus_prompts == 13 and r2.generation == 2
-    meta = r2.metadata()  # flat values for asset metadata
+    meta = r2.to_metadata()  # flat values for asset metadata
     assert (meta["changed_shards"], meta["new_shards"], meta["num_shards"]) == ("shard-00002", 2, 5)
     assert meta["valid"] == r2.num_valid == 12 and meta["quarantined"] == {}
     index2 = store.read_json(layout.corpus_index())

@@ -103,5 +103,5 @@ def test_trained_drafter_accepts_more_than_untrained(tmp_path):
     before = evaluate_drafter(DFlashDrafter(cfg), target, ps, max_new_tokens=32, check_lossless=False)
     after = evaluate_drafter(res.checkpoint_dir, target, ps, max_new_tokens=32)
     assert after.lossless, after.per_prompt
-    assert before.tau < 1.3 and after.tau > before.tau + 1.0, (before.tau, after.tau, res.metrics())
+    assert before.tau < 1.3 and after.tau > before.tau + 1.0, (before.tau, after.tau, res.to_metadata())
     assert min(after.tau_by_category.values()) > before.tau + 0.5

@@ -263,7 +263,7 @@ def test_samples_without_supervised_tokens_are_dropped_and_counted(enc):
         "prompt_exceeds_max_length": 1,
     }
     assert stats.conversations == 6 and stats.samples == 1
-    meta = stats.as_metadata()
+    meta = stats.to_metadata()
     assert meta["dropped"] == 5 and meta["dropped_no_assistant_turn"] == 2 and meta["encoder_backend"] == "tiktoken"
 
 
@@ -491,5 +491,5 @@ def test_malformed_agentic_rows_are_dropped_with_a_reason(enc):
     table, stats = tokenize_completions(agentic_table(conversations, tools), enc)
     assert table.column("prompt_id").to_pylist() == ["a0"]
     assert stats.dropped == {"bad_tool_call": 3, "template_error": 1, "bad_tools": 1}
-    meta = stats.as_metadata()
+    meta = stats.to_metadata()
     assert meta["dropped_bad_tool_call"] == 3 and meta["dropped"] == 5

@@ -51,7 +51,7 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: IngestConfig, store
         context.log.warning(f"source holds {report.json_arrays} JSON arrays one after another: all were read")
     shard_sizes = dg.MetadataValue.md(markdown_counts(report.shard_sizes, "shard", "prompts"))
     return dg.MaterializeResult(
-        metadata={**to_metadata(report.metadata()), "new_partitions": len(new), "shard_sizes": shard_sizes}
+        metadata={**to_metadata(report.to_metadata()), "new_partitions": len(new), "shard_sizes": shard_sizes}
     )
 
 
@@ -71,7 +71,7 @@ def raw_prompts(context: dg.AssetExecutionContext, store: StoreParam) -> dg.Mate
     for key in keys:
         table, stats = materialize_prompt_shard(opened, key)
         context.add_asset_metadata(  # lands on this partition's materialization only
-            {**to_metadata(stats), "preview": preview_table(table, ["prompt_id", "num_user_turns", "user_turns"])},
+            {**to_metadata(stats.to_metadata()), "preview": preview_table(table, ["prompt_id", "num_user_turns", "user_turns"])},
             partition_key=key,
         )
     # A data version covers every partition of the run: give one only when the run holds one partition.

@@ -89,7 +89,7 @@ def tokenized_samples(context: dg.AssetExecutionContext, config: TokenizeStageCo
     context.log.info(f"{shard}: {stats.samples} samples from {stats.conversations} conversations, "
                      f"{stats.tokens} tokens ({stats.loss_tokens} supervised), dropped {stats.dropped or 'none'}")
     loss_tokens = loss_tokens_chart(table.column("num_loss_tokens").to_numpy(), config.min_loss_tokens)
-    yield dg.MaterializeResult(metadata={**to_metadata(stats.as_metadata()), "loss_tokens_histogram": loss_tokens},
+    yield dg.MaterializeResult(metadata={**to_metadata(stats.to_metadata()), "loss_tokens_histogram": loss_tokens},
                                data_version=dg.DataVersion(version))
     for name, outcome in outcomes.items():
         yield dg.AssetCheckResult(check_name=name, passed=outcome.passed, severity=SEVERITY[name],

@@ -197,7 +197,7 @@ class EvalResult:
     wall_s: float = 0.0
     acceptance_length_counts: list[int] = field(default_factory=list)  # [n]: verifications that produced n tokens
 
-    def metrics(self) -> dict[str, Any]:
+    def to_metadata(self) -> dict[str, Any]:
         return {"tau": self.tau, "tau_by_category": self.tau_by_category, "lossless": self.lossless,
                 "num_mismatches": self.num_mismatches, "num_verifications": self.num_verifications,
                 "num_new_tokens": self.num_new_tokens, "num_prompts": len(self.per_prompt), "wall_s": self.wall_s,

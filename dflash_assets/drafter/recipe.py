@@ -94,7 +94,7 @@ class TrainResult:
     def finished(self) -> bool:
         return self.steps >= self.total_steps
 
-    def metrics(self) -> dict[str, Any]:
+    def to_metadata(self) -> dict[str, Any]:
         tail = self.losses[-50:]
         return {
             "steps": self.steps,

@@ -139,7 +139,7 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
     if result.checkpoint_dir is None:
         raise RuntimeError(f"recipe {name}: stopped at step {result.steps}/{result.total_steps} before the end; "
                            f"run again to resume from {result.state_dir}")
-    metrics = result.metrics()
+    metrics = result.to_metadata()
     metrics_path = Path(result.checkpoint_dir).parent / "train_metrics.json"
     metrics_path.write_text(json.dumps({**metrics, "losses": result.losses, "recipe": recipe.to_dict(),
                                         "shards": shards, "target": target.model_path}, indent=2, default=str))
@@ -212,7 +212,7 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
         log(f"recipe {name}: speculative decoding of {len(prompts)} prompts, {max_new_tokens} new tokens each")
         result = evaluate_drafter(tmp, target.model_path, prompts, max_new_tokens=max_new_tokens,
                                   stop_token_ids=stop, check_lossless=True, device=device)
-    metrics = result.metrics()
+    metrics = result.to_metadata()
     store.write_json(layout.drafter_eval(name), {**metrics, "per_prompt": result.per_prompt, "held_out": held_out})
     log(f"recipe {name}: tau {result.tau:.3f}, lossless {result.lossless}")
     counts = result.acceptance_length_counts + [0] * (recipe.block_size + 1 - len(result.acceptance_length_counts))

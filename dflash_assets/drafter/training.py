@@ -306,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     res = train_drafter(recipe, a.data, a.target, a.out, resume=not a.no_resume, log=log, max_steps=a.max_steps)
     if _dist_info()[0] == 0 and a.result:
-        Path(a.result).write_text(json.dumps({**res.metrics(), "losses": res.losses}))
+        Path(a.result).write_text(json.dumps({**res.to_metadata(), "losses": res.losses}))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

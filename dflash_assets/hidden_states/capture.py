@@ -388,7 +388,7 @@ class CaptureResult:
     def tokens_per_second(self) -> float:
         return self.num_tokens / self.seconds if self.seconds else 0.0
 
-    def metadata(self) -> dict[str, Any]:
+    def to_metadata(self) -> dict[str, Any]:
         """Plain values for ``MaterializeResult(metadata=...)``."""
         return {
             "num_samples": self.num_samples,

@@ -107,7 +107,7 @@ def cache_partition_for_shard(store: Any, shard: str, target: Any, *, devices: S
                                        len(facts.layer_ids), facts.hidden_size, dtype)
     log(f"{shard}: {result.num_tokens} tokens at {result.tokens_per_second:.0f} tok/s, "
         f"{result.bytes / 1e9:.3f} GB; whole corpus projected at {projected / 1e12:.3f} TB")
-    return {**result.metadata(), "bytes_per_token_hidden": per_token, "dtype": dtype,
+    return {**result.to_metadata(), "bytes_per_token_hidden": per_token, "dtype": dtype,
             "cache_used_gb_before": round(used / 1e9, 3), "corpus_samples": corpus_samples,
             "projected_corpus_tb": round(projected / 1e12, 6), "upstream_data_version": gate["data_version"],
             "target": target.model_path}

@@ -315,7 +315,7 @@ class IngestReport:
     def num_valid(self) -> int:
         return self.valid
 
-    def metadata(self) -> dict[str, Any]:
+    def to_metadata(self) -> dict[str, Any]:
         """Flat values for asset metadata (per-shard lists left out: ~900 shards for 914K prompts)."""
         sizes = list(self.shard_sizes.values())
         out: dict[str, Any] = {
@@ -364,6 +364,10 @@ class ShardStats(Mapping):
     agentic_prompts: int = 0  # prompts with tools, tool calls or tool results
 
     def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_metadata(self) -> dict[str, Any]:
+        """Flat values for asset metadata (the name every result type of the library uses)."""
         return asdict(self)
 
     def __getitem__(self, key: str) -> Any:

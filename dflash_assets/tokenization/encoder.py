@@ -152,7 +152,7 @@ class ParityReport:
     def ok(self) -> bool:
         return self.num_mismatched == 0 and self.num_boundaries_mismatched == 0
 
-    def as_metadata(self) -> dict[str, Any]:
+    def to_metadata(self) -> dict[str, Any]:
         return {
             "parity_texts": self.num_texts,
             "parity_mismatched": self.num_mismatched,
@@ -363,7 +363,7 @@ class FastEncoder:
         if self.fallback_reason:
             out["encoder_fallback_reason"] = self.fallback_reason
         if self.parity is not None:
-            out.update(self.parity.as_metadata())
+            out.update(self.parity.to_metadata())
         return out
 
     # -- encoding --------------------------------------------------------------

@@ -233,7 +233,7 @@ class TokenizeStats:
     encoder: dict[str, Any]
     agentic_samples: int = 0  # samples of conversations with tool turns (every step after the last query)
 
-    def as_metadata(self) -> dict[str, Any]:
+    def to_metadata(self) -> dict[str, Any]:
         out = {
             "conversations": self.conversations,
             "samples": self.samples,
