@@ -105,6 +105,9 @@ class GenerationStageConfig(dg.Config):
                                  description="None: not sent (transformers serve rejects it anyway).")
     max_turns: int = Field(default=8, ge=1, le=64, description="Regenerate at most this many assistant turns per conversation.")
     seed: Optional[int] = Field(default=None, ge=0, description="Per-request seed where the engine supports one.")
+    max_failed_ratio: float = Field(default=0.01, ge=0.0, le=1.0,
+                                    description="The partition fails (nothing published) when more of its prompts "
+                                    "fail than this share; the next run retries only the failed ones.")
 
     def to_library(self, enable_thinking: bool):
         from dflash_assets.generation.engines import GenerationConfig

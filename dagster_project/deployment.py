@@ -76,6 +76,8 @@ SETTINGS: dict[str, str] = {
                           "unset on local: each generating step starts transformers serve on the tiny target)",
     "DFLASH_ENGINE_KIND": "sglang (cluster default) or openai (local default), for URLs without a kind prefix",
     "DFLASH_ENGINE_CONCURRENCY": "requests in flight per engine (default 32)",
+    "DFLASH_ENGINE_READ_TIMEOUT_S": "an engine silent this long is cut off, plus 0.1 s per requested token "
+                                    "(default 300; 0: only the 1,800 s turn limit)",
     "DFLASH_ENGINE_API_KEY": "bearer token sent to the engines (secret: never logged)",
     "DFLASH_ENGINE_API_KEY_FILE": "file holding that token, read when definitions load (instead of the variable)",
     "DFLASH_TARGET_MODEL": "the target model directory (default: the embedded tiny target); also read by `dflash engine`",
@@ -165,6 +167,7 @@ def engines_for_profile(profile: Profile) -> EngineFleetResource:
         endpoints=_split(os.environ.get("DFLASH_ENGINE_URLS")),
         default_kind=os.environ.get("DFLASH_ENGINE_KIND", "").strip() or ("sglang" if profile == "cluster" else "openai"),
         max_concurrency=int(_number("DFLASH_ENGINE_CONCURRENCY", 32, int)),
+        read_timeout_s=_number("DFLASH_ENGINE_READ_TIMEOUT_S", 300.0) or None,
         api_key=engine_api_key(),
     )
 

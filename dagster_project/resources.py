@@ -149,6 +149,8 @@ class EngineFleetResource(DeploymentResource):
     max_concurrency: int = Field(default=32, ge=1, description="Requests in flight per endpoint.")
     served_model_name: Optional[str] = Field(default=None, description="Also accept endpoints serving this name.")
     request_timeout_s: float = Field(default=1800.0, description="Limit for one assistant turn.")
+    read_timeout_s: Optional[float] = Field(default=300.0, description="An engine silent this long is cut off "
+                                            "(plus 0.1 s per requested token); None: only the turn limit.")
     max_retries: int = Field(default=4, description="Retries per request (408/429/5xx, connection errors).")
     api_key: Optional[SecretStr] = Field(default=None, description="Bearer token for the engines (masked in repr).")
 
@@ -178,7 +180,8 @@ class EngineFleetResource(DeploymentResource):
             endpoints = [self._embedded_endpoint(target_model)]
         return EngineFleetConfig(
             endpoints=endpoints, target_model=target_model, served_model_name=self.served_model_name,
-            request_timeout_s=self.request_timeout_s, max_retries=self.max_retries,
+            request_timeout_s=self.request_timeout_s, read_timeout_s=self.read_timeout_s,
+            max_retries=self.max_retries, api_key=self.api_key,
         )
 
     def _embedded_endpoint(self, target_model: str):

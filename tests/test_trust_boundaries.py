@@ -208,3 +208,24 @@ def test_ingest_runs_one_at_a_time(defs):
     assert defs.get_assets_def("prompt_corpus").op.pool == "ingest"
     for profile in ("local", "cluster"):
         assert "default_limit: 1" in instance_yaml(profile)
+
+
+def test_engine_api_key_comes_from_the_environment_or_a_file_and_is_never_shown(monkeypatch, tmp_path):
+    """Item 4's API key, wired through the profile: the fleet gets it, reprs and metadata never show it."""
+    from dagster_project.deployment import DeploymentConfigError, engines_for_profile
+
+    monkeypatch.setenv("DFLASH_ENGINE_URLS", "sglang:http://127.0.0.1:9")
+    monkeypatch.setenv("DFLASH_ENGINE_API_KEY", "sk-engine-555")
+    engines = engines_for_profile("local")
+    fleet = engines.fleet_config(target_model="/models/t")
+    assert fleet.api_key.get_secret_value() == "sk-engine-555"
+    assert "sk-engine-555" not in repr(engines) + repr(fleet) + str(fleet.model_dump())
+
+    monkeypatch.delenv("DFLASH_ENGINE_API_KEY")
+    secret = tmp_path / "engine.key"
+    secret.write_text("sk-from-file-666\n")
+    monkeypatch.setenv("DFLASH_ENGINE_API_KEY_FILE", str(secret))
+    assert engines_for_profile("local").fleet_config(target_model="t").api_key.get_secret_value() == "sk-from-file-666"
+    monkeypatch.setenv("DFLASH_ENGINE_API_KEY_FILE", str(tmp_path / "missing.key"))
+    with pytest.raises(DeploymentConfigError, match="DFLASH_ENGINE_API_KEY_FILE"):
+        engines_for_profile("local")

@@ -46,6 +46,7 @@ def completions(context: dg.AssetExecutionContext, config: GenerationStageConfig
         result = regenerate_shard(
             st.read_parquet(layout.raw_prompts(shard)), shard=shard, store=st, fleet=fleet,
             generation=config.to_library(enable_thinking=spec.thinking()), tokenizer=tokenizer,
+            max_failed_ratio=config.max_failed_ratio,
             progress=lambda update: context.log.info(str(update)),
             on_probe=lambda probe: context.log.info(f"engine probe:\n{probe.markdown()}"),
         )
