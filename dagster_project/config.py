@@ -186,5 +186,30 @@ class GenerationPlanConfig(dg.Config):
         description="Mean output tokens per assistant turn. None: measured from the completions materialized so "
         "far, else max_new_tokens of the generation config (a thinking model often hits it).",
     )
-    turns_per_prompt: float = Field(default=1.0, description="Assistant turns regenerated per prompt on average.")
-    assumed_max_new_tokens: int = Field(default=2048, description="Used when nothing was measured yet.")
+    turns_per_prompt: Optional[float] = Field(
+        default=None,
+        description="Assistant turns per prompt, the last fallback: used only when nothing measured them (the "
+        "completions' num_turns, else the pilot's, else raw_prompts' user turns capped at max_turns). None: 1.0.",
+    )
+    completions: GenerationStageConfig = Field(
+        default_factory=GenerationStageConfig,
+        description="The completions' run config the backfill will use (max_new_tokens, max_turns, sampling): the "
+        "burst and the pilot generate with it.",
+    )
+    pilot_prompts: int = Field(
+        default=0, ge=0,
+        description="Before any completions exist: regenerate this many real prompts (the first of raw_prompts) "
+        "through the whole completions path into a scratch store and scale its wall time and lengths to the "
+        "corpus (the honest measure; twice the fleet's concurrency keeps every slot busy). 0: no pilot, the "
+        "generation time comes from the throughput burst.",
+    )
+    cache_budget_gb: Optional[float] = Field(
+        default=None, gt=0,
+        description="Hidden-state cache budget in GB (1e9 B). When the corpus's cache exceeds it, the plan says so "
+        "and recommends online training. None: no budget.",
+    )
+    tokens_per_sample: Optional[float] = Field(
+        default=None, gt=0,
+        description="Mean tokens of a tokenized sample. None: measured (last turn's prompt + completion tokens of "
+        "the completions, else of the pilot); without either, turns x output tokens per turn.",
+    )

@@ -19,6 +19,11 @@ and serves the target, prints one JSON line ``{"ready": url, "pid", "endpoint"}`
 then stays in the foreground (Ctrl-C stops the server) or, with ``--detach``,
 returns and leaves it running. Reads/writes nothing but the optional log file.
 
+``dflash plan``: prints the corpus's cost plan for given numbers
+(``dflash_assets.cost_plan``): generation wall time, hidden-state cache bytes,
+capture and training GPU-hours, offline or online, e.g. ``dflash plan
+--conversations 914000 --tokens-per-sample 3000 --target qwen3.6-27b --budget-tb 50``.
+
 Adding a subcommand: write ``_add_<name>(subparsers)`` that sets
 ``func=<callable(args) -> int>`` and append it to ``SUBCOMMANDS``.
 """
@@ -119,7 +124,16 @@ def _run_engine(args: argparse.Namespace) -> int:
     return server.proc.wait()
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_engine]
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from dflash_assets import cost_plan
+
+    p = sub.add_parser("plan", help="print the cost plan (generation, cache bytes, GPU-hours) for given numbers",
+                       description=cost_plan.__doc__.split("\n\n")[0])
+    cost_plan.add_arguments(p)
+    p.set_defaults(func=cost_plan.run)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_engine, _add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

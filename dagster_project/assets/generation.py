@@ -5,12 +5,19 @@ the target (thinking on by default), never taken from the source. Results are
 journaled as they arrive, so a crashed run resumes where it stopped. Writes
 ``completions/<shard>.parquet`` (one row per prompt) and
 ``completions/_failed/<shard>.parquet``.
+
+``generation_plan`` (unpartitioned) is the corpus's cost plan before a
+backfill: it reads the target's config, the corpus index and a few columns
+of the completions and raw_prompts shards, sends the fleet a pilot (into a
+scratch store) or a burst, and writes only its metadata.
 """
 
 
 import dagster as dg
 
-from dagster_project.config import GenerationPlanConfig, GenerationStageConfig
+from pathlib import Path
+
+from dagster_project.config import GenerationPlanConfig, GenerationStageConfig, TokenizeStageConfig
 from dagster_project.metadata import response_length_chart, to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import EnginesParam, StoreParam, TargetParam
@@ -22,8 +29,15 @@ from dflash_assets.generation.completions import (
     response_length_histogram,
 )
 from dflash_assets.generation.fleet import NoEngineAvailable
-from dflash_assets.generation.plan import measure_completions, measure_prompts, plan_generation
-from dflash_assets.prompts.ingest import corpus_prompt_count
+from dflash_assets.cost_plan import CorpusShape, GenerationCost, TargetShape, plan_costs
+from dflash_assets.generation.plan import (
+    measure_completions,
+    measure_prompts,
+    pilot,
+    plan_generation,
+    sample_prompt_rows,
+)
+from dflash_assets.prompts.ingest import corpus_prompt_count, list_shard_keys
 from dflash_assets.store import layout
 
 
@@ -74,35 +88,75 @@ def completions(context: dg.AssetExecutionContext, config: GenerationStageConfig
     group_name="generation",
     kinds={"sglang"},
     owners=["team:ml-data"],
+    description="The corpus's cost plan, before any GPU hour: generation wall time per endpoint and in total "
+    "(measured: a pilot of real prompts, or a throughput burst), hidden-state cache bytes, capture and training "
+    "GPU-hours (scaled from this project's H200 figures), and offline vs online training against the budget.",
 )
 def generation_plan(context: dg.AssetExecutionContext, config: GenerationPlanConfig, store: StoreParam,
                     target: TargetParam, engines: EnginesParam) -> dg.MaterializeResult:
-    """Wall-time estimate of regenerating the whole corpus on the current fleet, from a measured probe burst.
+    """The corpus's cost plan (``dflash_assets.cost_plan``), from the target's shapes, the store and the fleet.
 
-    Materialize it before a backfill of ``completions``: prompts x turns x output tokens / measured tokens/s,
-    per endpoint and in total.
+    Materialize it before a backfill of ``completions``. Generation: a pilot of ``pilot_prompts`` real prompts
+    through the whole completions path when no completions exist yet, else a burst per endpoint with the
+    completions' lengths. Cache and GPU-hours: the target's config and DFlash layers, the corpus size, and the
+    tokens per sample of the completions (else the pilot's).
     """
     st, spec = store.open(), target.spec()
     prompts = corpus_prompt_count(st)
-    generation = GenerationStageConfig().to_library(enable_thinking=spec.thinking())  # completions' sampling
+    partitions = max(1, len(list_shard_keys(st)))
+    generation = config.completions.to_library(enable_thinking=spec.thinking())
+    max_length = TokenizeStageConfig().max_length
+    fleet, tokenizer = engines.fleet_config(target_model=spec.model_path), spec.load_tokenizer()
     sample = config.probe_requests or 64
-    done = measure_completions(st, sample=sample)  # a few columns, one shard at a time
+    done = measure_completions(st, sample=sample, max_length=max_length)  # a few columns, one shard at a time
     seen = measure_prompts(st, max_turns=generation.max_turns, sample=sample)
-    output_tokens = config.expected_output_tokens or (
-        done.output_tokens_per_turn if done else generation.max_new_tokens)
-    turns = done.turns_per_prompt if done else (seen.turns_per_prompt if seen else config.turns_per_prompt)
-    estimate = plan_generation(
-        engines.fleet_config(target_model=spec.model_path), prompts=prompts, output_tokens_per_turn=output_tokens,
-        turns_per_prompt=turns, tokenizer=spec.load_tokenizer(), generation=generation,
-        max_new_tokens=config.probe_max_new_tokens, requests=config.probe_requests,
-        conversations=(done.sample if done else ()) or (seen.sample if seen else None),
-    )
-    context.log.info(f"generation plan:\n{estimate.markdown()}")
-    return dg.MaterializeResult(metadata={
-        **to_metadata(estimate.to_metadata()),
-        "output_tokens_source": "config" if config.expected_output_tokens else (
-            "completions" if done else "max_new_tokens"),
-        "turns_source": "completions" if done else ("raw_prompts" if seen else "config"),
-        "burst_prompts": "completions" if done and done.sample else ("raw_prompts" if seen else "fixed"),
-        "plan": dg.MetadataValue.md(estimate.markdown()),
-    })
+    trial = None
+    if done is None and config.pilot_prompts > 0:
+        rows = sample_prompt_rows(st, config.pilot_prompts)
+        if rows is not None:
+            trial = pilot(fleet, rows, generation=generation, tokenizer=tokenizer, max_length=max_length)
+            context.log.info(f"pilot: {trial.done} of {trial.prompts} prompts in {trial.wall_s:.1f} s "
+                             f"({trial.dispatch_s:.1f} s dispatch), {trial.turns} turns, "
+                             f"{trial.completion_tokens} tokens")
+    measured = trial if trial is not None and trial.done else None
+    output_tokens, output_source = (
+        (config.expected_output_tokens, "config") if config.expected_output_tokens else
+        (done.output_tokens_per_turn, "completions") if done else
+        (measured.completion_tokens / max(measured.turns, 1), "pilot") if measured else
+        (generation.max_new_tokens, "max_new_tokens"))
+    turns, turns_source = (
+        (done.turns_per_prompt, "completions") if done else
+        (measured.turns / measured.done, "pilot") if measured else
+        (seen.turns_per_prompt, "raw_prompts") if seen else (config.turns_per_prompt or 1.0, "config"))
+    per_sample, sample_source = (
+        (config.tokens_per_sample, "config") if config.tokens_per_sample else
+        (done.tokens_per_sample, "completions") if done else
+        (measured.tokens_per_sample, "pilot") if measured else
+        (min(max_length, turns * output_tokens), "assumed: turns x output tokens"))
+    metadata: dict = {}
+    if measured:
+        cost = GenerationCost.from_pilot(measured, prompts, partitions)
+        metadata.update(measured.to_metadata(prompts, partitions))
+    else:
+        estimate = plan_generation(
+            fleet, prompts=prompts, output_tokens_per_turn=output_tokens, turns_per_prompt=turns,
+            tokenizer=tokenizer, generation=generation, max_new_tokens=config.probe_max_new_tokens,
+            requests=config.probe_requests,
+            conversations=(done.sample if done else ()) or (seen.sample if seen else None))
+        cost = GenerationCost.from_estimate(estimate)
+        metadata.update(estimate.to_metadata())
+        metadata["burst_prompts"] = "completions" if done and done.sample else ("raw_prompts" if seen else "fixed")
+    model_config = spec.load_config()
+    shape = TargetShape.from_config(model_config, spec.layer_ids(model_config), name=Path(spec.model_path).name,
+                                    dtype_bytes=4 if spec.dtype == "float32" else 2)
+    corpus = CorpusShape(prompts, max(per_sample, 1.0), turns, output_tokens, partitions=partitions,
+                         source=sample_source)
+    budget = int(config.cache_budget_gb * 1e9) if config.cache_budget_gb is not None else None
+    plan = plan_costs(shape, corpus, generation=cost, budget_bytes=budget)
+    context.log.info(f"cost plan:\n{plan.markdown()}")
+    if plan.over_budget:
+        context.log.warning(f"the hidden-state cache would exceed its budget: {plan.reason}")
+    metadata.update(plan.to_metadata())
+    metadata.update({"estimated_wall_s": metadata["generation_wall_s"], "estimated_wall": metadata["generation_wall"],
+                     "output_tokens_source": output_source, "turns_source": turns_source})
+    return dg.MaterializeResult(metadata={**to_metadata(metadata), "plan": dg.MetadataValue.md(plan.markdown())})

@@ -53,6 +53,7 @@ __all__ = [
     "mean_output_tokens",
     "CompletionsMeasure",
     "measure_completions",
+    "last_turn_tokens",
     "PromptsMeasure",
     "measure_prompts",
     "sample_prompt_rows",
@@ -166,6 +167,11 @@ class CompletionsMeasure:
     prompt_tokens: int
     turns_at_cap: int  # turns whose completion hit max_new_tokens (finish reason "length")
     sample: tuple[tuple[dict, ...], ...] = ()  # real requests (history re-sent, as the run sent them)
+    sample_tokens: int = 0  # summed over rows: the last turn's prompt + completion tokens (a last_turn sample)
+
+    @property
+    def tokens_per_sample(self) -> float:
+        return self.sample_tokens / self.prompts if self.prompts else 0.0
 
     @property
     def output_tokens_per_turn(self) -> float:
@@ -178,6 +184,26 @@ class CompletionsMeasure:
     @property
     def prompt_tokens_per_turn(self) -> float:
         return self.prompt_tokens / self.turns if self.turns else 0.0
+
+
+def last_turn_tokens(table: pa.Table, max_length: int | None = None) -> int:
+    """Sum over rows of the last turn's ``prompt_tokens`` + ``completion_tokens``: the tokens of a ``last_turn``
+    sample (history, the last question, its reasoning and answer), each capped at ``max_length``. Column-wise."""
+    import numpy as np
+
+    def last(column: Any) -> np.ndarray:
+        out = []
+        for chunk in column.chunks:
+            lengths = pc.fill_null(pc.list_value_length(chunk), 0).to_numpy(zero_copy_only=False)
+            values = pc.list_flatten(chunk).to_numpy(zero_copy_only=False)
+            ends = np.cumsum(lengths) - 1
+            out.append(np.where(lengths > 0, values[np.maximum(ends, 0)] if len(values) else 0, 0))
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    per_row = last(table.column("prompt_tokens")).astype(np.int64) + last(table.column("completion_tokens"))
+    if max_length is not None:
+        per_row = np.minimum(per_row, max_length)
+    return int(per_row.sum())
 
 
 def _requests_of(messages: list[dict], turn: int) -> tuple[dict, ...]:
@@ -193,16 +219,18 @@ def _requests_of(messages: list[dict], turn: int) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def measure_completions(store: Any, *, sample: int = 0) -> CompletionsMeasure | None:
+def measure_completions(store: Any, *, sample: int = 0, max_length: int | None = None) -> CompletionsMeasure | None:
     """Turns, output and prompt tokens of every published completions shard (None: none yet).
 
     Reads four columns of one shard at a time and sums them in Arrow: no shard
-    is turned into Python objects, and memory is bounded by one shard. With
+    is turned into Python objects, and memory is bounded by one shard. Tokens
+    per sample: the last turn's prompt + completion tokens, capped at
+    ``max_length`` (what ``tokenized_samples`` keeps in ``last_turn`` mode). With
     ``sample``, also that many real requests from the first rows (every turn
     of a conversation in turn, history included): prompts of the length the run
     really sends.
     """
-    shards = prompts = turns = out_tokens = in_tokens = at_cap = 0
+    shards = prompts = turns = out_tokens = in_tokens = at_cap = sample_tokens = 0
     requests: list[tuple[dict, ...]] = []
     for shard in layout.list_completion_shards(store):
         if len(requests) < sample:
@@ -218,10 +246,11 @@ def measure_completions(store: Any, *, sample: int = 0) -> CompletionsMeasure | 
         out_tokens += int(pc.sum(pc.list_flatten(t.column("completion_tokens"))).as_py() or 0)
         in_tokens += int(pc.sum(pc.list_flatten(t.column("prompt_tokens"))).as_py() or 0)
         at_cap += int(pc.sum(pc.equal(pc.list_flatten(t.column("finish_reasons")), "length")).as_py() or 0)
+        sample_tokens += last_turn_tokens(t, max_length)
         del t
     if not prompts:
         return None
-    return CompletionsMeasure(shards, prompts, turns, out_tokens, in_tokens, at_cap, tuple(requests))
+    return CompletionsMeasure(shards, prompts, turns, out_tokens, in_tokens, at_cap, tuple(requests), sample_tokens)
 
 
 @dataclass(frozen=True)
@@ -264,6 +293,12 @@ class PilotMeasure:
     wall_s: float  # the whole regeneration, probe and writes included
     dispatch_s: float  # of it, the fleet's run (first request to last answer)
     concurrency: int  # requests in flight the fleet allowed (summed over usable endpoints)
+    sample_tokens: int = 0  # summed over done prompts: the last turn's prompt + completion tokens (capped)
+    endpoint_tokens: tuple[tuple[str, int], ...] = ()  # completion tokens each endpoint generated
+
+    @property
+    def tokens_per_sample(self) -> float:
+        return self.sample_tokens / self.done if self.done else 0.0
 
     @property
     def saturated(self) -> bool:
@@ -282,13 +317,16 @@ class PilotMeasure:
         return {"pilot_prompts": self.prompts, "pilot_done": self.done, "pilot_failed": self.failed,
                 "pilot_wall_s": round(self.wall_s, 2), "pilot_turns_per_prompt": round(self.turns / max(self.done, 1), 3),
                 "pilot_output_tokens_per_turn": round(self.completion_tokens / max(self.turns, 1), 1),
+                "pilot_tokens_per_sample": round(self.tokens_per_sample, 1),
                 "pilot_saturated": self.saturated,
                 "pilot_estimated_wall_s": round(wall, 1), "pilot_estimated_wall": format_duration(wall)}
 
 
 async def apilot(config: EngineFleetConfig, rows: Any, *, generation: GenerationConfig,
-                 tokenizer: Any = None) -> PilotMeasure:
-    """Regenerate ``rows`` (raw_prompts rows) over the fleet into a temporary local store and time it."""
+                 tokenizer: Any = None, max_length: int | None = None) -> PilotMeasure:
+    """Regenerate ``rows`` (raw_prompts rows) over the fleet into a temporary local store and time it.
+
+    Tokens per sample: as ``measure_completions``, over the pilot's rows (capped at ``max_length``)."""
     import tempfile
 
     from dflash_assets.generation.completions import aregenerate_shard
@@ -302,8 +340,10 @@ async def apilot(config: EngineFleetConfig, rows: Any, *, generation: Generation
     usable = {r.endpoint for r in seen[0].usable} if seen else set()
     concurrency = sum(ep.max_concurrency for ep in config.endpoints if ep.url.rstrip("/") in usable)
     st = res.stats
+    per_endpoint = tuple((url, int(ep.get("completion_tokens", 0))) for url, ep in st.endpoints.items())
     return PilotMeasure(st.prompts_total, st.prompts_done, st.prompts_failed, st.turns, st.completion_tokens,
-                        st.prompt_tokens, st.wall_s, st.dispatch_s, concurrency)
+                        st.prompt_tokens, st.wall_s, st.dispatch_s, concurrency,
+                        last_turn_tokens(res.table, max_length) if res.table.num_rows else 0, per_endpoint)
 
 
 def pilot(config: EngineFleetConfig, rows: Any, **kwargs: Any) -> PilotMeasure:
