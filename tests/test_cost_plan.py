@@ -167,9 +167,8 @@ def test_generation_plan_asset_shows_the_whole_cost_plan_from_a_pilot(tmp_path, 
         with dg.instance_for_test() as instance:
             dg.materialize(defs.assets, selection=["prompt_corpus"], instance=instance, resources=resources,
                            run_config={"ops": {"prompt_corpus": {"config": {"source_uri": str(source)}}}})
-            (shard,) = instance.get_dynamic_partitions("prompt_shards")
-            dg.materialize(defs.assets, selection=["raw_prompts"], partition_key=shard, instance=instance,
-                           resources=resources)
+            (shard,) = instance.get_dynamic_partitions("prompt_shards")  # no raw_prompts run: the pilot reads the
+            # committed corpus's shard
             runs = {}
             for name, budget in (("over", 1e-6), ("none", None)):
                 result = dg.materialize(defs.assets, selection=["generation_plan"], instance=instance,
@@ -180,6 +179,7 @@ def test_generation_plan_asset_shows_the_whole_cost_plan_from_a_pilot(tmp_path, 
             assert engine.stats.last_body["sampling_params"]["max_new_tokens"] == 16  # the completions' config
     store = LocalStore(tmp_path / "store")
     assert not store.exists(layout.completions(shard)) and not store.list("completions")  # the pilot's is scratch
+    assert not store.exists(layout.raw_prompts(shard))
     meta = runs["over"]
     assert meta["pilot_prompts"] == 4 and meta["pilot_done"] == 4
     assert (meta["generation_source"], meta["turns_source"], meta["output_tokens_source"],

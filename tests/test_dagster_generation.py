@@ -99,9 +99,10 @@ def test_generation_plan_takes_turns_and_lengths_from_the_completions(tmp_path, 
             assert len(engine.stats.prompts_seen) == 4  # the burst sent 4 different real requests
     first = {k: v.value for k, v in empty.asset_materializations_for_node("generation_plan")[0].metadata.items()}
     meta = {k: v.value for k, v in result.asset_materializations_for_node("generation_plan")[0].metadata.items()}
-    # nothing generated yet: the generation config's max_new_tokens, not a constant; one turn (no raw_prompts yet)
-    assert first["output_tokens_source"] == "max_new_tokens" and first["turns_source"] == "config"
-    assert first["total_output_tokens"] == 6 * GenerationStageConfig().max_new_tokens
+    # nothing generated yet: the generation config's max_new_tokens, not a constant; turns from the committed
+    # corpus's user turns (no raw_prompts yet): two per prompt
+    assert first["output_tokens_source"] == "max_new_tokens" and first["turns_source"] == "raw_prompts"
+    assert first["total_output_tokens"] == 6 * 2 * GenerationStageConfig().max_new_tokens
     table = LocalStore(tmp_path / "store").read_parquet(layout.completions(shard))
     turns = sum(table["num_turns"].to_pylist())
     tokens = sum(sum(t) for t in table["completion_tokens"].to_pylist())

@@ -25,7 +25,8 @@ whole completions path into a scratch store and scales its wall time to the
 corpus (``PilotMeasure.estimate_wall_s``).
 
 Reads: HTTP endpoints (a few requests each); the store's ``completions`` and
-``raw_prompts`` shards (a few columns). Writes nothing.
+``raw_prompts`` shards (a few columns; before any ``raw_prompts``, the committed
+corpus's shards). Writes nothing (the pilot writes into a temporary directory).
 """
 
 from __future__ import annotations
@@ -267,14 +268,29 @@ class PromptsMeasure:
         return self.turns / self.prompts if self.prompts else 0.0
 
 
+def _prompt_shards(store: Any, columns: list[str] | None = None):
+    """(shard, table) of every ``raw_prompts`` shard, one at a time; before any is materialized, the committed
+    corpus's shards (the same rows: what ``raw_prompts`` will copy)."""
+    from dflash_assets.prompts.ingest import list_shard_keys, read_corpus_shard
+
+    shards = layout.list_raw_prompt_shards(store)
+    if shards:
+        for shard in shards:
+            yield shard, (lambda cols, s=shard: store.read_parquet(layout.raw_prompts(s), columns=cols))
+    else:
+        for shard in list_shard_keys(store):
+            yield shard, (lambda cols, s=shard: read_corpus_shard(store, s, columns=cols))
+
+
 def sample_prompt_rows(store: Any, n: int) -> pa.Table | None:
-    """The first ``n`` rows of the ``raw_prompts`` shards (every column; one shard read at a time)."""
+    """The first ``n`` rows of the ``raw_prompts`` shards, else of the committed corpus (every column; one shard
+    read at a time)."""
     parts: list[pa.Table] = []
     got = 0
-    for shard in layout.list_raw_prompt_shards(store):
+    for _, read in _prompt_shards(store):
         if got >= n:
             break
-        part = store.read_parquet(layout.raw_prompts(shard)).slice(0, n - got)
+        part = read(None).slice(0, n - got)
         parts.append(part)
         got += part.num_rows
     return pa.concat_tables(parts, promote_options="default") if parts else None
@@ -352,18 +368,17 @@ def pilot(config: EngineFleetConfig, rows: Any, **kwargs: Any) -> PilotMeasure:
 
 
 def measure_prompts(store: Any, *, max_turns: int, sample: int = 64) -> PromptsMeasure | None:
-    """Turns per prompt over every ``raw_prompts`` shard (one column, one shard at a time) and ``sample`` real
-    first-turn requests for the throughput burst. None when no shard is materialized yet."""
+    """Turns per prompt over every ``raw_prompts`` shard (else the committed corpus's; one column, one shard at a
+    time) and ``sample`` real first-turn requests for the throughput burst. None when there are no prompts yet."""
     shards = prompts = turns = 0
     chats: list[tuple[dict, ...]] = []
-    for shard in layout.list_raw_prompt_shards(store):
-        key = layout.raw_prompts(shard)
-        t = store.read_parquet(key, columns=["num_user_turns"])
+    for _, read in _prompt_shards(store):
+        t = read(["num_user_turns"])
         shards += 1
         prompts += t.num_rows
         turns += int(pc.sum(pc.min_element_wise(t.column("num_user_turns"), max_turns)).as_py() or 0)
         if len(chats) < sample:
-            head = store.read_parquet(key, columns=["system", "user_turns"]).slice(0, sample - len(chats))
+            head = read(["system", "user_turns"]).slice(0, sample - len(chats))
             for row in head.to_pylist():
                 first = (row["user_turns"] or [""])[0]
                 system = ({"role": "system", "content": row["system"]},) if row["system"] else ()

@@ -153,6 +153,7 @@ __all__ = [
     "ingest_prompt_source",
     "materialize_prompt_shard",
     "list_shard_keys",
+    "read_corpus_shard",
     "shard_name",
 ]
 
@@ -935,6 +936,12 @@ def corpus_prompt_count(store: Any) -> int:
 def list_shard_keys(store: Any) -> list[str]:
     """Shard keys of the committed corpus, sorted (the ``prompt_shards`` partitions)."""
     return sorted(_load_index(store).shards)
+
+
+def read_corpus_shard(store: Any, shard_key: str, columns: list[str] | None = None) -> pa.Table:
+    """The committed corpus's rows of one shard (what ``raw_prompts/<shard>`` holds once materialized), read
+    without writing anything; the cost plan samples prompts from it before any ``raw_prompts`` run."""
+    return store.read_parquet(_load_index(store).shards[shard_key].key, columns=columns)
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:
