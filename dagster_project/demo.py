@@ -142,6 +142,7 @@ def summary_table(summary, *, store: str, home: Path) -> str:
         lines.append(f"  drafter recipe {summary.recipe}: {drafter}; {verdict}{tau}")
     n_checks = sum(len(c) for c in summary.checks.values())
     n_passed = sum(c.passed for checks in summary.checks.values() for c in checks)
+    lines += [check.line() for check in summary.plan_checks]
     minutes, seconds = divmod(round(summary.wall_s), 60)
     lines += [f"  checks: {n_passed}/{n_checks} passed on {len(summary.checks)} partitions; "
               f"failed partitions: {', '.join(summary.failed_shards) or 'none'}; wall time {minutes} min {seconds} s",

@@ -2,7 +2,9 @@
 
 1. Builds the tiny target (cached) and starts ``transformers serve`` on it, on 127.0.0.1.
 2. Ingests the first ``prompts`` valid prompts of the embedded ShareGPT file,
-   ``shard_size`` per shard (the ``prompt_corpus`` report says how many records were read).
+   ``shard_size`` per shard (the ``prompt_corpus`` report says how many records were read),
+   then materializes ``generation_plan`` (the cost plan) with a pilot of ``pilot_prompts``
+   real prompts, before any completions.
 3. Per shard, one run: ``raw_prompts`` -> ``completions`` -> ``tokenized_samples``
    (with its blocking checks) -> ``hidden_state_cache``.
 4. Registers the recipe ``demo-v1`` (every good shard but the last; the last is
@@ -12,7 +14,9 @@ Every run is recorded in the Dagster instance with its full event log; the
 console shows only what ``progress`` prints: one ``StageResult`` per asset
 and partition (ok / failed / skipped, seconds, a key number or two, read
 back from the run's events). ``run_demo`` returns a ``DemoSummary``: stages,
-check outcomes per shard, tau, and a plain-words explanation of every failure.
+check outcomes per shard, tau, the plan's predictions against what the run measured
+(completions wall time summed over shards, cache bytes from the manifests), and a
+plain-words explanation of every failure.
 Reads and writes only through the Dagster instance and the store resource.
 """
 
@@ -80,6 +84,25 @@ class CheckOutcome:
 
 
 @dataclass
+class PlanCheck:
+    """One prediction of ``generation_plan`` against what the run measured."""
+
+    what: str
+    predicted: float
+    measured: float
+    unit: str
+
+    @property
+    def ratio(self) -> float | None:
+        return self.predicted / self.measured if self.measured else None
+
+    def line(self) -> str:
+        ratio = f"{self.ratio:.2f}" if self.ratio is not None else "-"
+        return f"  plan vs run: {self.what} predicted {self.predicted:,.1f} {self.unit}, measured " \
+               f"{self.measured:,.1f} {self.unit} (predicted/measured {ratio})"
+
+
+@dataclass
 class DemoSummary:
     shards: list[str]
     failed_shards: list[str]
@@ -91,6 +114,7 @@ class DemoSummary:
     tau_untrained: float | None = None  # an untrained drafter of the same shape on the same prompts (baseline=True)
     failures: list[str] = field(default_factory=list)  # what failed, what it means, what to do
     wall_s: float = 0.0
+    plan_checks: list[PlanCheck] = field(default_factory=list)  # the cost plan's predictions vs the run
 
     @property
     def ok(self) -> bool:
@@ -104,6 +128,8 @@ class DemoSummary:
             "shards": self.shards, "failed_shards": self.failed_shards, "recipe": self.recipe, "tau": self.tau,
             "tau_untrained": self.tau_untrained,
             "drafter_ok": self.drafter_ok, "ok": self.ok, "failures": self.failures, "wall_s": round(self.wall_s, 1),
+            "plan_checks": [{"what": c.what, "predicted": c.predicted, "measured": c.measured, "unit": c.unit,
+                             "ratio": c.ratio} for c in self.plan_checks],
             "stages": [vars(s) for s in self.stages],
             "checks": {shard: {c.name: {"passed": c.passed, "blocking": c.blocking, "description": c.description}
                                for c in checks} for shard, checks in self.checks.items()},
@@ -126,7 +152,8 @@ def demo_run_config(max_new_tokens: int, max_turns: int, seed: int = 0) -> dict[
 def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int = 8, max_new_tokens: int = 96,
              max_turns: int = 2, engine_concurrency: int = 2, eval_prompts: int = 4, eval_new_tokens: int = 48,
              seed: int = 0, drafter: bool = True, store: Any = None, target: str | None = None,
-             baseline: bool = False, progress: Callable[[StageResult], None] | None = None) -> DemoSummary:
+             baseline: bool = False, progress: Callable[[StageResult], None] | None = None,
+             pilot_prompts: int = 4) -> DemoSummary:
     """Materialize the whole graph on the embedded default; see the module docstring.
 
     ``seed`` is the completions' sampling seed; ``drafter=False`` stops after the
@@ -134,6 +161,7 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
     ``target``: another local target directory (e.g. the converted SmolLM2), served by
     ``transformers serve`` in float32 and used by every stage instead of the tiny target.
     ``baseline``: also measure tau of an untrained drafter on the same held-out prompts.
+    ``pilot_prompts``: the cost plan's pilot before any completions (0: no plan).
     """
     from dagster_project.definitions import defs
     from dagster_project.partitions import register_recipe
@@ -155,10 +183,15 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
         if target is not None:
             resources["target"] = deployment_resource(TargetModelResource(model_path=str(target), dtype="float32"))
 
+        metadata: dict[tuple[str, str], dict[str, Any]] = {}  # (asset, partition) -> its materialization's values
+
         def materialize(selection: list[str], partition: str | None, run_config: dict[str, Any]) -> list[StageResult]:
             result = dg.materialize(defs.assets, selection=selection, partition_key=partition, instance=instance,
                                     resources=resources, run_config={**run_config, **QUIET_CONSOLE},
                                     raise_on_error=False)
+            for asset in selection:
+                for m in result.asset_materializations_for_node(asset):
+                    metadata[(asset, partition or "")] = {k: getattr(v, "value", v) for k, v in m.metadata.items()}
             stages = _stage_results(instance, result, selection, partition or "")
             for stage in stages:
                 summary.stages.append(stage)
@@ -175,11 +208,21 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
             summary.wall_s = time.time() - t_start
             return summary
         summary.shards = sorted(instance.get_dynamic_partitions("prompt_shards"))
+        if pilot_prompts:  # the cost plan before any completions, from a pilot of real prompts
+            completions_config = demo_run_config(max_new_tokens, max_turns, seed)["ops"]["completions"]["config"]
+            materialize(["generation_plan"], None, {"ops": {"generation_plan": {"config": {
+                "pilot_prompts": pilot_prompts, "completions": completions_config}}}})
         for shard in summary.shards:
             stages = materialize(PER_SHARD_ASSETS, shard, demo_run_config(max_new_tokens, max_turns, seed))
             if any(s.status != "ok" for s in stages):
                 summary.failed_shards.append(shard)
                 summary.failures += _explain_shard(shard, stages, summary.checks.get(shard, []))
+        plan = metadata.get(("generation_plan", ""))
+        if plan is not None:
+            summary.plan_checks = plan_checks(plan, [metadata.get(("completions", s), {}) for s in summary.shards],
+                                              store.open())
+            for check in summary.plan_checks:
+                log.info(check.line().strip())
     good = [s for s in summary.shards if s not in summary.failed_shards]
     if drafter and not good:
         summary.failures.append("no shard passed its checks, so no drafter was trained.")
@@ -204,6 +247,22 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
             log.info("untrained drafter: tau %.3f on the same held-out prompts", summary.tau_untrained)
     summary.wall_s = time.time() - t_start
     return summary
+
+
+def plan_checks(plan: dict[str, Any], completions: list[dict[str, Any]], store: Any) -> list[PlanCheck]:
+    """The cost plan's completions wall time and cache bytes against the run's: the completions' ``wall_s``
+    summed over shards, and the cache's bytes as its manifests list them."""
+    from dflash_assets.store import layout
+
+    checks = []
+    walls = [m["wall_s"] for m in completions if "wall_s" in m]
+    if "generation_wall_s" in plan and walls:
+        checks.append(PlanCheck("completions wall time", float(plan["generation_wall_s"]), float(sum(walls)), "s"))
+    entries = [e for parts in layout.list_hidden_state_entries(store).values() for e in parts]
+    if "cache_bytes" in plan and entries:
+        measured = sum(e["bytes"] if e["bytes"] is not None else store.size(e["key"]) for e in entries)
+        checks.append(PlanCheck("cache bytes", plan["cache_bytes"] / 1e6, measured / 1e6, "MB"))
+    return checks
 
 
 def untrained_tau(store: Any, recipe_name: str, target: str | None, num_prompts: int, max_new_tokens: int) -> float:
@@ -238,6 +297,8 @@ def untrained_tau(store: Any, recipe_name: str, target: str | None, num_prompts:
 _NUMBERS: dict[str, list[tuple[str, str]]] = {
     "prompt_corpus": [("valid", "{} prompts"), ("num_shards", "{} shards"), ("records_read", "{} records read")],
     "raw_prompts": [("num_prompts", "{} prompts"), ("num_user_turns", "{} user turns")],
+    "generation_plan": [("generation_wall", "completions predicted {}"), ("cache_gb", "cache {:.4f} GB"),
+                        ("recommendation", "{} training")],
     "completions": [("prompts_done", "{} prompts done"), ("completion_tokens", "{} tokens"),
                     ("tokens_per_s", "{:.0f} tok/s"), ("finish_length", "{} turns cut at max_new_tokens")],
     "tokenized_samples": [("samples", "{} samples"), ("loss_tokens", "{} supervised tokens")],

@@ -118,6 +118,30 @@ def test_generation_cost_from_a_pilot_and_a_throughput():
     assert given.wall_s == pytest.approx(2_742_000)
 
 
+def test_tokens_per_sample_take_the_prompt_lengths_of_the_whole_corpus(tmp_path):
+    """A pilot of a few prompts measures what generation adds; the corpus's own prompt text (all of it, column by
+    column) gives the rest: a corpus of longer prompts than the pilot's gets longer samples."""
+    import pyarrow as pa
+
+    from dflash_assets.generation.plan import PilotMeasure, measure_prompts
+    from dflash_assets.store import layout
+    from dflash_assets.store.backends import LocalStore
+
+    pilot = PilotMeasure(prompts=4, done=4, failed=0, turns=8, completion_tokens=800, prompt_tokens=400,
+                         wall_s=1.0, dispatch_s=1.0, concurrency=2, sample_tokens=1_200, user_chars=400,
+                         user_tokens=100)
+    assert pilot.tokens_per_sample == 300
+    assert pilot.scaled_tokens_per_sample(100.0) == pytest.approx(300)  # the same prompt lengths as the pilot's
+    assert pilot.scaled_tokens_per_sample(1_000.0) == pytest.approx((1_200 - 100) / 4 + 1_000 * 100 / 400)
+    assert pilot.scaled_tokens_per_sample(None) == 300
+    store = LocalStore(tmp_path / "store")
+    store.write_parquet(layout.raw_prompts("s0"), pa.Table.from_pylist([
+        {"system": "ab", "user_turns": ["abc", "defg", "hij"], "num_user_turns": 3},
+        {"system": None, "user_turns": ["x" * 10], "num_user_turns": 1}]))
+    seen = measure_prompts(store, max_turns=2)
+    assert seen.user_chars == 2 + 3 + 4 + 10 and seen.user_chars_per_prompt == 9.5  # the first 2 user turns
+
+
 def test_drafter_defaults_follow_the_recipe():
     from dflash_assets.drafter.recipe import DrafterRecipe
 
@@ -183,7 +207,7 @@ def test_generation_plan_asset_shows_the_whole_cost_plan_from_a_pilot(tmp_path, 
     meta = runs["over"]
     assert meta["pilot_prompts"] == 4 and meta["pilot_done"] == 4
     assert (meta["generation_source"], meta["turns_source"], meta["output_tokens_source"],
-            meta["tokens_per_sample_source"]) == ("pilot", "pilot", "pilot", "pilot")
+            meta["tokens_per_sample_source"]) == ("pilot", "pilot", "pilot", "pilot + the corpus's prompt lengths")
     assert meta["turns_per_prompt"] == meta["pilot_turns_per_prompt"] and 1.0 <= meta["turns_per_prompt"] <= 2.0
     assert meta["estimated_wall_s"] == meta["generation_wall_s"] > 0
     spec = default_target_spec()

@@ -131,7 +131,8 @@ def generation_plan(context: dg.AssetExecutionContext, config: GenerationPlanCon
     per_sample, sample_source = (
         (config.tokens_per_sample, "config") if config.tokens_per_sample else
         (done.tokens_per_sample, "completions") if done else
-        (measured.tokens_per_sample, "pilot") if measured else
+        (measured.scaled_tokens_per_sample(seen.user_chars_per_prompt), "pilot + the corpus's prompt lengths")
+        if measured and seen else (measured.tokens_per_sample, "pilot") if measured else
         (min(max_length, turns * output_tokens), "assumed: turns x output tokens"))
     metadata: dict = {}
     if measured:

@@ -262,10 +262,22 @@ class PromptsMeasure:
     prompts: int
     turns: int
     sample: tuple[tuple[dict, ...], ...]  # first-turn requests (system + first user turn) of the first prompts
+    user_chars: int = 0  # characters of the system prompt and the first max_turns user turns, summed
+
+    @property
+    def user_chars_per_prompt(self) -> float:
+        return self.user_chars / self.prompts if self.prompts else 0.0
 
     @property
     def turns_per_prompt(self) -> float:
         return self.turns / self.prompts if self.prompts else 0.0
+
+
+def _user_chars(table: pa.Table, max_turns: int) -> int:
+    """Characters of ``system`` and the first ``max_turns`` of ``user_turns``, summed over rows (Arrow)."""
+    chars = int(pc.sum(pc.utf8_length(table.column("system"))).as_py() or 0)
+    turns = pc.list_slice(table.column("user_turns"), 0, max_turns)
+    return chars + int(pc.sum(pc.utf8_length(pc.list_flatten(turns))).as_py() or 0)
 
 
 def _prompt_shards(store: Any, columns: list[str] | None = None):
@@ -311,10 +323,23 @@ class PilotMeasure:
     concurrency: int  # requests in flight the fleet allowed (summed over usable endpoints)
     sample_tokens: int = 0  # summed over done prompts: the last turn's prompt + completion tokens (capped)
     endpoint_tokens: tuple[tuple[str, int], ...] = ()  # completion tokens each endpoint generated
+    user_chars: int = 0  # the pilot prompts' system + first max_turns user turns: characters
+    user_tokens: int = 0  # ... and tokens (the target's tokenizer)
 
     @property
     def tokens_per_sample(self) -> float:
         return self.sample_tokens / self.done if self.done else 0.0
+
+    def scaled_tokens_per_sample(self, user_chars_per_prompt: float | None) -> float:
+        """Tokens per sample of a corpus whose prompts average ``user_chars_per_prompt`` characters (system and
+        user turns, as ``PromptsMeasure.user_chars``): the pilot's other tokens per sample (template, answers,
+        reasoning) plus the corpus's prompt text at the pilot's characters per token. A few pilot prompts say
+        little about the corpus's prompt lengths, which the corpus itself gives in full."""
+        if not (self.done and self.user_tokens and self.user_chars) or user_chars_per_prompt is None:
+            return self.tokens_per_sample
+        share = self.done / self.prompts  # user text of the prompts that were done
+        other = (self.sample_tokens - self.user_tokens * share) / self.done
+        return max(other, 0.0) + user_chars_per_prompt * self.user_tokens / self.user_chars
 
     @property
     def saturated(self) -> bool:
@@ -355,11 +380,19 @@ async def apilot(config: EngineFleetConfig, rows: Any, *, generation: Generation
                                       on_probe=seen.append)
     usable = {r.endpoint for r in seen[0].usable} if seen else set()
     concurrency = sum(ep.max_concurrency for ep in config.endpoints if ep.url.rstrip("/") in usable)
+    user_chars = user_tokens = 0
+    if tokenizer is not None and len(rows):
+        table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(list(rows))
+        user_chars = _user_chars(table, generation.max_turns)
+        texts = [t for r in table.select(["system", "user_turns"]).to_pylist()
+                 for t in ([r["system"]] if r["system"] else []) + list(r["user_turns"] or [])[:generation.max_turns]]
+        user_tokens = sum(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else 0
     st = res.stats
     per_endpoint = tuple((url, int(ep.get("completion_tokens", 0))) for url, ep in st.endpoints.items())
     return PilotMeasure(st.prompts_total, st.prompts_done, st.prompts_failed, st.turns, st.completion_tokens,
                         st.prompt_tokens, st.wall_s, st.dispatch_s, concurrency,
-                        last_turn_tokens(res.table, max_length) if res.table.num_rows else 0, per_endpoint)
+                        last_turn_tokens(res.table, max_length) if res.table.num_rows else 0, per_endpoint,
+                        user_chars, user_tokens)
 
 
 def pilot(config: EngineFleetConfig, rows: Any, **kwargs: Any) -> PilotMeasure:
@@ -370,13 +403,15 @@ def pilot(config: EngineFleetConfig, rows: Any, **kwargs: Any) -> PilotMeasure:
 def measure_prompts(store: Any, *, max_turns: int, sample: int = 64) -> PromptsMeasure | None:
     """Turns per prompt over every ``raw_prompts`` shard (else the committed corpus's; one column, one shard at a
     time) and ``sample`` real first-turn requests for the throughput burst. None when there are no prompts yet."""
-    shards = prompts = turns = 0
+    shards = prompts = turns = chars = 0
     chats: list[tuple[dict, ...]] = []
     for _, read in _prompt_shards(store):
-        t = read(["num_user_turns"])
+        t = read(["num_user_turns", "system", "user_turns"])
         shards += 1
         prompts += t.num_rows
         turns += int(pc.sum(pc.min_element_wise(t.column("num_user_turns"), max_turns)).as_py() or 0)
+        chars += _user_chars(t, max_turns)
+        del t
         if len(chats) < sample:
             head = read(["system", "user_turns"]).slice(0, sample - len(chats))
             for row in head.to_pylist():
@@ -385,7 +420,7 @@ def measure_prompts(store: Any, *, max_turns: int, sample: int = 64) -> PromptsM
                 chats.append((*system, {"role": "user", "content": first}))
     if not prompts:
         return None
-    return PromptsMeasure(shards, prompts, turns, tuple(chats))
+    return PromptsMeasure(shards, prompts, turns, tuple(chats), chars)
 
 
 async def _burst(engine: Engine, gen: GenerationConfig, requests: int, concurrency: int,
