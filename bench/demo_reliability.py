@@ -53,7 +53,7 @@ def one_run(workdir: Path, index: int, args: argparse.Namespace) -> dict:
     result = summary.to_dict()
     return {"run": index, "seed": seed, "wall_s": round(time.time() - t0, 1), "ok": result["ok"],
             "failed_partitions": result["failed_shards"], "checks": result["checks"], "tau": result["tau"],
-            "failures": result["failures"],
+            "failures": result["failures"], "plan_checks": result["plan_checks"],
             "stage_seconds": {f"{s['partition']}/{s['asset']}": round(s["seconds"] or 0.0, 1)
                               for s in result["stages"]}}
 
@@ -99,6 +99,7 @@ def main() -> None:
         "runs": len(runs), "partitions": partitions, "failed_partitions": failed,
         "runs_with_a_failure": sum(not r["ok"] for r in runs), "check_failures": check_failures,
         "wall_s_per_run": [r["wall_s"] for r in runs], "tau": [r["tau"] for r in runs] if args.drafter else None,
+        "plan_predicted_over_measured": [{c["what"]: c["ratio"] for c in r["plan_checks"]} for r in runs],
         "target": str(target), "target_ready_s": round(target_s, 1), "settings": vars(args),
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "per_run": runs,

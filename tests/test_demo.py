@@ -46,7 +46,12 @@ def test_demo_passes_every_check_with_a_short_console(tmp_path, tiny_dense_targe
     assert {a for _, a in per_shard} == {"raw_prompts", "completions", "tokenized_samples", "hidden_state_cache"}
     assert len(per_shard) == 8 and all(status == "ok" for _, _, status, _ in stages), done.stdout
     assert [a for p, a, _, _ in stages if p == "demo-v1"] == ["drafter_checkpoint", "drafter_eval"]
-    assert len(done.stdout.splitlines()) < 30, done.stdout  # the story, not the logs
+    assert len(done.stdout.splitlines()) < 36, done.stdout  # the story, not the logs
+    # the cost plan before any completions, against what the run measured (ratios not asserted: 2 shared cores)
+    assert [a for p, a, _, _ in stages if p == ""] == ["prompt_corpus", "generation_plan"]
+    for what, unit in (("completions wall time", "s"), ("cache bytes", "MB")):
+        assert re.search(rf"plan vs run: {what} predicted [\d,.]+ {unit}, measured [\d,.]+ {unit} "
+                         rf"\(predicted/measured \d+\.\d\d\)", done.stdout), done.stdout
 
     summary = done.stdout[done.stdout.index("\nSummary\n"):]
     assert re.search(r"shard-00000 +ok \d+ s +ok \d+ s +ok \d+ s +ok \d+ s +4/4 passed", summary), summary
@@ -59,7 +64,7 @@ def test_demo_passes_every_check_with_a_short_console(tmp_path, tiny_dense_targe
     # The console was quiet; the instance kept everything, Dagster's DEBUG events included.
     with dg.DagsterInstance.from_ref(dg._core.instance.ref.InstanceRef.from_dir(str(home))) as instance:
         runs = instance.get_runs()
-        assert len(runs) == 4 and all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)
+        assert len(runs) == 5 and all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)  # + generation_plan
         levels = {e.level for r in runs for e in instance.all_logs(r.run_id)}
         assert {10, 20} <= levels  # DEBUG and INFO
         evaluations = [e for r in runs for e in instance.all_logs(r.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)]

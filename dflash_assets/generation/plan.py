@@ -22,7 +22,11 @@ frozen dataclasses with ``markdown()`` and ``to_metadata()``.
 Before any completions exist, ``pilot`` is the honest measure: it
 regenerates a sample of real prompts (``sample_prompt_rows``) through the
 whole completions path into a scratch store and scales its wall time to the
-corpus (``PilotMeasure.estimate_wall_s``).
+corpus (``PilotMeasure.estimate_wall_s``). Tokens per tokenized sample (what
+``dflash_assets.cost_plan`` turns into cache bytes and GPU-hours) come from
+the completions (``last_turn_tokens``: the last turn's prompt + completion
+tokens), else from the pilot with the whole corpus's prompt text
+(``PromptsMeasure.user_chars``, ``PilotMeasure.scaled_tokens_per_sample``).
 
 Reads: HTTP endpoints (a few requests each); the store's ``completions`` and
 ``raw_prompts`` shards (a few columns; before any ``raw_prompts``, the committed
@@ -364,15 +368,27 @@ class PilotMeasure:
 
 
 async def apilot(config: EngineFleetConfig, rows: Any, *, generation: GenerationConfig,
-                 tokenizer: Any = None, max_length: int | None = None) -> PilotMeasure:
+                 tokenizer: Any = None, max_length: int | None = None, warmup: bool = True) -> PilotMeasure:
     """Regenerate ``rows`` (raw_prompts rows) over the fleet into a temporary local store and time it.
 
+    ``warmup``: first send each endpoint one short request (untimed), as a backfill finds its engines warm.
     Tokens per sample: as ``measure_completions``, over the pilot's rows (capped at ``max_length``)."""
     import tempfile
 
     from dflash_assets.generation.completions import aregenerate_shard
     from dflash_assets.store.backends import LocalStore
 
+    if warmup and len(rows):  # an engine's first requests pay one-time costs, which a backfill pays once
+        first = (rows.slice(0, 1) if isinstance(rows, pa.Table) else pa.Table.from_pylist(list(rows)[:1])).to_pylist()[0]
+        chat = ([{"role": "system", "content": first["system"]}] if first.get("system") else []) + [
+            {"role": "user", "content": (first.get("user_turns") or [""])[0]}]
+        async with EngineFleet(config, tokenizer) as fleet:
+            short = generation.model_copy(update={"max_new_tokens": 8})
+            for engine in fleet.live_endpoints:
+                try:
+                    await engine.chat(chat, short)
+                except EngineError:
+                    pass  # the pilot itself reports what fails
     seen: list[FleetProbe] = []
     with tempfile.TemporaryDirectory(prefix="dflash-pilot-") as tmp:
         res = await aregenerate_shard(rows, shard="pilot", store=LocalStore(tmp), fleet=config,
