@@ -13,6 +13,7 @@ from dflash_assets.drafter.decoding import (
     SpeculativeDecoder,
     evaluate_drafter,
     greedy_generate,
+    greedy_mismatch,
     load_target,
 )
 from test_drafter import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, one_thread, write_cache  # noqa: F401
@@ -105,3 +106,40 @@ def test_trained_drafter_accepts_more_than_untrained(tmp_path):
     assert after.lossless, after.per_prompt
     assert before.tau < 1.3 and after.tau > before.tau + 1.0, (before.tau, after.tau, res.to_metadata())
     assert min(after.tau_by_category.values()) > before.tau + 0.5
+
+
+def test_evaluation_costs_one_target_forward_per_verification(dense, tiny_dense_target):
+    """Issue 16 item 4: the H200 evaluation ran out of time because the lossless check decoded every prompt a
+    second time token by token (one target forward per new token). Now: prefill + one forward per
+    verification + one teacher-forced check per prompt, and the verify forwards take only the block (KV cache)."""
+    ps = prompts(2, 40, seed=5, hi=248000)
+    calls: list[int] = []
+    h = dense.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    seen: list[tuple[int, dict]] = []
+    try:
+        res = evaluate_drafter(untrained_drafter(tiny_dense_target), dense, ps, max_new_tokens=24,
+                               stop_token_ids=(), on_prompt=lambda i, row: seen.append((i, dict(row))))
+    finally:
+        h.remove()
+    assert res.lossless, res.per_prompt
+    assert res.num_new_tokens == 48  # no stop token: both prompts ran to the budget, so counts are not vacuous
+    assert len(calls) == res.num_verifications + 2 * len(ps), (len(calls), res.num_verifications)
+    B = 8
+    # tokens the target processed: per prompt its prefill, <= B per verification, prompt + output for the check
+    assert sum(calls) <= sum(2 * len(p.input_ids) + r["new_tokens"] + B * r["verifications"]
+                             for p, r in zip(ps, res.per_prompt))
+    assert [i for i, _ in seen] == [0, 1] and all(row["wall_s"] >= 0 for _, row in seen)
+    assert [row["prompt_id"] for _, row in seen] == ["p0", "p1"]
+
+
+def test_greedy_mismatch_finds_the_first_departure(dense):
+    p = prompts(1, 10, seed=3, hi=248000)[0].input_ids
+    ref = greedy_generate(dense, p, 20)
+    assert greedy_mismatch(dense, p, ref, 20) is None
+    bad = list(ref)
+    bad[6] = (bad[6] + 1) % 248000
+    assert greedy_mismatch(dense, p, bad, 20) == 6
+    assert greedy_mismatch(dense, p, ref[:12], 20) == 12  # stopped early without a stop token
+    k = next(i for i in range(4, 20) if ref[i] not in ref[:i])  # a token greedy emits first at k
+    assert greedy_mismatch(dense, p, ref[: k + 1], 20, stop_token_ids=[ref[k]]) is None
+    assert greedy_mismatch(dense, p, ref, 20, stop_token_ids=[ref[k]]) == k  # went on past a stop token

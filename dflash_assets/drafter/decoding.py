@@ -6,7 +6,8 @@ cache), the target verifies the whole block in one forward (with a KV cache crop
 accepted prefix), and the longest prefix of the draft that matches the target's own greedy
 tokens is accepted, plus one bonus token from the target. tau = mean tokens produced per
 verification. Greedy decoding with the target alone must give the same tokens (lossless);
-`evaluate_drafter` checks that for every prompt against a plain greedy loop.
+`evaluate_drafter` checks that for every prompt with one teacher-forced target forward over prompt +
+output (`greedy_mismatch`; `greedy_generate` is the plain greedy loop it stands for).
 
 Reads: a drafter checkpoint directory and a target model directory (HF format, loaded with
 transformers), or already-loaded models. Writes nothing.
@@ -21,7 +22,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -185,6 +186,36 @@ def greedy_generate(target, input_ids: Sequence[int], max_new_tokens: int, stop_
     return out
 
 
+def _logits_kwargs(target, n: int) -> dict[str, Any]:
+    """Ask for the last n positions' logits only where the model supports it (transformers' logits_to_keep)."""
+    return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+
+
+@torch.no_grad()
+def greedy_mismatch(target, input_ids: Sequence[int], output_ids: Sequence[int], max_new_tokens: int,
+                    stop_token_ids: Sequence[int] = ()) -> int | None:
+    """Where `output_ids` first departs from the target's own greedy decoding of `input_ids`, or None if it is
+    exactly what `greedy_generate` returns. One forward over prompt + output (teacher forcing): output[i] must be
+    the argmax after prompt + output[:i] for every i (by induction the greedy loop then emits the same tokens),
+    no stop token may come before the last token, and the output ends at a stop token or at max_new_tokens.
+    Costs one target forward per prompt instead of one per new token."""
+    out, stop, n = list(output_ids), set(stop_token_ids), len(output_ids)
+    if n == 0:
+        return 0 if max_new_tokens > 0 else None
+    dev = next(target.parameters()).device
+    x = torch.tensor([list(input_ids) + out[:-1]], device=dev)
+    logits = target(input_ids=x, use_cache=False, **_logits_kwargs(target, n)).logits[0, -n:]
+    greedy = logits.argmax(-1).tolist()  # greedy[i]: the target's token after prompt + out[:i]
+    for i, (g, t) in enumerate(zip(greedy, out)):
+        if g != t or (t in stop and i < n - 1):
+            return i
+    if n > max_new_tokens:
+        return max_new_tokens
+    if n < max_new_tokens and out[-1] not in stop:
+        return n  # greedy decoding would have gone on
+    return None
+
+
 @dataclass
 class EvalResult:
     tau: float  # mean tokens per verification over all prompts (pooled)
@@ -228,8 +259,11 @@ def evaluate_drafter(
     check_lossless: bool = True,
     use_cache: bool = True,
     device=None,
+    on_prompt: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> EvalResult:
-    """tau of `drafter` on `target` (a loaded HF model or a directory) over held-out prompts."""
+    """tau of `drafter` on `target` (a loaded HF model or a directory) over held-out prompts. `on_prompt(i, row)`
+    is called after each prompt (progress; a caller cut at a time limit keeps the rows done so far). Target
+    forwards per prompt: one prefill, one per verification, one for the lossless check."""
     t0 = time.perf_counter()
     if isinstance(target, (str, Path)):
         target = load_target(target, device)
@@ -240,19 +274,22 @@ def evaluate_drafter(
     drafter = drafter.to(dev, dtype)
     dec = SpeculativeDecoder(target, drafter, use_cache=use_cache)
     rows, lengths = [], Counter()
-    for p in prompts:
+    for i, p in enumerate(prompts):
+        tp = time.perf_counter()
         so = dec.generate(p.input_ids, max_new_tokens, stop_token_ids)
         lengths.update(so.acceptance_lengths)
         row = {"prompt_id": p.prompt_id, "category": p.category, "tau": so.tau,
                "verifications": len(so.acceptance_lengths), "accepted_tokens": sum(so.acceptance_lengths),
-               "new_tokens": len(so.output_ids)}
-        if check_lossless:
-            ref = greedy_generate(target, p.input_ids, max_new_tokens, stop_token_ids, use_cache)
-            row["lossless"] = ref == so.output_ids
-            if not row["lossless"]:
-                row["first_mismatch"] = next((i for i, (a, b) in enumerate(zip(ref, so.output_ids)) if a != b),
-                                             min(len(ref), len(so.output_ids)))
+               "new_tokens": len(so.output_ids), "prompt_tokens": len(p.input_ids)}
+        if check_lossless:  # one teacher-forced forward, not a second token-by-token decode
+            first = greedy_mismatch(target, p.input_ids, so.output_ids, max_new_tokens, stop_token_ids)
+            row["lossless"] = first is None
+            if first is not None:
+                row["first_mismatch"] = first
+        row["wall_s"] = round(time.perf_counter() - tp, 3)
         rows.append(row)
+        if on_prompt is not None:
+            on_prompt(i, row)
     cats = sorted({r["category"] for r in rows})
     mism = sum(1 for r in rows if r.get("lossless") is False)
     return EvalResult(
@@ -263,4 +300,4 @@ def evaluate_drafter(
 
 
 __all__ = ["EvalPrompt", "EvalResult", "SpecOutput", "SpeculativeDecoder", "TargetRunner", "evaluate_drafter",
-           "greedy_generate", "load_target", "supports_cache_crop"]
+           "greedy_generate", "greedy_mismatch", "load_target", "supports_cache_crop"]
