@@ -74,6 +74,10 @@ def test_flops_reproduce_the_benchmarks_counts_and_scaling_returns_the_reference
     assert QWEN3_6_27B.layers_run == 62
     assert 3.0 < REFERENCE.capture_tok_s / big.capture_tok_s < 4.0
     assert big.train_tok_s < train.train_tok_s  # a wider drafter and a 248K vocabulary
+    # online at Qwen3-8B shapes, batch 2, was measured at 13,170 tok/s (0.99 of its joined rate)
+    assert train.online_tok_s == pytest.approx(13_170, rel=0.03)
+    assert train.online_tok_s == pytest.approx(1 / (1 / REFERENCE.online_capture_tok_s + 1 / REFERENCE.train_tok_s),
+                                               rel=0.01)
 
 
 def test_from_config_reads_a_transformers_config():
