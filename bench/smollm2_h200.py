@@ -17,7 +17,10 @@ Issue 16 item 4. Two modes:
   ``LayerCapture`` and fed straight to ``drafter.loss.train_step``: no cache on disk), and evaluates it
   with ``drafter.decoding.evaluate_drafter`` in float32 (lossless check on) on held-out prompts, beside
   an untrained drafter of the same shape. Writes one JSON (stage wall times, tokens/s, tau overall, by
-  block position and by category) to ``--out``.
+  block position and by category) to ``--out``, rewritten atomically after every stage and every evaluated
+  prompt (a run killed at its time limit keeps what it measured; ``"partial": true`` marks an evaluation cut
+  short); ``--eval-budget-s`` stops starting prompts. Use ``--no-compile`` with torch 2.11 (inductor's
+  ``get_pw_red_splits`` assertion while compiling the drafter layers, 2026-12-01).
 
     python bench/smollm2_h200.py --prepare .smollm2_carry          # here
     # device run 1 (carry .smollm2_carry/a):  mkdir -p /tmp/smollm2 && cp .smollm2_carry/a/gguf.part-a /tmp/smollm2/
@@ -248,25 +251,48 @@ def train_online(target, head, samples, dcfg, *, epochs: int, batch_tokens: int,
                      "tokens_per_s": round(tokens / wall, 1), "loss_every_50_steps": losses}
 
 
-def evaluate(drafter, target_dir: Path, prompts, *, max_new_tokens: int, lossless: bool, device) -> dict:
+def evaluate(drafter, target_dir: Path, prompts, *, max_new_tokens: int, lossless: bool, device,
+             budget_s: float | None = None, progress=None) -> dict:
     """tau (overall, by block position: share of verifications accepting position k, summing to tau; by
-    category) of `drafter` on `prompts`, the target in float32."""
+    category) of `drafter` on `prompts`, the target in float32. Logs each prompt as it finishes and hands the
+    rows so far to `progress(rows)` (the caller saves them: a run cut at its limit keeps them); no new prompt
+    starts after `budget_s`."""
     import torch
 
     from dflash_assets.chart_data import share_at_least
     from dflash_assets.drafter.decoding import evaluate_drafter, load_target
 
     target = load_target(target_dir, device=device, dtype=torch.float32)  # exact comparisons
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+
+    def on_prompt(i: int, row: dict) -> None:
+        rows.append(row)
+        log(f"eval prompt {i + 1}/{len(prompts)}: {row['prompt_tokens']} prompt + {row['new_tokens']} new tokens, "
+            f"{row['verifications']} verifications, tau {row['tau']:.2f}, lossless {row.get('lossless')}, "
+            f"{row['wall_s']:.1f} s ({time.perf_counter() - t0:.0f} s so far)")
+        if progress is not None:
+            progress(rows)
+
     result = evaluate_drafter(drafter, target, prompts, max_new_tokens=max_new_tokens, stop_token_ids=[2],
-                              check_lossless=lossless, device=device)
+                              check_lossless=lossless, device=device, on_prompt=on_prompt, stop_after_s=budget_s)
     B = drafter.config.block_size
     counts = list(result.acceptance_length_counts) + [0] * (B + 1 - len(result.acceptance_length_counts))
     return {"tau": round(result.tau, 4), "lossless": result.lossless if lossless else None,
-            "num_mismatches": result.num_mismatches, "num_prompts": len(prompts),
+            "num_mismatches": result.num_mismatches, "num_prompts": len(result.per_prompt),
+            "num_prompts_planned": len(prompts),
             "num_verifications": result.num_verifications, "num_new_tokens": result.num_new_tokens,
             "tau_by_position": [round(x, 4) for x in share_at_least(counts)],
             "tau_by_category": {k: round(v, 4) for k, v in result.tau_by_category.items()},
-            "wall_s": round(result.wall_s, 1)}
+            "wall_s": round(result.wall_s, 1), "per_prompt": result.per_prompt}
+
+
+def write_report(report: dict, out: str | None) -> None:
+    """The report so far, written atomically to `out` (after every stage and every evaluated prompt)."""
+    if out:
+        tmp = Path(out + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, out)
 
 
 def save_samples(path: Path, samples, report: dict) -> None:
@@ -314,6 +340,7 @@ def run(args) -> dict:
         gguf = reassemble(args.parts, work) if args.parts else Path(args.gguf)
     target_dir = smollm2_target_path(cache_dir=work / "targets", gguf=gguf, log=log)
     times["convert"] = round(time.perf_counter() - t, 1)
+    write_report(report, args.out)
 
     t = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -341,6 +368,7 @@ def run(args) -> dict:
                                 "finished": sum(1 for o in outs if o and o[-1] == 2),
                                 "sample_answers": [tok.decode(o, skip_special_tokens=True)[:300]
                                                    for o in outs if o is not None][:3]}
+        write_report(report, args.out)
 
         # Samples: the supervised span is what the target generated (after "<|im_start|>assistant\n"), through
         # "<|im_end|>\n" (the template's end of turn: "\n" appended after a finished answer).
@@ -379,6 +407,7 @@ def run(args) -> dict:
                                   budget_s=args.train_budget_s)
     times["capture_and_train"] = round(time.perf_counter() - t, 1)
     report["training"] = train
+    write_report(report, args.out)
     del model
     if cuda:
         torch.cuda.empty_cache()
@@ -386,14 +415,25 @@ def run(args) -> dict:
     eval_prompts = [EvalPrompt(tuple(render_prompt(tok, r)[-1024:]), r["category"], r["prompt_id"]) for r in held]
     t = time.perf_counter()
     drafter = drafter.float().eval()
+    report["eval"] = {"partial": True, "per_prompt": []}
+
+    def progress(key):
+        def save(rows):
+            report[key]["per_prompt"] = list(rows)
+            write_report(report, args.out)
+        return save
+
     report["eval"] = evaluate(drafter, target_dir, eval_prompts, max_new_tokens=args.eval_new_tokens,
-                              lossless=True, device=device)
+                              lossless=True, device=device, budget_s=args.eval_budget_s, progress=progress("eval"))
     times["evaluate"] = round(time.perf_counter() - t, 1)
+    write_report(report, args.out)
     t = time.perf_counter()
     torch.manual_seed(args.seed)
     untrained = DFlashDrafter(dcfg).float().eval()
+    report["eval_untrained"] = {"partial": True, "per_prompt": []}
     report["eval_untrained"] = evaluate(untrained, target_dir, eval_prompts[: args.untrained_prompts],
-                                        max_new_tokens=args.eval_new_tokens, lossless=False, device=device)
+                                        max_new_tokens=args.eval_new_tokens, lossless=False, device=device,
+                                        budget_s=args.eval_budget_s, progress=progress("eval_untrained"))
     times["evaluate_untrained"] = round(time.perf_counter() - t, 1)
     report["goal"] = "tau >= 3.0 on held-out prompts at block size 16, lossless"
     report["goal_met"] = bool(report["eval"]["tau"] >= 3.0 and report["eval"]["lossless"])
@@ -428,6 +468,8 @@ def main(argv=None) -> int:
     p.add_argument("--eval-new-tokens", type=int, default=128)
     p.add_argument("--gen-budget-s", type=float, default=270.0, help="no new generation batch after this")
     p.add_argument("--train-budget-s", type=float, default=150.0, help="training steps cut to fit this")
+    p.add_argument("--eval-budget-s", type=float, default=None,
+                   help="no new evaluation prompt starts after this (each of the two evaluations)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--out", help="write the JSON report here too")
@@ -440,10 +482,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     report = run(args)
     report["wall_s"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print(json.dumps(report, indent=2))
+    write_report(report, args.out)
     if args.stage != "generate" and args.work.startswith("/tmp/") and os.environ.get("SMOLLM2_KEEP_WORK") != "1":
         shutil.rmtree(Path(args.work) / "targets", ignore_errors=True)
     return 0

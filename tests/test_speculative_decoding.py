@@ -130,6 +130,8 @@ def test_evaluation_costs_one_target_forward_per_verification(dense, tiny_dense_
                              for p, r in zip(ps, res.per_prompt))
     assert [i for i, _ in seen] == [0, 1] and all(row["wall_s"] >= 0 for _, row in seen)
     assert [row["prompt_id"] for _, row in seen] == ["p0", "p1"]
+    cut = evaluate_drafter(untrained_drafter(tiny_dense_target), dense, ps, max_new_tokens=4, stop_after_s=0.0)
+    assert len(cut.per_prompt) == 1 and cut.to_metadata()["num_prompts"] == 1  # no second prompt past the budget
 
 
 def test_greedy_mismatch_finds_the_first_departure(dense):

@@ -260,10 +260,13 @@ def evaluate_drafter(
     use_cache: bool = True,
     device=None,
     on_prompt: Callable[[int, dict[str, Any]], None] | None = None,
+    stop_after_s: float | None = None,
 ) -> EvalResult:
     """tau of `drafter` on `target` (a loaded HF model or a directory) over held-out prompts. `on_prompt(i, row)`
-    is called after each prompt (progress; a caller cut at a time limit keeps the rows done so far). Target
-    forwards per prompt: one prefill, one per verification, one for the lossless check."""
+    is called after each prompt (progress; a caller cut at a time limit keeps the rows done so far). With
+    `stop_after_s`, no prompt after the first starts once that many seconds have passed (the result's
+    num_prompts says how many ran). Target forwards per prompt: one prefill, one per verification, one for the
+    lossless check."""
     t0 = time.perf_counter()
     if isinstance(target, (str, Path)):
         target = load_target(target, device)
@@ -275,6 +278,8 @@ def evaluate_drafter(
     dec = SpeculativeDecoder(target, drafter, use_cache=use_cache)
     rows, lengths = [], Counter()
     for i, p in enumerate(prompts):
+        if stop_after_s is not None and rows and time.perf_counter() - t0 > stop_after_s:
+            break
         tp = time.perf_counter()
         so = dec.generate(p.input_ids, max_new_tokens, stop_token_ids)
         lengths.update(so.acceptance_lengths)
