@@ -9,8 +9,9 @@
   ``prompt_shards``. Runs where the orchestrator runs; generation goes over
   HTTP to the engines.
 - ``plan_generation_job``: the corpus-level (unpartitioned) assets of those
-  groups besides the ingest: ``generation_plan``, the wall-time estimate to
-  materialize after an ingest and before a ``completions`` backfill.
+  groups besides the ingest: ``generation_plan``, the corpus's cost plan
+  (generation wall time, cache bytes, GPU-hours of capture and training,
+  offline or online) to materialize after an ingest and before any backfill.
 - ``hidden_states_job``: group ``hidden_states`` (``hidden_state_cache``),
   partitioned by ``prompt_shards``; its steps hold the ``gpu`` pool and the
   work itself goes to a GPU host through Dagster Pipes.
@@ -91,8 +92,9 @@ prepare_data_job = dg.define_asset_job(
 plan_generation_job = dg.define_asset_job(
     "plan_generation_job",
     selection=_CPU - _PER_SHARD_CPU - dg.AssetSelection.assets(prompt_corpus),
-    description="Corpus-level CPU assets (generation_plan): probe the engines and estimate the generation "
-    "wall time. Run after an ingest, before a completions backfill." + LAUNCH_HERE,
+    description="Corpus-level CPU assets (generation_plan): the cost plan, measured on the engines: generation "
+    "wall time, cache bytes, capture and training GPU-hours, offline or online. Run after an ingest, before any "
+    "backfill." + LAUNCH_HERE,
     tags={HOST_KIND_TAG: "cpu"},
 )
 
