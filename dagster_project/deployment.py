@@ -82,6 +82,13 @@ SETTINGS: dict[str, str] = {
     "DFLASH_ENGINE_API_KEY_FILE": "file holding that token, read when definitions load (instead of the variable)",
     "DFLASH_TARGET_MODEL": "the target model directory (default: the embedded tiny target); also read by `dflash engine`",
     "DFLASH_TARGET_THINKING": "1 (default): render prompts with thinking on; 0: off",
+    "DFLASH_TARGET_TOKENIZER": "another tokenizer directory (default: the model's)",
+    "DFLASH_TARGET_CHAT_TEMPLATE": "a Jinja file replacing the target's chat template",
+    "DFLASH_TARGET_DTYPE": "bfloat16 | float32 | auto (default: float32 for the tiny target, else bfloat16)",
+    "DFLASH_TARGET_LAYER_IDS": "explicit DFlash layers, comma-separated (win over the rule)",
+    "DFLASH_TARGET_NUM_LAYERS": "layers picked by the DFlash rule when no list is given (default 5)",
+    "DFLASH_TARGET_MASK_TOKEN": "the DFlash mask token's name (default <|MASK|>, else the tokenizer's declared one)",
+    "DFLASH_TARGET_MASK_TOKEN_ID": "an explicit mask token id (wins over the name; 248070 for published Qwen3.5/3.6 drafters)",
     "DFLASH_PROMPT_SOURCE": "prompt source the ingest and its sensor read (default: the embedded ShareGPT file)",
     "DFLASH_PROMPT_SOURCE_ROOTS": "other sources a run may ingest: comma-separated path or s3:// prefixes (default: none)",
     "DFLASH_CACHE": "local cache of built artifacts: tiny targets, tokenizer, drafter work dirs (default ~/.cache/dflash-assets)",
@@ -141,10 +148,29 @@ def store_for_profile(profile: Profile) -> StoreResource:
     return StoreResource()  # $DFLASH_STORE, else $DAGSTER_HOME/dflash-store, else ./.dflash/store
 
 
+def _text(name: str) -> str | None:
+    return os.environ.get(name, "").strip() or None
+
+
 def target_for_profile(profile: Profile) -> TargetModelResource:
-    """The target: ``DFLASH_TARGET_MODEL`` (None: the embedded tiny target), thinking per ``DFLASH_TARGET_THINKING``."""
-    return TargetModelResource(model_path=os.environ.get("DFLASH_TARGET_MODEL", "").strip() or None,
-                               enable_thinking=_flag("DFLASH_TARGET_THINKING", True))
+    """The target: ``DFLASH_TARGET_MODEL`` (None: the embedded tiny target) and the ``DFLASH_TARGET_*`` settings."""
+    layer_ids = _text("DFLASH_TARGET_LAYER_IDS")
+    mask_id = _text("DFLASH_TARGET_MASK_TOKEN_ID")
+    try:
+        layers = [int(x) for x in _split(layer_ids)] if layer_ids else None
+        mask = int(mask_id) if mask_id else None
+    except ValueError:
+        raise DeploymentConfigError("DFLASH_TARGET_LAYER_IDS and DFLASH_TARGET_MASK_TOKEN_ID take integers "
+                                    f"(got {layer_ids!r}, {mask_id!r})") from None
+    optional = {"tokenizer_path": _text("DFLASH_TARGET_TOKENIZER"),
+                "chat_template_path": _text("DFLASH_TARGET_CHAT_TEMPLATE"), "dtype": _text("DFLASH_TARGET_DTYPE"),
+                "mask_token": _text("DFLASH_TARGET_MASK_TOKEN")}
+    return TargetModelResource(
+        model_path=_text("DFLASH_TARGET_MODEL"), enable_thinking=_flag("DFLASH_TARGET_THINKING", True),
+        target_layer_ids=layers, mask_token_id=mask,
+        num_target_layers=int(_number("DFLASH_TARGET_NUM_LAYERS", 5, int)),
+        **{k: v for k, v in optional.items() if v is not None},
+    )
 
 
 def engine_api_key() -> str | None:

@@ -229,3 +229,22 @@ def test_engine_api_key_comes_from_the_environment_or_a_file_and_is_never_shown(
     monkeypatch.setenv("DFLASH_ENGINE_API_KEY_FILE", str(tmp_path / "missing.key"))
     with pytest.raises(DeploymentConfigError, match="DFLASH_ENGINE_API_KEY_FILE"):
         engines_for_profile("local")
+
+
+def test_the_target_is_set_by_the_environment(monkeypatch, tmp_path):
+    """What the launchpad used to set on the target now comes from DFLASH_TARGET_* where the code location runs."""
+    from dagster_project.deployment import DeploymentConfigError, target_for_profile
+
+    template = tmp_path / "chat.jinja"
+    monkeypatch.setenv("DFLASH_TARGET_MODEL", "/models/Qwen3.6-27B")
+    monkeypatch.setenv("DFLASH_TARGET_CHAT_TEMPLATE", str(template))
+    monkeypatch.setenv("DFLASH_TARGET_LAYER_IDS", "1, 16,31")
+    monkeypatch.setenv("DFLASH_TARGET_MASK_TOKEN_ID", "248070")
+    monkeypatch.setenv("DFLASH_TARGET_THINKING", "0")
+    target = target_for_profile("local")
+    assert (target.model_path, target.chat_template_path, target.target_layer_ids, target.mask_token_id,
+            target.enable_thinking, target.num_target_layers, target.mask_token) == (
+        "/models/Qwen3.6-27B", str(template), [1, 16, 31], 248070, False, 5, "<|MASK|>")
+    monkeypatch.setenv("DFLASH_TARGET_LAYER_IDS", "1,x")
+    with pytest.raises(DeploymentConfigError, match="DFLASH_TARGET_LAYER_IDS"):
+        target_for_profile("local")
