@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import shlex
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 import dagster as dg
 
