@@ -213,7 +213,9 @@ def test_generation_plan_asset_shows_the_whole_cost_plan_from_a_pilot(tmp_path, 
     assert (meta["generation_source"], meta["turns_source"], meta["output_tokens_source"],
             meta["tokens_per_sample_source"]) == ("pilot", "pilot", "pilot", "pilot + the corpus's prompt lengths")
     assert meta["turns_per_prompt"] == meta["pilot_turns_per_prompt"] and 1.0 <= meta["turns_per_prompt"] <= 2.0
-    assert meta["estimated_wall_s"] == meta["generation_wall_s"] > 0
+    # the loopback answers at once: the pilot takes a few hundredths of a second, which the 0.1 s rounding of the
+    # estimate can make 0.0 on a fast or warm run
+    assert meta["estimated_wall_s"] == meta["generation_wall_s"] >= 0 and meta["pilot_wall_s"] > 0
     spec = default_target_spec()
     config = AutoConfig.from_pretrained(spec.model_path)
     assert (meta["target_layers"], meta["target_hidden"], meta["target_intermediate"], meta["target_vocab"]) == (
