@@ -319,12 +319,13 @@ def load_samples(path: Path):
 def run(args) -> dict:
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from dflash_assets.drafter.decoding import EvalPrompt
     from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, TargetHead, load_target_config
     from dflash_assets.embedded.smollm2 import smollm2_target_path
     from dflash_assets.target.conventions import dflash_target_layer_ids, mask_token_id_in_dir
+    from dflash_assets.target.loading import load_causal_lm
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -345,7 +346,7 @@ def run(args) -> dict:
     t = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(target_dir)
     dtype = torch.bfloat16 if cuda else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    model = load_causal_lm(target_dir, dtype=dtype).to(device).eval()
     model.requires_grad_(False)
     rows = [json.loads(line) for line in open(args.prompts)][: args.num_prompts]
     held = rows[-args.eval_prompts:]

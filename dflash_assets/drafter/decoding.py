@@ -237,11 +237,11 @@ class EvalResult:
 
 def load_target(target_dir: str | Path, device=None, dtype=None):
     """The target for evaluation: fp32 on CPU (exact comparisons), bf16 on GPU by default."""
-    from transformers import AutoModelForCausalLM
+    from dflash_assets.target.loading import load_causal_lm
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval()
+    return load_causal_lm(target_dir, dtype=dtype).to(device).eval()
 
 
 def _pooled(rows: list[dict[str, Any]]) -> float:

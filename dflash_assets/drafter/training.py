@@ -69,9 +69,9 @@ class TargetFeatures:
     The same `LayerCapture` as the hidden-state cache, so online and offline features are identical."""
 
     def __init__(self, target_dir: str | Path, layer_ids: Sequence[int], device, dtype):
-        from transformers import AutoModelForCausalLM
+        from dflash_assets.target.loading import load_causal_lm
 
-        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype)
+        model = load_causal_lm(target_dir, dtype=dtype)
         self.capture = LayerCapture(model, layer_ids, cut=True).__enter__()  # held for the target's lifetime
         self.model = self.capture.text_model.to(device).eval().requires_grad_(False)
 

@@ -141,16 +141,18 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike) -> dict:
     _require_reader()
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from dflash_assets.target.loading import load_causal_lm
 
     gguf, out = Path(gguf), Path(out)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = load_causal_lm(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied and model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
-        # Transformers does not always share the tensor after a GGUF load (seen in a fresh-clone CI run, not in
-        # isolation): the file holds one matrix, so tie them here; a head that differs from it is an error.
+        # A GGUF load after an unsynchronized concurrent load elsewhere left them distinct (see target.loading):
+        # the file holds one matrix, so tie them here; a head that differs from it is an error.
         head, embed = model.lm_head.weight, model.model.embed_tokens.weight
         if head.shape == embed.shape and not torch.equal(head, embed) and bool(head.abs().sum() > 0):
             raise RuntimeError("config says tie_word_embeddings but lm_head and embed_tokens hold different weights")

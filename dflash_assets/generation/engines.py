@@ -771,11 +771,13 @@ class TransformersEngine(Engine):
 
     def _load(self) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from dflash_assets.target.loading import load_causal_lm
 
         self.tok = ChatTokenizer(self._tokenizer or AutoTokenizer.from_pretrained(self.model_path))
         dtype = "auto" if self.dtype == "auto" else getattr(torch, self.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
+        self.model = load_causal_lm(self.model_path, dtype=dtype).to(self.device).eval()
 
     async def probe(self) -> EngineProbe:
         t0 = time.perf_counter()

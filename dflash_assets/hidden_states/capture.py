@@ -115,14 +115,14 @@ logger = logging.getLogger(__name__)
 def load_target(path: str | os.PathLike, device: str | torch.device = "cpu",
                 dtype: str | torch.dtype = "bfloat16") -> nn.Module:
     """Load a causal-LM target for capture (``packed_causal`` attention, eval mode, on ``device``)."""
-    from transformers import AutoModelForCausalLM
+    from dflash_assets.target.loading import load_causal_lm
 
     register_packed_attention()
     device = torch.device(device)
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype), "attn_implementation": ATTN_IMPLEMENTATION}
     if device.type != "cpu":
         kwargs["device_map"] = {"": device}
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model = load_causal_lm(path, **kwargs)
     return model.to(device).eval()
 
 

@@ -180,9 +180,9 @@ class TargetModelSpec(BaseModel):
 
     def load_model(self, device: "str | torch.device" = "cpu", dtype: str | None = None) -> "PreTrainedModel":
         """`AutoModelForCausalLM` in eval mode on `device`, in `dtype` (default: the spec's)."""
-        from transformers import AutoModelForCausalLM
+        from dflash_assets.target.loading import load_causal_lm
 
-        model = AutoModelForCausalLM.from_pretrained(
+        model = load_causal_lm(
             self.model_path, dtype=self.torch_dtype(dtype), local_files_only=not self.allow_download
         )
         return model.to(device).eval()
