@@ -60,8 +60,8 @@ def prepare(out_dir: Path, num_prompts: int) -> None:
     import tempfile
 
     from dflash_assets.embedded.smollm2 import SMOLLM2_GGUF_SHA256, smollm2_gguf_path
-    from dflash_assets.embedded.tiny_target_training import sharegpt_data_file
     from dflash_assets.prompts.ingest import IngestConfig, ingest_prompt_source, materialize_prompt_shard
+    from dflash_assets.prompts.sources import embedded_sharegpt_path
     from dflash_assets.store.backends import LocalStore
 
     (out_dir / "a").mkdir(parents=True, exist_ok=True)
@@ -73,7 +73,7 @@ def prepare(out_dir: Path, num_prompts: int) -> None:
     (out_dir / "b" / "gguf.part-b").write_bytes(data[half:])
     with tempfile.TemporaryDirectory() as tmp:
         store = LocalStore(Path(tmp) / "store")
-        report = ingest_prompt_source(sharegpt_data_file(), store,
+        report = ingest_prompt_source(embedded_sharegpt_path(), store,
                                       IngestConfig(limit=num_prompts, max_prompts_per_shard=1024))
         rows = []
         for shard in report.shard_keys:  # what the raw_prompts asset writes, shard by shard

@@ -26,6 +26,7 @@ Reads the modules and files named; writes only that memo.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import json
@@ -168,3 +169,19 @@ def _write_memo(path: Path, table: dict[str, dict]) -> None:
     except OSError:  # a read-only cache root: the memo is an optimization only
         if "tmp" in locals() and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def build_lock(path: Path):
+    """An exclusive advisory lock on `path` while one process builds a cache entry (a no-op without fcntl)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: concurrent builders just race; the rename keeps that safe
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -1,4 +1,5 @@
-"""The numbers behind the UI's charts: binned counts, downsampled curves, shares by block position.
+"""The numbers behind the UI's charts: binned counts, downsampled curves, shares by block position,
+and durations as the metadata shows them.
 
 Pure functions over numbers (numpy); they read and write nothing. The Dagster layer draws them
 (``dagster_project.charts``); the same data is what a notebook would plot.
@@ -9,6 +10,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
+
+def format_duration(seconds: float | None) -> str:
+    """Seconds as a reader wants them: "45 s", "12.5 min", "3.2 h", "4.1 days"; infinity is "never"."""
+    if seconds is None or seconds != seconds:
+        return "unknown"
+    if seconds == float("inf"):
+        return "never (no throughput)"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
 
 
 def bin_labels(edges: Sequence[int]) -> list[str]:

@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
+from dflash_assets.chart_data import format_duration
 from dflash_assets.hidden_states.format import bytes_per_token, estimate_partition_bytes
 
 __all__ = [
@@ -63,18 +64,6 @@ __all__ = [
     "format_bytes",
     "format_gpu_hours",
 ]
-
-
-def format_duration(seconds: float) -> str:
-    if seconds is None or seconds == float("inf") or seconds != seconds:
-        return "unknown"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.1f} min"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
 
 
 def format_gpu_hours(h: float) -> str:

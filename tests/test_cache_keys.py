@@ -83,7 +83,7 @@ def test_tiny_target_key_changes_with_data_settings_and_library_versions(tmp_pat
     with monkeypatch.context() as m:  # another training file, then the same file with other bytes
         small = tmp_path / "sharegpt.json"
         small.write_text('[{"id": "x", "conversations": []}]')
-        m.setattr(TT, "sharegpt_data_file", lambda: small)
+        m.setattr(TT, "embedded_sharegpt_path", lambda: small)
         other_data = TT.target_fingerprint("dense").digest
         small.write_text('[{"id": "y", "conversations": []}]')  # same size
         os.utime(small, ns=(1, 1))

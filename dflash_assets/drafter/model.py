@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_assets.store.manifest import pid_alive
 from dflash_assets.target.conventions import dflash_target_layer_ids
 
 try:  # flex_attention exists in torch >= 2.5; the SDPA path works without it
@@ -507,7 +508,7 @@ def clean_stale_temps(directory: Path) -> list[Path]:
         return removed
     for p in sorted(directory.iterdir()):
         m = _STALE.fullmatch(p.name)
-        if m is None or _pid_alive(int(m.group("pid"))):
+        if m is None or pid_alive(int(m.group("pid"))):
             continue
         dest = directory / m.group("name")
         if ".old-" in p.name and not dest.exists():
@@ -519,18 +520,6 @@ def clean_stale_temps(directory: Path) -> list[Path]:
             p.unlink(missing_ok=True)
         removed.append(p)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def drafter_state_dict(drafter: nn.Module) -> dict[str, torch.Tensor]:

@@ -29,7 +29,6 @@ Reads the GGUF (from the installed package or a path); writes the cache director
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -39,7 +38,7 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
-from dflash_assets.cache_keys import Fingerprint, build_fingerprint, default_cache_root, file_digest
+from dflash_assets.cache_keys import Fingerprint, build_fingerprint, build_lock, default_cache_root, file_digest
 
 __all__ = [
     "SMOLLM2_PACKAGE",
@@ -196,21 +195,6 @@ def _edit_json(path: Path, drop: tuple[str, ...] = (), set: dict | None = None) 
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", "utf-8")
 
 
-@contextlib.contextmanager
-def _lock(path: Path):
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: concurrent builders race, the rename keeps that safe
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def smollm2_target_path(cache_dir: str | os.PathLike | None = None, gguf: str | os.PathLike | None = None,
                         log=None) -> Path:
     """The converted SmolLM2 directory, converting on first use (~10-40 s on 2 cores).
@@ -228,7 +212,7 @@ def smollm2_target_path(cache_dir: str | os.PathLike | None = None, gguf: str | 
     if (final / MARKER).exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with _lock(root / f".{final.name}.lock"):
+    with build_lock(root / f".{final.name}.lock"):
         if (final / MARKER).exists():
             return final
         if log is not None:

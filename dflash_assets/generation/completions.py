@@ -38,7 +38,7 @@ source's results no longer apply: the conversation stops there, keeping what
 was generated, and the row's ``agentic_stop`` says ``divergent_call``
 (``GenerationStats.agentic_stopped_at_divergent_call`` counts them). A shard
 with an agentic row is written with ``output_schema(agentic=True)``:
-``messages`` of the tokenizer's ``AGENTIC_MESSAGES_TYPE`` (tool calls with
+``messages`` of ``store.schemas.AGENTIC_MESSAGES_TYPE`` (tool calls with
 arguments as JSON text, role ``tool`` results), plus ``tools`` (JSON text)
 and ``agentic_stop``; a shard of plain chats keeps ``output_schema()``.
 
@@ -69,6 +69,7 @@ from typing import Any, Callable, Iterable, Sequence
 import pyarrow as pa
 
 from dflash_assets.store import layout
+from dflash_assets.store.schemas import AGENTIC_MESSAGES_TYPE, COMPLETIONS_MESSAGES_TYPE
 from dflash_assets.chart_data import binned_counts
 from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, NoEngineAvailable, run_sync
 from dflash_assets.generation.engines import ChatResult, Engine, GenerationConfig, json_dumps, json_loads
@@ -91,21 +92,11 @@ __all__ = [
 ]
 
 
-
-_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
-# The tokenizer's AGENTIC_MESSAGES_TYPE (tokenization.samples; generation may not import it: tested equal).
-_TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
-                        ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
-_AGENTIC_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string()),
-                              ("tool_calls", pa.list_(_TOOL_CALL)), ("tool_call_id", pa.string()),
-                              ("name", pa.string())])
-
-
 def output_schema(agentic: bool = False) -> pa.Schema:
     """Schema of ``completions/<shard>.parquet``; ``agentic``: of a shard holding an agentic conversation."""
     schema = pa.schema([
         ("prompt_id", pa.string()),
-        ("messages", pa.list_(_AGENTIC_MESSAGE if agentic else _MESSAGE)),
+        ("messages", AGENTIC_MESSAGES_TYPE if agentic else COMPLETIONS_MESSAGES_TYPE),
         ("num_turns", pa.int32()),
         ("finish_reasons", pa.list_(pa.string())),
         ("prompt_tokens", pa.list_(pa.int32())),

@@ -43,6 +43,7 @@ from typing import Any, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dflash_assets.chart_data import format_duration
 from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, run_sync
 from dflash_assets.generation.engines import Engine, EngineError, GenerationConfig
 from dflash_assets.store import layout
@@ -138,18 +139,6 @@ class GenerationEstimate:
                 "total_output_tokens": int(self.total_output_tokens),
                 "measured_tokens_per_s": round(self.total_tokens_per_s, 1), "prompts": self.prompts,
                 **{f"tokens_per_s[{m.endpoint}]": round(m.tokens_per_s, 1) for m in self.measurements}}
-
-
-def format_duration(seconds: float) -> str:
-    if seconds == float("inf"):
-        return "never (no throughput)"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.1f} min"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
 
 
 def mean_output_tokens(completions: Any) -> float:

@@ -447,6 +447,15 @@ def prompt_id(system: str | None, user_turns: Iterable[str]) -> str:
     return h.hexdigest()[:20]
 
 
+def _provenance(record: dict, config: IngestConfig, index: int) -> dict[str, str]:
+    """The record's `source_id` (its id, else its position) and `category` (NFC, "unknown" when absent)."""
+    category = record.get(config.category_field)
+    category = _nfc(category) if isinstance(category, str) else ""
+    if category:
+        category = category.encode("utf-8", "backslashreplace").decode("utf-8")
+    return {"source_id": _id_text(record.get("id")) or f"#{index}", "category": category or "unknown"}
+
+
 def normalize_record(record: Any, config: IngestConfig | None = None, *, index: int = 0) -> Prompt | Rejection:
     """One source record -> a :class:`Prompt`, or a :class:`Rejection` with a reason code."""
     config = config or _DEFAULT_CONFIG
@@ -548,16 +557,11 @@ def normalize_record(record: Any, config: IngestConfig | None = None, *, index: 
     except UnicodeEncodeError:
         return Rejection("invalid_utf8", "lone surrogate in system/user text")
 
-    category = record.get(config.category_field)
-    category = _nfc(category) if isinstance(category, str) else ""
-    if category:
-        category = category.encode("utf-8", "backslashreplace").decode("utf-8")
     return Prompt(
         prompt_id=digest,
         system=system,
         user_turns=user_turns,
-        source_id=_id_text(record.get("id")) or f"#{index}",
-        category=category or "unknown",
+        **_provenance(record, config, index),
         starts_mid_conversation=leading_assistant > 0,
         prompt_chars=chars,
         roles=tuple(roles),
@@ -844,16 +848,11 @@ def normalize_agentic_record(record: dict, config: IngestConfig | None = None, *
     except UnicodeEncodeError:
         return Rejection("invalid_utf8", "lone surrogate in system, tools or turns")
 
-    category = record.get(config.category_field)
-    category = _nfc(category) if isinstance(category, str) else ""
-    if category:
-        category = category.encode("utf-8", "backslashreplace").decode("utf-8")
     return Prompt(
         prompt_id=digest,
         system=system,
         user_turns=user_turns,
-        source_id=_id_text(record.get("id")) or f"#{index}",
-        category=category or "unknown",
+        **_provenance(record, config, index),
         starts_mid_conversation=leading > 0,
         prompt_chars=chars,
         roles=tuple(roles),

@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from dflash_assets.prompts.ingest import ROLE_MAP
 from dflash_assets.prompts.sources import sharegpt_records
-from dflash_assets.tokenization.samples import COMPLETIONS_MESSAGES_TYPE
+from dflash_assets.store.schemas import COMPLETIONS_MESSAGES_TYPE
 
 __all__ = ["sharegpt_completions"]
 

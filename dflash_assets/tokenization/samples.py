@@ -52,6 +52,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from jinja2.exceptions import TemplateError
 
+from dflash_assets.store.schemas import AGENTIC_MESSAGES_TYPE, COMPLETIONS_MESSAGES_TYPE
 from dflash_assets.target.chat_template import ASSISTANT_THINK_HEADER, ChatRenderer, message_text, split_reasoning
 from dflash_assets.tokenization.encoder import EncodedBatch, FastEncoder
 
@@ -87,24 +88,6 @@ DROP_REASONS = {
     "prompt_exceeds_max_length": "the supervised span starts at or after max_length tokens",
     "empty_supervised_span": "the supervised span encodes to zero tokens",
 }
-
-COMPLETIONS_MESSAGES_TYPE = pa.list_(
-    pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
-)
-# Messages of agentic conversations: OpenAI-style tool calls (arguments as JSON text) and tool results.
-TOOL_CALL_TYPE = pa.struct([
-    ("id", pa.string()),
-    ("type", pa.string()),
-    ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())])),
-])
-AGENTIC_MESSAGES_TYPE = pa.list_(pa.struct([
-    ("role", pa.string()),
-    ("content", pa.string()),
-    ("reasoning_content", pa.string()),
-    ("tool_calls", pa.list_(TOOL_CALL_TYPE)),
-    ("tool_call_id", pa.string()),
-    ("name", pa.string()),
-]))
 
 SAMPLES_SCHEMA = pa.schema(
     [
