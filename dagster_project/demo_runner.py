@@ -22,9 +22,11 @@ Reads and writes only through the Dagster instance and the store resource.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import dagster as dg
@@ -153,7 +155,7 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
              max_turns: int = 2, engine_concurrency: int = 2, eval_prompts: int = 4, eval_new_tokens: int = 48,
              seed: int = 0, drafter: bool = True, store: Any = None, target: str | None = None,
              baseline: bool = False, progress: Callable[[StageResult], None] | None = None,
-             pilot_prompts: int = 4) -> DemoSummary:
+             pilot_prompts: int = 4, engine: str = "serve") -> DemoSummary:
     """Materialize the whole graph on the embedded default; see the module docstring.
 
     ``seed`` is the completions' sampling seed; ``drafter=False`` stops after the
@@ -162,24 +164,35 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
     ``transformers serve`` in float32 and used by every stage instead of the tiny target.
     ``baseline``: also measure tau of an untrained drafter on the same held-out prompts.
     ``pilot_prompts``: the cost plan's pilot before any completions (0: no plan).
+    ``engine``: "serve" (``transformers serve`` on 127.0.0.1, ``engine_concurrency`` requests in flight)
+    or "inprocess" (the batched in-process Transformers engine in each completions step: the requests
+    in flight, ``engine_concurrency`` of them, are one ``generate`` call; far faster on CPU).
     """
+    if engine not in ("serve", "inprocess"):
+        raise ValueError(f"engine must be 'serve' or 'inprocess', not {engine!r}")
     from dagster_project.definitions import defs
     from dagster_project.partitions import register_recipe
     from dagster_project.deployment import get_profile, store_for_profile
     from dagster_project.resources import EngineFleetResource, TargetModelResource, deployment_resource
-    from dflash_assets.embedded.defaults import embedded_engine_server
+    from dflash_assets.embedded.defaults import embedded_default_target, embedded_engine_server
     from dflash_assets.generation.server import local_engine_server
 
     t_start = time.time()
     report = progress or (lambda stage: log.info(stage.line()))
     summary = DemoSummary(shards=[], failed_shards=[], recipe=None, tau=None, drafter_ok=False)
-    server = (embedded_engine_server("transformers", port=0) if target is None  # the tiny target, on 127.0.0.1
-              else local_engine_server("transformers", target, port=0, dtype="float32"))
-    log.info("starting the engine: %s", server.command)
+    if engine == "inprocess":
+        label = "inprocess://" + Path(target or embedded_default_target()).name
+        server, endpoint = contextlib.nullcontext(), f"transformers:{label}"
+    else:
+        server = (embedded_engine_server("transformers", port=0) if target is None  # the tiny target, on 127.0.0.1
+                  else local_engine_server("transformers", target, port=0, dtype="float32"))
+        log.info("starting the engine: %s", server.command)
     with server:
+        if engine == "serve":
+            endpoint = f"openai:{server.url}"
         store = store or store_for_profile(get_profile())  # a StoreResource; tests pass s3://... on moto's S3
         resources = {**defs.resources, "store": deployment_resource(store), "engines": deployment_resource(
-            EngineFleetResource(endpoints=[f"openai:{server.url}"], max_concurrency=engine_concurrency))}
+            EngineFleetResource(endpoints=[endpoint], max_concurrency=engine_concurrency))}
         if target is not None:
             resources["target"] = deployment_resource(TargetModelResource(model_path=str(target), dtype="float32"))
 

@@ -85,3 +85,23 @@ def test_a_failed_check_says_what_and_exits_non_zero(tmp_path, tiny_dense_target
     assert "no shard passed its checks, so no drafter was trained" in tail
     assert re.search(r"  shard-00000 +tokenized_samples +failed", done.stdout)
     assert re.search(r"  shard-00000 +hidden_state_cache +skipped", done.stdout)
+
+
+@pytest.mark.slow
+def test_demo_generates_in_process_when_asked(tmp_path, tiny_dense_target, monkeypatch):
+    """`--engine inprocess`: no server; each completions step batches its requests into generate calls."""
+    from dagster_project.demo_runner import run_demo
+    from dagster_project.resources import StoreResource
+    from dflash_assets.store.backends import LocalStore
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    store = StoreResource(uri=str(tmp_path / "store"))
+    with dg.instance_for_test() as instance:
+        summary = run_demo(instance, prompts=6, shard_size=6, max_new_tokens=32, max_turns=1, drafter=False,
+                           pilot_prompts=0, store=store, engine="inprocess", engine_concurrency=4)
+    assert summary.failed_shards == [] and summary.shards == ["shard-00000"], summary.failures
+    assert all(c.passed for c in summary.checks["shard-00000"])
+    table = LocalStore(str(tmp_path / "store")).read_parquet("completions/shard-00000.parquet")
+    assert table.num_rows == 6 and set(table["endpoint"].to_pylist()) == {f"inprocess://{tiny_dense_target}"}
+    with pytest.raises(ValueError, match="engine must be"):
+        run_demo(instance, engine="vllm")

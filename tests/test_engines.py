@@ -261,6 +261,27 @@ def test_transformers_engine_in_process(tiny_dense_target, tok):
     assert (a.content, a.reasoning_content) == (b.content, b.reasoning_content)  # greedy is deterministic
 
 
+def test_transformers_engine_batches_concurrent_requests_with_the_same_answers(tiny_dense_target, tok):
+    """Requests in flight together are one left-padded generate; each row equals its own greedy run."""
+    gen = GenerationConfig(max_new_tokens=12, temperature=0.0, enable_thinking=False)
+    questions = ["What is 2+2?", "Name a colour.", "Write one long sentence about the weather in Paris today.", "Hi"]
+    chats = [[{"role": "user", "content": q}] for q in questions]
+
+    async def go():
+        async with TransformersEngine(tiny_dense_target, tokenizer=tok, max_concurrency=3) as eng:
+            together = await asyncio.gather(*(eng.chat(m, gen) for m in chats))
+            sizes = list(eng.batch_sizes)
+            alone = [await eng.chat(m, gen) for m in chats]
+            return together, alone, sizes
+
+    together, alone, sizes = run(go())
+    assert sizes == [3, 1]  # max_concurrency rows per generate, the rest in the next
+    assert len({len(ChatTokenizer(tok).prompt_ids(m, False)) for m in chats}) > 1  # the batch really was padded
+    for a, b in zip(together, alone):
+        assert (a.content, a.completion_tokens, a.finish_reason) == (b.content, b.completion_tokens, b.finish_reason)
+        assert a.prompt_tokens == b.prompt_tokens and 1 <= a.completion_tokens <= 12
+
+
 # -- broken or hostile engines (issue 14 item 4) ----------------------------------------
 
 

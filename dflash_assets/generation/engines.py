@@ -15,8 +15,9 @@
   reads ``reasoning_content`` and ``content``, and splits a ``<think>`` block
   out of ``content`` itself when the server has no reasoning parser.
   Identity from ``GET /v1/models``.
-- ``TransformersEngine``: in-process ``model.generate`` for small runs on a
-  host that has nothing else. Explicit opt-in only (an endpoint of kind
+- ``TransformersEngine``: in-process ``model.generate``, the requests in
+  flight batched into one call, on a host that has nothing else (a CPU box,
+  one GPU without a server). Explicit opt-in only (an endpoint of kind
   ``transformers`` in the fleet config); nothing ever falls back to it.
 
 Every engine answers ``probe()`` (health, served model, latency) and
@@ -745,14 +746,30 @@ class OpenAIEngine(Engine):
                           str(out.get("model") or self.served_model), msg.get("tool_calls") or None)
 
 
+@dataclass
+class _BatchedRequest:
+    ids: list[int]
+    generation: GenerationConfig
+    stop_ids: list[int]
+    key: str  # requests with equal keys share one `generate` call
+    future: asyncio.Future
+
+
 class TransformersEngine(Engine):
-    """In-process ``model.generate`` on this host. Slow; only when explicitly configured."""
+    """In-process ``model.generate`` on this host, batching the requests in flight.
+
+    Requests that arrive while a batch runs wait for the next one; each batch is one
+    left-padded ``generate`` over up to ``max_concurrency`` requests with the same
+    generation settings, so the fleet's concurrent requests become batch rows (on
+    2 CPU cores, SmolLM2-135M: batch 32 about 6x one-at-a-time, see BENCHMARKS.md).
+    A row ends at its first stop id. With ``seed`` set the sampled tokens depend on
+    the batch a request lands in. Explicit opt-in only.
+    """
 
     kind = "transformers"
 
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str = "auto", tokenizer: Any = None,
                  **kwargs):
-        kwargs.setdefault("max_concurrency", 1)
         super().__init__(f"inprocess://{Path(model_path)}", **kwargs)
         self.model_path = str(model_path)
         self.device = device
@@ -760,13 +777,17 @@ class TransformersEngine(Engine):
         self._tokenizer = tokenizer
         self.tok: ChatTokenizer | None = None
         self.model = None
-        self._lock = asyncio.Lock()
+        self._pending: list[_BatchedRequest] = []
+        self._batcher: asyncio.Task | None = None
+        self.batch_sizes: list[int] = []  # rows of each generate call, in order (for logs and tests)
 
     async def open(self) -> None:
         if self.model is None:
             await asyncio.to_thread(self._load)
 
     async def close(self) -> None:
+        if self._batcher is not None and not self._batcher.done():
+            self._batcher.cancel()
         self.model = None
 
     def _load(self) -> None:
@@ -788,19 +809,48 @@ class TransformersEngine(Engine):
         self.served_model = self.model_path
         return EngineProbe(self.url, self.kind, True, (self.model_path,), time.perf_counter() - t0)
 
-    def _generate(self, ids: list[int], gen: GenerationConfig, stop_ids: list[int]) -> list[int]:
+    def _generate(self, rows: list[list[int]], gen: GenerationConfig, stop_ids: list[int]) -> list[list[int]]:
+        """Greedy or sampled continuations of `rows` (left-padded into one batch), each cut after its first stop id."""
         import torch
 
+        pad = stop_ids[0] if stop_ids else 0
         kwargs: dict[str, Any] = {"max_new_tokens": gen.max_new_tokens, "eos_token_id": stop_ids,
-                                  "pad_token_id": stop_ids[0] if stop_ids else None, **hf_generation_settings(gen)}
+                                  "pad_token_id": pad, **hf_generation_settings(gen)}
         if not kwargs["do_sample"]:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         if gen.seed is not None:
             torch.manual_seed(gen.seed)
+        width = max(len(r) for r in rows)
+        x = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.model.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.model.device)
         with torch.inference_mode():
-            x = torch.tensor([ids], device=self.model.device)
-            out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs)
-        return out[0, len(ids):].tolist()
+            out = self.model.generate(input_ids=x, attention_mask=mask, **kwargs)
+        stops = set(stop_ids)
+        results = []
+        for new in out[:, width:].tolist():
+            end = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
+            results.append(new[:end])
+        return results
+
+    async def _run_batches(self) -> None:
+        while self._pending:
+            await asyncio.sleep(0.005)  # let requests sent together land in one batch
+            key = self._pending[0].key
+            batch = [r for r in self._pending if r.key == key][: self.max_concurrency]
+            self._pending = [r for r in self._pending if r not in batch]
+            self.batch_sizes.append(len(batch))
+            try:
+                outs = await asyncio.to_thread(self._generate, [r.ids for r in batch], batch[0].generation,
+                                               batch[0].stop_ids)
+            except Exception as e:  # noqa: BLE001 - every request of the batch fails alike
+                err = EngineError(f"{self.url}: generate failed: {type(e).__name__}: {e}", endpoint=self.url)
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(err)
+                continue
+            for r, out in zip(batch, outs):
+                if not r.future.done():
+                    r.future.set_result(out)
 
     async def chat(self, messages: Sequence[dict], generation: GenerationConfig, *,
                    tools: Sequence[dict] | None = None) -> ChatResult:
@@ -809,11 +859,12 @@ class TransformersEngine(Engine):
         ids = self.tok.prompt_ids(messages, generation.enable_thinking, tools)
         stop_ids = sorted(self.tok.stop_ids | set(generation.stop_token_ids))
         t0 = time.perf_counter()
-        async with self._lock:  # one generate at a time: the model is not re-entrant
-            try:
-                out = await asyncio.to_thread(self._generate, ids, generation, stop_ids)
-            except Exception as e:  # noqa: BLE001
-                raise EngineError(f"{self.url}: generate failed: {type(e).__name__}: {e}", endpoint=self.url) from e
+        request = _BatchedRequest(ids, generation, stop_ids, generation.model_dump_json() + repr(stop_ids),
+                                  asyncio.get_running_loop().create_future())
+        self._pending.append(request)
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.get_running_loop().create_task(self._run_batches())
+        out = await request.future
         finish = "stop" if out and out[-1] in stop_ids else "length"
         reasoning, content = self.tok.split_output_ids(out, generation.enable_thinking, generation.stop_token_ids)
         return ChatResult(content, reasoning, finish, len(ids), len(out), time.perf_counter() - t0, self.url,
