@@ -276,6 +276,20 @@ def test_transformers_engine_batches_concurrent_requests_with_the_same_answers(t
 
     together, alone, sizes = run(go())
     assert sizes == [3, 1]  # max_concurrency rows per generate, the rest in the next
+    lengths = [len(ChatTokenizer(tok).prompt_ids(m, False)) for m in chats]
+    long = lengths.index(max(lengths))
+
+    async def budgeted():  # room for the first prompt and the one closest to it in length, nothing more
+        budget = 2 * lengths[0]
+        async with TransformersEngine(tiny_dense_target, tokenizer=tok, max_concurrency=4,
+                                      max_batch_tokens=budget) as eng:
+            out = await asyncio.gather(*(eng.chat(m, gen) for m in chats))
+            return out, eng.batch_sizes
+
+    out, sizes = run(budgeted())
+    assert sorted(lengths) == [lengths[3], lengths[1], lengths[0], lengths[2]]  # Hi < colour < 2+2 < Paris
+    assert sizes == [2, 1, 1]  # 2+2 with colour (padded to 2+2's length), then Paris and Hi alone
+    assert [r.content for r in out] == [r.content for r in alone] and out[long].prompt_tokens == max(lengths)
     assert len({len(ChatTokenizer(tok).prompt_ids(m, False)) for m in chats}) > 1  # the batch really was padded
     for a, b in zip(together, alone):
         assert (a.content, a.completion_tokens, a.finish_reason) == (b.content, b.completion_tokens, b.finish_reason)

@@ -760,8 +760,10 @@ class TransformersEngine(Engine):
 
     Requests that arrive while a batch runs wait for the next one; each batch is one
     left-padded ``generate`` over up to ``max_concurrency`` requests with the same
-    generation settings, so the fleet's concurrent requests become batch rows (on
-    2 CPU cores, SmolLM2-135M: batch 32 about 6x one-at-a-time, see BENCHMARKS.md).
+    generation settings and similar prompt lengths, at most ``max_batch_tokens``
+    padded prompt tokens in all (one long prompt padded across 32 rows would cost
+    32 long prompts), so the fleet's concurrent requests become batch rows (see
+    BENCHMARKS.md for the gain over one at a time).
     A row ends at its first stop id. With ``seed`` set the sampled tokens depend on
     the batch a request lands in. Explicit opt-in only.
     """
@@ -769,8 +771,9 @@ class TransformersEngine(Engine):
     kind = "transformers"
 
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str = "auto", tokenizer: Any = None,
-                 **kwargs):
+                 max_batch_tokens: int = 8192, **kwargs):
         super().__init__(f"inprocess://{Path(model_path)}", **kwargs)
+        self.max_batch_tokens = max_batch_tokens
         self.model_path = str(model_path)
         self.device = device
         self.dtype = dtype
@@ -832,11 +835,24 @@ class TransformersEngine(Engine):
             results.append(new[:end])
         return results
 
+    def _next_batch(self) -> list[_BatchedRequest]:
+        """The oldest request, and the others with its settings closest to it in length, while the batch
+        stays within `max_concurrency` rows and `max_batch_tokens` padded prompt tokens (a longer one runs alone)."""
+        anchor = self._pending[0]
+        same = sorted((r for r in self._pending if r.key == anchor.key), key=lambda r: abs(len(r.ids) - len(anchor.ids)))
+        batch, width = [anchor], len(anchor.ids)
+        for r in same[1:]:
+            if len(batch) == self.max_concurrency:
+                break
+            if max(width, len(r.ids)) * (len(batch) + 1) <= self.max_batch_tokens:
+                batch.append(r)
+                width = max(width, len(r.ids))
+        return batch
+
     async def _run_batches(self) -> None:
         while self._pending:
             await asyncio.sleep(0.005)  # let requests sent together land in one batch
-            key = self._pending[0].key
-            batch = [r for r in self._pending if r.key == key][: self.max_concurrency]
+            batch = self._next_batch()
             self._pending = [r for r in self._pending if r not in batch]
             self.batch_sizes.append(len(batch))
             try:

@@ -108,6 +108,8 @@ class EndpointConfig(BaseModel):
         "recognizes `transformers serve`, which rejects them.")
     model_path: str | None = Field(None, description="transformers kind: model dir (default: the fleet's target_model).")
     device: str = Field("cpu", description="transformers kind: torch device.")
+    max_batch_tokens: int = Field(8192, ge=1, description="transformers kind: padded prompt tokens per generate "
+                                  "call (requests are batched by similar length within it).")
 
 
 class EngineFleetConfig(BaseModel):
@@ -264,7 +266,8 @@ def build_engine(ep: EndpointConfig, config: EngineFleetConfig, tokenizer: Any =
         return OpenAIEngine(ep.url, api_key=endpoint_api_key(ep, config),
                             extra_sampling_params=ep.extra_sampling_params, **common)
     if ep.kind == "transformers":
-        return TransformersEngine(ep.model_path or config.target_model, device=ep.device, tokenizer=tokenizer, **common)
+        return TransformersEngine(ep.model_path or config.target_model, device=ep.device, tokenizer=tokenizer,
+                                  max_batch_tokens=ep.max_batch_tokens, **common)
     raise ValueError(f"unknown endpoint kind {ep.kind!r}")
 
 
