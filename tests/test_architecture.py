@@ -7,6 +7,7 @@ editor or an import-graph tool sees is what is checked.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_assets"
@@ -124,8 +125,22 @@ def test_floors_are_at_most_the_stages_plus_two():
 
 
 def test_every_module_opens_with_a_docstring():
-    missing = [name for name, path in _modules().items() if not ast.get_docstring(ast.parse(path.read_text()))]
+    """Every module opens with a docstring, and (package ``__init__`` files aside) it says what the module
+    reads and what it writes, if only nothing ("Reads and writes nothing" counts for both)."""
+    missing, silent = [], []
+    for name, path in _modules().items():
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        if not doc:
+            missing.append(name)
+            continue
+        if path.name == "__init__.py":
+            continue
+        unsaid = [word for word, pattern in (("reads", r"\bread"), ("writes", r"\bwrit"))
+                  if not re.search(pattern, doc, re.IGNORECASE)]
+        if unsaid:
+            silent.append(f"{name}: its docstring does not say what it {' or '.join(unsaid)}")
     assert missing == []
+    assert silent == []
 
 
 def test_the_library_imports_no_dagster():

@@ -2,7 +2,7 @@
 
 Reads ``tokenized_samples/<shard>.parquet`` and its quality gate from the
 store, captures the partition locally (:mod:`dflash_assets.hidden_states.capture`)
-and publishes its part files under ``hidden_state_cache/<shard>/<version>/``,
+and writes (publishes) its part files under ``hidden_state_cache/<shard>/<version>/``,
 then the manifest ``hidden_state_cache/<shard>.manifest.json`` naming them
 (``store.manifest``: a kill leaves readers the old set or the new one). :func:`pipes_stage`
 is what ``python -m dflash_assets.pipes_worker hidden_state_cache`` runs.
