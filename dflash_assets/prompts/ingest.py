@@ -2,107 +2,20 @@
 
 Two steps, because Dagster runs them separately:
 
-1. ``ingest_prompt_source(source_uri, store, config) -> IngestReport`` reads a
-   source (:mod:`dflash_assets.prompts.sources`), normalizes each record, drops
-   exact duplicates, quarantines bad records with a reason code, assigns new
-   prompts to shards, writes the staged shard tables, the assignment manifest
-   and the quarantine table, and commits a new corpus index.
-2. ``materialize_prompt_shard(store, shard_key) -> (table, ShardStats)`` copies
-   one staged shard to ``raw_prompts/<shard_key>.parquet`` (the partition of the
-   ``raw_prompts`` asset) after checking it against the index.
+1. :func:`ingest_prompt_source` reads a source (:mod:`dflash_assets.prompts.sources`),
+   normalizes each record (:func:`normalize_record`, :func:`normalize_agentic_record`),
+   drops exact duplicates, quarantines bad records with a reason code
+   (:data:`QUARANTINE_REASONS`), assigns new prompts to shards and commits a new
+   corpus index; concurrent ingests, sharding and memory are described there.
+2. :func:`materialize_prompt_shard` copies one staged shard to
+   ``raw_prompts/<shard>.parquet`` (a ``raw_prompts`` partition) after checking it
+   against the index; each partition reads only its own staged shard, never the
+   whole corpus (914K prompts are ~900 shards).
 
-Store layout (all writes atomic through the store)::
-
-    prompt_corpus/commits/gen-000003.json           the commit: generation 3's index (generation, run, manifest
-                                                    key, shard -> staged object + sha256), created once
-    prompt_corpus/index.json                        a copy of the newest commit, written after it
-    prompt_corpus/manifest/gen-000003-<run>.parquet assignment manifest: prompt_id, shard, generation
-    prompt_corpus/staged/gen-000003-<run>/shard-00007.parquet   rows of a shard, rewritten only when it gains prompts
-    prompt_corpus/quarantine/<source>.parquet       rejected records of the latest ingest of <source>
-    prompt_corpus/reports/<source>.json             that ingest's IngestReport
-    raw_prompts/shard-00007.parquet                 one raw_prompts partition
-
-Concurrent ingests: each run stages under keys carrying its own random run
-id, so no run overwrites another's objects. Generation N is committed by
-*creating* ``commits/gen-N.json`` (``Store.create``: a hard link locally,
-``If-None-Match: *`` on S3), which exactly one run can do; a run that finds
-it taken raises :class:`ConcurrentIngestError`, removes its own staged
-objects and commits nothing (run it again). Readers take ``index.json`` and
-roll forward through newer commit objects, so a crash between the commit and
-``index.json`` loses nothing. The quarantine and report are written after the
-commit (the quarantine alone when nothing is valid). Garbage collection
-deletes only unreferenced objects of generations up to the previous one
-(runs that lost or died), never those of a newer generation (a run still in
-flight), and commit objects more than 16 generations old. The previous
-generation's objects stay so that a partition run that read the old index
-can still finish. Each partition reads only its own staged shard, never the
-whole corpus (914K prompts are ~900 shards).
-
-Memory: rejected records go to a local Parquet file a row group at a time
-(``quarantine_rows_per_group``), uploaded once; one shard's rows are held
-while it fills; the dedupe set and the manifest hold a prompt id per prompt.
-
-Normalization (``normalize_record``):
-
-- Records are ShareGPT (``conversations`` of ``from``/``value``) or OpenAI
-  (``messages`` of ``role``/``content``; content a string or a list of
-  ``{"type": "text"}`` parts). Roles, case-insensitive: human/user -> user;
-  gpt/chatgpt/bing/bard/assistant -> assistant; system -> system.
-- Assistant turns are dropped (the target regenerates every completion).
-  What is kept: the system prompt (if any) and the user turns in order;
-  the regenerator answers after each user turn.
-- Text is NFC-normalized and stripped. Empty user turns are dropped; user
-  turns with no assistant turn between them are merged with a blank line;
-  leading system turns are merged. Each of these is counted in ``notes``.
-- A system turn after the first non-system turn is quarantined
-  (``late_system_turn``): there is no faithful place for it in a prompt.
-- Leading assistant turns (the later parts of ShareGPT's split conversations
-  start with ``gpt``) are dropped, the prompt is flagged
-  ``starts_mid_conversation`` and counted in ``notes`` (policy ``"drop"``,
-  the default: their user turns are real prompts for the target); policy
-  ``"quarantine"`` quarantines them as ``assistant_first`` instead.
-- ``prompt_id`` = 20 hex chars of a sha256 over the system prompt and the
-  user turns (length-prefixed UTF-8, see :func:`prompt_id`). Records whose
-  id was already seen in this source are duplicates (the first is kept),
-  counted, not quarantined.
-
-Agentic conversations (issue 17): a record with tool definitions (``tools``
-or ``functions``: a list, or its JSON text, of OpenAI ``{"type": "function",
-"function": {...}}`` or bare ``{"name", "parameters"}`` objects), assistant
-tool calls (OpenAI ``tool_calls``, legacy ``function_call``; ShareGPT
-``function_call``/``function-call`` turns whose value is the JSON of
-``{"name", "arguments"}`` or a list of them) or tool results (role
-``tool``/``function``; ShareGPT ``observation``/``function_response``) is
-normalized by :func:`normalize_agentic_record`. It keeps the system prompt
-(system turns and a top-level ``system`` field, as LLaMA-Factory's ShareGPT
-files carry it), the tool definitions (column ``tools``: JSON text, OpenAI
-form) and the sequence of user turns, recorded tool calls (name and
-arguments as an object; the assistant's text is dropped, as in plain chats)
-and tool results (column ``agentic_turns``: JSON text of ``{"role": "user",
-"content"}``, ``{"role": "assistant", "tool_calls": [{"id", "name",
-"arguments"}]}``, ``{"role": "tool", "content", "tool_call_id"?, "name"?}``);
-``user_turns`` holds its user turns as for a plain chat. Its id
-(:func:`agentic_prompt_id`) covers the system prompt, the tools and the
-turns (call ids left out), so it never equals a plain chat's. Malformed ones
-are quarantined: ``bad_tools``, ``bad_tool_call``, ``orphan_tool_result``,
-``missing_tool_result``. Plain chats are untouched: a shard without an
-agentic prompt is written exactly as before (``PROMPT_SCHEMA``); one with
-an agentic prompt has the two extra columns (``AGENTIC_PROMPT_SCHEMA``,
-null for its plain chats).
-
-Quarantine reasons: see :data:`QUARANTINE_REASONS`. Every rejected record
-becomes one row (reason, detail, raw JSON text truncated); counts per
-reason are in the report. Zero valid prompts raises :class:`NoValidPromptsError`.
-
-Sharding: a prompt keeps its shard forever. New prompts, in source order,
-fill the highest-numbered shard up to ``max_prompts_per_shard``, then open
-new shards (``shard-00000``, ``shard-00001``, ...). A shard that gains
-prompts is reported in ``changed_shards`` (its downstream partitions are
-stale); ``fill_last_shard=False`` never touches an existing shard. A prompt
-that is no longer in the source stays in its shard (the corpus only grows;
-counted as ``kept_not_in_source``); start a new store prefix to drop
-prompts. Lowering ``max_prompts_per_shard`` later leaves fuller existing
-shards as they are.
+Reads: the source, and the store's ``prompt_corpus/`` index, manifest and staged
+shards. Writes, atomically through the store (keys in :mod:`dflash_assets.store.layout`):
+``prompt_corpus/`` staged shards, assignment manifest, commit, ``index.json``,
+quarantine table and report; ``raw_prompts/<shard>.parquet``.
 """
 
 from __future__ import annotations
@@ -457,7 +370,31 @@ def _provenance(record: dict, config: IngestConfig, index: int) -> dict[str, str
 
 
 def normalize_record(record: Any, config: IngestConfig | None = None, *, index: int = 0) -> Prompt | Rejection:
-    """One source record -> a :class:`Prompt`, or a :class:`Rejection` with a reason code."""
+    """One source record -> a :class:`Prompt`, or a :class:`Rejection` with a reason code.
+
+    - Records are ShareGPT (``conversations`` of ``from``/``value``) or OpenAI
+      (``messages`` of ``role``/``content``; content a string or a list of
+      ``{"type": "text"}`` parts). Roles, case-insensitive: human/user -> user;
+      gpt/chatgpt/bing/bard/assistant -> assistant; system -> system. A record
+      with tools, tool calls or tool results goes to :func:`normalize_agentic_record`.
+    - Assistant turns are dropped (the target regenerates every completion).
+      What is kept: the system prompt (if any) and the user turns in order;
+      the regenerator answers after each user turn.
+    - Text is NFC-normalized and stripped. Empty user turns are dropped; user
+      turns with no assistant turn between them are merged with a blank line;
+      leading system turns are merged. Each of these is counted in ``notes``.
+    - A system turn after the first non-system turn is quarantined
+      (``late_system_turn``): there is no faithful place for it in a prompt.
+    - Leading assistant turns (the later parts of ShareGPT's split conversations
+      start with ``gpt``) are dropped, the prompt is flagged
+      ``starts_mid_conversation`` and counted in ``notes`` (policy ``"drop"``,
+      the default: their user turns are real prompts for the target); policy
+      ``"quarantine"`` quarantines them as ``assistant_first`` instead.
+    - ``prompt_id`` = 20 hex chars of a sha256 over the system prompt and the
+      user turns (length-prefixed UTF-8, see :func:`prompt_id`). The ingest
+      counts records whose id was already seen in this source as duplicates
+      (the first is kept), not quarantined.
+    """
     config = config or _DEFAULT_CONFIG
     if not isinstance(record, dict):
         return Rejection("not_an_object", f"record is a JSON {type(record).__name__}")
@@ -698,6 +635,28 @@ def normalize_agentic_record(record: dict, config: IngestConfig | None = None, *
     assistant text is dropped, recorded calls and tool results are kept.
     A call step must be followed by all its results before the next turn
     (``missing_tool_result``), except at the end of the conversation.
+
+    Agentic records (issue 17) carry tool definitions (``tools`` or
+    ``functions``: a list, or its JSON text, of OpenAI ``{"type": "function",
+    "function": {...}}`` or bare ``{"name", "parameters"}`` objects), assistant
+    tool calls (OpenAI ``tool_calls``, legacy ``function_call``; ShareGPT
+    ``function_call``/``function-call`` turns whose value is the JSON of
+    ``{"name", "arguments"}`` or a list of them) or tool results (role
+    ``tool``/``function``; ShareGPT ``observation``/``function_response``).
+    Kept: the system prompt (system turns and a top-level ``system`` field, as
+    LLaMA-Factory's ShareGPT files carry it), the tool definitions (column
+    ``tools``: JSON text, OpenAI form) and the sequence of user turns, recorded
+    tool calls (name and arguments as an object) and tool results (column
+    ``agentic_turns``: JSON text of ``{"role": "user", "content"}``,
+    ``{"role": "assistant", "tool_calls": [{"id", "name", "arguments"}]}``,
+    ``{"role": "tool", "content", "tool_call_id"?, "name"?}``); ``user_turns``
+    holds its user turns as for a plain chat. Its id (:func:`agentic_prompt_id`)
+    covers the system prompt, the tools and the turns (call ids left out), so it
+    never equals a plain chat's. Malformed ones are quarantined: ``bad_tools``,
+    ``bad_tool_call``, ``orphan_tool_result``, ``missing_tool_result``. A shard
+    without an agentic prompt is written exactly as before (``PROMPT_SCHEMA``);
+    one with an agentic prompt has the two extra columns
+    (``AGENTIC_PROMPT_SCHEMA``, null for its plain chats).
     """
     config = config or _DEFAULT_CONFIG
     turns = record.get("conversations")
@@ -875,6 +834,9 @@ class _ShardEntry:
 
 @dataclass(frozen=True)
 class _CorpusIndex:
+    """One generation of the corpus: what ``prompt_corpus/commits/gen-<N>.json`` (created once) and its copy
+    ``prompt_corpus/index.json`` hold: generation, run, manifest key, shard -> staged object + sha256."""
+
     generation: int = 0
     manifest_key: str | None = None
     shards: dict[str, _ShardEntry] = field(default_factory=dict)
@@ -1082,6 +1044,33 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
     (the quarantine table is still written, the corpus is left unchanged), and
     :class:`ConcurrentIngestError` when another ingest committed first (nothing
     of this one is committed; its staged objects are removed; run it again).
+
+    Concurrent ingests: each run stages under keys carrying its own random run
+    id, so no run overwrites another's objects. Generation N is committed by
+    *creating* ``commits/gen-N.json`` (``Store.create``: a hard link locally,
+    ``If-None-Match: *`` on S3), which exactly one run can do. Readers take
+    ``index.json`` and roll forward through newer commit objects
+    (:func:`_load_index`), so a crash between the commit and ``index.json``
+    loses nothing. The quarantine (rejected records of this ingest of the
+    source: one row per record with reason, detail and raw JSON text truncated)
+    and the report are written after the commit (the quarantine alone when
+    nothing is valid); counts per reason are in the report. Old objects go by
+    :func:`_collect_garbage`.
+
+    Sharding: a prompt keeps its shard forever. New prompts, in source order,
+    fill the highest-numbered shard up to ``max_prompts_per_shard``, then open
+    new shards (``shard-00000``, ``shard-00001``, ...); a staged shard is
+    rewritten only when it gains prompts. A shard that gains prompts is reported
+    in ``changed_shards`` (its downstream partitions are stale);
+    ``fill_last_shard=False`` never touches an existing shard. A prompt that is
+    no longer in the source stays in its shard (the corpus only grows; counted
+    as ``kept_not_in_source``); start a new store prefix to drop prompts.
+    Lowering ``max_prompts_per_shard`` later leaves fuller existing shards as
+    they are.
+
+    Memory: rejected records go to a local Parquet file a row group at a time
+    (``quarantine_rows_per_group``), uploaded once; one shard's rows are held
+    while it fills; the dedupe set and the manifest hold a prompt id per prompt.
     """
     config = config or IngestConfig()
     quarantine = _QuarantineWriter(source_name := _safe_name(config.source_name or _default_source_name(source_uri)),
@@ -1270,7 +1259,10 @@ def _collect_garbage(store: Any, current: _CorpusIndex, previous: _CorpusIndex) 
     An unreferenced object of generation <= ``previous.generation`` belongs to
     a run that lost or died (that generation is committed by another run), so
     it goes; objects of newer generations may belong to an ingest still
-    running (it will fail to commit and remove them itself) and stay.
+    running (it will fail to commit and remove them itself) and stay. The
+    previous generation's objects stay too, so that a partition run that read
+    the old index can still finish. Commit objects more than ``_KEEP_COMMITS``
+    (16) generations old go.
     """
     keep = {e.key for e in current.shards.values()} | {e.key for e in previous.shards.values()}
     keep |= {current.manifest_key, previous.manifest_key}
