@@ -140,6 +140,75 @@ def test_killed_local_write_leaves_old_object(tmp_path):
     assert store.list("") == ["obj.bin"]  # temp files are hidden and never listed
 
 
+def _dead_pid() -> int:
+    """The id of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("method", ["write_bytes", "create"])
+def test_temp_file_of_a_killed_write_is_removed_at_the_next_start(tmp_path, method):
+    """Issue 14 item 7: a writer SIGKILLed mid-write leaves its temp file; the next store's write removes it
+    (its pid is dead) and leaves a live writer's temp file (this test's own pid) alone."""
+    root = tmp_path / "root"
+    LocalStore(root).write_bytes("d/obj.bin", b"old")
+    code = textwrap.dedent(
+        f"""
+        import os, time
+        from dflash_assets.store.backends import LocalStore
+        store = LocalStore({str(root)!r})
+        def stall(fd):  # the data is in the temp file; the process dies before the rename
+            print("writing", flush=True)
+            time.sleep(60)
+        os.fsync = stall
+        store.{method}("d/{'obj' if method == 'write_bytes' else 'new'}.bin", b"n" * (1 << 20))
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"writing"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = [p for p in os.listdir(root / "d") if p.startswith(".")]
+    assert len(left) == 1 and f"-{proc.pid}-" in left[0], left  # the killed writer's temp file, named by its pid
+
+    live = LocalStore(root)
+    fd, mine = live._temp_beside(root / "d" / "other.bin")  # a write of this (live) process, in progress
+    os.close(fd)
+    LocalStore(root).write_bytes("d/obj.bin", b"new")  # the next start: its first write in d/ sweeps it
+    assert sorted(os.listdir(root / "d")) == sorted(["obj.bin", os.path.basename(mine)])
+    assert LocalStore(root).read_bytes("d/obj.bin") == b"new" and LocalStore(root).list("d") == ["d/obj.bin"]
+
+
+def test_staged_file_and_s3_download_leftovers_of_dead_pids_are_removed(tmp_path, monkeypatch, s3_store):
+    """The same rule for staged_file's scratch dirs and S3Store.local_path's part files."""
+    from dflash_assets.store.backends import S3Store
+
+    dead = _dead_pid()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    stale_stage = tmp_path / "tmp" / f"dflash-stage-{dead}-abc123"
+    live_stage = tmp_path / "tmp" / f"dflash-stage-{os.getpid()}-def456"
+    for d in (stale_stage, live_stage):
+        d.mkdir()
+        (d / "object").write_bytes(b"x")
+    with LocalStore(tmp_path / "root").staged_file("k/obj.bin") as path:
+        path.write_bytes(b"staged")
+    assert not stale_stage.exists() and live_stage.exists()
+
+    s3_store.cache_dir = tmp_path / "cache"
+    s3_store.write_bytes("k/obj.bin", b"remote")
+    cached = s3_store.local_path("k/obj.bin")
+    assert os.listdir(cached.parent) == ["obj.bin"]  # no part file left after a download
+    stale_part = cached.parent / f".dflash-part-{dead}-obj.bin.x1y2z3.part"
+    live_part = cached.parent / f".dflash-part-{os.getpid()}-obj.bin.a1b2c3.part"
+    stale_part.write_bytes(b"half")
+    live_part.write_bytes(b"half")
+    again = S3Store(s3_store.uri, s3_store.client, cache_dir=tmp_path / "cache")
+    assert again.local_path("k/obj.bin").read_bytes() == b"remote"
+    assert not stale_part.exists() and live_part.exists()
+
+
 def test_open_store_picks_backend(tmp_path, moto_endpoint):
     assert isinstance(open_store(str(tmp_path)), LocalStore)
     assert open_store(f"file://{tmp_path}").root == tmp_path.resolve()

@@ -9,7 +9,10 @@ Two backends behind one interface:
 - ``LocalStore``: a directory (``/path/to/root`` or ``file:///path``).
   Writes go to a temporary file in the same directory, are fsynced, then
   renamed over the target: a killed write leaves the old object or the new
-  one, never a partial file.
+  one, never a partial file. Temp files are named
+  ``.dflash-tmp@<host>-<pid>-<name>.<random>.tmp``; the first write into a
+  directory by a store object removes those of this host whose process is
+  gone (a SIGKILLed writer's), so leftovers live until the next start.
 - ``S3Store``: ``s3://bucket/prefix`` through a boto3 client (in Dagster,
   dagster-aws's ``S3Resource`` builds it). A PUT, single or multipart, only
   becomes visible once complete, so S3 writes are atomic by nature.
@@ -35,6 +38,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,6 +46,8 @@ from typing import Any, BinaryIO, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from dflash_assets.store.manifest import remove_stale_scratch, scratch_prefix
 
 __all__ = ["Store", "LocalStore", "S3Store", "open_store", "default_store_uri", "s3_client"]
 
@@ -70,10 +76,22 @@ class Store(Protocol):
     def url(self, key: str) -> str: ...
 
 
+# Temp files in a store directory carry this host's tag as well as the pid: on a directory mounted by several
+# hosts, a pid is only checked (and a dead one's file removed) on the host that wrote it.
+_TMP_TAG = "tmp@" + hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
 class _StoreHelpers:
     """Format helpers shared by both backends (Parquet, JSON, staged files)."""
 
     uri: str
+
+    def _sweep(self, directory: Path, tag: str, *, hidden: bool = False) -> None:
+        """Remove what killed processes left in ``directory`` (:func:`remove_stale_scratch`), once per store object."""
+        swept = self.__dict__.setdefault("_swept", set())
+        if (directory, tag) not in swept:
+            remove_stale_scratch(directory, tag, hidden=hidden)
+            swept.add((directory, tag))
 
     def write_parquet(self, key: str, table: pa.Table, **kwargs: Any) -> str:
         """Publish ``table`` as Parquet at ``key``; returns the sha256 (hex) of the bytes written: its data version."""
@@ -97,9 +115,11 @@ class _StoreHelpers:
         """Yield a local scratch path; on clean exit its content becomes ``key`` atomically.
 
         For writers that need a real file (safetensors, large Parquet). On an
-        exception nothing is published and the scratch file is removed.
+        exception nothing is published and the scratch file is removed; a
+        killed writer's ``dflash-stage-<pid>-*`` dir goes at the next call.
         """
-        tmpdir = Path(tempfile.mkdtemp(prefix="dflash-stage-"))
+        self._sweep(Path(tempfile.gettempdir()), "stage")
+        tmpdir = Path(tempfile.mkdtemp(prefix=scratch_prefix("stage")))
         path = tmpdir / ("object" + suffix)
         try:
             yield path
@@ -149,11 +169,17 @@ class LocalStore(_StoreHelpers):
         if not path.resolve().is_relative_to(self.root):
             raise ValueError(f"invalid store key {key!r}: resolves outside the store root {self.uri}")
 
+    def _temp_beside(self, dest: Path) -> tuple[int, str]:
+        """A new temp file in ``dest``'s directory, after removing the ones killed writers of this host left there."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        self._sweep(dest.parent, _TMP_TAG, hidden=True)
+        return tempfile.mkstemp(dir=dest.parent, prefix=f"{scratch_prefix(_TMP_TAG, hidden=True)}{dest.name}.",
+                                suffix=".tmp")
+
     def _publish(self, key: str, fill: Callable[[BinaryIO], object]) -> None:
         """Write through ``fill`` into a temp file beside the target, fsync, then rename over it."""
         dest = self._path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+        fd, tmp = self._temp_beside(dest)
         try:
             with os.fdopen(fd, "wb") as f:
                 fill(f)
@@ -172,8 +198,7 @@ class LocalStore(_StoreHelpers):
     def create(self, key: str, data: bytes) -> bool:
         """Publish ``data`` at ``key`` only if nothing is there; False (nothing written) if an object exists."""
         dest = self._path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+        fd, tmp = self._temp_beside(dest)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -335,15 +360,28 @@ class S3Store(_StoreHelpers):
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
     def local_path(self, key: str) -> Path:
-        """Download once into a content-addressed cache, for memory-mapping."""
+        """Download once into a content-addressed cache, for memory-mapping.
+
+        The download goes to ``.dflash-part-<pid>-<name>.*.part`` beside the target, then is renamed onto it; a
+        killed download's part file is removed the next time a store object reads into that directory.
+        """
         head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
         tag = hashlib.sha256(f"{self.uri}/{key}:{head['ETag']}".encode()).hexdigest()[:24]
         dest = self.cache_dir / tag / Path(key).name
+        if dest.parent.is_dir():
+            self._sweep(dest.parent, "part", hidden=True)
         if not dest.exists():
             dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_suffix(dest.suffix + ".part")
-            self.client.download_file(self.bucket, self._key(key), str(tmp))
-            os.replace(tmp, dest)
+            fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f"{scratch_prefix('part', hidden=True)}{dest.name}.",
+                                       suffix=".part")
+            os.close(fd)
+            try:
+                self.client.download_file(self.bucket, self._key(key), tmp)
+                os.replace(tmp, dest)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
         return dest
 
     def url(self, key: str) -> str:

@@ -10,8 +10,9 @@ old complete set or the new complete set; files no manifest names are ignored
 and removed by the next publication.
 
 Reads and writes the store (the ``Store`` protocol of ``store.backends``);
-also removes scratch directories a killed process left on a local disk
-(:func:`remove_stale_scratch`, by the process id in their names).
+also removes scratch directories and temp files a killed process left on a
+local disk (:func:`remove_stale_scratch`, by the process id in their names;
+``store.backends`` uses it for its own temp files).
 """
 
 from __future__ import annotations
@@ -105,15 +106,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def scratch_prefix(tag: str) -> str:
-    """``dflash-<tag>-<pid>-``: the name prefix of a scratch directory, for ``tempfile.mkdtemp(prefix=...)``."""
-    return f"dflash-{tag}-{os.getpid()}-"
+def scratch_prefix(tag: str, *, hidden: bool = False) -> str:
+    """``dflash-<tag>-<pid>-`` (``.dflash-...`` when ``hidden``): the name prefix of a scratch directory or temp
+    file, for ``tempfile.mkdtemp/mkstemp(prefix=...)``; :func:`remove_stale_scratch` removes it once the process
+    is gone. Hidden names are for temp files inside a store directory, whose listings skip dot-names."""
+    return f"{'.' if hidden else ''}dflash-{tag}-{os.getpid()}-"
 
 
-def remove_stale_scratch(directory: str | os.PathLike, tag: str) -> list[Path]:
-    """Remove ``dflash-<tag>-<pid>-*`` entries in ``directory`` whose process is gone; returns what was removed."""
+def remove_stale_scratch(directory: str | os.PathLike, tag: str, *, hidden: bool = False) -> list[Path]:
+    """Remove ``dflash-<tag>-<pid>-*`` entries (``.dflash-...`` when ``hidden``) in ``directory`` whose process
+    is gone; returns what was removed."""
     d = Path(directory)
-    pattern = re.compile(rf"dflash-{re.escape(tag)}-(\d+)-.*")
+    pattern = re.compile(("\\." if hidden else "") + rf"dflash-{re.escape(tag)}-(\d+)-.*")
     removed = []
     if not d.is_dir():
         return removed
