@@ -366,7 +366,7 @@ def _materialize_all(store):
     for shard in list_shard_keys(store):
         t, stats = materialize_prompt_shard(store, shard)
         assert stats.num_prompts == t.num_rows and stats.shard == shard
-        assert dict(stats)["num_prompts"] == stats["num_prompts"] == t.num_rows  # a mapping, for metadata helpers
+        assert stats.to_metadata()["num_prompts"] == t.num_rows  # one spelling for metadata: to_metadata()
         out[shard] = t.column("source_id").to_pylist()
         assert store.read_parquet(f"raw_prompts/{shard}.parquet").equals(t)
     return out

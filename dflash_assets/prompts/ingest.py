@@ -31,7 +31,7 @@ import time
 import unicodedata
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -259,8 +259,8 @@ class IngestReport:
 
 
 @dataclass(frozen=True)
-class ShardStats(Mapping):
-    """What one ``raw_prompts`` partition holds; also a read-only mapping of these fields."""
+class ShardStats:
+    """What one ``raw_prompts`` partition holds; ``to_metadata()`` gives its fields for asset metadata."""
 
     shard: str
     key: str  # raw_prompts/<shard>.parquet
@@ -277,23 +277,9 @@ class ShardStats(Mapping):
     generation: int  # the ingest generation that last changed this shard
     agentic_prompts: int = 0  # prompts with tools, tool calls or tool results
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     def to_metadata(self) -> dict[str, Any]:
         """Flat values for asset metadata (the name every result type of the library uses)."""
         return asdict(self)
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self.__dataclass_fields__:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.__dataclass_fields__)
-
-    def __len__(self) -> int:
-        return len(self.__dataclass_fields__)
 
 
 def shard_name(n: int) -> str:
