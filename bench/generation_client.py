@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.machine import machine_info  # noqa: E402
 from dflash_assets.generation.completions import GenerationConfig, aregenerate_shard  # noqa: E402
 from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig, run_sync  # noqa: E402
-from dflash_assets.generation.engines import ChatTokenizer, json_dumps, json_loads  # noqa: E402
+from dflash_assets.generation.chat_tokenizer import ChatTokenizer  # noqa: E402
+from dflash_assets.generation.engines import json_dumps, json_loads  # noqa: E402
 from dflash_assets.generation.server import local_engine_server  # noqa: E402
 from dflash_assets.testing.sglang_loopback import LoopbackProcess  # noqa: E402
 from dflash_assets.store.backends import LocalStore  # noqa: E402

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 from dflash_assets.generation.completions import GenerationConfig, output_schema, regenerate_shard
-from dflash_assets.generation.engines import ChatTokenizer
+from dflash_assets.generation.chat_tokenizer import ChatTokenizer
 from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
 from dflash_assets.generation.tool_calls import parse_qwen_tool_calls, same_calls
 from dflash_assets.prompts.ingest import (

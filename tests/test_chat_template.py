@@ -139,7 +139,7 @@ CONVERSATIONS = [
 def test_one_renderer_equals_apply_chat_template_for_every_caller(tok, which):
     """ChatRenderer (tokenization), ChatTokenizer (generation clients) and render_chat give exactly what
     apply_chat_template gives, on the packaged Qwen3.6 template and on a ChatML one."""
-    from dflash_assets.generation.engines import ChatTokenizer
+    from dflash_assets.generation.chat_tokenizer import ChatTokenizer
     from dflash_assets.target.chat_template import ChatRenderer
 
     t = tok if which == "qwen3_6" else build_qwen3_6_tokenizer(chat_template=CHATML)
@@ -171,7 +171,7 @@ def test_no_stage_renders_chats_another_way():
         if hits:
             found[str(path.relative_to(root))] = hits
     assert found.pop("target/chat_template.py")
-    assert found == {"generation/engines.py": ["apply_chat_template("]}
+    assert found == {"generation/chat_tokenizer.py": ["apply_chat_template("]}
 
 
 @pytest.mark.parametrize("text,thinking,expected", [
@@ -310,7 +310,7 @@ def test_published_template_errors(tok, messages, message):
 
 def test_generation_client_renders_tool_definitions(tok):
     """The generation clients' prompt of an agentic conversation carries the tool list, as apply_chat_template."""
-    from dflash_assets.generation.engines import ChatTokenizer
+    from dflash_assets.generation.chat_tokenizer import ChatTokenizer
 
     client, head = ChatTokenizer(tok), AGENTIC[:4]
     want = tok.apply_chat_template(head, tools=[WEATHER], tokenize=False, add_generation_prompt=True)

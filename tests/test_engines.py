@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from dflash_assets.generation.chat_tokenizer import ChatTokenizer, strip_stop_text
 from dflash_assets.generation.engines import (
-    ChatTokenizer,
     EngineError,
     GenerationConfig,
     OpenAIEngine,
@@ -85,6 +85,26 @@ def test_chat_tokenizer_renders_generation_prompt_and_splits_ids(tok):
     assert ct.split_output_ids(r + [THINK_END] + c + [IM_END], True) == ("Let me add.", "Four.")
     assert ct.split_output_ids(r, True) == ("Let me add.", "")  # cut inside the think block
     assert ct.split_output_ids(c + [IM_END], False) == ("", "Four.")
+
+
+@pytest.mark.parametrize("output,thinking", [
+    ("Let me add 2 and 2.\n</think>\n\nFour.<|im_end|>", True),  # thinking present
+    ("<think>\nLet me add.\n</think>\n\nFour.<|im_end|>", True),  # the model repeats the opener
+    ("<think>\n\n</think>\n\nFour.<|im_end|>", True),  # an empty think block
+    ("<think>\n\n</think>\n\nFour.<|im_end|>", False),
+    ("Four.<|im_end|>", False),  # no think tags
+    ("Four.<|im_end|>", True),  # no think tags, thinking on: all reasoning
+    ("Let me think about 2 and", True),  # cut by max_new_tokens inside the think block
+    ("Let me think about 2 and", False),
+    ("Call it.\n</think>\n\n<tool_call>\n<function=f>\n</function>\n</tool_call><|im_end|>", True),
+])
+def test_chat_tokenizer_id_split_matches_the_text_split(tok, output, thinking):
+    """`ChatTokenizer.split_output_ids` (on ids, SGLang's native and the in-process paths) and
+    `target.chat_template.split_reasoning_text` (on text, the OpenAI path) split one output alike."""
+    ids = tok.encode(output, add_special_tokens=False)
+    assert (THINK_END in ids) == ("</think>" in output)  # the real tokenizer: `</think>` is one id
+    text = strip_stop_text(tok.decode(ids, skip_special_tokens=False))
+    assert ChatTokenizer(tok).split_output_ids(ids, thinking) == split_reasoning_text(text, thinking)
 
 
 # -- SGLang native against the loopback -----------------------------------------

@@ -6,9 +6,10 @@
   and ``meta_info`` (``finish_reason`` {type: stop|length|abort},
   ``prompt_tokens``, ``completion_tokens``, ``e2e_latency``). Identity from
   ``GET /get_model_info`` (``model_path``) and, when present, ``GET /v1/models``;
-  liveness from ``GET /health``. The reasoning split is done here: the
-  generation prompt ends with ``<think>\\n``, so the output is
-  ``reasoning </think> content <|im_end|>`` and is cut at the ``</think>`` id.
+  liveness from ``GET /health``. The reasoning split is done on the ids
+  (``generation.chat_tokenizer.ChatTokenizer``): the generation prompt ends
+  with ``<think>\\n``, so the output is ``reasoning </think> content <|im_end|>``
+  and is cut at the ``</think>`` id.
   Also works behind sglang-router (same API, one URL).
 - ``OpenAIEngine``: ``POST /v1/chat/completions`` (SGLang, vLLM,
   ``transformers serve``) with ``chat_template_kwargs: {enable_thinking}``;
@@ -49,6 +50,7 @@ from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dflash_assets.generation.chat_tokenizer import ChatTokenizer, strip_stop_text
 from dflash_assets.target.chat_template import split_reasoning_text
 
 try:  # orjson is ~5x faster on the request/response hot path; json is the fallback.
@@ -71,7 +73,6 @@ __all__ = [
     "ChatResult",
     "EngineProbe",
     "EngineError",
-    "ChatTokenizer",
     "Engine",
     "SGLangEngine",
     "OpenAIEngine",
@@ -83,8 +84,6 @@ __all__ = [
 
 EngineKind = Literal["sglang", "openai", "transformers"]
 
-THINK_START = "<think>"
-THINK_END = "</think>"
 # HTTP statuses worth another try: timeout, rate limit, server-side errors.
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 _JSON_HEADERS = {"Content-Type": "application/json"}
@@ -202,123 +201,6 @@ class EngineError(RuntimeError):
         self.retryable = retryable or connection
         self.connection = connection
         self.endpoint = endpoint
-
-
-# ----------------------------------------------------------------------------
-# Tokenizer adapter (native and in-process paths)
-
-
-class ChatTokenizer:
-    """Renders chats to prompt ids and decodes outputs with any HF-style tokenizer.
-
-    Needs only ``apply_chat_template(messages, tokenize=False,
-    add_generation_prompt=True, enable_thinking=...)``, ``encode`` /
-    ``decode`` and ``convert_tokens_to_ids``; a fast tokenizer's Rust backend
-    is used for encoding when present (about 1.5x faster). A transformers
-    tokenizer with one template renders through the project's one renderer
-    (`ChatRenderer`, the same output as its ``apply_chat_template``, ~2x faster).
-    """
-
-    def __init__(self, tokenizer: Any):
-        if isinstance(tokenizer, ChatTokenizer):
-            tokenizer = tokenizer.tokenizer
-        self.tokenizer = tokenizer
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.think_start_id = self._token_id(THINK_START)
-        self.think_end_id = self._token_id(THINK_END)
-        stops = {self._token_id("<|im_end|>"), self._token_id("<|endoftext|>"), getattr(tokenizer, "eos_token_id", None)}
-        self.stop_ids = frozenset(i for i in stops if isinstance(i, int))
-        self._render = self._chat_renderer()
-        # Kept as text by `decode` even where the tokenizer marks them special: a step's tool calls
-        # (Qwen3.5/3.6 `<tool_call>` blocks) are parsed from the decoded content.
-        self._kept_marks = {i: t for t in ("<tool_call>", "</tool_call>") if (i := self._token_id(t)) is not None}
-
-    def _token_id(self, token: str) -> int | None:
-        try:
-            idx = self.tokenizer.convert_tokens_to_ids(token)
-        except Exception:
-            return None
-        if not isinstance(idx, int) or idx == getattr(self.tokenizer, "unk_token_id", None):
-            return None
-        return idx
-
-    def _chat_renderer(self):
-        """The one chat renderer (`target.chat_template.ChatRenderer`: the template compiled once) when the
-        tokenizer renders with transformers' own `apply_chat_template` and one template; else None."""
-        from dflash_assets.target.chat_template import ChatRenderer
-
-        try:
-            from transformers import PreTrainedTokenizerBase
-        except ImportError:
-            return None
-        own = getattr(type(self.tokenizer), "apply_chat_template", None)
-        if own is not PreTrainedTokenizerBase.apply_chat_template:
-            return None
-        if not isinstance(getattr(self.tokenizer, "chat_template", None), str):
-            return None
-        return ChatRenderer.from_tokenizer(self.tokenizer)
-
-    def render(self, messages: Sequence[dict], enable_thinking: bool, tools: Sequence[dict] | None = None) -> str:
-        """The generation prompt of `messages` (with `tools`, JSON schemas, in the system turn when given)."""
-        if self._render is not None:
-            return self._render(messages, add_generation_prompt=True, tools=tools, enable_thinking=enable_thinking)
-        return self.tokenizer.apply_chat_template(
-            list(messages), tools=list(tools) if tools is not None else None, tokenize=False,
-            add_generation_prompt=True, enable_thinking=enable_thinking
-        )
-
-    def encode(self, text: str) -> list[int]:
-        if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=False).ids
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def prompt_ids(self, messages: Sequence[dict], enable_thinking: bool,
-                   tools: Sequence[dict] | None = None) -> list[int]:
-        return self.encode(self.render(messages, enable_thinking, tools))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        ids = list(ids)
-        marks = self._kept_marks
-        if marks and any(i in marks for i in ids):
-            parts, start = [], 0
-            for k, i in enumerate(ids):
-                if i in marks:
-                    parts += [self.tokenizer.decode(ids[start:k], skip_special_tokens=True), marks[i]]
-                    start = k + 1
-            parts.append(self.tokenizer.decode(ids[start:], skip_special_tokens=True))
-            return "".join(parts)
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def split_output_ids(self, ids: Sequence[int], enable_thinking: bool,
-                         extra_stop_ids: Sequence[int] = ()) -> tuple[str, str]:
-        """(reasoning, content) of generated ids, cut at ``</think>``; trailing stop ids dropped.
-
-        With thinking on and no ``</think>`` (cut by max_new_tokens, or the
-        model stopped while thinking) everything is reasoning, as SGLang's
-        qwen3 reasoning parser does.
-        """
-        ids = list(ids)
-        stops = self.stop_ids | set(extra_stop_ids)
-        while ids and ids[-1] in stops:
-            ids.pop()
-        end = self.think_end_id
-        if end is not None and end in ids:
-            cut = ids.index(end)
-            reasoning, content = ids[:cut], ids[cut + 1 :]
-        elif enable_thinking:
-            reasoning, content = ids, []
-        else:
-            reasoning, content = [], ids
-        if reasoning and reasoning[0] == self.think_start_id:
-            reasoning = reasoning[1:]
-        return self.decode(reasoning).strip("\n"), self.decode(content).lstrip("\n")
-
-
-def _strip_stop_text(text: str) -> str:
-    for marker in ("<|im_end|>", "<|endoftext|>"):
-        if text.endswith(marker):
-            text = text[: -len(marker)]
-    return text
 
 
 # ----------------------------------------------------------------------------
@@ -591,7 +473,7 @@ class SGLangEngine(Engine):
             reasoning, content = self.tok.split_output_ids(ids, gen.enable_thinking, gen.stop_token_ids)
             n_out = int(meta.get("completion_tokens", len(ids)))
         else:  # older SGLang: text only
-            reasoning, content = split_reasoning_text(_strip_stop_text(out.get("text", "")), gen.enable_thinking)
+            reasoning, content = split_reasoning_text(strip_stop_text(out.get("text", "")), gen.enable_thinking)
             n_out = int(meta.get("completion_tokens", 0))
         latency = float(meta.get("e2e_latency") or (time.perf_counter() - t0))
         return ChatResult(content, reasoning, finish, int(meta.get("prompt_tokens", 0)), n_out, latency,
@@ -728,7 +610,7 @@ class OpenAIEngine(Engine):
         self._check_model("/v1/chat/completions", out.get("model"))
         choice = out["choices"][0]
         msg = choice.get("message") or {}
-        content = _strip_stop_text(msg.get("content") or "")
+        content = strip_stop_text(msg.get("content") or "")
         reasoning = msg.get("reasoning_content")
         if reasoning is None:
             reasoning = msg.get("reasoning")  # vLLM >= 0.10 names it `reasoning`
@@ -736,7 +618,7 @@ class OpenAIEngine(Engine):
             reasoning, content = split_reasoning_text(content, generation.enable_thinking)
         else:
             # a turn that stopped inside its reasoning: `transformers serve` leaves the stop text there
-            reasoning, content = _strip_stop_text(reasoning).strip("\n"), content.lstrip("\n")
+            reasoning, content = strip_stop_text(reasoning).strip("\n"), content.lstrip("\n")
         finish = str(choice.get("finish_reason") or "stop")
         if finish == "abort":
             raise EngineError(f"{self.url}: request aborted", retryable=True, endpoint=self.url)
