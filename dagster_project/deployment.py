@@ -22,7 +22,9 @@ variable, once; the README's table is checked against it.
 As in hooli's ``resource_def[get_env()]``: ``resources_for_profile(get_profile())``
 returns the resources of one profile. Secrets stay in the environment:
 credentials are read by boto3 on each host, engine API keys from
-``DFLASH_ENGINE_API_KEY`` or the file ``DFLASH_ENGINE_API_KEY_FILE`` names.
+``DFLASH_ENGINE_API_KEY`` or the file ``DFLASH_ENGINE_API_KEY_FILE`` names,
+and an endpoint's own key from the variable or file ``DFLASH_ENGINE_API_KEYS``
+names for its URL (that setting holds names and paths, never a key).
 Settings that are lists (hosts, engine URLs) are read when definitions load,
 and a cluster profile with one missing fails right there, naming it.
 
@@ -32,13 +34,15 @@ Reads: environment variables only. Writes nothing.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from typing import Literal, get_args
 
 import dagster as dg
 
 from dagster_project.pipes import DEFAULT_STAGE_TIMEOUT_S, GpuHostLauncher
-from dagster_project.resources import EngineFleetResource, StoreResource, TargetModelResource, deployment_resource
+from dagster_project.resources import (EngineFleetResource, StoreResource, TargetModelResource, deployment_resource,
+                                       endpoint_kind_and_url)
 
 __all__ = [
     "Profile",
@@ -80,6 +84,8 @@ SETTINGS: dict[str, str] = {
                                     "(default 300; 0: only the 1,800 s turn limit)",
     "DFLASH_ENGINE_API_KEY": "bearer token sent to the engines (secret: never logged)",
     "DFLASH_ENGINE_API_KEY_FILE": "file holding that token, read when definitions load (instead of the variable)",
+    "DFLASH_ENGINE_API_KEYS": "an endpoint's own token: comma-separated URL=VARIABLE or URL=/path/to/file, naming "
+                              "where it is (never the token); endpoints not named get DFLASH_ENGINE_API_KEY[_FILE]",
     "DFLASH_TARGET_MODEL": "the target model directory (default: the embedded tiny target); also read by `dflash engine`",
     "DFLASH_TARGET_THINKING": "1 (default): render prompts with thinking on; 0: off",
     "DFLASH_TARGET_TOKENIZER": "another tokenizer directory (default: the model's)",
@@ -185,17 +191,61 @@ def engine_api_key() -> str | None:
     return None
 
 
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def engine_api_key_sources(endpoints: list[str], default_kind: str) -> dict[str, str]:
+    """``DFLASH_ENGINE_API_KEYS``: endpoint URL -> the variable name or absolute file path holding its token.
+
+    Each entry is ``URL=VARIABLE`` or ``URL=/path/to/file`` (comma- or space-separated; the URL as in
+    ``DFLASH_ENGINE_URLS``, kind prefix optional). A URL that is no configured endpoint, or a right-hand side
+    that is neither a variable name nor an absolute path (a token pasted in by mistake), is an error that
+    quotes neither side's value beyond the URL.
+    """
+    urls = {endpoint_kind_and_url(e, default_kind)[1].rstrip("/") for e in endpoints}
+    sources: dict[str, str] = {}
+    for i, entry in enumerate(_split(os.environ.get("DFLASH_ENGINE_API_KEYS")), 1):
+        endpoint, sep, source = entry.partition("=")
+        url = endpoint_kind_and_url(endpoint, default_kind)[1].rstrip("/")
+        if not sep or not url:
+            raise DeploymentConfigError(f"DFLASH_ENGINE_API_KEYS: entry {i} is not URL=VARIABLE or URL=/path/to/file")
+        if url not in urls:
+            raise DeploymentConfigError(f"DFLASH_ENGINE_API_KEYS names {url}, which is not in DFLASH_ENGINE_URLS")
+        if not (source.startswith("/") or _VARIABLE_NAME.fullmatch(source)):
+            raise DeploymentConfigError(f"DFLASH_ENGINE_API_KEYS: the entry for {url} must name an environment "
+                                        "variable or an absolute file path holding the token, not the token itself")
+        sources[url] = source
+    return sources
+
+
 def engines_for_profile(profile: Profile) -> EngineFleetResource:
-    """``DFLASH_ENGINE_URLS`` with their kind and concurrency; none on local: the embedded engine per step."""
+    """``DFLASH_ENGINE_URLS`` with their kind, concurrency and keys; none on local: the embedded engine per step.
+
+    Every key is checked here (a variable unset, a file missing or empty fails now, naming the endpoint and the
+    variable or file); the fleet reads an endpoint's own key again from its variable or file when a step builds it.
+    """
     if profile == "cluster":
         _require(profile)
-    return EngineFleetResource(
-        endpoints=_split(os.environ.get("DFLASH_ENGINE_URLS")),
-        default_kind=os.environ.get("DFLASH_ENGINE_KIND", "").strip() or ("sglang" if profile == "cluster" else "openai"),
+    endpoints = _split(os.environ.get("DFLASH_ENGINE_URLS"))
+    default_kind = os.environ.get("DFLASH_ENGINE_KIND", "").strip() or ("sglang" if profile == "cluster" else "openai")
+    engines = EngineFleetResource(
+        endpoints=endpoints,
+        default_kind=default_kind,
         max_concurrency=int(_number("DFLASH_ENGINE_CONCURRENCY", 32, int)),
         read_timeout_s=_number("DFLASH_ENGINE_READ_TIMEOUT_S", 300.0) or None,
         api_key=engine_api_key(),
+        api_key_sources=engine_api_key_sources(endpoints, default_kind),
     )
+    if engines.api_key_sources:
+        from dflash_assets.generation.fleet import endpoint_api_key
+
+        fleet = engines.fleet_config(target_model="-")
+        for ep in fleet.endpoints:
+            try:
+                endpoint_api_key(ep, fleet)
+            except ValueError as e:
+                raise DeploymentConfigError(f"DFLASH_ENGINE_API_KEYS: {e}") from None
+    return engines
 
 
 def allowed_prompt_sources() -> list[str]:

@@ -33,6 +33,7 @@ __all__ = [
     "StoreResource",
     "TargetModelResource",
     "EngineFleetResource",
+    "endpoint_kind_and_url",
     "no_engine_message",
 ]
 
@@ -153,6 +154,9 @@ class EngineFleetResource(DeploymentResource):
                                             "(plus 0.1 s per requested token); None: only the turn limit.")
     max_retries: int = Field(default=4, description="Retries per request (408/429/5xx, connection errors).")
     api_key: Optional[SecretStr] = Field(default=None, description="Bearer token for the engines (masked in repr).")
+    api_key_sources: dict[str, str] = Field(
+        default_factory=dict, description="Endpoint URL -> where its own token is: the name of an environment "
+        "variable, or an absolute file path (never the token itself); endpoints not named get api_key.")
 
     _embedded: Optional[object] = PrivateAttr(default=None)  # EmbeddedEngine, once a step asked for it
     _log: Optional[object] = PrivateAttr(default=None)
@@ -171,11 +175,12 @@ class EngineFleetResource(DeploymentResource):
         from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
 
         endpoints = []
+        sources = {url.rstrip("/"): src for url, src in self.api_key_sources.items()}
         for entry in self.endpoints:
-            kind, sep, url = entry.strip().partition(":")
-            if not sep or kind not in ("sglang", "openai", "transformers"):
-                kind, url = self.default_kind, entry.strip()
-            endpoints.append(EndpointConfig(url=url, kind=kind, max_concurrency=self.max_concurrency))
+            kind, url = endpoint_kind_and_url(entry, self.default_kind)
+            src = sources.get(url.rstrip("/"))
+            key = ({} if src is None else {"api_key_file": src} if src.startswith("/") else {"api_key_env": src})
+            endpoints.append(EndpointConfig(url=url, kind=kind, max_concurrency=self.max_concurrency, **key))
         if not endpoints:
             endpoints = [self._embedded_endpoint(target_model)]
         return EngineFleetConfig(
@@ -195,6 +200,14 @@ class EngineFleetResource(DeploymentResource):
         if self._embedded is None:
             self._embedded = EmbeddedEngine(log=self._log.info if self._log is not None else None)
         return self._embedded.endpoint()
+
+
+def endpoint_kind_and_url(entry: str, default_kind: str) -> tuple[str, str]:
+    """``sglang:http://h:1`` -> ``("sglang", "http://h:1")``; an entry without a kind prefix gets ``default_kind``."""
+    kind, sep, url = entry.strip().partition(":")
+    if not sep or kind not in ("sglang", "openai", "transformers"):
+        return default_kind, entry.strip()
+    return kind, url
 
 
 def no_engine_message(profile: str, target_model: str) -> str:

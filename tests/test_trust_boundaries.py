@@ -231,6 +231,55 @@ def test_engine_api_key_comes_from_the_environment_or_a_file_and_is_never_shown(
         engines_for_profile("local")
 
 
+def test_each_endpoint_can_have_its_own_api_key_named_in_the_environment(monkeypatch, tmp_path):
+    """Item 4's key per endpoint, through the profile: DFLASH_ENGINE_API_KEYS maps an endpoint URL to the variable
+    or file holding its key; others get the fleet-wide key. A wrong key is refused naming the endpoint, not a key."""
+    from dagster_project.deployment import DeploymentConfigError, engines_for_profile
+    from dflash_assets.generation.fleet import probe_fleet
+    from dflash_assets.testing.sglang_loopback import LoopbackServer
+
+    target = "/models/Qwen3.6-27B"
+    keys = {"a": "sk-engine-a-777", "b": "sk-engine-b-888", "fleet": "sk-fleet-wide-999"}
+    key_file = tmp_path / "b.key"
+    key_file.write_text(keys["b"] + "\n")
+    monkeypatch.setenv("ENGINE_A_KEY", keys["a"])
+    monkeypatch.setenv("DFLASH_ENGINE_API_KEY", keys["fleet"])
+    with LoopbackServer(model_path=target, api_key=keys["a"]) as a, \
+            LoopbackServer(model_path=target, api_key=keys["b"]) as b, \
+            LoopbackServer(model_path=target, api_key=keys["fleet"]) as c:
+        monkeypatch.setenv("DFLASH_ENGINE_URLS", f"openai:{a.url},{b.url}/ openai:{c.url}")
+        monkeypatch.setenv("DFLASH_ENGINE_API_KEYS", f"{a.url}=ENGINE_A_KEY openai:{b.url}={key_file}")
+        engines = engines_for_profile("local")
+        fleet = engines.fleet_config(target_model=target)
+        probe = probe_fleet(fleet)
+        assert [r.status for r in probe.rows] == ["ok", "ok", "ok"], probe.markdown()
+        assert a.stats.unauthorized == b.stats.unauthorized == c.stats.unauthorized == 0
+
+        key_file.write_text("sk-wrong-000\n")  # endpoint b's key file now holds a wrong key
+        refused = probe_fleet(engines_for_profile("local").fleet_config(target_model=target))
+        assert [r.status == "ok" for r in refused.rows] == [True, False, True]
+        assert refused.rows[1].endpoint.rstrip("/") == b.url and "HTTP 401" in refused.rows[1].detail
+        assert b.url in refused.markdown() and b.stats.unauthorized > 0
+
+    shown = [repr(engines), str(engines.model_dump()), repr(fleet), fleet.model_dump_json(), probe.markdown(),
+             refused.markdown(), str(refused.records())]
+    for key in [*keys.values(), "sk-wrong-000"]:
+        assert not any(key in text for text in shown), key
+
+    # a named variable that is unset, a URL that is no endpoint, or a key pasted in place of a name: errors now,
+    # naming the endpoint or the variable, never the value
+    monkeypatch.delenv("ENGINE_A_KEY")
+    with pytest.raises(DeploymentConfigError, match=f"{a.url}.*ENGINE_A_KEY.*not set"):
+        engines_for_profile("local")
+    monkeypatch.setenv("DFLASH_ENGINE_API_KEYS", "http://elsewhere:1=ENGINE_A_KEY")
+    with pytest.raises(DeploymentConfigError, match="elsewhere:1, which is not in DFLASH_ENGINE_URLS"):
+        engines_for_profile("local")
+    monkeypatch.setenv("DFLASH_ENGINE_API_KEYS", f"{a.url}=sk-pasted-key-123")
+    with pytest.raises(DeploymentConfigError, match="not the token itself") as info:
+        engines_for_profile("local")
+    assert "sk-pasted-key-123" not in str(info.value)
+
+
 def test_the_target_is_set_by_the_environment(monkeypatch, tmp_path):
     """What the launchpad used to set on the target now comes from DFLASH_TARGET_* where the code location runs."""
     from dagster_project.deployment import DeploymentConfigError, target_for_profile
