@@ -171,10 +171,11 @@ def target_for_profile(profile: Profile) -> TargetModelResource:
     optional = {"tokenizer_path": _text("DFLASH_TARGET_TOKENIZER"),
                 "chat_template_path": _text("DFLASH_TARGET_CHAT_TEMPLATE"), "dtype": _text("DFLASH_TARGET_DTYPE"),
                 "mask_token": _text("DFLASH_TARGET_MASK_TOKEN")}
-    return TargetModelResource(
+    if _text("DFLASH_TARGET_NUM_LAYERS"):
+        optional["num_target_layers"] = int(_number("DFLASH_TARGET_NUM_LAYERS", 0, int))
+    return TargetModelResource(  # unset variables keep the resource's defaults, which are the library's
         model_path=_text("DFLASH_TARGET_MODEL"), enable_thinking=_flag("DFLASH_TARGET_THINKING", True),
         target_layer_ids=layers, mask_token_id=mask,
-        num_target_layers=int(_number("DFLASH_TARGET_NUM_LAYERS", 5, int)),
         **{k: v for k, v in optional.items() if v is not None},
     )
 
@@ -228,13 +229,17 @@ def engines_for_profile(profile: Profile) -> EngineFleetResource:
         _require(profile)
     endpoints = _split(os.environ.get("DFLASH_ENGINE_URLS"))
     default_kind = os.environ.get("DFLASH_ENGINE_KIND", "").strip() or ("sglang" if profile == "cluster" else "openai")
+    optional = {}  # unset variables keep the resource's defaults, which are the library's
+    if _text("DFLASH_ENGINE_CONCURRENCY"):
+        optional["max_concurrency"] = int(_number("DFLASH_ENGINE_CONCURRENCY", 0, int))
+    if _text("DFLASH_ENGINE_READ_TIMEOUT_S"):
+        optional["read_timeout_s"] = _number("DFLASH_ENGINE_READ_TIMEOUT_S", 0.0) or None  # 0: only the turn limit
     engines = EngineFleetResource(
         endpoints=endpoints,
         default_kind=default_kind,
-        max_concurrency=int(_number("DFLASH_ENGINE_CONCURRENCY", 32, int)),
-        read_timeout_s=_number("DFLASH_ENGINE_READ_TIMEOUT_S", 300.0) or None,
         api_key=engine_api_key(),
         api_key_sources=engine_api_key_sources(endpoints, default_kind),
+        **optional,
     )
     if engines.api_key_sources:
         from dflash_assets.generation.fleet import endpoint_api_key

@@ -25,7 +25,9 @@ from typing import Any, Optional
 import dagster as dg
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
+from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
 from dflash_assets.store.backends import LocalStore, S3Store, default_store_uri, open_store
+from dflash_assets.target.conventions import DEFAULT_NUM_TARGET_LAYERS, MASK_TOKEN
 
 __all__ = [
     "DeploymentResource",
@@ -36,6 +38,11 @@ __all__ = [
     "endpoint_kind_and_url",
     "no_engine_message",
 ]
+
+
+def _default(model: type[BaseModel], field: str) -> Any:
+    """The library's default for ``model.field``: resources repeat no default of their own."""
+    return model.model_fields[field].default
 
 
 class DeploymentResource(BaseModel):
@@ -106,8 +113,9 @@ class TargetModelResource(DeploymentResource):
     enable_thinking: bool = Field(default=True, description="Render prompts with thinking on (reasoning traces).")
     dtype: str = Field(default="auto", description="bfloat16 | float32 | auto (float32 for the tiny target).")
     target_layer_ids: Optional[list[int]] = Field(default=None, description="Explicit DFlash layers; always wins.")
-    num_target_layers: int = Field(default=5, description="Layers picked by the DFlash rule when no list is given.")
-    mask_token: str = Field(default="<|MASK|>", description="DFlash mask token in the tokenizer.")
+    num_target_layers: int = Field(default=DEFAULT_NUM_TARGET_LAYERS,
+                                   description="Layers picked by the DFlash rule when no list is given.")
+    mask_token: str = Field(default=MASK_TOKEN, description="DFlash mask token in the tokenizer.")
     mask_token_id: Optional[int] = Field(default=None, description="Explicit mask token id; wins over the lookup.")
 
     def spec(self):
@@ -147,12 +155,17 @@ class EngineFleetResource(DeploymentResource):
 
     endpoints: list[str] = Field(default_factory=list, description="Endpoint URLs, optionally kind-prefixed.")
     default_kind: str = Field(default="openai", description="sglang | openai | transformers, for URLs without a prefix.")
-    max_concurrency: int = Field(default=32, ge=1, description="Requests in flight per endpoint.")
+    # Defaults are the library's own (EndpointConfig / EngineFleetConfig), written once there.
+    max_concurrency: int = Field(default=_default(EndpointConfig, "max_concurrency"), ge=1,
+                                 description="Requests in flight per endpoint.")
     served_model_name: Optional[str] = Field(default=None, description="Also accept endpoints serving this name.")
-    request_timeout_s: float = Field(default=1800.0, description="Limit for one assistant turn.")
-    read_timeout_s: Optional[float] = Field(default=300.0, description="An engine silent this long is cut off "
-                                            "(plus 0.1 s per requested token); None: only the turn limit.")
-    max_retries: int = Field(default=4, description="Retries per request (408/429/5xx, connection errors).")
+    request_timeout_s: float = Field(default=_default(EngineFleetConfig, "request_timeout_s"),
+                                     description="Limit for one assistant turn.")
+    read_timeout_s: Optional[float] = Field(default=_default(EngineFleetConfig, "read_timeout_s"),
+                                            description="An engine silent this long is cut off (plus "
+                                            "read_timeout_per_token_s per requested token); None: only the turn limit.")
+    max_retries: int = Field(default=_default(EngineFleetConfig, "max_retries"),
+                             description="Retries per request (408/429/5xx, connection errors).")
     api_key: Optional[SecretStr] = Field(default=None, description="Bearer token for the engines (masked in repr).")
     api_key_sources: dict[str, str] = Field(
         default_factory=dict, description="Endpoint URL -> where its own token is: the name of an environment "
@@ -172,8 +185,6 @@ class EngineFleetResource(DeploymentResource):
             self._embedded = None
 
     def fleet_config(self, target_model: str):
-        from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
-
         endpoints = []
         sources = {url.rstrip("/"): src for url, src in self.api_key_sources.items()}
         for entry in self.endpoints:

@@ -107,6 +107,29 @@ def test_the_profile_builds_the_engine_fleet_from_the_environment(monkeypatch):
     assert {e.kind for e in engines_for_profile("cluster").fleet_config(target_model="t").endpoints} == {"sglang"}
 
 
+def test_unset_settings_are_the_librarys_defaults(monkeypatch):
+    """A default is written once, in the library: an empty environment gives exactly its values, and a set
+    variable still wins (including 0 for the read timeout: only the turn limit)."""
+    from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
+    from dflash_assets.target.conventions import DEFAULT_NUM_TARGET_LAYERS, MASK_TOKEN
+
+    for name in ("DFLASH_ENGINE_READ_TIMEOUT_S", "DFLASH_TARGET_NUM_LAYERS", "DFLASH_TARGET_MASK_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DFLASH_ENGINE_URLS", "http://gpu-1:30000")
+    fleet = engines_for_profile("local").fleet_config(target_model="t")
+    library = EngineFleetConfig(target_model="t")
+    assert fleet.endpoints[0].max_concurrency == EndpointConfig(url="u").max_concurrency
+    assert (fleet.read_timeout_s, fleet.request_timeout_s, fleet.max_retries) == (
+        library.read_timeout_s, library.request_timeout_s, library.max_retries)
+    target = deployment.target_for_profile("local")
+    assert (target.num_target_layers, target.mask_token) == (DEFAULT_NUM_TARGET_LAYERS, MASK_TOKEN)
+
+    monkeypatch.setenv("DFLASH_ENGINE_READ_TIMEOUT_S", "0")
+    monkeypatch.setenv("DFLASH_TARGET_NUM_LAYERS", "3")
+    assert engines_for_profile("local").fleet_config(target_model="t").read_timeout_s is None
+    assert deployment.target_for_profile("local").num_target_layers == 3
+
+
 def test_cluster_profile_runs_a_stage_end_to_end(s3_store, moto_endpoint, monkeypatch):
     """DFLASH_PROFILE=cluster against the moto S3 server; the launch prefix stands in for ssh."""
     monkeypatch.setenv("DFLASH_PROFILE", "cluster")
