@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
 
+from bench.machine import gpu_info, machine_info  # noqa: E402
 from dflash_assets.drafter.recipe import DrafterRecipe  # noqa: E402
 from dflash_assets.drafter.training import train_drafter  # noqa: E402
 from dflash_assets.hidden_states.format import SafetensorsStreamWriter, ShardMetadata, shard_tensor_specs  # noqa: E402
@@ -152,8 +152,7 @@ def main(argv=None) -> int:
     dims = TINY if quick else QWEN3_8B
     root = Path(args.dir or tempfile.mkdtemp(prefix="dflash-bounded-"))
     root.mkdir(parents=True, exist_ok=True)
-    res: dict = {"env": {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
-                         "cpus": os.cpu_count()},
+    res: dict = {"env": {"device": dev, "machine": machine_info("torch", "transformers", "safetensors", "numpy"), "gpu": gpu_info()},
                  "config": {k: v for k, v in vars(args).items() if k not in ("out", "dir")}}
     try:
         target = root / "target"

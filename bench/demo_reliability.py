@@ -23,13 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from machine import machine_info  # noqa: E402
 
 
 def one_run(workdir: Path, index: int, args: argparse.Namespace) -> dict:
@@ -101,7 +104,7 @@ def main() -> None:
         "wall_s_per_run": [r["wall_s"] for r in runs], "tau": [r["tau"] for r in runs] if args.drafter else None,
         "plan_predicted_over_measured": [{c["what"]: c["ratio"] for c in r["plan_checks"]} for r in runs],
         "target": str(target), "target_ready_s": round(target_s, 1), "settings": vars(args),
-        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine_info("dagster", "torch", "transformers"),
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "per_run": runs,
     }, indent=2))
 

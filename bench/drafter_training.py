@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
 
+from bench.machine import gpu_info, machine_info  # noqa: E402
 from dflash_assets.target.conventions import dflash_target_layer_ids  # noqa: E402
 from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, TargetHead  # noqa: E402
 from dflash_assets.drafter.data import Batch, sample_anchors  # noqa: E402
@@ -426,8 +427,7 @@ def main(argv=None) -> int:
     cfg = drafter_config(TINY if args.quick else QWEN3_8B, args.layers, args.block)
     result = {
         "bench": "dflash drafter training", "quick": args.quick,
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "torch": torch.__version__, "gpus_visible": torch.cuda.device_count() if cuda else 0,
+        "device": device.type, "machine": machine_info("torch", "transformers", "safetensors", "numpy"), "gpu": gpu_info(),
         "config": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "block": cfg.block_size,
                    "vocab": cfg.vocab_size, "captured_layers": len(cfg.target_layer_ids), "seq": args.seq,
                    "anchors": args.anchors, "attention": args.attention, "compile": args.compile,

@@ -46,6 +46,9 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # machine.py, beside this script (stdlib only)
+
+from machine import gpu_info, machine_info  # noqa: E402
 
 
 class _BlockImports(importlib.abc.MetaPathFinder):
@@ -314,18 +317,12 @@ def main():
     out_root = Path(args.out_dir or tempfile.mkdtemp(prefix="dflash-bench-"))
     out_root.mkdir(parents=True, exist_ok=True)
 
-    res = {"env": {"torch": torch.__version__, "device": device, "dtype": str(dtype), "quick": quick,
+    res = {"env": {"device": device, "dtype": str(dtype), "quick": quick,
                    "tokens_per_batch": seq * nb, "samples_per_batch": nb, "seq_len": seq, "iters": iters,
                    "varlen_attn": sorted(hsc._VARLEN_PARAMS) if hsc._varlen_attn is not None else None, "kernels": hsc.linear_attention_kernels()}}
-    try:
-        import transformers
-
-        res["env"]["transformers"] = transformers.__version__
-        if device.startswith("cuda"):
-            res["env"]["gpu"] = torch.cuda.get_device_name(device)
-            res["env"]["gpus_visible"] = torch.cuda.device_count()
-    except Exception as e:  # pragma: no cover
-        res["env"]["error"] = repr(e)
+    res["env"]["machine"] = machine_info("torch", "transformers", "safetensors", "numpy",
+                                         "flash-linear-attention", "causal-conv1d")
+    res["env"]["gpu"] = gpu_info()
 
     def section(name, fn):
         try:

@@ -3,7 +3,10 @@
 `machine_info("torch", "pyarrow")` gives the CPU model, logical and usable
 cores, load average at the call, platform, Python, and the installed versions
 of the named packages (absent ones are reported as None). Benchmarks put it
-under the "machine" key of the JSON they print.
+under the "machine" key of the JSON they print. `gpu_info()` gives the torch
+and CUDA versions and the visible GPUs' name and count (under "gpu"); it
+imports torch only when called, so this module imports on a GPU host that has
+only torch (and on one without it). Writes nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["machine_info", "cpu_model"]
+__all__ = ["machine_info", "cpu_model", "gpu_info"]
 
 
 def cpu_model() -> str:
@@ -42,4 +45,23 @@ def machine_info(*packages: str) -> dict:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "versions": {p: _version(p) for p in packages},
+    }
+
+
+def gpu_info() -> dict:
+    """torch's and its CUDA build's versions, the first visible GPU's name and how many are visible.
+
+    ``{"torch": None, "cuda": None, "gpu": None, "gpus_visible": 0}`` without torch;
+    ``gpu`` None and ``gpus_visible`` 0 where no CUDA device is usable.
+    """
+    try:
+        import torch
+    except ImportError:
+        return {"torch": None, "cuda": None, "gpu": None, "gpus_visible": 0}
+    available = torch.cuda.is_available()
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0) if available else None,
+        "gpus_visible": torch.cuda.device_count() if available else 0,
     }

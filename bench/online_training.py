@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
 
+from bench.machine import gpu_info, machine_info  # noqa: E402
 from dflash_assets.drafter.data import Batch, sample_anchors  # noqa: E402
 from dflash_assets.drafter.loss import train_step  # noqa: E402
 from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, TargetHead  # noqa: E402
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
     kw = dict(block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id, gamma=7.0,
               attention="flex" if cuda else "sdpa", grad_clip=1.0, compiled_loss=compile_ok)
     result = {"bench": "online DFlash training (capture + train in one process)", "quick": args.quick,
-              "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+              "device": "cuda" if cuda else "cpu", "machine": machine_info("torch", "transformers", "safetensors", "numpy"), "gpu": gpu_info(),
               "config": {"target_layers": L, "hidden": H, "captured": layer_ids, "seq": seq, "anchors": anchors,
                          "drafter_layers": dcfg.num_hidden_layers, "block": dcfg.block_size, "dtype": str(dtype),
                          "compile": compile_ok, "steps": steps, "warmup": warmup},

@@ -321,6 +321,7 @@ def run(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
+    from bench.machine import gpu_info, machine_info
     from dflash_assets.drafter.decoding import EvalPrompt
     from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, TargetHead, load_target_config
     from dflash_assets.embedded.smollm2 import smollm2_target_path
@@ -331,7 +332,8 @@ def run(args) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     times: dict[str, float] = {}
     report: dict = {"bench": "SmolLM2-135M-Instruct: generate, capture, train (block 16), evaluate",
-                    "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+                    "device": device.type, "machine": machine_info("torch", "transformers", "safetensors", "numpy", "accelerate"),
+                    "gpu": gpu_info(),
                     "args": vars(args), "stage_wall_s": times}
     work = Path(args.work)
     t = time.perf_counter()
