@@ -628,7 +628,7 @@ class OpenAIEngine(Engine):
                           str(out.get("model") or self.served_model), msg.get("tool_calls") or None)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: removing a batch from the queue must not compare id lists
 class _BatchedRequest:
     ids: list[int]
     generation: GenerationConfig
