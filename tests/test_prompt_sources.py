@@ -117,6 +117,26 @@ def test_utf8_bom_and_leading_blank_space(tmp_path):
         assert [i.record for i in items] == RECORDS
 
 
+@pytest.mark.parametrize("compression", ["none", "gzip"])
+@pytest.mark.parametrize("fmt", ["json", "jsonl"])
+def test_megabytes_of_leading_blank_space_are_read_past(tmp_path, fmt, compression):
+    """Issue 22 item 4: ~2 MB of blank space before a valid array was reported as an empty file."""
+    blank = b" \n\t\r" * (512 * 1024)  # 2 MiB
+    body = (_json_array(RECORDS, indent=None)[:-1] + b', {"broken": }]' if fmt == "json"
+            else _jsonl(RECORDS) + b'{"broken": }\n')
+    path = tmp_path / f"blank.{fmt}"
+    path.write_bytes(COMPRESS[compression](b"\xef\xbb\xbf" + blank + body))
+    for src in (path, path.read_bytes()):  # a seekable local file, and bytes
+        items, summary = _read_all(src)
+        assert [i.record for i in items[:3]] == RECORDS and summary.format == ("json_array" if fmt == "json"
+                                                                              else "jsonl")
+        # offsets still count the BOM and the blank space: the bad record's points into the file as written
+        (bad,) = items[3:]
+        assert bad.problem == "malformed_json" and bad.byte_offset == 3 + len(blank) + body.index(b'{"broken"')
+    with pytest.raises(SourceFormatError, match=r"empty \(or only blank space: 2097152 bytes\)"):
+        read_source(COMPRESS[compression](blank))
+
+
 def _element_spans(text: bytes) -> list[tuple[int, int]]:
     """Byte spans of the top-level elements of a JSON array, found independently."""
     s = text.decode()

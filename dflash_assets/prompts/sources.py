@@ -11,7 +11,9 @@ spooled to a temporary file, because Parquet needs random access).
   complaint, even when the cut falls between two records. (Network errors
   while reading from S3 are raised: a retry should not see a partial source.)
 - Format is found from the first bytes after decompression: ``PAR1`` is
-  Parquet, ``[`` a JSON array, ``{`` JSONL (one object per line).
+  Parquet, ``[`` a JSON array, ``{`` JSONL (one object per line). A UTF-8
+  BOM and blank space of any length before the ``[`` or ``{`` are read past
+  (not held in memory); byte offsets still count them.
 - A JSON array is parsed element by element with ``json.JSONDecoder.raw_decode``
   over a window of the decoded text, never as one value, so a file cut off in
   the middle of a record (the embedded ShareGPT file is one) yields every
@@ -315,6 +317,7 @@ def _open_raw(src: Any, s3_client: Any, store: Any) -> tuple[Any, Path | None]:
 
 # --- JSON helpers ------------------------------------------------------------
 
+_JSON_BLANK = b" \t\r\n"  # JSON's whitespace (RFC 8259)
 _SKIP = re.compile(r"[ \t\n\r,]*")  # between array elements (lenient about stray commas)
 _NUMBER_PREFIX = re.compile(r"-?\d*(?:\.\d*)?(?:[eE][-+]?\d*)?")
 _LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
@@ -393,6 +396,7 @@ class SourceReader:
         self.max_raw = max_raw_record_chars
         self._closers: list[Any] = []
         self._stream_bytes = 0  # decompressed bytes consumed so far
+        self._leading_bytes = 0  # BOM and blank space before a JSON source's first significant byte, skipped
         raw, local = _open_raw(src, s3_client, store)
         self._closers.append(raw)
         try:
@@ -415,16 +419,7 @@ class SourceReader:
         if self._decompressor is not None:
             stream = io.BufferedReader(self._decompressor, buffer_size=1 << 20)
         self._closers.append(stream)
-        head = b""
-        while True:  # up to the first significant byte (skipping a BOM and blank space)
-            more = _read_upto(stream, 4096)
-            head += more
-            sig = head[3:] if head.startswith(UTF8_BOM) else head
-            if len(more) < 4096 or sig.lstrip():
-                break
-            if len(head) > (1 << 20):
-                break
-        sig = (head[3:] if head.startswith(UTF8_BOM) else head).lstrip()
+        head = _read_upto(stream, 4096)
         if head.startswith(PARQUET_MAGIC):
             self.summary.format = "parquet"
             if local is not None and self.summary.compression == "none":
@@ -438,19 +433,43 @@ class SourceReader:
                 self._closers.append(tmp)
                 self._parquet_src = tmp
             self._stream = None
-        elif sig.startswith(b"["):
+            return
+        head = self._skip_leading_blank(head, stream)
+        if head.startswith(b"["):
             self.summary.format = "json_array"
-            self._stream = _put_back(head, stream)
-        elif sig.startswith(b"{"):
+        elif head.startswith(b"{"):
             self.summary.format = "jsonl"
-            self._stream = _put_back(head, stream)
-        elif not sig:
-            raise SourceFormatError(f"source {self.summary.uri} is empty")
+        elif not head:
+            raise SourceFormatError(f"source {self.summary.uri} is empty (or only blank space: "
+                                    f"{self._leading_bytes} bytes)")
         else:
             raise SourceFormatError(
-                f"source {self.summary.uri}: unknown format (starts with {sig[:16]!r}; "
-                "expected a JSON array '[', JSONL '{' or Parquet 'PAR1', optionally gzip/zstd-compressed)"
+                f"source {self.summary.uri}: unknown format (starts with {head[:16]!r} after "
+                f"{self._leading_bytes} bytes of BOM/blank space; expected a JSON array '[', JSONL '{{' or "
+                "Parquet 'PAR1', optionally gzip/zstd-compressed)"
             )
+        self._stream = _put_back(head, stream)
+
+    def _skip_leading_blank(self, head: bytes, stream: Any) -> bytes:
+        """``head`` from its first significant byte on, reading past a UTF-8 BOM and any length of JSON blank
+        space (space, tab, CR, LF) before it, 64 KiB at a time (none of it kept).
+
+        The bytes skipped are counted in ``_leading_bytes``, where the JSON readers start counting, so byte
+        offsets stay those of the (decompressed) stream. Returns ``b""`` when nothing but blank space follows.
+        """
+        skipped = 0
+        if head.startswith(UTF8_BOM):
+            head, skipped = head[len(UTF8_BOM):], len(UTF8_BOM)
+        while True:
+            rest = head.lstrip(_JSON_BLANK)
+            skipped += len(head) - len(rest)
+            if rest:
+                break
+            head = _read_upto(stream, 1 << 16)
+            if not head:
+                break
+        self._leading_bytes = skipped
+        return rest
 
     def __enter__(self) -> SourceReader:
         return self
@@ -499,7 +518,7 @@ class SourceReader:
         dec = codecs.getincrementaldecoder("utf-8")("dflash.surrogateescape")
         raw_decode = json.JSONDecoder().raw_decode
         lookahead = max(_CHUNK // 4, 1)
-        fed = 0  # bytes handed to the decoder
+        fed = self._leading_bytes  # bytes handed to the decoder, counted from the stream's start
         eof = False
         errors_before = getattr(_decode_errors, "count", 0)
         data = f.read(_CHUNK)
@@ -615,7 +634,7 @@ class SourceReader:
         f = self._stream
         loads = json.loads
         cap = self.max_raw
-        offset = 0
+        offset = self._leading_bytes  # from the stream's start
         index = 0
         first = True
         while True:
