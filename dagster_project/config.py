@@ -76,9 +76,12 @@ class TokenizeStageConfig(dg.Config):
         "every_turn: one sample per assistant turn (about 2.6x the tokens on ShareGPT).",
     )
     min_loss_tokens: int = Field(default=16, description="A supervised span shorter than this counts as empty.")
-    max_empty_ratio: float = Field(default=0.02, description="empty_response_ratio fails above this share.")
-    thinking_floor: float = Field(default=0.9, description="thinking_ratio fails below this share (thinking on).")
-    truncation_ceiling: float = Field(default=0.05, description="truncation_ratio warns above this share.")
+    max_empty_ratio: float = Field(default=0.02, description="empty_response_ratio fails when the data show the "
+                                   "share is above this (95% Wilson lower bound, dflash_assets.quality_gates).")
+    thinking_floor: float = Field(default=0.9, description="thinking_ratio fails when the data show the share is "
+                                  "below this (95% Wilson upper bound; thinking on).")
+    truncation_ceiling: float = Field(default=0.05, description="truncation_ratio warns when the data show the "
+                                      "share is above this (95% Wilson lower bound).")
 
     def to_library(self):
         from dflash_assets.tokenization.samples import TokenizeConfig

@@ -308,11 +308,14 @@ def test_empty_response_check_fails_on_the_87_percent_stub_case(stubby):
     outcome = empty_response_check(stubby, min_loss_tokens=16, max_empty_ratio=0.02)
     meta = outcome.metadata
     assert not outcome.passed
-    assert meta["ratio"] == pytest.approx(0.87) and meta["num_empty"] == 87 and meta["threshold"] == 0.02
+    assert meta["ratio"] == pytest.approx(0.87) and meta["count"] == 87 and meta["n"] == 100
+    assert meta["threshold"] == 0.02 and 0.78 < meta["wilson_lower_95"] < 0.87  # the bound that decided
+    assert "lower bound of the 95% Wilson score interval" in meta["rule"]
     assert meta["most_common_loss_tokens"] == 6 and meta["most_common_loss_tokens_share"] == pytest.approx(0.87)
     assert loss_token_histogram(stubby.column("num_loss_tokens").to_numpy())["1-7"] == 87
     assert meta["examples"] == [f"p{i}" for i in range(10)]
-    assert "87.00%" in outcome.description
+    assert outcome.description.startswith("87/100 samples (87.00%) have < 16 supervised tokens or an empty answer")
+    assert "over the 2.00% threshold with 95% confidence (lower bound" in outcome.description
 
 
 def test_empty_answer_counts_as_empty_even_with_long_reasoning(enc, healthy):
@@ -324,18 +327,22 @@ def test_empty_answer_counts_as_empty_even_with_long_reasoning(enc, healthy):
     outcome = empty_response_check(mixed, max_empty_ratio=0.0)
     assert not outcome.passed and outcome.metadata["examples"] == ["empty-answer"]
     assert outcome.metadata["num_answer_empty"] == 1 and outcome.metadata["num_short"] == 0
+    # 1 of 101 is 0.99%: its 95% lower bound (0.17%) is under 1%, so the data do not show the share is over it
     assert empty_response_check(mixed, max_empty_ratio=0.01).passed
 
 
 def test_empty_response_check_fails_on_an_empty_table(healthy):
     outcome = empty_response_check(healthy.slice(0, 0))
-    assert not outcome.passed and outcome.metadata["num_samples"] == 0
+    assert not outcome.passed and outcome.metadata["n"] == 0 and "ratio" not in outcome.metadata
+    assert outcome.description.startswith("no samples to check")
 
 
 def test_thinking_ratio_check(healthy, stubby):
     assert thinking_ratio_check(healthy, floor=0.9).passed
     failing = thinking_ratio_check(stubby, floor=0.9)
     assert not failing.passed and failing.metadata["ratio"] == pytest.approx(0.13)
+    assert failing.metadata["wilson_upper_95"] < 0.9 and failing.metadata["threshold"] == 0.9
+    assert "under the 90.00% floor with 95% confidence" in failing.description
     assert len(failing.metadata["examples_without_reasoning"]) == 10
     assert thinking_ratio_check(stubby, floor=0.9, thinking_requested=False).passed
 
@@ -473,7 +480,7 @@ def test_tool_call_only_steps_are_not_empty_responses(enc):
     assert [r["has_reasoning"] for r in rows] == [False, True]
     assert all(r["num_loss_tokens"] >= 16 for r in rows)
     outcome = empty_response_check(table)
-    assert outcome.passed and outcome.metadata["num_empty"] == 0
+    assert outcome.passed and outcome.metadata["count"] == 0
     # without a call the same empty step is an empty response
     empty, _ = tokenize_completions(agentic_table([[user("Weather?"), step("", "")]]), enc)
     assert empty.column("answer_empty").to_pylist() == [True]

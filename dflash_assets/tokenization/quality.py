@@ -4,6 +4,10 @@ Reads a samples table (`SAMPLES_SCHEMA`): the check functions
 (`empty_response_check`, `thinking_ratio_check`, `truncation_ratio_check`,
 `schema_check`) are pure functions over it returning `CheckOutcome`, and
 `evaluate_quality` runs them all; Dagster check bodies only wrap them.
+The three ratio checks decide by one rule (`dflash_assets.quality_gates`):
+a ceiling fails when the 95% Wilson lower bound of the share exceeds it, a
+floor when the upper bound is below it, so one empty answer in a small shard
+does not fail it while 87% stubs fail from 2 samples up; 0 samples fail.
 
 The gate: `publish_samples` writes ``tokenized_samples/<shard>.quality.json``
 as pending, then ``<shard>.parquet``, then the gate naming the sha256 of
@@ -27,6 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_assets.chart_data import binned_counts
+from dflash_assets.quality_gates import CEILING, FLOOR, RatioGate, ratio_gate
 from dflash_assets.store import layout
 from dflash_assets.tokenization.samples import SAMPLES_SCHEMA
 
@@ -81,88 +86,82 @@ def empty_response_check(table: pa.Table, min_loss_tokens: int = 16, max_empty_r
     """Share of samples whose response is empty: fewer than `min_loss_tokens`
     supervised tokens, or an empty visible answer once the think block is removed.
 
-    Passes when that share is at most `max_empty_ratio`. An empty table fails.
-    Metadata: ratio, threshold, counts, up to 10 example prompt_ids and the
-    most common loss-mask sum (the 87%-stub failure shows as one value, e.g. 6,
-    holding most samples). The histogram of loss-mask sums is
-    ``loss_token_histogram`` (the asset draws it once, on its materialization).
+    Fails when the data show that share is over `max_empty_ratio`: the lower
+    bound of its 95% Wilson score interval exceeds it (`quality_gates`). An
+    empty table fails. Metadata: n, count, ratio, the lower bound, the
+    threshold and the rule in words; the short and answer-empty counts, up to
+    10 example prompt_ids and the most common loss-mask sum (the 87%-stub
+    failure shows as one value, e.g. 6, holding most samples). The histogram
+    of loss-mask sums is ``loss_token_histogram`` (the asset draws it once, on
+    its materialization).
     """
     n = table.num_rows
     loss = table.column("num_loss_tokens").to_numpy() if n else np.zeros(0, dtype=np.int32)
     answer_empty = table.column("answer_empty").to_numpy(zero_copy_only=False) if n else np.zeros(0, dtype=bool)
     short = loss < min_loss_tokens
     empty = short | answer_empty
-    count = int(empty.sum())
-    ratio = count / n if n else 1.0
+    gate = ratio_gate(int(empty.sum()), n, max_empty_ratio, CEILING)
     values, freq = np.unique(loss, return_counts=True) if n else (np.zeros(1, int), np.zeros(1, int))
-    mode = int(values[np.argmax(freq)])
     metadata = {
-        "ratio": round(ratio, 6),
-        "threshold": max_empty_ratio,
+        **gate.metadata(),
         "min_loss_tokens": min_loss_tokens,
-        "num_samples": n,
-        "num_empty": count,
         "num_short": int(short.sum()),
         "num_answer_empty": int(answer_empty.sum()),
         "examples": _examples(table, empty),
-        "most_common_loss_tokens": mode,
+        "most_common_loss_tokens": int(values[np.argmax(freq)]),
         "most_common_loss_tokens_share": round(float(freq.max()) / n, 6) if n else 0.0,
         "median_loss_tokens": float(np.median(loss)) if n else 0.0,
     }
-    passed = n > 0 and ratio <= max_empty_ratio
-    if n == 0:
-        description = "no samples to check"
-    else:
-        description = (
-            f"{count}/{n} samples ({ratio:.2%}) have < {min_loss_tokens} supervised tokens or an empty answer "
-            f"(threshold {max_empty_ratio:.2%})"
-        )
-    return CheckOutcome(passed, metadata, description)
+    return CheckOutcome(gate.passed, metadata, _described(
+        gate, f"have < {min_loss_tokens} supervised tokens or an empty answer"))
 
 
 def thinking_ratio_check(table: pa.Table, floor: float = 0.9, thinking_requested: bool = True) -> CheckOutcome:
     """Share of samples whose supervised turn has non-empty reasoning, at least `floor`.
 
-    Only meaningful when the completions were generated with thinking on;
-    with ``thinking_requested=False`` it passes and reports the ratio.
+    Fails when the data show the share is under `floor`: the upper bound of
+    its 95% Wilson score interval is below it (`quality_gates`); an empty
+    table fails. Only meaningful when the completions were generated with
+    thinking on; with ``thinking_requested=False`` it passes and reports the
+    ratio.
     """
     n = table.num_rows
     has = table.column("has_reasoning").to_numpy(zero_copy_only=False) if n else np.zeros(0, dtype=bool)
-    ratio = float(has.mean()) if n else 0.0
+    gate = ratio_gate(int(has.sum()), n, floor, FLOOR)
     metadata = {
-        "ratio": round(ratio, 6),
-        "threshold": floor,
-        "num_samples": n,
-        "num_with_reasoning": int(has.sum()),
+        **gate.metadata(),
         "thinking_requested": thinking_requested,
         "applicable": thinking_requested,
         "examples_without_reasoning": _examples(table, ~has),
     }
     if not thinking_requested:  # thinking off, or a target without a thinking mode (SmolLM2): nothing to check
+        share = f"{gate.ratio:.2%}" if n else "none (0 samples)"
         return CheckOutcome(True, metadata, f"not applicable: thinking is off or the target has no thinking mode; "
-                                            f"{ratio:.2%} of samples have reasoning")
-    passed = n > 0 and ratio >= floor
-    return CheckOutcome(passed, metadata, f"{ratio:.2%} of {n} samples have non-empty reasoning (floor {floor:.2%})")
+                                            f"{share} of samples have reasoning")
+    return CheckOutcome(gate.passed, metadata, _described(gate, "have non-empty reasoning"))
 
 
 def truncation_ratio_check(table: pa.Table, ceiling: float = 0.05) -> CheckOutcome:
-    """Share of samples cut at max_length, at most `ceiling`."""
+    """Share of samples cut at max_length, at most `ceiling`: fails when the data show it is over (the 95%
+    Wilson lower bound exceeds `ceiling`, `quality_gates`); an empty table fails."""
     n = table.num_rows
     truncated = table.column("truncated").to_numpy(zero_copy_only=False) if n else np.zeros(0, dtype=bool)
-    count = int(truncated.sum())
-    ratio = count / n if n else 0.0
+    gate = ratio_gate(int(truncated.sum()), n, ceiling, CEILING)
     tokens = table.column("num_tokens").to_numpy() if n else np.zeros(0, dtype=np.int32)
     metadata = {
-        "ratio": round(ratio, 6),
-        "threshold": ceiling,
-        "num_samples": n,
-        "num_truncated": count,
+        **gate.metadata(),
         "max_num_tokens": int(tokens.max()) if n else 0,
         "mean_num_tokens": round(float(tokens.mean()), 1) if n else 0.0,
         "examples": _examples(table, truncated),
     }
-    description = f"{count}/{n} samples ({ratio:.2%}) truncated (ceiling {ceiling:.2%})"
-    return CheckOutcome(ratio <= ceiling, metadata, description)
+    return CheckOutcome(gate.passed, metadata, _described(gate, "were cut at max_length"))
+
+
+def _described(gate: RatioGate, what: str) -> str:
+    """``"1/23 samples (4.35%) <what>; not shown to be over the 2.00% threshold (95% lower bound 0.77%)"``."""
+    if gate.n == 0:
+        return gate.verdict()
+    return f"{gate.count}/{gate.n} samples ({gate.ratio:.2%}) {what}; {gate.verdict()}"
 
 
 def schema_check(table: pa.Table, max_length: int | None = None) -> CheckOutcome:
@@ -227,7 +226,12 @@ BLOCKING_CHECKS = ("empty_response_ratio", "schema")
 
 @dataclass(frozen=True)
 class QualityThresholds:
-    """Thresholds of the sample checks (defaults: the DFlash recipe's expectations)."""
+    """Thresholds of the sample checks (defaults: the DFlash recipe's expectations).
+
+    The ratios are compared by `quality_gates.ratio_gate`: `max_empty_ratio` and `truncation_ceiling` are
+    ceilings (fail when the 95% Wilson lower bound exceeds them), `thinking_floor` a floor (fail when the
+    upper bound is below it).
+    """
 
     min_loss_tokens: int = 16
     max_empty_ratio: float = 0.02
