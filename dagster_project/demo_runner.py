@@ -93,6 +93,7 @@ class PlanCheck:
     predicted: float
     measured: float
     unit: str
+    missing: list[str] = field(default_factory=list)  # shards the plan covers but the run did not measure
 
     @property
     def ratio(self) -> float | None:
@@ -100,8 +101,10 @@ class PlanCheck:
 
     def line(self) -> str:
         ratio = f"{self.ratio:.2f}" if self.ratio is not None else "-"
+        skipped = f"; not measured: {', '.join(self.missing)} (skipped after a failed check), so the ratio " \
+                  f"overstates the plan" if self.missing else ""
         return f"  plan vs run: {self.what} predicted {self.predicted:,.1f} {self.unit}, measured " \
-               f"{self.measured:,.1f} {self.unit} (predicted/measured {ratio})"
+               f"{self.measured:,.1f} {self.unit} (predicted/measured {ratio}){skipped}"
 
 
 @dataclass
@@ -117,6 +120,7 @@ class DemoSummary:
     failures: list[str] = field(default_factory=list)  # what failed, what it means, what to do
     wall_s: float = 0.0
     plan_checks: list[PlanCheck] = field(default_factory=list)  # the cost plan's predictions vs the run
+    answers: list[tuple[str, str]] = field(default_factory=list)  # (user prompt, the target's answer), first shard
 
     @property
     def ok(self) -> bool:
@@ -130,8 +134,9 @@ class DemoSummary:
             "shards": self.shards, "failed_shards": self.failed_shards, "recipe": self.recipe, "tau": self.tau,
             "tau_untrained": self.tau_untrained,
             "drafter_ok": self.drafter_ok, "ok": self.ok, "failures": self.failures, "wall_s": round(self.wall_s, 1),
+            "answers": [list(a) for a in self.answers],
             "plan_checks": [{"what": c.what, "predicted": c.predicted, "measured": c.measured, "unit": c.unit,
-                             "ratio": c.ratio} for c in self.plan_checks],
+                             "ratio": c.ratio, "missing": c.missing} for c in self.plan_checks],
             "stages": [vars(s) for s in self.stages],
             "checks": {shard: {c.name: {"passed": c.passed, "blocking": c.blocking, "description": c.description}
                                for c in checks} for shard, checks in self.checks.items()},
@@ -227,12 +232,16 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
                 "pilot_prompts": pilot_prompts, "completions": completions_config}}}})
         for shard in summary.shards:
             stages = materialize(PER_SHARD_ASSETS, shard, demo_run_config(max_new_tokens, max_turns, seed))
+            if not summary.answers and any(s.asset == "completions" and s.status == "ok" for s in stages):
+                summary.answers = first_answers(store.open(), shard)
+                for user, answer in summary.answers:
+                    log.info("    %s", answer_line(user, answer))
             if any(s.status != "ok" for s in stages):
                 summary.failed_shards.append(shard)
                 summary.failures += _explain_shard(shard, stages, summary.checks.get(shard, []))
         plan = metadata.get(("generation_plan", ""))
         if plan is not None:
-            summary.plan_checks = plan_checks(plan, [metadata.get(("completions", s), {}) for s in summary.shards],
+            summary.plan_checks = plan_checks(plan, {s: metadata.get(("completions", s), {}) for s in summary.shards},
                                               store.open())
             for check in summary.plan_checks:
                 log.info(check.line().strip())
@@ -262,20 +271,51 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
     return summary
 
 
-def plan_checks(plan: dict[str, Any], completions: list[dict[str, Any]], store: Any) -> list[PlanCheck]:
+def plan_checks(plan: dict[str, Any], completions: dict[str, dict[str, Any]], store: Any) -> list[PlanCheck]:
     """The cost plan's completions wall time and cache bytes against the run's: the completions' ``wall_s``
-    summed over shards, and the cache's bytes as its manifests list them."""
+    summed over shards, and the cache's bytes as its manifests list them. The plan covers every shard; a shard
+    the run did not materialize (a failed check upstream) is named in the check, since its share of the
+    prediction has nothing measured against it."""
     from dflash_assets.store import layout
 
     checks = []
-    walls = [m["wall_s"] for m in completions if "wall_s" in m]
+    shards = sorted(completions)
+    walls = {s: m["wall_s"] for s, m in completions.items() if "wall_s" in m}
     if "generation_wall_s" in plan and walls:
-        checks.append(PlanCheck("completions wall time", float(plan["generation_wall_s"]), float(sum(walls)), "s"))
-    entries = [e for parts in layout.list_hidden_state_entries(store).values() for e in parts]
+        checks.append(PlanCheck("completions wall time", float(plan["generation_wall_s"]), float(sum(walls.values())),
+                                "s", missing=[s for s in shards if s not in walls]))
+    entries = layout.list_hidden_state_entries(store)
     if "cache_bytes" in plan and entries:
-        measured = sum(e["bytes"] if e["bytes"] is not None else store.size(e["key"]) for e in entries)
-        checks.append(PlanCheck("cache bytes", plan["cache_bytes"] / 1e6, measured / 1e6, "MB"))
+        measured = sum(e["bytes"] if e["bytes"] is not None else store.size(e["key"])
+                       for parts in entries.values() for e in parts)
+        checks.append(PlanCheck("cache bytes", plan["cache_bytes"] / 1e6, measured / 1e6, "MB",
+                                missing=[s for s in shards if s not in entries]))
     return checks
+
+
+def first_answers(store: Any, shard: str, count: int = 2) -> list[tuple[str, str]]:
+    """The first ``count`` (user prompt, final answer) pairs of a shard's completions, as the target wrote them."""
+    from dflash_assets.store import layout
+
+    table = store.read_parquet(layout.completions(shard), columns=["messages"])
+    pairs = []
+    for messages in table.column("messages").to_pylist():
+        user = next((m["content"] for m in messages if m["role"] == "user"), "")
+        answer = next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
+        if user and answer:
+            pairs.append((user, answer))
+        if len(pairs) == count:
+            break
+    return pairs
+
+
+def answer_line(user: str, answer: str, width: int = 150) -> str:
+    """One console line: a prompt and the target's answer, each on one line and cut to fit."""
+    def one_line(text: str, limit: int) -> str:
+        text = " ".join(text.split())
+        return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
+
+    return f"Q: {one_line(user, 60)}  A: {one_line(answer, width - 70)}"
 
 
 def untrained_tau(store: Any, recipe_name: str, target: str | None, num_prompts: int, max_new_tokens: int) -> float:

@@ -228,7 +228,7 @@ def engines_for_profile(profile: Profile) -> EngineFleetResource:
     if profile == "cluster":
         _require(profile)
     endpoints = _split(os.environ.get("DFLASH_ENGINE_URLS"))
-    default_kind = os.environ.get("DFLASH_ENGINE_KIND", "").strip() or ("sglang" if profile == "cluster" else "openai")
+    default_kind = _default_engine_kind(profile)
     optional = {}  # unset variables keep the resource's defaults, which are the library's
     if _text("DFLASH_ENGINE_CONCURRENCY"):
         optional["max_concurrency"] = int(_number("DFLASH_ENGINE_CONCURRENCY", 0, int))
@@ -251,6 +251,21 @@ def engines_for_profile(profile: Profile) -> EngineFleetResource:
             except ValueError as e:
                 raise DeploymentConfigError(f"DFLASH_ENGINE_API_KEYS: {e}") from None
     return engines
+
+
+def engine_kinds() -> set[str]:
+    """The engines the deployment generates with, as the ``completions`` asset's kinds in the UI: the kind of each
+    ``DFLASH_ENGINE_URLS`` entry (``sglang``, ``openai``, ``transformers``), else ``transformers`` (the local
+    profile's embedded ``transformers serve``, or the demo's in-process engine)."""
+    default_kind = _default_engine_kind(get_profile())
+    return {endpoint_kind_and_url(e, default_kind)[0] for e in _split(os.environ.get("DFLASH_ENGINE_URLS"))} \
+        or {"transformers"}
+
+
+def _default_engine_kind(profile: Profile) -> str:
+    """The kind of a ``DFLASH_ENGINE_URLS`` entry without a prefix: ``DFLASH_ENGINE_KIND``, else sglang on the
+    cluster and openai elsewhere."""
+    return os.environ.get("DFLASH_ENGINE_KIND", "").strip() or ("sglang" if profile == "cluster" else "openai")
 
 
 def allowed_prompt_sources() -> list[str]:

@@ -43,7 +43,10 @@ __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 def _add_engine(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("engine", help="print or start the generation server for the target",
-                       description=__doc__.split("\n\n")[1])
+                       description="Print, or start on this host (--start), the server that generates completions "
+                       "for the target: SGLang (the default when a target is given; it needs a CUDA host) or "
+                       "transformers serve (the default for the embedded tiny target), bound to 127.0.0.1 unless "
+                       "--host says otherwise.")
     p.add_argument("--kind", choices=["sglang", "transformers"], default=None,
                    help="server to run (default: sglang with a target, transformers for the embedded default)")
     p.add_argument("--target", default=None, help="model path or id (default: $DFLASH_TARGET_MODEL, else the tiny target)")

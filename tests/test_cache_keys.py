@@ -102,6 +102,24 @@ def test_tiny_target_key_changes_with_data_settings_and_library_versions(tmp_pat
     assert TT.target_fingerprint("dense").digest == base.digest  # all undone: the key is back
 
 
+def test_tiny_target_key_names_the_cpu_kernels_that_train_it(tmp_path):
+    """Trained bytes depend on the CPU's kernels, so the kernel level torch dispatches to is part of the key:
+    a process started with another ATEN_CPU_CAPABILITY gets another directory, never this one's weights."""
+    import subprocess
+    import sys
+
+    code = ("from dflash_assets.embedded import tiny_targets as TT; f = TT.target_fingerprint('dense'); "
+            "print(f.digest, f.inputs['settings']['cpu_capability'])")
+    keys = {}
+    for level in ("default", "avx2"):  # every x86-64 CPU torch runs on has these two
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": level, "DFLASH_CACHE": str(tmp_path / "cache")}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+        digest, capability = done.stdout.split()
+        keys[level] = digest
+        assert capability == level.upper()
+    assert keys["default"] != keys["avx2"]
+
+
 def test_tokenizer_key_changes_with_its_builder_code(package_copy):
     base = T.qwen3_6_build_id()
     assert T.qwen3_6_build_id() == base

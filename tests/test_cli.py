@@ -118,3 +118,28 @@ def test_engine_start_detach_then_generate_through_the_fleet(tiny_dense_target, 
         time.sleep(0.2)
     else:
         pytest.fail("server still running after SIGTERM")
+
+
+def test_every_help_text_is_whole_sentences_and_names_its_command(capsys):
+    """`dflash <sub> --help` describes the subcommand in sentences that end; `python -m dagster_project.demo
+    --help` calls itself by that command and gives each knob's default for every target."""
+    import re
+
+    for name in ("engine", "plan"):
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = capsys.readouterr().out
+        description = " ".join(text.split("\n\n")[1].split())
+        assert description[-1] in ".)", f"dflash {name} --help: {description!r}"
+
+    from dagster_project import demo
+
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith("usage: python -m dagster_project.demo ")
+    for knob, key in (("--prompts", "prompts"), ("--shard-size", "shard_size"), ("--max-new-tokens", "max_new_tokens"),
+                      ("--engine", "engine"), ("--eval-prompts", "eval_prompts")):
+        expected = ", ".join(f"{d[key]} ({t})" for t, d in demo.TARGET_DEFAULTS.items())
+        assert re.search(rf"{knob} \S+ .*?default {re.escape(expected)}", text), (knob, expected, text)
+    assert "smollm2 (default)" in text

@@ -107,6 +107,21 @@ def test_the_profile_builds_the_engine_fleet_from_the_environment(monkeypatch):
     assert {e.kind for e in engines_for_profile("cluster").fleet_config(target_model="t").endpoints} == {"sglang"}
 
 
+
+def test_the_completions_asset_is_tagged_with_the_engines_in_use():
+    """The UI's kind tags name the engine the deployment generates with, not always SGLang: the definitions are
+    loaded in a fresh process per environment, as a code location loads them."""
+    code = ("import dagster as dg; from dagster_project.definitions import defs; "
+            "print(sorted(defs.resolve_assets_def('completions').specs_by_key[dg.AssetKey('completions')].kinds))")
+    seen = {}
+    for urls in ("", "sglang:http://gpu-1:30000,openai:http://gpu-2:8000"):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")} | {"DFLASH_ENGINE_URLS": urls}
+        done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=env,
+                              cwd=Path(__file__).parents[1], check=True)
+        seen[urls] = done.stdout.strip().splitlines()[-1]
+    assert seen[""] == "['parquet', 'transformers']"  # local: the embedded transformers serve
+    assert seen["sglang:http://gpu-1:30000,openai:http://gpu-2:8000"] == "['openai', 'parquet', 'sglang']"
+
 def test_unset_settings_are_the_librarys_defaults(monkeypatch):
     """A default is written once, in the library: an empty environment gives exactly its values, and a set
     variable still wins (including 0 for the read timeout: only the turn limit)."""

@@ -18,6 +18,7 @@ import dagster as dg
 from pathlib import Path
 
 from dagster_project.config import GenerationPlanConfig, GenerationStageConfig, TokenizeStageConfig
+from dagster_project.deployment import engine_kinds
 from dagster_project.metadata import response_length_chart, to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import EnginesParam, StoreParam, TargetParam
@@ -45,7 +46,7 @@ from dflash_assets.store import layout
     deps=["raw_prompts"],
     partitions_def=prompt_shards,
     group_name="generation",
-    kinds={"sglang", "parquet"},
+    kinds=engine_kinds() | {"parquet"},  # the engines this deployment generates with (DFLASH_ENGINE_URLS)
     owners=["team:ml-data"],
     code_version=code_version("1", GenerationStageConfig, target=True),
     retry_policy=dg.RetryPolicy(max_retries=2, delay=30, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.FULL),
@@ -86,7 +87,7 @@ def completions(context: dg.AssetExecutionContext, config: GenerationStageConfig
 @dg.asset(
     deps=["prompt_corpus"],
     group_name="generation",
-    kinds={"sglang"},
+    kinds=engine_kinds(),
     owners=["team:ml-data"],
     description="The corpus's cost plan, before any GPU hour: generation wall time per endpoint and in total "
     "(measured: a pilot of real prompts, or a throughput burst), hidden-state cache bytes, capture and training "

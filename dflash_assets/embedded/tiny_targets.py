@@ -38,7 +38,10 @@ Writes `<cache>/<kind>-<key>/` where cache is `cache_dir`, else
 and of every project module it imports (training, tokenizer, chat template,
 the ShareGPT reader, ...), the input files (ShareGPT file, tiktoken ranks,
 packaged chat template), the architecture and training settings, and the
-torch/transformers/tokenizers/safetensors/jinja2 versions; the inputs are
+torch/transformers/tokenizers/safetensors/jinja2 versions, and the CPU kernel level
+torch dispatches to (`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2, AVX512, ...;
+`ATEN_CPU_CAPABILITY` sets it), because the trained bytes depend on it: one machine built three
+different dense targets under DEFAULT, AVX2 and AVX512. The inputs are
 recorded in the directory's marker under "fingerprint". Any change builds a
 new directory; no version string to bump. A target is built in a temp dir
 beside it and renamed into place, so concurrent processes never see a partial
@@ -135,8 +138,21 @@ def target_fingerprint(kind: str) -> Fingerprint:
     if training is not None:
         files.append(embedded_sharegpt_path())
     settings = {"kind": kind, "seed": TINY_TARGET_SEED, "architecture": TINY_TARGET_SETTINGS[kind],
-                "training": _training_settings(kind), "tokenizer": qwen3_6_build_id()}
+                "training": _training_settings(kind), "tokenizer": qwen3_6_build_id(),
+                "cpu_capability": cpu_capability()}
     return build_fingerprint(modules=[__name__], files=files, settings=settings, packages=BUILD_PACKAGES)
+
+
+def cpu_capability() -> str:
+    """The CPU kernel level torch runs its float kernels at here (DEFAULT, AVX2, AVX512, ...).
+
+    Part of the tiny targets' cache key: the same code, data and seed give other weights under
+    other kernels (float sums in another order), so a target is only reused where it was built
+    with the same kernels. `ATEN_CPU_CAPABILITY=default|avx2|avx512` tries another machine's.
+    """
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
 
 
 def _training_settings(kind: str) -> dict | None:
