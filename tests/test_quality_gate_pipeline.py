@@ -13,6 +13,10 @@ the tokenization step was killed right after the samples were written, and a
 later GPU run cached the stubs under the old passing gate. Now the gate names
 the sha256 of the samples' bytes, is pending while they are written, and the
 GPU stages read samples only through a check of that hash.
+
+The ratio checks decide on evidence (issue 22 item 3): through the real
+`tokenized_samples` asset, 1 stub in 23 samples passes the blocking check
+(its 95% Wilson lower bound is under 2%) and 4 stubs in 5 fail it.
 """
 
 import hashlib
@@ -199,3 +203,49 @@ def test_gates_that_name_no_samples_block(enc, local_store):
     local_store.delete(layout.quality_gate(SHARD))
     with pytest.raises(QualityGateFailed, match="no quality record"):
         verified_samples_path(local_store, SHARD)
+
+
+# -- ratio checks decide on evidence, through the real asset (issue 22 item 3) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer_target(tmp_path_factory):
+    """A target directory with only the Qwen3.6 tokenizer and chat template: all that tokenized_samples reads."""
+    from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen3_6-tokenizer")
+    build_qwen3_6_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("n,stubs,passes", [(23, 1, True), (5, 4, False)])
+def test_tokenized_samples_decides_its_ratio_checks_on_evidence(qwen_tokenizer_target, tmp_path, n, stubs, passes):
+    """The demo's shard of issue 22 (1 stub in 23, 4.35% against 2%) passes the blocking check and its gate lets
+    the samples through; 87% stubs in a handful of samples (4 of 5) still fail it and are refused."""
+    shard = "shard-00001"
+    store = LocalStore(tmp_path / "store")
+    convs = [conversation(i, stub=i < stubs) for i in range(n)]
+    store.write_parquet(layout.completions(shard), pa.table({
+        "prompt_id": pa.array([f"p{i}" for i in range(n)]), "messages": pa.array(convs, COMPLETIONS_MESSAGES_TYPE)}))
+    resources = {**defs.resources, "store": StoreResource(uri=str(tmp_path / "store")),
+                 "target": TargetModelResource(model_path=str(qwen_tokenizer_target))}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("prompt_shards", [shard])
+        result = dg.materialize(defs.assets, selection=["tokenized_samples"], partition_key=shard,
+                                instance=instance, resources=resources, raise_on_error=False)
+    assert result.success is passes
+    checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
+    empty = checks["empty_response_ratio"]
+    meta = {k: v.value for k, v in empty.metadata.items()}  # numbers as text
+    assert empty.passed is passes and empty.severity == dg.AssetCheckSeverity.ERROR
+    assert (meta["n"], meta["count"], meta["threshold"]) == (str(n), str(stubs), "0.02")
+    assert float(meta["ratio"]) > 0.02  # the observed share is over the threshold either way
+    assert (float(meta["wilson_lower_95"]) <= 0.02) is passes  # the bound decides
+    assert "lower bound of the 95% Wilson score interval" in meta["rule"]
+    assert empty.description.startswith(f"{stubs}/{n} samples")
+    if passes:
+        assert require_quality_gate(store, shard)["checks"]["empty_response_ratio"]["passed"]
+        assert read_verified_samples(store, shard).num_rows == n
+    else:
+        with pytest.raises(QualityGateFailed, match="over the 2.00% threshold with 95% confidence"):
+            require_quality_gate(store, shard)
