@@ -23,6 +23,7 @@ from dflash_assets.generation.tool_calls import parse_qwen_tool_calls, same_call
 from dflash_assets.prompts.ingest import (
     AGENTIC_PROMPT_SCHEMA,
     PROMPT_SCHEMA,
+    QUARANTINE_REASONS,
     IngestConfig,
     ingest_prompt_source,
     list_shard_keys,
@@ -155,6 +156,177 @@ def test_a_plain_shard_that_gains_an_agentic_prompt_keeps_its_rows(tmp_path, loc
     assert after.schema.equals(AGENTIC_PROMPT_SCHEMA) and stats.agentic_prompts == 1
     assert after.select(PROMPT_SCHEMA.names).slice(0, 3).equals(before)
     assert after.column("agentic_turns").null_count == 3
+
+
+# -- ingest never aborts on one record (issue 22 item 4), tool schemas (issue 24 item 5) ---------------------
+
+
+def _copy(record: dict) -> dict:
+    return json.loads(json.dumps(record))
+
+
+def _nested_text(depth: int) -> str:
+    """JSON text of an object ``depth`` levels deep: {"a": {"a": ... {} ...}}."""
+    return '{"a": ' * (depth - 1) + "{}" + "}" * (depth - 1)
+
+
+def _write(tmp_path, records: list[dict], fmt: str) -> Path:
+    """The records as a JSON array or JSONL file, written with json's C encoder (no depth limit there for text
+    that is already a string; nested values are built as text by the callers)."""
+    path = tmp_path / f"records.{fmt}"
+    parts = [r if isinstance(r, str) else json.dumps(r) for r in records]
+    path.write_text("[" + ",\n".join(parts) + "]" if fmt == "json" else "".join(p + "\n" for p in parts))
+    return path
+
+
+def _ingest_mixed(tmp_path, local_store, bad: dict[str, dict | str], fmt: str = "jsonl"):
+    """Two good agentic records around the bad ones; returns (report, quarantine rows by source id)."""
+    good = [source_ids()["oa-weather-lyon"], source_ids()["sg-docs"]]
+    rep = ingest_prompt_source(_write(tmp_path, [good[0], *bad.values(), good[1]], fmt), local_store)
+    assert rep.valid == 2 and rep.agentic_prompts == 2
+    assert rep.records_read == rep.valid + rep.duplicates + rep.quarantined_total == 2 + len(bad)
+    assert set(rep.quarantined) <= set(QUARANTINE_REASONS)  # every reason written is a documented one
+    rows = {q["source_id"]: q for q in local_store.read_parquet(rep.quarantine_key).to_pylist()}
+    assert set(rows) == set(bad)
+    return rep, rows
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json"])
+def test_nesting_at_any_depth_in_any_field_is_quarantined(tmp_path, local_store, fmt):
+    """The issue's record (arguments as JSON text nested thousands deep) aborted the ingest with RecursionError."""
+    lyon = source_ids()["oa-weather-lyon"]
+    bad: dict[str, dict | str] = {}
+
+    def variant(name: str, change) -> None:
+        record = _copy(lyon)
+        record["id"] = name
+        change(record)
+        bad[name] = record
+
+    def set_args(text):
+        return lambda r: r["messages"][2]["tool_calls"][0]["function"].__setitem__("arguments", text)
+
+    variant("args-5000", set_args(_nested_text(5000)))  # past the JSON parser's recursion limit
+    variant("args-150", set_args(_nested_text(150)))  # parses, but deeper than max_json_depth (100)
+    variant("tools-text-5000", lambda r: r.__setitem__("tools", "[" * 5000 + "]" * 5000))
+    sg = _copy(source_ids()["sg-docs"])
+    sg["id"] = "sg-call-5000"
+    sg["conversations"][1]["value"] = "[" * 5000 + "]" * 5000
+    bad["sg-call-5000"] = sg
+    # a tool result nested 500 deep in the record itself: the parser takes it, max_json_depth does not
+    head = json.dumps({**_copy(lyon), "id": "result-500", "messages": lyon["messages"][:3]})
+    assert head.endswith("}]}")
+    bad["result-500"] = (head[:-2] + ', {"role": "tool", "tool_call_id": "c1", "content": ' + "[" * 500 + "]" * 500
+                         + "}]}")
+    # a schema 40 levels deep (inside max_json_depth): refused before jsonschema's recursive check_schema
+    schema = {"type": "string"}
+    for _ in range(20):
+        schema = {"type": "object", "properties": {"a": schema}}
+    variant("schema-41", lambda r: r["tools"][0]["function"].__setitem__("parameters", schema))
+
+    rep, rows = _ingest_mixed(tmp_path, local_store, bad, fmt)
+    assert rep.quarantined == {"nested_too_deep": 6}
+    assert "arguments is JSON text nested deeper than the JSON parser's recursion limit" in rows["args-5000"]["detail"]
+    assert "arguments is JSON text nested deeper than max_json_depth 100" in rows["args-150"]["detail"]
+    assert rows["tools-text-5000"]["detail"].startswith("'tools' is JSON text nested deeper")
+    assert rows["sg-call-5000"]["detail"].startswith("turn 1: the function_call value is JSON text nested deeper")
+    assert rows["result-500"]["detail"] == "the record nests deeper than max_json_depth 100"
+    assert rows["schema-41"]["detail"] == ("'tools' item 0 (get_weather): parameters nest deeper than "
+                                           "max_tool_schema_depth 32")
+    assert all(row["raw_chars"] > 0 for row in rows.values())
+
+
+def test_a_recursion_error_anywhere_in_normalization_is_one_quarantined_record(tmp_path, local_store, monkeypatch):
+    """The last guard in the ingest loop, for a path the depth checks would miss. Fault injection: the agentic
+    normalizer raises RecursionError for one record, as Python does when a stack runs out; the real reader,
+    quarantine and corpus commit run around it."""
+    from dflash_assets.prompts import ingest
+
+    real = ingest.normalize_agentic_record
+
+    def runs_out_of_stack_on_one(record, config=None, *, index=0):
+        if record.get("id") == "boom":
+            raise RecursionError("maximum recursion depth exceeded")
+        return real(record, config, index=index)
+
+    monkeypatch.setattr(ingest, "normalize_agentic_record", runs_out_of_stack_on_one)
+    boom = {**_copy(source_ids()["oa-weather-lyon"]), "id": "boom"}
+    path = _write(tmp_path, [source_ids()["sg-docs"], boom, source_ids()["oa-currency"]], "jsonl")
+    rep = ingest_prompt_source(path, local_store)
+    assert rep.valid == 2 and rep.quarantined == {"nested_too_deep": 1}
+    (row,) = local_store.read_parquet(rep.quarantine_key).to_pylist()
+    assert row["source_id"] == "boom"
+    assert row["detail"].startswith("nested too deeply to normalize (Python's recursion limit")
+
+
+def test_duplicate_tool_call_ids_in_one_turn_are_quarantined(tmp_path, local_store):
+    same_id = _copy(source_ids()["oa-parallel"])
+    same_id["id"] = "same-id"
+    same_id["messages"][1]["tool_calls"][1]["id"] = "p1"
+    # one id in two different turns is not a duplicate: each step's results follow its own calls
+    across = _copy(source_ids()["oa-two-queries"])
+    across["id"] = "across-turns"
+    later = next(m for m in across["messages"][4:] if m.get("tool_calls"))
+    later["tool_calls"][0]["id"] = across["messages"][1]["tool_calls"][0]["id"]
+    assert normalize_record(across).tools is not None
+    rep, rows = _ingest_mixed(tmp_path, local_store, {"same-id": same_id})
+    assert rep.quarantined == {"duplicate_tool_call_id": 1}
+    assert rows["same-id"]["reason"] == "duplicate_tool_call_id"
+    assert rows["same-id"]["detail"] == "turn 1: calls 0 and 1 both have id 'p1'"
+
+
+VALID_SCHEMAS = {
+    "empty": {},
+    "nested": {"type": "object", "properties": {"loc": {"type": "object", "properties": {
+        "lat": {"type": "number", "minimum": -90}, "tags": {"type": "array", "items": {"type": "string"}}}}},
+        "required": ["loc"], "additionalProperties": False},
+    "refs": {"$defs": {"unit": {"enum": ["C", "F"]}}, "type": "object",
+             "properties": {"unit": {"$ref": "#/$defs/unit"}, "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
+    "2020-12-only": {"type": "array", "prefixItems": [{"type": "string"}], "items": False},
+}
+INVALID_SCHEMAS = {  # name -> (parameters, where check_schema points)
+    "misspelt-type": ({"type": "object", "properties": {"city": {"type": "strin"}}}, "$.properties.city.type"),
+    "required-not-a-list": ({"type": "object", "required": "city"}, "$.required"),
+    "properties-a-list": ({"type": "object", "properties": [{"city": {"type": "string"}}]}, "$.properties"),
+    "negative-min-length": ({"type": "string", "minLength": -1}, "$.minLength"),
+}
+
+
+def test_tool_parameters_must_be_a_valid_json_schema(tmp_path, local_store):
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    lyon = source_ids()["oa-weather-lyon"]
+
+    def with_parameters(name: str, parameters: dict) -> dict:
+        record = _copy(lyon)
+        record["id"] = name
+        record["tools"][1]["function"]["parameters"] = parameters  # the second tool: item 1
+        return record
+
+    for parameters in VALID_SCHEMAS.values():  # what jsonschema itself accepts, checked here independently
+        Draft202012Validator.check_schema(parameters)
+        assert normalize_record(with_parameters("ok", parameters)).tools is not None
+    bad = {name: with_parameters(name, parameters) for name, (parameters, _) in INVALID_SCHEMAS.items()}
+    sg = _copy(source_ids()["sg-docs"])  # ShareGPT: tools as JSON text of bare definitions
+    sg["id"] = "sg-bad-schema"
+    tools = json.loads(sg["tools"])
+    tools[0]["parameters"]["properties"]["query"]["type"] = 7
+    sg["tools"] = json.dumps(tools)
+    bad["sg-bad-schema"] = sg
+    for record in bad.values():
+        parameters = (record["tools"][1]["function"] if "messages" in record else json.loads(record["tools"])[0]
+                      )["parameters"]
+        with pytest.raises(SchemaError):
+            Draft202012Validator.check_schema(parameters)
+
+    rep, rows = _ingest_mixed(tmp_path, local_store, bad)
+    assert rep.quarantined == {"bad_tools": len(bad)}
+    for name, (_, where) in INVALID_SCHEMAS.items():
+        assert rows[name]["detail"].startswith(f"'tools' item 1 (get_forecast): parameters are not a valid JSON "
+                                               f"Schema (Draft 2020-12) at {where}: ")
+    assert "'strin' is not valid" in rows["misspelt-type"]["detail"]
+    assert rows["sg-bad-schema"]["detail"].startswith("'tools' item 0 (search_docs): parameters are not a valid")
 
 
 # -- tool calls in the target's text -------------------------------------------------------------------------

@@ -168,6 +168,10 @@ def test_config_validation():
         IngestConfig(limit=0)
     with pytest.raises(ValueError):
         IngestConfig(leading_assistant="keep")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_json_depth"):
+        IngestConfig(max_json_depth=0)
+    with pytest.raises(ValueError, match="max_tool_schema_depth"):
+        IngestConfig(max_tool_schema_depth=0)
 
 
 # --- ingest: bad input of every kind --------------------------------------------------
@@ -302,6 +306,21 @@ def test_deeply_nested_record_is_quarantined_not_fatal(tmp_path, store, kind):
     assert report.parse_error is None
     (row,) = store.read_parquet(report.quarantine_key).to_pylist()
     assert row["raw_chars"] == len(deep) and row["byte_offset"] == data.index(b'{"id": "deep"')
+
+
+@pytest.mark.parametrize("kind", ["json", "jsonl", "json.gz"])
+def test_megabytes_of_blank_space_before_the_records_are_read_past(tmp_path, store, kind):
+    """Issue 22 item 4: a valid JSON array after ~2 MB of whitespace was reported as an empty file."""
+    blank = b"\n" * (2 * 1024 * 1024)
+    body = json.dumps(GOOD).encode() if kind.startswith("json.") or kind == "json" else _jsonl(GOOD)
+    data = blank + body
+    path = tmp_path / f"blank.{kind}"
+    path.write_bytes(gzip.compress(data) if kind.endswith(".gz") else data)
+    report = ingest_prompt_source(path, store, CONFIG)
+    assert report.valid == len(GOOD) and report.quarantined == {} and not report.truncated
+    assert report.source_format == ("jsonl" if kind == "jsonl" else "json_array")
+    table, _ = materialize_prompt_shard(store, "shard-00000")
+    assert table.column("user_turns").to_pylist() == [["question 0"], ["question 1"]]
 
 
 def test_zero_valid_prompts_raises_with_reason_counts(tmp_path, store):

@@ -26,6 +26,7 @@ import io
 import json
 import re
 import shutil
+import sys
 import tempfile
 import time
 import unicodedata
@@ -81,7 +82,9 @@ ROLE_MAP = {
 QUARANTINE_REASONS = {
     "malformed_json": "not valid JSON (a JSONL line, or an array element: reading the array stops there)",
     "trailing_data": "data after a JSON array's closing ']' that is not another array (kept as one row; not read)",
-    "nested_too_deep": "a record nested deeper than the JSON parser's recursion limit",
+    "nested_too_deep": "a record nested deeper than the JSON parser's recursion limit; an agentic record nested "
+                       "deeper than max_json_depth, or holding JSON text (tools, call arguments) that is; a tool's "
+                       "parameters schema nested deeper than max_tool_schema_depth",
     "invalid_utf8": "invalid UTF-8 bytes in the record, or lone surrogates in its system/user text",
     "oversize": "raw record over max_raw_record_chars, or system+user text over max_record_chars",
     "not_an_object": "the record is not a JSON object",
@@ -94,11 +97,14 @@ QUARANTINE_REASONS = {
     "no_user_turn": "no non-empty user turn (assistant-only, system-only, blank user turns)",
     "assistant_first": "starts with an assistant turn (only with leading_assistant='quarantine')",
     "bad_tools": "tool definitions that are not a list of named function objects (or its JSON text), "
+                 "parameters that are not a valid JSON Schema (Draft 2020-12, as SGLang checks them), "
                  "or tool calls recorded without any tool definitions",
     "bad_tool_call": "a recorded tool call without a name, with arguments that are not a JSON object, "
                      "or naming a tool the record does not define",
     "orphan_tool_result": "a tool result with no tool call before it (or more results than calls)",
     "missing_tool_result": "a tool call step followed by another turn before all its results",
+    "duplicate_tool_call_id": "two tool calls of one assistant turn with the same id (results could not be "
+                              "matched to calls; quarantined, not renamed)",
 }
 
 PROMPT_SCHEMA = pa.schema([
@@ -156,6 +162,13 @@ class IngestConfig:
     max_raw_record_chars: int = DEFAULT_MAX_RAW_RECORD_CHARS  # a record's raw text, before parsing
     quarantine_raw_chars: int = 4096  # raw JSON kept per quarantined record
     quarantine_rows_per_group: int = 4096  # rejected records held in memory before they go to the Parquet file
+    # Nesting (levels of objects and arrays) allowed in an agentic record and in each JSON text it holds
+    # (tools, call arguments); deeper is nested_too_deep. What the ingest keeps is JSON-dumped again later,
+    # which recursion limits: 100 + 100 levels stay far below Python's ~1000 frames.
+    max_json_depth: int = 100
+    # Nesting allowed in one tool's parameters before jsonschema's check_schema sees it (it recurses ~8 Python
+    # frames per level and overflows at ~120 levels from a shallow stack); deeper is nested_too_deep.
+    max_tool_schema_depth: int = 32
 
     def __post_init__(self) -> None:
         if self.max_prompts_per_shard < 1:
@@ -166,6 +179,8 @@ class IngestConfig:
             raise ValueError("limit must be >= 1 or None")
         if self.quarantine_rows_per_group < 1:
             raise ValueError("quarantine_rows_per_group must be >= 1")
+        if self.max_json_depth < 1 or self.max_tool_schema_depth < 1:
+            raise ValueError("max_json_depth and max_tool_schema_depth must be >= 1")
         if self.leading_assistant not in ("drop", "quarantine"):
             raise ValueError("leading_assistant must be 'drop' or 'quarantine'")
 
@@ -521,8 +536,76 @@ def _is_agentic(record: dict, turns: list) -> bool:
     return False
 
 
-def _parse_tools(record: dict) -> tuple[list[dict] | None, str | None]:
-    """(tool definitions in OpenAI form, None) or (None, why they are bad); (None, None) when there are none."""
+class _NestedTooDeep(Exception):
+    """Part of an agentic record nests deeper than its limit; the message says which part (-> ``nested_too_deep``)."""
+
+
+def _nests_deeper_than(value: Any, limit: int) -> bool:
+    """Does ``value`` hold objects/arrays more than ``limit`` levels deep? (``{}`` is 1 level, ``[{}]`` 2.)
+
+    Walks level by level, without recursion, so any depth is safe to measure.
+    """
+    level = [value] if value.__class__ in (dict, list) else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        inner = []
+        for container in level:
+            for child in (container.values() if container.__class__ is dict else container):
+                if child.__class__ is dict or child.__class__ is list:
+                    inner.append(child)
+        level = inner
+    return False
+
+
+def _json_text(text: str, where: str, max_depth: int) -> Any:
+    """The value of a JSON text held in a record; raises ``ValueError`` when it is not JSON and
+    :class:`_NestedTooDeep` when it nests deeper than ``max_depth`` (or than the parser can go)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise _NestedTooDeep(f"{where} is JSON text nested deeper than the JSON parser's recursion limit "
+                             f"({sys.getrecursionlimit()})") from None
+    if _nests_deeper_than(value, max_depth):
+        raise _NestedTooDeep(f"{where} is JSON text nested deeper than max_json_depth {max_depth}")
+    return value
+
+
+_SCHEMA_VERDICTS: dict[str, str | None] = {}  # canonical parameters JSON -> why it is not a valid schema (None: valid)
+_SCHEMA_VERDICTS_MAX = 4096  # tools repeat across the records of a corpus; the cache is cleared when full
+
+
+def _schema_problem(parameters: dict, where: str, max_depth: int) -> str | None:
+    """Why a tool's ``parameters`` are not a valid JSON Schema (Draft 2020-12, ``check_schema`` as SGLang's chat
+    route runs it before answering 400), or None. Raises :class:`_NestedTooDeep` above ``max_depth`` levels,
+    before ``check_schema`` (which recurses) sees it."""
+    if _nests_deeper_than(parameters, max_depth):
+        raise _NestedTooDeep(f"{where}: parameters nest deeper than max_tool_schema_depth {max_depth}")
+    key = json.dumps(parameters, sort_keys=True, ensure_ascii=False, default=repr)
+    if key in _SCHEMA_VERDICTS:
+        return _SCHEMA_VERDICTS[key]
+    from jsonschema import Draft202012Validator  # imported on the first tool schema, not with the module
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(parameters)
+        verdict = None
+    except SchemaError as e:
+        message = e.message if len(e.message) <= 200 else e.message[:200] + "..."
+        verdict = f"parameters are not a valid JSON Schema (Draft 2020-12) at {e.json_path}: {message}"
+    if len(_SCHEMA_VERDICTS) >= _SCHEMA_VERDICTS_MAX:
+        _SCHEMA_VERDICTS.clear()
+    _SCHEMA_VERDICTS[key] = verdict
+    return verdict
+
+
+def _parse_tools(record: dict, config: IngestConfig) -> tuple[list[dict] | None, str | None]:
+    """(tool definitions in OpenAI form, None) or (None, why they are bad); (None, None) when there are none.
+
+    Raises :class:`_NestedTooDeep` for tools (as JSON text) or a parameters schema nested too deep.
+    """
     name = next((f for f in TOOLS_FIELDS if record.get(f) is not None), None)
     if name is None:
         return None, None
@@ -531,7 +614,7 @@ def _parse_tools(record: dict) -> tuple[list[dict] | None, str | None]:
         if not value.strip():
             return None, None
         try:
-            value = json.loads(value)
+            value = _json_text(value, f"'{name}'", config.max_json_depth)
         except ValueError as e:
             return None, f"'{name}' is not JSON: {e}"
     if not isinstance(value, list):
@@ -545,8 +628,12 @@ def _parse_tools(record: dict) -> tuple[list[dict] | None, str | None]:
         fname = fn.get("name")
         if not isinstance(fname, str) or not fname.strip():
             return None, f"'{name}' item {k} has no name"
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            return None, f"'{name}' item {k} ({fname}): parameters are not an object"
+        if fn.get("parameters") is not None:
+            if not isinstance(fn["parameters"], dict):
+                return None, f"'{name}' item {k} ({fname}): parameters are not an object"
+            why = _schema_problem(fn["parameters"], f"'{name}' item {k} ({fname})", config.max_tool_schema_depth)
+            if why is not None:
+                return None, f"'{name}' item {k} ({fname}): {why}"
         if fname in seen:
             return None, f"'{name}' defines {fname!r} twice"
         seen.add(fname)
@@ -554,8 +641,11 @@ def _parse_tools(record: dict) -> tuple[list[dict] | None, str | None]:
     return tools or None, None
 
 
-def _call_of(raw: Any, where: str) -> dict | str:
-    """``{"id", "name", "arguments"}`` of one recorded call, or why it is malformed."""
+def _call_of(raw: Any, where: str, max_depth: int) -> dict | str:
+    """``{"id", "name", "arguments"}`` of one recorded call, or why it is malformed.
+
+    Raises :class:`_NestedTooDeep` for arguments (as JSON text) nested deeper than ``max_depth``.
+    """
     if not isinstance(raw, dict):
         return f"{where} is a JSON {type(raw).__name__}, not an object"
     fn = raw["function"] if isinstance(raw.get("function"), dict) else raw
@@ -565,7 +655,7 @@ def _call_of(raw: Any, where: str) -> dict | str:
     args = fn.get("arguments")
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = _json_text(args, f"{where} ({name}) arguments", max_depth) if args.strip() else {}
         except ValueError:
             return f"{where} ({name}): arguments are not JSON"
     if args is None:
@@ -576,13 +666,16 @@ def _call_of(raw: Any, where: str) -> dict | str:
     return {"id": call_id if isinstance(call_id, str) and call_id else None, "name": name.strip(), "arguments": args}
 
 
-def _raw_calls(kind: str, turn: dict, content: Any, i: int) -> list | str:
-    """The recorded calls of an assistant turn (maybe none), or why they are malformed."""
+def _raw_calls(kind: str, turn: dict, content: Any, i: int, max_depth: int) -> list | str:
+    """The recorded calls of an assistant turn (maybe none), or why they are malformed.
+
+    Raises :class:`_NestedTooDeep` for a ShareGPT call value (JSON text) nested deeper than ``max_depth``.
+    """
     if kind == CALL:  # ShareGPT: the value is the JSON of one call or a list of calls
         value = content
         if isinstance(value, str):
             try:
-                value = json.loads(value)
+                value = _json_text(value, f"turn {i}: the function_call value", max_depth)
             except ValueError:
                 return f"turn {i}: the function_call value is not JSON"
         if isinstance(value, dict):
@@ -643,12 +736,32 @@ def normalize_agentic_record(record: dict, config: IngestConfig | None = None, *
     without an agentic prompt is written exactly as before (``PROMPT_SCHEMA``);
     one with an agentic prompt has the two extra columns
     (``AGENTIC_PROMPT_SCHEMA``, null for its plain chats).
+
+    Checked before anything is kept (issue 22 item 4, issue 24 item 5):
+    nesting deeper than ``config.max_json_depth`` anywhere in the record or
+    in a JSON text it holds (``tools``, call ``arguments``, a ShareGPT call
+    value), or than ``config.max_tool_schema_depth`` in one tool's
+    ``parameters``, is ``nested_too_deep``; ``parameters`` that are not a
+    valid Draft 2020-12 JSON Schema (``check_schema``, what SGLang's chat
+    route refuses with 400) are ``bad_tools``; two calls of one turn with the
+    same id are ``duplicate_tool_call_id`` (quarantined, never renamed: a
+    renamed id would no longer match the results the source recorded).
     """
     config = config or _DEFAULT_CONFIG
+    if _nests_deeper_than(record, config.max_json_depth):
+        return Rejection("nested_too_deep", f"the record nests deeper than max_json_depth {config.max_json_depth}")
+    try:
+        return _normalize_agentic_record(record, config, index)
+    except _NestedTooDeep as e:
+        return Rejection("nested_too_deep", str(e))
+
+
+def _normalize_agentic_record(record: dict, config: IngestConfig, index: int) -> Prompt | Rejection:
+    """:func:`normalize_agentic_record` once the record's own depth is checked; raises :class:`_NestedTooDeep`."""
     turns = record.get("conversations")
     if turns is None:
         turns = record.get("messages")
-    tools, why = _parse_tools(record)
+    tools, why = _parse_tools(record, config)
     if why is not None:
         return Rejection("bad_tools", why)
     declared = {t["function"]["name"] for t in tools} if tools else set()
@@ -720,17 +833,24 @@ def normalize_agentic_record(record: dict, config: IngestConfig | None = None, *
             if (kind == ASSISTANT and content is not _MISSING and content is not None
                     and _content_text(content) is None):
                 return Rejection("non_string_content", f"turn {i} ({name}) content is a {type(content).__name__}")
-            raw = _raw_calls(kind, turn, None if content is _MISSING else content, i)
+            raw = _raw_calls(kind, turn, None if content is _MISSING else content, i, config.max_json_depth)
             if isinstance(raw, str):
                 return Rejection("bad_tool_call", raw)
             if not raw:
                 last = "answer"
                 continue
             calls = []
+            call_of_id: dict[str, int] = {}  # call id -> the first call of this turn that carries it
             for k, one in enumerate(raw):
-                call = _call_of(one, f"turn {i} call {k}")
+                call = _call_of(one, f"turn {i} call {k}", config.max_json_depth)
                 if isinstance(call, str):
                     return Rejection("bad_tool_call", call)
+                if call["id"] is not None:
+                    if call["id"] in call_of_id:
+                        return Rejection("duplicate_tool_call_id",
+                                         f"turn {i}: calls {call_of_id[call['id']]} and {k} both have id "
+                                         f"{call['id'][:60]!r}")
+                    call_of_id[call["id"]] = k
                 if not declared:
                     return Rejection("bad_tools", f"turn {i} calls {call['name']!r} but the record defines no tools")
                 if call["name"] not in declared:
@@ -1131,7 +1251,11 @@ def _ingest(source_uri: Any, store: Any, config: IngestConfig, s3_client: Any, s
                 quarantine.add(item.index, item.problem, item.detail, raw=item.raw, raw_chars=item.raw_chars,
                                byte_offset=item.byte_offset)
                 continue
-            p = normalize_record(item.record, config, index=item.index)
+            try:
+                p = normalize_record(item.record, config, index=item.index)
+            except RecursionError:  # a path the depth checks missed: one record must never stop the corpus
+                p = Rejection("nested_too_deep", "nested too deeply to normalize (Python's recursion limit "
+                                                 f"{sys.getrecursionlimit()})")
             if isinstance(p, Rejection):
                 quarantine.add(item.index, p.reason, p.detail, record=item.record, byte_offset=item.byte_offset)
                 continue
