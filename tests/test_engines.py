@@ -200,7 +200,7 @@ def test_connection_refused_is_a_connection_error(tok):
 
 
 def test_openai_engine_splits_think_when_server_has_no_reasoning_parser():
-    with LoopbackServer(reasoning_field=False) as raw, LoopbackServer() as parsed:
+    with LoopbackServer(reasoning_parser=None) as raw, LoopbackServer() as parsed:
 
         async def go():
             out = []

@@ -7,6 +7,10 @@ Plain chats are one :class:`_Conversation` each, agentic ones (rows with
 ``tools`` and ``agentic_turns``) an :class:`_AgenticConversation`. Finished rows
 go to a :class:`CompletionJournal`, so a killed run resumes where it stopped; a
 shard with too many failed prompts publishes nothing (:class:`TooManyFailedPrompts`).
+With a seed set, the fleet is probed first: ``config_hash`` records whether the
+engines honour the seed. A turn that does not fit the endpoint's context length
+is cut or stopped before it is sent (``generation.engines.Engine.fit_to_context``)
+and counted in :class:`GenerationStats`.
 
 Reads: the prompt rows handed in, the engines (HTTP or in-process) and, from the
 store, the shard's journal and its published ``completions/<shard>.parquet``.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import secrets
 import time
@@ -32,7 +37,8 @@ from dflash_assets.store import layout
 from dflash_assets.store.schemas import AGENTIC_MESSAGES_TYPE, COMPLETIONS_MESSAGES_TYPE
 from dflash_assets.chart_data import binned_counts
 from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, NoEngineAvailable, run_sync
-from dflash_assets.generation.engines import ChatResult, Engine, GenerationConfig, json_dumps, json_loads
+from dflash_assets.generation.engines import (ChatResult, ContextOverflow, Engine, GenerationConfig, json_dumps,
+                                              json_loads)
 from dflash_assets.generation.tool_calls import calls_from_server, parse_qwen_tool_calls, same_calls
 
 __all__ = [
@@ -159,6 +165,12 @@ class GenerationStats:
     agentic_steps: int = 0  # assistant steps of those rows
     agentic_tool_calls: int = 0  # tool calls the target made in those rows
     agentic_stopped_at_divergent_call: int = 0  # stopped where the target's calls left the source's
+    seed_effect: str = "no seed"  # no seed | honoured | ignored (the engines do not make a seed reproducible)
+    # Context length (generated in this run): turns sent with max_new_tokens lowered to fit, conversations
+    # stopped because their next turn did not fit, prompts failed because their first turn did not fit.
+    turns_cut_to_context: int = 0
+    conversations_stopped_at_context: int = 0
+    prompts_failed_context_overflow: int = 0
     endpoints: dict[str, dict] = field(default_factory=dict)
 
     def to_metadata(self) -> dict[str, Any]:
@@ -279,6 +291,9 @@ class _Conversation:
     out, as the chat template does), up to ``GenerationConfig.max_turns`` turns.
     A turn cut by ``max_new_tokens`` ends the conversation when
     ``stop_after_truncated_turn`` is set (its finish reason is kept).
+    Context length (``_chat``): a turn whose prompt leaves too little of the
+    endpoint's context is not sent; the conversation ends at its previous turn
+    (``stopped_at_context``), or fails when it is the first (``context_overflow``).
     """
 
     def __init__(self, prompt_id: str, system: str | None, user_turns: list[str], gen: GenerationConfig, config_hash: str):
@@ -292,6 +307,27 @@ class _Conversation:
         self.results: list[ChatResult] = []
         self.attempts = 0
         self.started_at: float | None = None
+        self.turns_cut_to_context = 0
+        self.stopped_at_context = False
+        self.context_overflow = False
+
+    async def _chat(self, engine: Engine, request: list[dict], **kwargs: Any) -> ChatResult | None:
+        """``engine.chat``; None when the request does not fit the context and a turn is already done (the
+        conversation ends there); a first turn that does not fit raises ``ContextOverflow`` (the prompt fails)."""
+        try:
+            res = await engine.chat(request, self.gen, **kwargs)
+        except ContextOverflow:
+            if not self.results:
+                self.context_overflow = True
+                raise
+            self.stopped_at_context = True
+            return None
+        self.turns_cut_to_context += res.max_new_tokens_cut > 0
+        return res
+
+    def _stopped_at_context(self) -> tuple[bool, ChatResult]:
+        """The step's answer when the next turn did not fit: done, nothing new (no tokens to count twice)."""
+        return True, dataclasses.replace(self.results[-1], prompt_tokens=0, completion_tokens=0)
 
     async def step(self, engine: Engine) -> tuple[bool, ChatResult]:
         if self.started_at is None:
@@ -299,7 +335,9 @@ class _Conversation:
         self.attempts += 1
         user = self.user_turns[len(self.results)]
         request = self.history + [{"role": "user", "content": user}]
-        res = await engine.chat(request, self.gen)
+        res = await self._chat(engine, request)
+        if res is None:
+            return self._stopped_at_context()
         # committed only after success: a failed request leaves the conversation where it was
         self.history = request + [{"role": "assistant", "content": res.content}]
         self.messages += [{"role": "user", "content": user, "reasoning_content": None},
@@ -384,7 +422,10 @@ class _AgenticConversation(_Conversation):
         if self.awaiting_user:
             user = self.events[self.pos]["content"]
             request.append({"role": "user", "content": user})
-        res = await engine.chat(request, self.gen, tools=self.tools)
+        res = await self._chat(engine, request, tools=self.tools)
+        if res is None:
+            self.stop = "context_length"
+            return self._stopped_at_context()
         # committed only after success: a failed request leaves the conversation where it was
         content, calls = self._calls(res)
         if user is not None:
@@ -568,8 +609,32 @@ async def aregenerate_shard(
     counts, empty answers, empty reasoning) comes back with the tables.
     """
     t_start = time.perf_counter()
-    config_hash = generation.config_hash(fleet.target_model)
+    fleet_runner: EngineFleet | None = None
+    seed_honoured: bool | None = None
+    if generation.seed is not None:  # whether the seed holds is the engines' to say: probe before hashing
+        fleet_runner = EngineFleet(fleet, _resolve_tokenizer(tokenizer, fleet), engines=engines)
+        await fleet_runner.__aenter__()  # NoEngineAvailable when none serves the target
+        seed_honoured = fleet_runner.seed_honoured
+    try:
+        return await _regenerate(prompts, shard, store, fleet, generation, tokenizer, progress, on_probe,
+                                 progress_interval_s, flush_every, flush_interval_s, keep_journal, max_failed_ratio,
+                                 engines, t_start, fleet_runner, seed_honoured)
+    finally:
+        if fleet_runner is not None:
+            await fleet_runner.close()
+
+
+async def _regenerate(prompts: Any, shard: str, store: Any, fleet: EngineFleetConfig, generation: GenerationConfig,
+                      tokenizer: Any, progress: Callable[[ProgressUpdate], None] | None,
+                      on_probe: Callable[[FleetProbe], None] | None, progress_interval_s: float, flush_every: int,
+                      flush_interval_s: float, keep_journal: bool, max_failed_ratio: float,
+                      engines: Sequence[Engine] | None, t_start: float, fleet_runner: "EngineFleet | None",
+                      seed_honoured: bool | None) -> CompletionsResult:
+    """The body of ``aregenerate_shard``; ``fleet_runner`` is the fleet already probed (a seed is set), else None."""
+    config_hash = generation.config_hash(fleet.target_model, seed_honoured)
     stats = GenerationStats(shard=shard, config_hash=config_hash)
+    if generation.seed is not None:
+        stats.seed_effect = "honoured" if seed_honoured else "ignored"
     journal = CompletionJournal(store, shard, flush_every=flush_every, flush_interval_s=flush_interval_s)
 
     # Inputs: one task per distinct prompt_id, in input order.
@@ -637,6 +702,8 @@ async def aregenerate_shard(
         generated["rows"] += 1
         generated["tokens"] += row["completion_tokens_total"]
         generated["prompt_tokens"] += sum(row["prompt_tokens"])
+        stats.turns_cut_to_context += task.turns_cut_to_context
+        stats.conversations_stopped_at_context += task.stopped_at_context
         journal.add(row)
         if journal.due:
             schedule_flush()
@@ -645,6 +712,8 @@ async def aregenerate_shard(
         failed[task.prompt_id] = {"prompt_id": task.prompt_id, "reason": reason, "errors": errors[-5:],
                                   "turns_done": len(task.results), "attempts": task.attempts,
                                   "config_hash": config_hash}
+        stats.turns_cut_to_context += task.turns_cut_to_context
+        stats.prompts_failed_context_overflow += task.context_overflow
 
     async def ticker() -> None:
         last = time.monotonic()
@@ -657,7 +726,7 @@ async def aregenerate_shard(
                 emit_progress()
 
     if tasks:
-        fleet_runner = EngineFleet(fleet, _resolve_tokenizer(tokenizer, fleet), engines=engines)
+        fleet_runner = fleet_runner or EngineFleet(fleet, _resolve_tokenizer(tokenizer, fleet), engines=engines)
         tick = asyncio.ensure_future(ticker())
         try:
             async with fleet_runner:

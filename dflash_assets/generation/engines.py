@@ -4,22 +4,39 @@
   (the prompt rendered with the target's chat template and generation prompt,
   tokenized here) and ``sampling_params``; reads ``output_ids`` (or ``text``)
   and ``meta_info`` (``finish_reason`` {type: stop|length|abort},
-  ``prompt_tokens``, ``completion_tokens``, ``e2e_latency``). Identity from
-  ``GET /get_model_info`` (``model_path``) and, when present, ``GET /v1/models``;
-  liveness from ``GET /health``. The reasoning split is done on the ids
+  ``prompt_tokens``, ``completion_tokens``, ``e2e_latency``). The reasoning split is done on the ids
   (``generation.chat_tokenizer.ChatTokenizer``): the generation prompt ends
   with ``<think>\\n``, so the output is ``reasoning </think> content <|im_end|>``
   and is cut at the ``</think>`` id.
   Also works behind sglang-router (same API, one URL).
 - ``OpenAIEngine``: ``POST /v1/chat/completions`` (SGLang, vLLM,
   ``transformers serve``) with ``chat_template_kwargs: {enable_thinking}``;
-  reads ``reasoning_content`` and ``content``, and splits a ``<think>`` block
-  out of ``content`` itself when the server has no reasoning parser.
-  Identity from ``GET /v1/models``.
+  reads ``reasoning_content`` and ``content``. Whether the server splits the
+  reasoning is decided once, at probe time (``ServerFacts.reasoning_parser``,
+  or the endpoint's ``reasoning_parser`` setting), never from one reply: a
+  null ``reasoning_content`` from a server with a parser is empty reasoning
+  (SGLang sends null then), and the content and tool calls stay where they
+  are; only a server without a parser gets its ``<think>`` block split here.
 - ``TransformersEngine``: in-process ``model.generate``, the requests in
   flight batched into one call, on a host that has nothing else (a CPU box,
   one GPU without a server). Explicit opt-in only (an endpoint of kind
   ``transformers`` in the fleet config); nothing ever falls back to it.
+
+Probe (``Engine.server_facts`` and ``Engine.wait_healthy``, both HTTP kinds):
+identity from ``GET /model_info``, then the deprecated ``/get_model_info``,
+then ``GET /v1/models`` (a missing route is skipped, never "unreachable");
+the server's flags from ``GET /server_info`` (then ``/get_server_info``):
+``enable_deterministic_inference`` (does a seed hold), ``reasoning_parser``,
+``tool_call_parser``, ``version``; the context length from ``/v1/models``'
+``max_model_len``. Health is ``GET /health`` without the API key (SGLang
+exempts it), waited on while it answers 503 (a starting or busy SGLang; its
+health check is a one-token generation that may take up to 20 s).
+
+Before a request is sent its prompt tokens plus ``max_new_tokens`` are checked
+against the endpoint's context length (``Engine.fit_to_context``): a request
+that does not fit gets ``max_new_tokens`` lowered to what fits when at least
+``context_min_new_tokens`` remain, else ``ContextOverflow`` is raised without a
+round trip (SGLang would answer 400).
 
 Every engine answers ``probe()`` (health, served model, latency) and
 ``chat(messages, generation) -> ChatResult``; failures raise ``EngineError``
@@ -40,6 +57,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -73,6 +91,8 @@ __all__ = [
     "ChatResult",
     "EngineProbe",
     "EngineError",
+    "ContextOverflow",
+    "ServerFacts",
     "Engine",
     "SGLangEngine",
     "OpenAIEngine",
@@ -120,9 +140,17 @@ class GenerationConfig(BaseModel):
         True, description="End a conversation at a turn cut by max_new_tokens (later user turns are dropped)."
     )
 
-    def config_hash(self, target_model: str | None = None) -> str:
-        """16 hex chars over every field and the (normalized) target model id."""
-        payload = {"generation": self.model_dump(mode="json"), "target": normalize_model_id(target_model or "")}
+    def config_hash(self, target_model: str | None = None, seed_honoured: bool | None = None) -> str:
+        """16 hex chars over every field, the (normalized) target model id and, when a seed is set, whether the
+        engines honour it (``seed_honoured``: SGLang only with ``--enable-deterministic-inference``).
+
+        Without a seed the hash is what it always was; with one, rows generated where the seed had no effect
+        never share a hash with rows where it did.
+        """
+        payload: dict[str, Any] = {"generation": self.model_dump(mode="json"),
+                                   "target": normalize_model_id(target_model or "")}
+        if self.seed is not None:
+            payload["seed_honoured"] = bool(seed_honoured)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -172,6 +200,7 @@ class ChatResult:
     endpoint: str
     served_model: str
     tool_calls: Any = None  # the server's parsed OpenAI ``tool_calls`` (a tool-call parser ran), else None
+    max_new_tokens_cut: int = 0  # tokens taken off max_new_tokens so that the request fits the context length
 
 
 @dataclass(frozen=True)
@@ -185,10 +214,39 @@ class EngineProbe:
     latency_s: float | None = None
     error: str | None = None
     dialect: str | None = None  # openai: "transformers_serve" | "openai"
+    facts: "ServerFacts | None" = None  # what the server said about itself (HTTP kinds)
 
     @property
     def served_model(self) -> str:
         return self.served_models[0] if self.served_models else ""
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What a server says about itself at probe time; None: it did not say (route missing or field absent).
+
+    Sources (SGLang 0.5.23, ``srt/entrypoints/http_server.py``): ``/model_info`` (``model_path``,
+    ``served_model_name``, ``reasoning_parser``, ``tool_call_parser``), ``/server_info`` (the resolved server
+    arguments: ``enable_deterministic_inference``, ``context_length``, ``version``), ``/v1/models``
+    (``id``, ``max_model_len`` = the model's context length).
+    """
+
+    names: tuple[str, ...] = ()
+    reasoning_parser: str | None = None  # the parser's name; "" when the server said it has none
+    tool_call_parser: str | None = None
+    deterministic_inference: bool | None = None
+    context_length: int | None = None
+    version: str | None = None
+    routes_missing: tuple[str, ...] = ()  # identity/info routes that answered 404 (skipped)
+
+    @property
+    def splits_reasoning(self) -> bool | None:
+        """True/False when the server said whether it runs a reasoning parser, None when it did not."""
+        return None if self.reasoning_parser is None else bool(self.reasoning_parser)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 class EngineError(RuntimeError):
@@ -201,6 +259,15 @@ class EngineError(RuntimeError):
         self.retryable = retryable or connection
         self.connection = connection
         self.endpoint = endpoint
+
+
+class ContextOverflow(EngineError):
+    """A request whose prompt leaves fewer than the minimum new tokens in the endpoint's context; never sent."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, context_length: int, endpoint: str = ""):
+        super().__init__(message, status=None, retryable=False, endpoint=endpoint)
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
 
 
 # ----------------------------------------------------------------------------
@@ -226,7 +293,9 @@ class Engine(abc.ABC):
     def __init__(self, url: str, *, max_concurrency: int = 32, connect_timeout_s: float = 10.0,
                  request_timeout_s: float = 1800.0, probe_timeout_s: float = 10.0, name: str | None = None,
                  read_timeout_s: float | None = 300.0, read_timeout_per_token_s: float = 0.1,
-                 max_response_bytes: int = 64 * 1024 * 1024, api_key: str | None = None):
+                 max_response_bytes: int = 64 * 1024 * 1024, api_key: str | None = None,
+                 health_wait_s: float = 60.0, health_timeout_s: float = 25.0, context_length: int | None = None,
+                 context_min_new_tokens: int = 64, deterministic_inference: bool | None = None):
         self.url = url.rstrip("/")
         self.name = name or self.url
         self.max_concurrency = max_concurrency
@@ -237,6 +306,13 @@ class Engine(abc.ABC):
         self.read_timeout_per_token_s = read_timeout_per_token_s
         self.max_response_bytes = max_response_bytes
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.health_wait_s = health_wait_s  # how long /health may answer 503 (starting or busy) before giving up
+        self.health_timeout_s = health_timeout_s  # one /health call: SGLang's check waits up to 20 s for a token
+        self.configured_context_length = context_length  # overrides the server's max_model_len
+        self.context_length: int | None = context_length  # set by the probe
+        self.context_min_new_tokens = context_min_new_tokens
+        self.configured_deterministic = deterministic_inference  # overrides the server's /server_info
+        self.facts: ServerFacts | None = None
         self.served_model = ""
         self.accepted_models: set[str] = set()  # normalized ids a reply may name (set by the fleet's probe)
         self._session = None
@@ -282,14 +358,15 @@ class Engine(abc.ABC):
         return self.read_timeout_s + self.read_timeout_per_token_s * (max_new_tokens or 0)
 
     async def _send(self, method: str, path: str, payload: Any = None, *, timeout_s: float | None = None,
-                    read_timeout_s: float | None = None, headers: dict | None = None) -> tuple[int, bytes]:
+                    read_timeout_s: float | None = None, headers: dict | None = None,
+                    auth: bool = True) -> tuple[int, bytes]:
         """One request, no redirect followed, body capped; (status, body). Transport failures are
-        ``EngineError(connection=True)``."""
+        ``EngineError(connection=True)``. ``auth=False`` sends no bearer token."""
         import aiohttp
 
         if self._session is None:
             await self.open()
-        kwargs: dict[str, Any] = {"headers": {**_JSON_HEADERS, **self._auth, **(headers or {})},
+        kwargs: dict[str, Any] = {"headers": {**_JSON_HEADERS, **(self._auth if auth else {}), **(headers or {})},
                                   "allow_redirects": False}
         if payload is not None:
             kwargs["data"] = json_dumps(payload)
@@ -352,12 +429,109 @@ class Engine(abc.ABC):
             raise EngineError(f"{method} {self.url}{path}: invalid JSON reply: {body[:200]!r}", retryable=True,
                               endpoint=self.url) from e
 
-    async def _get_ok(self, path: str) -> None:
+    async def _get_ok(self, path: str, *, timeout_s: float | None = None, auth: bool = True) -> None:
         """Any 2xx is healthy, whatever the body (``ok``, JSON or nothing)."""
-        status, body = await self._send("GET", path, timeout_s=self.probe_timeout_s)
+        status, body = await self._send("GET", path, timeout_s=timeout_s or self.probe_timeout_s, auth=auth)
         if status >= 400:
             raise EngineError(f"GET {self.url}{path}: HTTP {status}: {body[:300].decode('utf-8', 'replace')}",
                               status=status, retryable=status in RETRYABLE_STATUS, endpoint=self.url)
+
+    async def wait_healthy(self) -> None:
+        """``GET /health`` without the API key until it answers 2xx; raises the last ``EngineError``.
+
+        SGLang (``http_server.py``, ``health_generate``) answers 503 while starting, and when its one-token
+        health generation gets no reply within ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) on a busy server; it
+        exempts ``/health*`` from the API key (``utils/auth.py``). So each call may take ``health_timeout_s``
+        and a 503 is asked again until ``health_wait_s`` have passed; any other failure is final at once.
+        """
+        deadline = time.monotonic() + self.health_wait_s
+        pause = 0.5
+        while True:
+            try:
+                await self._get_ok("/health", timeout_s=max(self.health_timeout_s, self.probe_timeout_s), auth=False)
+                return
+            except EngineError as e:
+                if e.status != 503 or time.monotonic() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 5.0)
+
+    async def _optional_json(self, paths: Sequence[str], missing: list[str]) -> dict | None:
+        """The first of ``paths`` that answers a JSON object; a 404/405 route is noted in ``missing`` and skipped.
+        A connection failure or any other HTTP error is raised (the endpoint is not there, or refuses us)."""
+        for path in paths:
+            try:
+                reply = await self._request("GET", path, timeout_s=self.probe_timeout_s)
+            except EngineError as e:
+                if e.status in (404, 405):
+                    missing.append(path)
+                    continue
+                raise
+            if isinstance(reply, dict):
+                return reply
+            missing.append(path)
+        return None
+
+    async def server_facts(self) -> ServerFacts:
+        """Identity, flags and context length from the routes SGLang serves (see ``ServerFacts``).
+
+        ``/model_info`` first, then the deprecated ``/get_model_info`` (0.5.23 still serves it, logging a
+        deprecation; the router drops the alias), then ``/v1/models``; ``/server_info`` then ``/get_server_info``.
+        A route that is missing is skipped; only a connection failure or a refusal (401, 5xx) raises.
+        """
+        missing: list[str] = []
+        info = await self._optional_json(("/model_info", "/get_model_info"), missing) or {}
+        server = await self._optional_json(("/server_info", "/get_server_info"), missing) or {}
+        models = await self._optional_json(("/v1/models",), missing) or {}
+        with self._reply_shape("/model_info", info):
+            names = [str(info.get(k) or "") for k in ("served_model_name", "model_path")]
+            cards = [m for m in (models.get("data") or []) if isinstance(m, dict) and m.get("id")]
+            names += [str(m["id"]) for m in cards]
+            context = next((_int_or_none(m.get("max_model_len")) for m in cards if _int_or_none(m.get("max_model_len"))),
+                           None) or _int_or_none(server.get("context_length"))
+
+            def flag(key: str) -> str | None:  # "" when the server says it has none
+                for source in (info, server):
+                    if key in source:
+                        return str(source[key] or "")
+                return None
+
+            deterministic = server.get("enable_deterministic_inference")
+            version = server.get("version")
+        return ServerFacts(tuple(dict.fromkeys(n for n in names if n)), flag("reasoning_parser"),
+                           flag("tool_call_parser"), deterministic if isinstance(deterministic, bool) else None,
+                           context, str(version) if version else None, tuple(missing))
+
+    def _adopt_facts(self, facts: ServerFacts) -> None:
+        self.facts = facts
+        self.context_length = self.configured_context_length or facts.context_length
+
+    @property
+    def seed_honoured(self) -> bool:
+        """Whether a request's seed makes its output reproducible here: configured, else the server's
+        ``enable_deterministic_inference`` (SGLang uses ``sampling_seed`` only then: ``layers/sampler.py``)."""
+        if self.configured_deterministic is not None:
+            return self.configured_deterministic
+        return bool(self.facts and self.facts.deterministic_inference)
+
+    def fit_to_context(self, prompt_tokens: int, gen: GenerationConfig) -> tuple[GenerationConfig, int]:
+        """``gen`` with ``max_new_tokens`` lowered so that prompt + new tokens fit the context length, and by how
+        many tokens it was lowered; ``ContextOverflow`` when fewer than ``context_min_new_tokens`` would remain.
+
+        SGLang's rule (``managers/tokenizer_manager.py``, ``_validate_one_request``): a prompt of context_len
+        tokens or more, or prompt + max_new_tokens above context_len, is refused with 400.
+        """
+        ctx = self.context_length
+        if not ctx:
+            return gen, 0
+        room = ctx - prompt_tokens
+        if room >= gen.max_new_tokens:
+            return gen, 0
+        if room >= max(1, self.context_min_new_tokens):
+            return gen.model_copy(update={"max_new_tokens": room}), gen.max_new_tokens - room
+        raise ContextOverflow(f"{self.url}: prompt of {prompt_tokens} tokens leaves {max(room, 0)} of the context "
+                              f"length {ctx} (at least {self.context_min_new_tokens} new tokens wanted); not sent",
+                              prompt_tokens=prompt_tokens, context_length=ctx, endpoint=self.url)
 
     @contextlib.contextmanager
     def _reply_shape(self, path: str, reply: Any):
@@ -433,22 +607,22 @@ class SGLangEngine(Engine):
         self.tok = ChatTokenizer(tokenizer)
 
     async def probe(self) -> EngineProbe:
+        """Identity and flags (``server_facts``: a missing route is skipped), then health (``wait_healthy``)."""
         t0 = time.perf_counter()
         try:
-            await self._get_ok("/health")
-            latency = time.perf_counter() - t0
-            info = await self._request("GET", "/get_model_info", timeout_s=self.probe_timeout_s) or {}
-            with self._reply_shape("/get_model_info", info):
-                names = [str(info.get("model_path") or "")]
+            facts = await self.server_facts()
         except EngineError as e:
             return EngineProbe(self.url, self.kind, False, error=str(e))
-        with contextlib.suppress(EngineError):  # served-model-name lives in /v1/models on newer SGLang
-            models = await self._request("GET", "/v1/models", timeout_s=self.probe_timeout_s) or {}
-            with self._reply_shape("/v1/models", models):
-                names += [str(m.get("id")) for m in models.get("data", []) if m.get("id")]
-        names = tuple(dict.fromkeys(n for n in names if n))
+        latency = time.perf_counter() - t0
+        self._adopt_facts(facts)
+        names = facts.names
         self.served_model = names[0] if names else ""
-        return EngineProbe(self.url, self.kind, True, names, latency, None if names else "no model_path in /get_model_info")
+        healthy, error = True, None if names else "no model named by /model_info, /get_model_info or /v1/models"
+        try:
+            await self.wait_healthy()
+        except EngineError as e:
+            healthy, error = False, str(e)
+        return EngineProbe(self.url, self.kind, healthy, names, latency, error, facts=facts)
 
     def _stop_ids(self, gen: GenerationConfig) -> list[int]:
         return sorted(self.tok.stop_ids | set(gen.stop_token_ids))
@@ -490,21 +664,25 @@ class SGLangEngine(Engine):
     async def chat(self, messages: Sequence[dict], generation: GenerationConfig, *, ignore_eos: bool = False,
                    tools: Sequence[dict] | None = None) -> ChatResult:
         ids = self.tok.prompt_ids(messages, generation.enable_thinking, tools)
+        fitted, cut = self.fit_to_context(len(ids), generation)
         t0 = time.perf_counter()
-        out = await self.generate_ids(ids, generation, ignore_eos=ignore_eos)
+        out = await self.generate_ids(ids, fitted, ignore_eos=ignore_eos)
         if isinstance(out, list) and len(out) == 1:
             out = out[0]
-        return self._result(out, generation, t0)
+        result = self._result(out, fitted, t0)
+        return dataclasses.replace(result, max_new_tokens_cut=cut) if cut else result
 
     async def chat_batch(self, conversations: Sequence[Sequence[dict]], generation: GenerationConfig) -> list[ChatResult]:
-        """Several prompts in one ``/generate`` call (``input_ids`` as a batch)."""
+        """Several prompts in one ``/generate`` call (``input_ids`` as a batch; one ``max_new_tokens`` for all,
+        lowered to what the longest prompt leaves of the context)."""
         batch = [self.tok.prompt_ids(m, generation.enable_thinking) for m in conversations]
+        fitted, cut = self.fit_to_context(max(len(b) for b in batch), generation) if batch else (generation, 0)
         t0 = time.perf_counter()
-        outs = await self.generate_ids(batch, generation)
+        outs = await self.generate_ids(batch, fitted)
         if not isinstance(outs, list) or len(outs) != len(batch):
             raise EngineError(f"{self.url}/generate: batch of {len(batch)} got {str(outs)[:200]}", retryable=True,
                               endpoint=self.url)
-        return [self._result(o, generation, t0) for o in outs]
+        return [dataclasses.replace(self._result(o, fitted, t0), max_new_tokens_cut=cut) for o in outs]
 
 
 def _openai_message(m: dict) -> dict:
@@ -527,12 +705,19 @@ class OpenAIEngine(Engine):
 
     kind = "openai"
 
-    def __init__(self, url: str, *, api_key: str | None = None, extra_sampling_params: bool | None = None, **kwargs):
+    def __init__(self, url: str, *, api_key: str | None = None, extra_sampling_params: bool | None = None,
+                 reasoning_parser: bool | None = None, tokenizer: Any = None, **kwargs):
         super().__init__(url, api_key=api_key, **kwargs)
         self.extra_sampling_params = extra_sampling_params  # None: decided by the probe
+        self.configured_reasoning_parser = reasoning_parser  # None: decided by the probe
+        self.splits_reasoning: bool | None = reasoning_parser
+        self.tok = ChatTokenizer(tokenizer) if tokenizer is not None else None  # exact prompt counts, when given
         self.dialect: str | None = None
 
     async def probe(self) -> EngineProbe:
+        """``/v1/models`` (identity, dialect), SGLang's ``/model_info`` and ``/server_info`` when served (whether
+        it runs a reasoning parser, deterministic inference, context length), then ``/health`` without the key
+        (404 tolerated: some proxies have none)."""
         t0 = time.perf_counter()
         try:
             models = await self._request("GET", "/v1/models", timeout_s=self.probe_timeout_s) or {}
@@ -542,21 +727,37 @@ class OpenAIEngine(Engine):
                 names = tuple(str(m["id"]) for m in data if m.get("id"))
                 # `transformers serve` tags its /v1/models entries with a non-OpenAI `status` object.
                 served_by_transformers = any(isinstance(m.get("status"), dict) for m in data)
+            facts = await self.server_facts()
         except EngineError as e:
             return EngineProbe(self.url, self.kind, False, error=str(e))
+        self._adopt_facts(facts)
         self.dialect = "transformers_serve" if served_by_transformers else "openai"
         if self.extra_sampling_params is None:
             self.extra_sampling_params = self.dialect != "transformers_serve"
+        if self.configured_reasoning_parser is None:
+            # `transformers serve` has no reasoning parser: the <think> block stays in the content
+            self.splits_reasoning = False if self.dialect == "transformers_serve" else facts.splits_reasoning
         healthy, error = True, None
         try:
-            await self._get_ok("/health")
+            await self.wait_healthy()
         except EngineError as e:
             if e.status != 404:  # vLLM/SGLang/transformers have /health; some proxies do not
                 healthy, error = False, str(e)
         if not names:
             error = error or "GET /v1/models lists no model"
         self.served_model = names[0] if names else ""
-        return EngineProbe(self.url, self.kind, healthy, names, latency, error, self.dialect)
+        return EngineProbe(self.url, self.kind, healthy, names, latency, error, self.dialect, facts)
+
+    def prompt_tokens(self, messages: Sequence[dict], gen: GenerationConfig, tools: Sequence[dict] | None) -> int:
+        """The request's prompt tokens for the context check: counted with the target's tokenizer when the
+        engine has one and the cheap bound does not already fit; else that bound, an upper limit (a byte-level
+        BPE token is at least one UTF-8 byte; 32 tokens per message and 64 for the template's frame)."""
+        text = sum(len(json_dumps(_openai_message(m))) + 32 for m in messages) + 64
+        bound = text + (len(json_dumps(list(tools))) if tools else 0)
+        fits = self.context_length is None or bound + gen.max_new_tokens <= self.context_length
+        if fits or self.tok is None:
+            return bound
+        return len(self.tok.prompt_ids(messages, gen.enable_thinking, tools))
 
     def _payload(self, messages: Sequence[dict], gen: GenerationConfig, ignore_eos: bool = False,
                  tools: Sequence[dict] | None = None) -> dict:
@@ -599,14 +800,22 @@ class OpenAIEngine(Engine):
 
     async def chat(self, messages: Sequence[dict], generation: GenerationConfig, *, ignore_eos: bool = False,
                    tools: Sequence[dict] | None = None) -> ChatResult:
+        cut = 0
+        if self.context_length:
+            generation, cut = self.fit_to_context(self.prompt_tokens(messages, generation, tools), generation)
         t0 = time.perf_counter()
         out = await self._request("POST", "/v1/chat/completions", self._payload(messages, generation, ignore_eos, tools),
                                   read_timeout_s=self.read_timeout_for(generation.max_new_tokens))
         latency = time.perf_counter() - t0
         with self._reply_shape("/v1/chat/completions", out):
-            return self._parse_chat(out, generation, latency)
+            result = self._parse_chat(out, generation, latency)
+        return dataclasses.replace(result, max_new_tokens_cut=cut) if cut else result
 
     def _parse_chat(self, out: Any, generation: GenerationConfig, latency: float) -> ChatResult:
+        """The reply's turn. A server that splits reasoning (known from the probe or the endpoint's setting, or
+        shown by a non-null reasoning field in this reply) keeps content and tool calls as sent, a null
+        reasoning being empty reasoning (SGLang ``serving_chat.py`` sends ``reasoning_content: null`` when the
+        parsed reasoning is empty). Only a server without a parser gets the ``<think>`` block split here."""
         self._check_model("/v1/chat/completions", out.get("model"))
         choice = out["choices"][0]
         msg = choice.get("message") or {}
@@ -614,11 +823,11 @@ class OpenAIEngine(Engine):
         reasoning = msg.get("reasoning_content")
         if reasoning is None:
             reasoning = msg.get("reasoning")  # vLLM >= 0.10 names it `reasoning`
-        if reasoning is None:  # no reasoning parser on the server: split here
+        if reasoning is None and not self.splits_reasoning:  # no reasoning parser on the server: split here
             reasoning, content = split_reasoning_text(content, generation.enable_thinking)
         else:
             # a turn that stopped inside its reasoning: `transformers serve` leaves the stop text there
-            reasoning, content = strip_stop_text(reasoning).strip("\n"), content.lstrip("\n")
+            reasoning, content = strip_stop_text(reasoning or "").strip("\n"), content.lstrip("\n")
         finish = str(choice.get("finish_reason") or "stop")
         if finish == "abort":
             raise EngineError(f"{self.url}: request aborted", retryable=True, endpoint=self.url)
@@ -647,7 +856,8 @@ class TransformersEngine(Engine):
     32 long prompts), so the fleet's concurrent requests become batch rows (see
     BENCHMARKS.md for the gain over one at a time).
     A row ends at its first stop id. With ``seed`` set the sampled tokens depend on
-    the batch a request lands in. Explicit opt-in only.
+    the batch a request lands in, so a seed does not make a row reproducible here
+    (``seed_honoured`` is False unless configured). Explicit opt-in only.
     """
 
     kind = "transformers"

@@ -4,7 +4,10 @@
 sglang|openai|transformers, max_concurrency), the target model they must
 serve, timeouts and retries. ``probe_fleet`` asks each endpoint for health and
 identity and returns a ``FleetProbe`` table (endpoint, kind, served model,
-healthy, latency, status; also as markdown and Arrow). An endpoint that serves
+healthy, latency, status, context length, whether a seed holds there; also as
+markdown and Arrow). A missing identity route is skipped, not "unreachable"; a
+503 from ``/health`` (a starting or busy SGLang) is waited on for
+``health_wait_s``. An endpoint that serves
 another model than the target is refused: ids are compared after
 normalization (``normalize_model_id``: basename, lower case, no revision),
 against the target and the optional ``served_model_name`` alias. With no
@@ -106,6 +109,15 @@ class EndpointConfig(BaseModel):
     extra_sampling_params: bool | None = Field(
         None, description="openai kind: send top_k/min_p/... (SGLang, vLLM). None: on unless the probe "
         "recognizes `transformers serve`, which rejects them.")
+    reasoning_parser: bool | None = Field(
+        None, description="openai kind: whether the server splits reasoning out of the content (SGLang "
+        "--reasoning-parser, vLLM --reasoning-parser). None: from SGLang's /model_info at probe time; a server "
+        "that does not say is treated as splitting only in replies that carry a reasoning field.")
+    context_length: int | None = Field(None, ge=1, description="Context length of the served model (None: from "
+                                       "/v1/models max_model_len at probe time; no check when neither says).")
+    deterministic_inference: bool | None = Field(
+        None, description="Whether a request's seed makes its output reproducible on this endpoint. None: from "
+        "SGLang's /server_info enable_deterministic_inference (false when the server does not say).")
     model_path: str | None = Field(None, description="transformers kind: model dir (default: the fleet's target_model).")
     device: str = Field("cpu", description="transformers kind: torch device.")
     max_batch_tokens: int = Field(8192, ge=1, description="transformers kind: padded prompt tokens per generate "
@@ -136,6 +148,13 @@ class EngineFleetConfig(BaseModel):
                                     "an error.")
     api_key: SecretStr | None = Field(None, description="Bearer token sent to every endpoint without its own "
                                       "(masked in repr and dumps; never logged).")
+    health_wait_s: float = Field(60.0, ge=0, description="How long a probe asks /health again while it answers 503 "
+                                 "(SGLang: starting, or busy past its 20 s health generation).")
+    health_timeout_s: float = Field(25.0, gt=0, description="One /health call (SGLang's waits up to 20 s for a token).")
+    context_min_new_tokens: int = Field(
+        64, ge=1, description="A request whose prompt leaves fewer new tokens than this in the context length is "
+        "not sent (the conversation stops at its previous turn; a first turn fails as context_overflow); one "
+        "that leaves more has max_new_tokens lowered to what fits.")
 
     @model_validator(mode="after")
     def _unique_urls(self) -> "EngineFleetConfig":
@@ -161,6 +180,9 @@ class EndpointStatus:
     serves_target: bool
     status: str  # ok | wrong_model | unhealthy | unreachable
     detail: str = ""
+    context_length: int | None = None  # tokens of prompt + output the endpoint takes (None: not known)
+    seed_honoured: bool = False  # a request's seed makes its output reproducible here
+    reasoning_parser: str | None = None  # the server's reasoning parser ("": none; None: it did not say)
 
     @property
     def usable(self) -> bool:
@@ -181,7 +203,13 @@ class FleetProbe:
     def records(self) -> list[dict]:
         return [{"endpoint": r.endpoint, "kind": r.kind, "served_model": r.served_model, "healthy": r.healthy,
                  "latency_ms": r.latency_ms, "serves_target": r.serves_target, "status": r.status,
-                 "detail": r.detail} for r in self.rows]
+                 "detail": r.detail, "context_length": r.context_length, "seed_honoured": r.seed_honoured,
+                 "reasoning_parser": r.reasoning_parser} for r in self.rows]
+
+    @property
+    def seed_honoured(self) -> bool:
+        """A seed holds on every usable endpoint (a task may run on any of them)."""
+        return bool(self.usable) and all(r.seed_honoured for r in self.usable)
 
     def to_arrow(self):
         import pyarrow as pa
@@ -189,7 +217,8 @@ class FleetProbe:
         return pa.Table.from_pylist(self.records(), schema=pa.schema([
             ("endpoint", pa.string()), ("kind", pa.string()), ("served_model", pa.string()), ("healthy", pa.bool_()),
             ("latency_ms", pa.float64()), ("serves_target", pa.bool_()), ("status", pa.string()),
-            ("detail", pa.string())]))
+            ("detail", pa.string()), ("context_length", pa.int64()), ("seed_honoured", pa.bool_()),
+            ("reasoning_parser", pa.string())]))
 
     def markdown(self) -> str:
         lines = [f"target: `{self.target_model}`", "",
@@ -259,12 +288,15 @@ def build_engine(ep: EndpointConfig, config: EngineFleetConfig, tokenizer: Any =
     common = dict(max_concurrency=ep.max_concurrency, connect_timeout_s=config.connect_timeout_s,
                   request_timeout_s=config.request_timeout_s, probe_timeout_s=config.probe_timeout_s, name=ep.name,
                   read_timeout_s=config.read_timeout_s, read_timeout_per_token_s=config.read_timeout_per_token_s,
-                  max_response_bytes=config.max_response_bytes)
+                  max_response_bytes=config.max_response_bytes, health_wait_s=config.health_wait_s,
+                  health_timeout_s=config.health_timeout_s, context_length=ep.context_length,
+                  context_min_new_tokens=config.context_min_new_tokens,
+                  deterministic_inference=ep.deterministic_inference)
     if ep.kind == "sglang":
         return SGLangEngine(ep.url, tokenizer, api_key=endpoint_api_key(ep, config), **common)
     if ep.kind == "openai":
-        return OpenAIEngine(ep.url, api_key=endpoint_api_key(ep, config),
-                            extra_sampling_params=ep.extra_sampling_params, **common)
+        return OpenAIEngine(ep.url, api_key=endpoint_api_key(ep, config), extra_sampling_params=ep.extra_sampling_params,
+                            reasoning_parser=ep.reasoning_parser, tokenizer=tokenizer, **common)
     if ep.kind == "transformers":
         return TransformersEngine(ep.model_path or config.target_model, device=ep.device, tokenizer=tokenizer,
                                   max_batch_tokens=ep.max_batch_tokens, **common)
@@ -274,6 +306,9 @@ def build_engine(ep: EndpointConfig, config: EngineFleetConfig, tokenizer: Any =
 def _status_row(ep: EndpointConfig, engine: Engine, probe: EngineProbe, config: EngineFleetConfig) -> EndpointStatus:
     latency = probe.latency_s * 1000 if probe.latency_s is not None else None
     served = ", ".join(probe.served_models)
+    facts = probe.facts
+    server_said = dict(context_length=engine.context_length, seed_honoured=engine.seed_honoured,
+                       reasoning_parser=facts.reasoning_parser if facts else None)
     if not probe.served_models and probe.error:
         return EndpointStatus(engine.url, ep.kind, "", False, latency, False, "unreachable", probe.error)
     match = serves_target(probe.served_models, config.target_model, ep.served_model_name or config.served_model_name)
@@ -285,8 +320,9 @@ def _status_row(ep: EndpointConfig, engine: Engine, probe: EngineProbe, config: 
     engine.accepted_models = {normalize_model_id(n) for n in (match, config.target_model,
                                                               ep.served_model_name or config.served_model_name) if n}
     if not probe.healthy:
-        return EndpointStatus(engine.url, ep.kind, match, False, latency, True, "unhealthy", probe.error or "")
-    return EndpointStatus(engine.url, ep.kind, match, True, latency, True, "ok")
+        return EndpointStatus(engine.url, ep.kind, match, False, latency, True, "unhealthy", probe.error or "",
+                              **server_said)
+    return EndpointStatus(engine.url, ep.kind, match, True, latency, True, "ok", **server_said)
 
 
 async def _probe_engines(config: EngineFleetConfig, engines: list[Engine]) -> FleetProbe:
@@ -628,7 +664,7 @@ class EngineFleet:
     """Probed engines and the dispatcher over them. ``async with EngineFleet(cfg, tokenizer) as fleet``.
 
     Entering probes every endpoint (``fleet.probe``) and raises
-    ``NoEngineAvailable`` when none is usable.
+    ``NoEngineAvailable`` when none is usable; entering again reuses that probe.
     """
 
     def __init__(self, config: EngineFleetConfig, tokenizer: Any = None, *, engines: Sequence[Engine] | None = None):
@@ -639,6 +675,8 @@ class EngineFleet:
         self._endpoints: list[EndpointState] = []
 
     async def __aenter__(self) -> "EngineFleet":
+        if self._endpoints:  # entered already (probed once; a second ``async with`` does not probe again)
+            return self
         if not self.config.endpoints:
             raise NoEngineAvailable("no generation endpoint configured", FleetProbe(self.config.target_model, ()))
         if self._engines is None:
@@ -659,6 +697,11 @@ class EngineFleet:
     async def close(self) -> None:
         if self._engines:
             await asyncio.gather(*(e.close() for e in self._engines), return_exceptions=True)
+
+    @property
+    def seed_honoured(self) -> bool:
+        """A seed holds on every usable endpoint (False before the probe)."""
+        return self.probe is not None and self.probe.seed_honoured
 
     @property
     def live_endpoints(self) -> list[Engine]:
