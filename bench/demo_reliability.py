@@ -1,4 +1,5 @@
-"""Benchmark: does the demo pass its own checks on every run? Runs the demo's stages N times with varied seeds.
+"""Benchmark: does the demo pass its own checks on every run? Runs the demo's stages N times with varied seeds,
+under one or several CPU kernel levels.
 
 Each run is what ``make demo`` does (``dagster_project.demo_runner.run_demo``:
 the tiny target served by ``transformers serve``, the first ``--prompts``
@@ -11,9 +12,15 @@ apart.
 
 Prints one JSON object: runs, failed partitions per run, every check's
 outcome per partition, wall time per run, tau per run (with ``--drafter``),
-totals, and the machine.
+totals, the tiny target's weight digest, and the machine.
+
+``--kernels default,avx2,avx512`` repeats all of it once per CPU kernel level
+(``ATEN_CPU_CAPABILITY``, in a child process each): the trained bytes of the
+tiny target depend on the kernels, so each level builds (and caches, under its
+own key) a target of its own, and the object holds one report per level.
 
     .venv/bin/python bench/demo_reliability.py --runs 10
+    .venv/bin/python bench/demo_reliability.py --runs 3 --kernels default,avx2,avx512
 
 Reads: the cache. Writes: a temp dir (``--workdir`` to keep it), the cache.
 """
@@ -70,12 +77,18 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96, help="as make demo")
     parser.add_argument("--drafter", action="store_true", help="also train and evaluate the drafter (tau)")
     parser.add_argument("--workdir", help="keep every run's home and store here")
+    parser.add_argument("--kernels", help="comma-separated ATEN_CPU_CAPABILITY levels to repeat everything under, "
+                        "each in a child process (default: this process's own)")
     args = parser.parse_args()
+    if args.kernels:
+        print(json.dumps(per_kernel_level(args), indent=2))
+        return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     warnings.simplefilter("ignore")  # Dagster's beta/preview notes; the runs' own logs stay in each instance
 
     from dflash_assets.embedded.defaults import embedded_default_target
+    from dflash_assets.embedded.tiny_targets import cpu_capability
 
     t0 = time.time()
     target = embedded_default_target()
@@ -104,9 +117,44 @@ def main() -> None:
         "wall_s_per_run": [r["wall_s"] for r in runs], "tau": [r["tau"] for r in runs] if args.drafter else None,
         "plan_predicted_over_measured": [{c["what"]: c["ratio"] for c in r["plan_checks"]} for r in runs],
         "target": str(target), "target_ready_s": round(target_s, 1), "settings": vars(args),
+        "cpu_capability": cpu_capability(), "target_weights_sha256": _sha256(Path(target) / "model.safetensors"),
         "machine": machine_info("dagster", "torch", "transformers"),
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "per_run": runs,
     }, indent=2))
+
+
+def per_kernel_level(args: argparse.Namespace) -> dict:
+    """This script once per ``--kernels`` level, in a child process with ``ATEN_CPU_CAPABILITY`` set; the reports
+    side by side, and whether the tiny targets they built differ."""
+    import subprocess
+
+    reports = {}
+    for level in args.kernels.split(","):
+        argv = [sys.executable, __file__, "--runs", str(args.runs), "--seed-base", str(args.seed_base),
+                "--prompts", str(args.prompts), "--shard-size", str(args.shard_size),
+                "--max-new-tokens", str(args.max_new_tokens), *(["--drafter"] if args.drafter else [])]
+        if args.workdir:
+            argv += ["--workdir", str(Path(args.workdir) / level)]
+        print(f"kernel level {level}: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
+        done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True,
+                              env={**os.environ, "ATEN_CPU_CAPABILITY": level})
+        reports[level] = json.loads(done.stdout)
+    digests = {level: r["target_weights_sha256"] for level, r in reports.items()}
+    return {"kernels": list(reports), "target_weights_sha256": digests,
+            "distinct_targets": len(set(digests.values())),
+            "runs_with_a_failure": {level: r["runs_with_a_failure"] for level, r in reports.items()},
+            "check_failures": {level: r["check_failures"] for level, r in reports.items()},
+            "per_kernel_level": reports}
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 if __name__ == "__main__":

@@ -295,25 +295,15 @@ def plan_checks(plan: dict[str, Any], completions: dict[str, dict[str, Any]], st
 
 def first_answers(store: Any, shard: str, count: int = 2) -> list[tuple[str, str]]:
     """The first ``count`` (user prompt, final answer) pairs of a shard's completions, as the target wrote them."""
+    from dflash_assets.generation.examples import answer_examples
     from dflash_assets.store import layout
 
-    table = store.read_parquet(layout.completions(shard), columns=["messages"])
-    pairs = []
-    for messages in table.column("messages").to_pylist():
-        user = next((m["content"] for m in messages if m["role"] == "user"), "")
-        answer = next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
-        if user and answer:
-            pairs.append((user, answer))
-        if len(pairs) == count:
-            break
-    return pairs
+    return answer_examples(store.read_parquet(layout.completions(shard), columns=["messages"]), count)
 
 
 def answer_line(user: str, answer: str, width: int = 150) -> str:
     """One console line: a prompt and the target's answer, each on one line and cut to fit."""
-    def one_line(text: str, limit: int) -> str:
-        text = " ".join(text.split())
-        return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
+    from dflash_assets.generation.examples import one_line
 
     return f"Q: {one_line(user, 60)}  A: {one_line(answer, width - 70)}"
 

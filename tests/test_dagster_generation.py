@@ -1,5 +1,7 @@
 """The generation stage through Dagster: the plan asset measures the fleet; no engine fails at once."""
 
+import re
+
 import dagster as dg
 import pytest
 
@@ -65,6 +67,11 @@ def test_completions_probe_each_endpoint_once_and_log_the_table(tmp_path, tiny_d
             logs = [e.user_message for e in instance.all_logs(result.run_id) if e.user_message]
         assert engine.stats.model_info_requests == 1  # one probe per materialization, not one in the asset and one in the library
     assert sum("engine probe:" in m and "| endpoint |" in m for m in logs) == 1
+    # the UI shows what the target wrote: the first conversations' prompt and answer, as text
+    (materialization,) = result.asset_materializations_for_node("completions")
+    examples = materialization.metadata["examples"].value.splitlines()
+    assert examples[:2] == ["| prompt | answer |", "| --- | --- |"] and len(examples) == 5, examples
+    assert all(re.fullmatch(r"\| Prompt \d \| .*\S.* \|", row) for row in examples[2:]), examples
 
 
 def test_generation_plan_takes_turns_and_lengths_from_the_completions(tmp_path, tiny_dense_target):

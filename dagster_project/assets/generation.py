@@ -29,6 +29,7 @@ from dflash_assets.generation.completions import (
     regenerate_shard,
     response_length_histogram,
 )
+from dflash_assets.generation.examples import answer_examples, examples_markdown
 from dflash_assets.generation.fleet import NoEngineAvailable
 from dflash_assets.cost_plan import CorpusShape, GenerationCost, TargetShape, plan_costs
 from dflash_assets.generation.plan import (
@@ -81,6 +82,7 @@ def completions(context: dg.AssetExecutionContext, config: GenerationStageConfig
         metadata["failed_prompts"] = dg.MetadataValue.md(failed_prompts_markdown(result.failed))
     if result.probe is not None:
         metadata["engines"] = dg.MetadataValue.md(result.probe.markdown())
+    metadata["examples"] = dg.MetadataValue.md(examples_markdown(answer_examples(result.table)))
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(result.sha256[:16]))
 
 
