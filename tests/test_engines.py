@@ -413,3 +413,236 @@ def test_api_key_is_sent_as_bearer_and_kept_out_of_reprs_and_errors(tok, kind):
         assert srv.stats.unauthorized >= 1
     assert key not in repr(_engine(kind, srv.url, tok, api_key=key)) and "sk-wrong" not in repr(wrong)
     assert "sk-wrong" not in str(info.value) and info.value.status == 401 and not info.value.retryable
+
+
+# -- true to SGLang 0.5.23 (issue 24) ---------------------------------------------------------
+# Replies below are built as SGLang 0.5.23 builds them (srt/entrypoints/openai/serving_chat.py: `content=text if
+# text else ""`, `reasoning_content=reasoning_text if reasoning_text else None`), and the loopback answers so.
+
+TARGET = "/models/Qwen3.6-27B"
+CALL_BLOCK = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}},
+                                                                "required": ["city"]}}}
+
+
+def _sglang_chat_reply(content: str, reasoning: str | None, tool_calls=None, finish="stop") -> dict:
+    return {"id": "r1", "object": "chat.completion", "created": 0, "model": TARGET,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content or "",
+                                                 "reasoning_content": reasoning or None, "tool_calls": tool_calls},
+                         "finish_reason": finish, "matched_stop": None}],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}}
+
+
+def _http(url: str, path: str, payload: dict | None = None, headers: dict | None = None) -> tuple[int, dict | str]:
+    """One raw request (urllib): (status, JSON body or text)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(payload).encode() if payload is not None else None
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            status, body = resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        status, body = e.code, e.read()
+    try:
+        return status, json.loads(body) if body else ""
+    except ValueError:
+        return status, body.decode()
+
+
+@pytest.mark.parametrize("reply,server_splits,expected", [
+    # empty think block, server with --reasoning-parser: null reasoning, the answer stays the answer
+    (_sglang_chat_reply("\n\nParis.", None), True, ("", "Paris.")),
+    (_sglang_chat_reply("Paris.", None), True, ("", "Paris.")),
+    # a tool call opened without </think> (SGLang's Qwen3 detector ends the reasoning at <tool_call>)
+    (_sglang_chat_reply(CALL_BLOCK, None), True, ("", CALL_BLOCK)),
+    (_sglang_chat_reply("", None, [{"id": "c0", "type": "function", "index": 0, "function": {
+        "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}], "tool_calls"), True, ("", "")),
+    (_sglang_chat_reply("\n\nParis.", "Think.\n"), True, ("Think.", "Paris.")),
+    # a server without a parser: the raw text, split here
+    (_sglang_chat_reply("Think.\n</think>\n\nParis.", None), False, ("Think.", "Paris.")),
+])
+def test_openai_reply_with_null_reasoning_keeps_answer_and_calls_where_they_are(reply, server_splits, expected):
+    eng = OpenAIEngine("http://127.0.0.1:1")
+    eng.splits_reasoning = server_splits
+    res = eng._parse_chat(reply, GenerationConfig(), 0.1)
+    assert (res.reasoning_content, res.content) == expected
+    assert res.tool_calls == reply["choices"][0]["message"]["tool_calls"]
+
+
+def test_openai_probe_learns_the_reasoning_parser_once_and_empty_reasoning_stays_empty():
+    # reasoning_tokens (0, 0): the target emits `</think>` first, SGLang answers reasoning_content null
+    with LoopbackServer(model_path=TARGET, reasoning_tokens=(0, 0)) as parsed, \
+            LoopbackServer(model_path=TARGET, reasoning_tokens=(0, 0), reasoning_parser=None) as raw:
+        status, wire = _http(parsed.url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 64})
+        assert status == 200 and wire["choices"][0]["message"]["reasoning_content"] is None
+        answer = wire["choices"][0]["message"]["content"]
+
+        async def go(url):
+            async with OpenAIEngine(url) as eng:
+                probe = await eng.probe()
+                return probe, eng.splits_reasoning, await eng.chat(MESSAGES, GenerationConfig(max_new_tokens=64))
+
+        (probe, splits, res), (raw_probe, raw_splits, raw_res) = run(go(parsed.url)), run(go(raw.url))
+    assert probe.facts.reasoning_parser == "qwen3" and splits is True
+    assert raw_probe.facts.reasoning_parser == "" and raw_splits is False
+    assert answer and "</think>" not in answer
+    assert (res.reasoning_content, res.content) == ("", answer)  # not moved into the reasoning
+    assert (raw_res.reasoning_content, raw_res.content) == ("", answer)  # split here, the same turn
+
+
+@pytest.mark.parametrize("tool_parser", [True, False], ids=["tool-call-parser", "no-tool-call-parser"])
+def test_openai_tool_call_without_think_end_is_kept(tool_parser):
+    with LoopbackServer(model_path=TARGET, reasoning_tokens=(0, 0), tool_call_without_think_end=True,
+                        tool_call_parser=tool_parser, tool_rules=(("weather", "get_weather", {"city": "Paris"}),)) as srv:
+
+        async def go():
+            async with OpenAIEngine(srv.url) as eng:
+                await eng.probe()
+                return await eng.chat([{"role": "user", "content": "weather in Paris?"}], GenerationConfig(),
+                                      tools=[WEATHER_TOOL])
+
+        res = run(go())
+    assert res.reasoning_content == ""
+    if tool_parser:
+        assert res.finish_reason == "tool_calls" and res.tool_calls[0]["function"]["name"] == "get_weather"
+    else:
+        assert res.tool_calls is None and res.content == CALL_BLOCK
+
+
+@pytest.mark.parametrize("missing", [(), ("/model_info",), ("/model_info", "/get_model_info"),
+                                     ("/model_info", "/get_model_info", "/server_info", "/get_server_info"),
+                                     ("/v1/models",)])
+@pytest.mark.parametrize("kind", ["sglang", "openai"])
+def test_probe_identifies_the_model_whatever_route_is_missing(tok, kind, missing):
+    if kind == "openai" and "/v1/models" in missing:
+        pytest.skip("the OpenAI kind is /v1/models itself")
+    with LoopbackServer(model_path=TARGET, served_model_name="qwen3.6-27b", missing_routes=missing) as srv:
+        probe, res = run(_probe_then_chat(_engine(kind, srv.url, tok)))
+        info_calls = srv.stats.model_info_requests
+    assert probe.healthy and probe.error is None and res.completion_tokens > 0
+    assert "qwen3.6-27b" in probe.served_models
+    assert probe.facts.routes_missing == tuple(r for r in missing if r != "/v1/models" or kind == "sglang")
+    assert info_calls == (0 if "/get_model_info" in missing else 1)  # one identity call, the first route there
+    assert probe.facts.context_length == (None if "/v1/models" in missing else 32768)
+
+
+def test_health_is_waited_on_while_503_and_never_needs_the_key(tok):
+    import time
+
+    key = "sk-loopback-health"
+    with LoopbackServer(model_path=TARGET, api_key=key, health_503_s=1.5) as srv:
+        assert _http(srv.url, "/health")[0] == 503  # starting
+        assert _http(srv.url, "/model_info") == (401, {"error": "Unauthorized"})
+        t0 = time.perf_counter()
+        probe, res = run(_probe_then_chat(SGLangEngine(srv.url, tok, api_key=key, health_wait_s=20)))
+        waited = time.perf_counter() - t0
+        assert srv.stats.health_requests >= 2 and srv.stats.unauthorized == 1  # only the raw call above
+    assert probe.healthy and waited >= 1.0 and res.completion_tokens > 0
+
+
+def test_health_that_stays_503_is_unhealthy_not_unreachable_and_the_router_is_always_200(tok):
+    from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig, probe_fleet
+
+    with LoopbackServer(model_path=TARGET, health_503_s=60) as starting, \
+            LoopbackServer(model_path=TARGET, health_503_s=60, router=True) as router:
+        cfg = EngineFleetConfig(target_model=TARGET, health_wait_s=0.5,
+                                endpoints=[EndpointConfig(url=starting.url), EndpointConfig(url=router.url)])
+        rows = {r.endpoint: r for r in probe_fleet(cfg, tok).rows}
+    assert rows[starting.url].status == "unhealthy" and "503" in rows[starting.url].detail
+    assert rows[starting.url].served_model == TARGET  # identified all the same
+    assert rows[router.url].status == "ok"  # the router's /health says nothing about its workers
+
+
+@pytest.mark.parametrize("kind", ["sglang", "openai"])
+def test_seed_changes_the_output_only_on_a_deterministic_server(tok, kind):
+    async def two_seeds(url):
+        async with _engine(kind, url, tok) as eng:
+            await eng.probe()
+            a = await eng.chat(MESSAGES, GenerationConfig(max_new_tokens=64, seed=1))
+            b = await eng.chat(MESSAGES, GenerationConfig(max_new_tokens=64, seed=2))
+            return eng.seed_honoured, a, b
+
+    with LoopbackServer(model_path=TARGET) as default, LoopbackServer(model_path=TARGET, deterministic=True) as det:
+        ignored, a, b = run(two_seeds(default.url))
+        honoured, c, d = run(two_seeds(det.url))
+    assert ignored is False and (a.reasoning_content, a.content) == (b.reasoning_content, b.content)
+    assert honoured is True and (c.reasoning_content, c.content) != (d.reasoning_content, d.content)
+
+
+def test_config_hash_says_whether_the_seed_was_honoured():
+    seeded, unseeded = GenerationConfig(seed=7), GenerationConfig()
+    assert seeded.config_hash(TARGET, True) != seeded.config_hash(TARGET, False)
+    assert seeded.config_hash(TARGET, False) == seeded.config_hash(TARGET)  # unknown counts as not honoured
+    assert unseeded.config_hash(TARGET, True) == unseeded.config_hash(TARGET, False)  # no seed: nothing to say
+
+
+@pytest.mark.parametrize("kind", ["sglang", "openai"])
+def test_request_is_fitted_to_the_context_length_before_sending(tok, kind):
+    from dflash_assets.generation.engines import ContextOverflow
+
+    gen = GenerationConfig(max_new_tokens=400)
+    with LoopbackServer(model_path=TARGET, context_length=300) as srv:
+
+        async def go(**kwargs):
+            async with _engine(kind, srv.url, tok, **kwargs) as eng:
+                await eng.probe()
+                return eng.context_length, await eng.chat(MESSAGES, gen)
+
+        context, res = run(go())
+        body = srv.stats.last_body
+        sent = body["sampling_params"]["max_new_tokens"] if kind == "sglang" else body["max_tokens"]
+        assert context == 300 and sent < 300 and res.max_new_tokens_cut == 400 - sent
+        if kind == "sglang":  # exact: the prompt's ids
+            assert sent == 300 - len(ChatTokenizer(tok).prompt_ids(MESSAGES, True))
+        requests = srv.stats.generate_requests + srv.stats.chat_requests
+        with pytest.raises(ContextOverflow) as info:  # fewer than the minimum left: not sent at all
+            run(go(context_min_new_tokens=299))
+        assert srv.stats.generate_requests + srv.stats.chat_requests == requests
+    assert not info.value.retryable and info.value.context_length == 300
+
+
+@pytest.mark.parametrize("kind", ["sglang", "openai"])
+def test_loopback_refuses_overflow_with_400_in_the_route_s_error_body(tok, kind):
+    ids = ChatTokenizer(tok).prompt_ids(MESSAGES, True)
+    with LoopbackServer(model_path=TARGET, context_length=150) as srv:
+        if kind == "sglang":
+            status, body = _http(srv.url, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 200}})
+            assert status == 400 and "exceeds the model's maximum context length of 150" in body["error"]["message"]
+        else:
+            status, body = _http(srv.url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 200})
+            assert status == 400 and body["object"] == "error" and body["code"] == 400
+            assert "maximum context length of 150" in body["message"]
+        # a client that does not know the context length (not probed) gets the 400: not retried
+
+        async def unprobed():
+            async with _engine(kind, srv.url, tok) as eng:
+                return await eng.chat(MESSAGES, GenerationConfig(max_new_tokens=200))
+
+        with pytest.raises(EngineError) as info:
+            run(unprobed())
+    assert info.value.status == 400 and not info.value.retryable and "context length" in str(info.value)
+
+
+def test_loopback_chat_checks_tool_schemas_echoes_the_model_and_counts_tokens(tiny_dense_target):
+    from tokenizers import Tokenizer
+
+    from dflash_assets.testing.sglang_loopback import _chatml
+
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}
+    with LoopbackServer(model_path=TARGET, tokenizer_json=str(tiny_dense_target / "tokenizer.json")) as srv:
+        status, body = _http(srv.url, "/v1/chat/completions", {"messages": MESSAGES, "tools": [WEATHER_TOOL, bad]})
+        assert status == 400 and body["object"] == "error" and body["type"] == "BadRequestError"
+        assert body["message"].startswith("Tool 1 function has invalid 'parameters' schema")
+        status, body = _http(srv.url, "/v1/chat/completions", {"messages": MESSAGES, "model": "any-name-at-all"})
+        assert status == 200 and body["model"] == "any-name-at-all"  # echoed, never checked
+        rendered = _chatml(MESSAGES, None, True)
+        n_tokens = len(Tokenizer.from_file(str(tiny_dense_target / "tokenizer.json")).encode(
+            rendered, add_special_tokens=False).ids)
+        assert body["usage"]["prompt_tokens"] == n_tokens < len(rendered)  # tokens, not characters
+        status, body = _http(srv.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 40000}})
+        assert status == 400 and set(body) == {"error"} and set(body["error"]) == {"message"}
