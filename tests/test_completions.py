@@ -298,3 +298,58 @@ def test_kill_9_then_resume_regenerates_only_the_missing(tok, tiny_dense_target,
         clean = regenerate_shard(rows, shard="kill", store=LocalStore(tmp_path / "ref"), fleet=fleet(ref),
                                  generation=GenerationConfig(max_new_tokens=64), tokenizer=tok)
     assert table["messages"].to_pylist() == clean.table["messages"].to_pylist()
+
+
+def test_seeded_run_records_whether_the_engines_honour_the_seed(tok, local_store):
+    """SGLang uses a seed only when started with --enable-deterministic-inference (issue 24 item 3): the hash and
+    the metadata say which, read from the servers' /server_info in the run's one probe."""
+    rows = prompts(4)
+    seeded = GenerationConfig(max_new_tokens=64, seed=5)
+    with LoopbackServer(model_path=TARGET) as default, LoopbackServer(model_path=TARGET, deterministic=True) as det:
+        ignored = regenerate_shard(rows, shard="s1", store=local_store, fleet=fleet(default), generation=seeded,
+                                   tokenizer=tok)
+        honoured = regenerate_shard(rows, shard="s2", store=local_store, fleet=fleet(det), generation=seeded,
+                                    tokenizer=tok)
+        mixed = regenerate_shard(rows, shard="s3", store=local_store, fleet=fleet(default, det), generation=seeded,
+                                 tokenizer=tok)
+        unseeded = regenerate_shard(rows, shard="s4", store=local_store, fleet=fleet(det),
+                                    generation=GenerationConfig(max_new_tokens=64), tokenizer=tok)
+        requests = det.stats.generate_requests
+        again = regenerate_shard(rows, shard="s2", store=local_store, fleet=fleet(det), generation=seeded,
+                                 tokenizer=tok)
+        assert det.stats.generate_requests == requests  # resumed: the hash was known before any work
+        assert det.stats.model_info_requests == 4  # one probe per run, also where the seed made it probe first
+    assert ignored.config_hash == seeded.config_hash(TARGET, seed_honoured=False) == mixed.config_hash
+    assert honoured.config_hash == seeded.config_hash(TARGET, seed_honoured=True) != ignored.config_hash
+    assert set(honoured.table["config_hash"].to_pylist()) == {honoured.config_hash} == {again.config_hash}
+    assert (ignored.stats.seed_effect, honoured.stats.seed_effect, mixed.stats.seed_effect) == \
+        ("ignored", "honoured", "ignored")
+    assert unseeded.stats.to_metadata()["seed_effect"] == "no seed"
+    assert unseeded.config_hash == GenerationConfig(max_new_tokens=64).config_hash(TARGET)
+    assert again.stats.prompts_resumed == 4 and honoured.probe.seed_honoured and not ignored.probe.seed_honoured
+
+
+def test_turns_that_do_not_fit_the_context_are_cut_or_stopped_before_sending(tok, local_store):
+    """Issue 24 item 4: with a 100-token context and at least 77 new tokens wanted, every first turn (13 to 22
+    prompt tokens) is sent with max_new_tokens lowered to what fits, a second turn (its prompt longer by the
+    answer and the next user turn) is not sent and its conversation ends at the first, and a prompt too long
+    for any answer fails without a round trip."""
+    rows = prompts(6) + [{"prompt_id": "too-long", "system": None, "user_turns": [" ".join(["word"] * 80)]}]
+    cfg = EngineFleetConfig(target_model=TARGET, backoff_initial_s=0.01, context_min_new_tokens=77,
+                            endpoints=[EndpointConfig(url="http://x")])  # url replaced below
+    with LoopbackServer(model_path=TARGET, context_length=100) as srv:
+        cfg = cfg.model_copy(update={"endpoints": [EndpointConfig(url=srv.url, max_concurrency=4)]})
+        res = regenerate_shard(rows, shard="ctx", store=local_store, fleet=cfg,
+                               generation=GenerationConfig(max_new_tokens=128), tokenizer=tok, max_failed_ratio=0.2)
+        requests = srv.stats.generate_requests
+        sent = srv.stats.last_body["sampling_params"]["max_new_tokens"]
+    s = res.stats
+    assert res.table["num_turns"].to_pylist() == [1] * 6 and requests == 6  # no request for a turn that did not fit
+    assert 77 <= sent <= 100 - 13 and s.turns_cut_to_context == 6 and s.turns == 6
+    assert s.conversations_stopped_at_context == sum(len(r["user_turns"]) > 1 for r in rows) == 4
+    assert s.prompts_failed_context_overflow == 1 and res.failed["prompt_id"].to_pylist() == ["too-long"]
+    assert "context length 100" in res.failed["reason"].to_pylist()[0]
+    assert all(reason == "stop" for r in res.table["finish_reasons"].to_pylist() for reason in r)
+    meta = s.to_metadata()
+    assert (meta["turns_cut_to_context"], meta["conversations_stopped_at_context"],
+            meta["prompts_failed_context_overflow"]) == (6, 4, 1)
