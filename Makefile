@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Every package of `.[dev]`, resolved once and pinned with ==: installs never backtrack. `make lock` rewrites it.
 LOCK := constraints.txt
 
-.PHONY: install lock demo test test-fast ui bench clean smollm2 demo-tiny
+.PHONY: install lock demo test test-fast ui ui-tiny bench clean smollm2 demo-tiny
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,8 +58,12 @@ test: $(STAMP) $(SMOLLM2_STAMP)
 test-fast: $(STAMP) $(SMOLLM2_STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow'
 
-ui: $(STAMP)
+# The UI on make demo's target (SmolLM2) unless DFLASH_TARGET_MODEL is set; `make ui-tiny` on the tiny target.
+ui: $(SMOLLM2_STAMP)
 	exec $(BIN)/python deploy/local/ui.py
+
+ui-tiny: $(STAMP)
+	exec $(BIN)/python deploy/local/ui.py --target tiny
 
 clean:
 	rm -rf .dflash .dagster_home .pytest_cache

