@@ -75,7 +75,7 @@ def test_probe_table_refuses_wrong_model_and_reports_unreachable(tok):
     assert by_url[aliased.url].status == "ok" and by_url[aliased.url].served_model == "prod-target"
     assert [r.endpoint for r in probe.usable] == [good.url, aliased.url]
     md = probe.markdown()
-    assert "| endpoint | kind | served model | healthy | latency | status |" in md
+    assert "| endpoint | kind | served model | healthy | latency | status | context | seed holds |" in md
     assert md.count("\n| http://") == 4 and "wrong_model" in md
     table = probe.to_arrow()
     assert table.num_rows == 4 and table.column_names[:5] == ["endpoint", "kind", "served_model", "healthy", "latency_ms"]
@@ -393,3 +393,31 @@ def test_pilot_on_real_prompts_predicts_the_run(tok, tmp_path):
     assert predicted == pytest.approx(measured, rel=0.3), (predicted, measured)  # 32 x 2 x 0.1 s / 4 = 1.6 s
     meta = p.to_metadata(32)
     assert meta["pilot_turns_per_prompt"] == 2.0 and meta["pilot_estimated_wall_s"] == round(predicted, 1)
+
+
+def test_sglang_command_carries_the_flags_the_probe_reads():
+    """Issue 24: the tool-call parser and deterministic inference (seeds hold only then) are start flags."""
+    from dflash_assets.generation.server import engine_server_command
+
+    argv = engine_server_command("sglang", "/models/Qwen3.6-27B", port=30000, tool_call_parser="qwen3_coder",
+                                 deterministic_inference=True)
+    assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"
+    assert argv[argv.index("--tool-call-parser") + 1] == "qwen3_coder" and "--enable-deterministic-inference" in argv
+    assert "--enable-deterministic-inference" not in engine_server_command("sglang", "m", port=1)
+
+
+def test_probe_table_shows_context_length_and_whether_a_seed_holds(tok):
+    with LoopbackServer(model_path=TARGET, context_length=4096) as default, \
+            LoopbackServer(model_path=TARGET, deterministic=True) as det:
+        cfg = EngineFleetConfig(target_model=TARGET, endpoints=[EndpointConfig(url=default.url),
+                                                                EndpointConfig(url=det.url, kind="openai")])
+        probe = probe_fleet(cfg, tok)
+        configured = probe_fleet(cfg.model_copy(update={"endpoints": [
+            EndpointConfig(url=default.url, context_length=1000, deterministic_inference=True)]}), tok)
+    rows = {r.endpoint: r for r in probe.rows}
+    assert (rows[default.url].context_length, rows[default.url].seed_honoured) == (4096, False)
+    assert (rows[det.url].context_length, rows[det.url].seed_honoured) == (32768, True)
+    assert rows[det.url].reasoning_parser == "qwen3" and not probe.seed_honoured  # one endpoint ignores seeds
+    assert (configured.rows[0].context_length, configured.rows[0].seed_honoured) == (1000, True)
+    assert configured.seed_honoured and "| 4096 | no |" in probe.markdown()
+    assert probe.to_arrow().column("seed_honoured").to_pylist() == [False, True]

@@ -222,16 +222,16 @@ class FleetProbe:
 
     def markdown(self) -> str:
         lines = [f"target: `{self.target_model}`", "",
-                 "| endpoint | kind | served model | healthy | latency | status |",
-                 "| --- | --- | --- | --- | --- | --- |"]
+                 "| endpoint | kind | served model | healthy | latency | status | context | seed holds |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in self.rows:
             lat = f"{r.latency_ms:.1f} ms" if r.latency_ms is not None else "-"
             status = r.status + (f": {r.detail}" if r.detail else "")
             status = status.replace("|", "\\|").replace("\n", " ")[:300]
             lines.append(f"| {r.endpoint} | {r.kind} | {r.served_model or '-'} | {'yes' if r.healthy else 'no'} "
-                         f"| {lat} | {status} |")
+                         f"| {lat} | {status} | {r.context_length or '-'} | {'yes' if r.seed_honoured else 'no'} |")
         if not self.rows:
-            lines.append("| (no endpoints configured) | | | | | |")
+            lines.append("| (no endpoints configured) | | | | | | | |")
         return "\n".join(lines)
 
     def __str__(self) -> str:

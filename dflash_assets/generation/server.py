@@ -37,13 +37,18 @@ __all__ = ["engine_server_command", "EngineServer", "local_engine_server", "defa
 def engine_server_command(kind: Literal["sglang", "transformers"], model_path: str | os.PathLike, *, port: int,
                           host: str = "127.0.0.1", tp: int = 1, served_model_name: str | None = None,
                           reasoning_parser: str | None = "qwen3", extra_args: Sequence[str] = (),
-                          python: str | None = None) -> list[str]:
+                          python: str | None = None, tool_call_parser: str | None = None,
+                          deterministic_inference: bool = False) -> list[str]:
     """argv that serves ``model_path`` on ``host:port``.
 
     - ``sglang``: ``python -m sglang.launch_server --model-path P --port N
       --tp T --host H --reasoning-parser qwen3`` (speak to it with kind
       ``sglang`` at ``/generate`` or kind ``openai``); ``reasoning_parser=None``
       for a target without a thinking mode (SmolLM2) omits the parser.
+      ``tool_call_parser`` (``qwen3_coder`` for Qwen3.5/3.6) adds
+      ``--tool-call-parser``; ``deterministic_inference`` adds
+      ``--enable-deterministic-inference`` (only then does a request's seed
+      make its output reproducible; SGLang ignores seeds otherwise).
     - ``transformers``: ``transformers serve P --host H --port N`` (pinned to P,
       which it loads at start; OpenAI-compatible, kind ``openai``).
     """
@@ -54,6 +59,10 @@ def engine_server_command(kind: Literal["sglang", "transformers"], model_path: s
                 "--tp", str(tp), "--host", host] + (["--reasoning-parser", reasoning_parser] if reasoning_parser else [])
         if served_model_name:
             argv += ["--served-model-name", served_model_name]
+        if tool_call_parser:
+            argv += ["--tool-call-parser", tool_call_parser]
+        if deterministic_inference:
+            argv += ["--enable-deterministic-inference"]
     elif kind == "transformers":
         exe = Path(python).with_name("transformers")
         head = [str(exe)] if exe.exists() else [python, "-m", "transformers.cli.transformers"]
@@ -145,10 +154,11 @@ class EngineServer:
 
 async def _probe_once(kind: EngineKind, url: str) -> EngineProbe:
     engine: Engine
+    # one look per call (health_wait_s=0): `wait_ready` polls until its own deadline
     if kind == "sglang":
-        engine = _IdentityOnlySGLang(url, probe_timeout_s=5.0)
+        engine = _IdentityOnlySGLang(url, probe_timeout_s=5.0, health_wait_s=0.0)
     else:
-        engine = OpenAIEngine(url, probe_timeout_s=5.0)
+        engine = OpenAIEngine(url, probe_timeout_s=5.0, health_wait_s=0.0)
     async with engine:
         return await engine.probe()
 
