@@ -182,6 +182,9 @@ def train_online(target, head, samples, dcfg, *, epochs: int, batch_tokens: int,
     torch.manual_seed(seed)
     drafter = DFlashDrafter(dcfg).to(device)
     if compile_layers:
+        from dflash_assets.drafter.training import apply_inductor_workarounds
+
+        apply_inductor_workarounds()
         for layer in drafter.layers:
             layer.compile()
     order = sorted(range(len(samples)), key=lambda i: len(samples[i][0]))
@@ -232,12 +235,16 @@ def train_online(target, head, samples, dcfg, *, epochs: int, batch_tokens: int,
                 sched.step()
                 step += 1
                 tokens += batch.num_tokens
-                if step == 20:
+                if step in (5, 25):  # the step time after warm-up (compilation, allocator): steps 6..25
                     if device.type == "cuda":
                         torch.cuda.synchronize()
-                    per_step = (time.perf_counter() - t0) / step
-                    plan["total"] = max(step, min(plan["total"], int(budget_s / per_step)))
-                    log(f"{per_step * 1000:.0f} ms/step: {plan['total']} of {planned} planned steps fit the budget")
+                    if step == 5:
+                        t_warm = time.perf_counter()
+                    else:
+                        per_step = (time.perf_counter() - t_warm) / 20
+                        left = budget_s - (time.perf_counter() - t0)
+                        plan["total"] = max(step, min(plan["total"], step + int(left / per_step)))
+                        log(f"{per_step * 1000:.0f} ms/step: {plan['total']} of {planned} planned steps fit the budget")
                 if step % 50 == 0 or step == plan["total"]:
                     loss = float(stats[0]) / max(float(w_total), 1e-6)
                     losses.append(round(loss, 4))
@@ -310,9 +317,9 @@ def load_samples(path: Path):
 
     if not path.exists():
         raise SystemExit(f"{path} is missing: run --stage generate first on this machine")
-    data = np.load(path, allow_pickle=False)
-    off = data["offsets"]
-    samples = [(data["ids"][a:b], data["lm"][a:b]) for a, b in zip(off[:-1], off[1:])]
+    with np.load(path, allow_pickle=False) as data:  # each member read once: data[key] decompresses it again
+        ids, lm, off = data["ids"], data["lm"], data["offsets"]
+    samples = [(ids[a:b], lm[a:b]) for a, b in zip(off[:-1], off[1:])]  # views of the two arrays, no copies
     return samples, json.loads(path.with_suffix(".json").read_text())
 
 

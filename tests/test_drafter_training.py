@@ -266,3 +266,78 @@ def test_last_layer_features_are_equal_online_offline_and_at_decode_time(tiny_de
         full(torch.tensor([ids]))
     handle.remove()
     assert not torch.allclose(raw["x"].reshape(len(ids), -1), reference[:, 64:], atol=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 21: compile on torch 2.11, bucketed widths, a time budget measured after warm-up
+
+
+@pytest.mark.parametrize("version, needed", [("2.11.0", True), ("2.11.0+cu130", True), ("2.11.2+cpu", True),
+                                             ("2.10.1", False), ("2.12.0", False), ("2.13.0+cpu", False),
+                                             ("3.11.0", False), ("nightly", False)])
+def test_inductor_workaround_only_where_the_torch_version_needs_it(version, needed):
+    from dflash_assets.drafter.training import apply_inductor_workarounds, needs_coalesce_tiling_workaround
+
+    assert needs_coalesce_tiling_workaround(version) is needed
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.triton.coalesce_tiling_analysis
+    try:
+        inductor_config.triton.coalesce_tiling_analysis = True
+        applied = apply_inductor_workarounds(version)
+        assert applied == ({"triton.coalesce_tiling_analysis": False} if needed else {})
+        assert inductor_config.triton.coalesce_tiling_analysis is (not needed)
+    finally:
+        inductor_config.triton.coalesce_tiling_analysis = before
+
+
+def test_bucketed_widths_are_few_and_waste_at_most_half():
+    from dflash_assets.drafter.data import Sample, bucket_width, collate
+
+    widths = [bucket_width(n, 128) for n in range(1, 4097)]
+    assert all(w >= n and w % 128 == 0 for n, w in zip(range(1, 4097), widths))
+    assert all(w <= max(1.5 * -(-n // 128) * 128, 256) for n, w in zip(range(1, 4097), widths))
+    assert sorted(set(widths)) == [128 * k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)]
+    assert [bucket_width(n) for n in (1, 2, 3, 4, 5, 7, 9, 13)] == [1, 2, 3, 4, 6, 8, 12, 16]
+    samples = [Sample(np.arange(n, dtype=np.int64), np.ones(n, dtype=bool), None) for n in (300, 140)]
+    anchors = [np.arange(0, 40, 2), np.arange(3)]
+    bucketed = collate(samples, anchors, seq_multiple=128, anchor_multiple=8, bucket=True)
+    plain = collate(samples, anchors, seq_multiple=128, anchor_multiple=8)
+    assert bucketed.input_ids.shape == (2, 384) and bucketed.anchors.shape == (2, 24)
+    assert plain.input_ids.shape == (2, 384) and plain.anchors.shape == (2, 24)
+    wider = collate([Sample(np.arange(700, dtype=np.int64), np.ones(700, dtype=bool), None)], anchors[:1],
+                    seq_multiple=128, anchor_multiple=8, bucket=True)
+    assert wider.input_ids.shape == (1, 768)  # 6 x 128, where plain rounding gives 640: one of few widths
+    assert wider.num_tokens == 700 and int(wider.keep.sum()) == 20
+
+
+def test_budget_steps():
+    from dflash_assets.drafter.training import budget_steps
+
+    assert budget_steps(20, 0.5, 10.0, 1000) == 40
+    assert budget_steps(20, 0.5, 10.0, 30) == 30  # never past the plan
+    assert budget_steps(20, 0.5, -3.0, 1000) == 20  # never before what is done
+
+
+def test_time_budget_cuts_the_plan_after_warm_up_and_ends_with_a_checkpoint(mini, tmp_path):
+    """The step time is measured after the first steps, the plan cut to the budget, the cosine schedule ends
+    at the cut (lr ~0 at the last step), the checkpoint is published, and every saved state reaches on_save."""
+    from dflash_assets.drafter.training import BUDGET_MEASURE_STEPS, BUDGET_WARMUP_STEPS
+
+    r = mini_recipe(epochs=400, save_every=10)  # 3,200 planned steps: far more than the budget allows
+    budget_events, lrs, saved = [], [], []
+
+    def log(m):
+        (budget_events if m.get("budget") else lrs).append(m)
+
+    res = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "o", log=log, time_budget_s=1.5,
+                        on_save=lambda step, tokens, drafter: saved.append((step, tokens)))
+    assert len(budget_events) == 1 and budget_events[0]["step"] == BUDGET_WARMUP_STEPS + BUDGET_MEASURE_STEPS
+    assert BUDGET_WARMUP_STEPS + BUDGET_MEASURE_STEPS <= res.steps == res.total_steps < 3200
+    assert res.finished and res.checkpoint_dir is not None and load_drafter(res.checkpoint_dir) is not None
+    assert lrs[-1]["step"] == res.steps and lrs[-1]["lr"] < 0.01 * r.lr  # the cosine reached its end
+    assert res.wall_s < 30
+    assert [s for s, _ in saved] == [s for s in range(10, res.steps + 1, 10)] + ([res.steps] if res.steps % 10 else [])
+    tokens = [t for _, t in saved]
+    assert tokens == sorted(tokens) and tokens[-1] == res.sequence_tokens > 0
+    assert res.draft_tokens > 0 and res.to_metadata()["draft_tokens_per_sequence_token"] > 0

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from dflash_assets.target.conventions import mask_token_id_in_dir
-from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, load_target_config
+from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, load_drafter, load_target_config
 from dflash_assets.drafter.training import DrafterRecipe, train_drafter
 from dflash_assets.drafter.decoding import (
     EvalPrompt,
     SpeculativeDecoder,
+    decode_speed,
     evaluate_drafter,
     greedy_generate,
     greedy_mismatch,
@@ -87,25 +88,45 @@ def test_stop_tokens_and_length_budget(dense, tiny_dense_target):
     assert out.output_ids == ref[:5] and sum(out.acceptance_lengths) == 4
 
 
-def test_trained_drafter_accepts_more_than_untrained(tmp_path):
-    """Train on the hidden states of the target's own greedy continuations; tau must rise."""
+def test_drafter_fitted_to_the_targets_greedy_continuations_accepts_most_of_each_block(tmp_path):
+    """Train on the hidden states of the target's own greedy continuations, then decode those prompts through
+    SpeculativeDecoder: tau must reach 0.8 x the block size (issue 21: training and decoding agree; an
+    alignment regression - positions, masks, context, labels off by one - leaves tau near 1 and fails here)."""
+    B = 4
     tdir = mini_target(tmp_path / "target")
     target = load_target(tdir, "cpu")
-    seqs = greedy_sequences(target, n=8, prompt_len=8, new_tokens=40, seed=0, vocab_hi=MINI_VOCAB - 12)
+    seqs = greedy_sequences(target, n=4, prompt_len=8, new_tokens=40, seed=0, vocab_hi=MINI_VOCAB - 12)
     cache = write_cache(tmp_path / "part.safetensors", target, seqs, layer_ids=[1, 3])
-    r = DrafterRecipe(name="tau", num_layers=2, block_size=8, epochs=40, batch_size=4, max_anchors=16, lr=3e-3,
+    r = DrafterRecipe(name="tau", num_layers=2, block_size=B, epochs=200, batch_size=4, max_anchors=32, lr=3e-3,
                       mask_token_id=MINI_MASK, save_every=10_000)
     res = train_drafter(r, [cache], tdir, tmp_path / "out")
-    ps = [EvalPrompt(tuple(ids[:8]), "chat" if i % 2 else "code", f"p{i}") for i, (ids, _) in enumerate(seqs[:4])]
+    ps = [EvalPrompt(tuple(ids[:8]), "chat" if i % 2 else "code", f"p{i}") for i, (ids, _) in enumerate(seqs)]
 
-    cfg = DrafterConfig.from_target_config(load_target_config(tdir), num_layers=2, block_size=8,
+    cfg = DrafterConfig.from_target_config(load_target_config(tdir), num_layers=2, block_size=B,
                                            mask_token_id=MINI_MASK, target_layer_ids=[1, 3])
     torch.manual_seed(0)
     before = evaluate_drafter(DFlashDrafter(cfg), target, ps, max_new_tokens=32, check_lossless=False)
     after = evaluate_drafter(res.checkpoint_dir, target, ps, max_new_tokens=32)
     assert after.lossless, after.per_prompt
-    assert before.tau < 1.3 and after.tau > before.tau + 1.0, (before.tau, after.tau, res.to_metadata())
-    assert min(after.tau_by_category.values()) > before.tau + 0.5
+    assert before.tau < 1.3, before.tau
+    assert after.tau >= 0.8 * B, (after.tau, res.to_metadata())
+    assert min(after.tau_by_category.values()) >= 0.7 * B, after.tau_by_category
+    # the same drafter decodes those prompts exactly as the target does alone, and faster per verification
+    dec = SpeculativeDecoder(target, load_drafter(res.checkpoint_dir, dtype=torch.float32))
+    for p in ps[:2]:
+        out = dec.generate(p.input_ids, 32)
+        assert out.output_ids == greedy_generate(target, p.input_ids, 32)
+        assert out.tau >= 0.7 * B, out.acceptance_lengths
+
+
+def test_decode_speed_times_both_decoders_on_the_same_prompts(dense, tiny_dense_target):
+    ps = prompts(3, 10, seed=2, hi=248000)
+    speed = decode_speed(dense, untrained_drafter(tiny_dense_target), ps, max_new_tokens=8)
+    assert speed["num_prompts"] == 3 and speed["outputs_equal"] == 3  # lossless: same tokens both ways
+    assert speed["target_tokens"] == speed["speculative_tokens"] == 24  # no stop token: 8 new tokens each
+    assert speed["target_tokens_per_s"] > 0 and speed["speculative_tokens_per_s"] > 0
+    assert speed["speedup"] == pytest.approx(speed["speculative_tokens_per_s"] / speed["target_tokens_per_s"], rel=1e-2)
+    assert speed["dtype"] == "float32" and speed["device"] == "cpu"
 
 
 def test_evaluation_costs_one_target_forward_per_verification(dense, tiny_dense_target):

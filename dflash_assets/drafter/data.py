@@ -195,12 +195,26 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+def bucket_width(n: int, multiple: int = 1) -> int:
+    """The padded width for `n`: the smallest of multiple x {1, 2, 3, 4, 6, 8, 12, 16, ...} (powers of two and
+    1.5 x powers of two) that holds it. Batches then come in a few widths (about two per doubling), so a
+    compiled step is reused instead of recompiled for every new width, at most 1.5x of padding past `multiple`."""
+    units = max(1, -(-int(n) // multiple))
+    width = 1
+    while width < units:
+        power = 1 << (width.bit_length() - 1)  # the largest power of two <= width
+        width = power * 3 // 2 if width == power and power >= 2 else power * 2
+    return width * multiple
+
+
 def collate(samples: list[Sample], anchors: list[np.ndarray], seq_multiple: int = 1,
-            anchor_multiple: int = 1, pin: bool = False) -> Batch:
-    """Pad sequences (right) and anchor lists into a batch; padding never enters the loss."""
+            anchor_multiple: int = 1, pin: bool = False, bucket: bool = False) -> Batch:
+    """Pad sequences (right) and anchor lists into a batch; padding never enters the loss. With `bucket`, the
+    widths are rounded up to `bucket_width`'s few sizes (compiled graphs are reused across batches)."""
     b = len(samples)
-    S = _round_up(max(len(s.input_ids) for s in samples), seq_multiple)
-    N = _round_up(max(len(a) for a in anchors), anchor_multiple)
+    width = bucket_width if bucket else _round_up
+    S = width(max(len(s.input_ids) for s in samples), seq_multiple)
+    N = width(max(len(a) for a in anchors), anchor_multiple)
     ids = torch.zeros(b, S, dtype=torch.long)
     lm = torch.zeros(b, S, dtype=torch.bool)
     anc = torch.zeros(b, N, dtype=torch.long)
@@ -299,6 +313,7 @@ class BatchLoader:
         self.data, self.plan, self.cuda = data, plan, cuda
         self.start = start_step
         self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.closed = False
         self.thread = threading.Thread(target=self._run, args=(start_step, stop_step), daemon=True)
         self.thread.start()
 
@@ -313,15 +328,28 @@ class BatchLoader:
         anchors = [sample_anchors(s.loss_mask, r.block_size, r.max_anchors, anchor_rng(r.seed, epoch, i))
                    for s, i in zip(samples, idx)]
         # flex tiles are 128 wide: pad S and N*B to multiples of 128 on GPU
+        # compiled: widths bucketed, so the compiled layers see a few shapes and are not recompiled every step
         return collate(samples, anchors, seq_multiple=128 if self.cuda else 1,
-                       anchor_multiple=max(1, 128 // r.block_size) if self.cuda else 1, pin=self.cuda)
+                       anchor_multiple=max(1, 128 // r.block_size) if self.cuda else 1, pin=self.cuda,
+                       bucket=self.cuda and r.compile)
 
     def _run(self, start: int, stop: int):
         try:
             for step in range(start, stop):
+                if self.closed:
+                    return
                 self.q.put((step, self._make(step)))
         except BaseException as e:  # surface loader errors in the training thread
             self.q.put((None, e))
+
+    def close(self) -> None:
+        """Stop reading ahead (training ended before the planned last step: a time budget cut it)."""
+        self.closed = True
+        while self.thread.is_alive():
+            try:
+                self.q.get(timeout=0.1)  # unblock a pending put
+            except queue.Empty:
+                pass
 
     def next(self) -> tuple[int, Batch]:
         step, batch = self.q.get()

@@ -216,6 +216,55 @@ def greedy_mismatch(target, input_ids: Sequence[int], output_ids: Sequence[int],
     return None
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def decode_speed(target, drafter: DFlashDrafter, prompts: Sequence[EvalPrompt], *, max_new_tokens: int,
+                 stop_token_ids: Sequence[int] = ()) -> dict[str, Any]:
+    """Wall-clock decode speed at batch 1: the target alone (`greedy_generate`) against speculative decoding
+    with `drafter` (`SpeculativeDecoder`), same process, same target and precision, on the same prompts.
+
+    One untimed warm-up of each on the first prompt; then, prompt by prompt, both are timed (the device
+    synchronized before and after each), alternating which goes first. Tokens/s = new tokens / seconds, summed
+    over the prompts. `outputs_equal` counts prompts where both produced the same tokens (lossless)."""
+    dev = next(target.parameters()).device
+    drafter = drafter.to(dev, next(target.parameters()).dtype)
+    dec = SpeculativeDecoder(target, drafter)
+    if prompts:
+        greedy_generate(target, prompts[0].input_ids, max_new_tokens, stop_token_ids)
+        dec.generate(prompts[0].input_ids, max_new_tokens, stop_token_ids)
+    seconds = {"target": 0.0, "speculative": 0.0}
+    tokens = {"target": 0, "speculative": 0}
+    equal, verifications = 0, 0
+    for i, p in enumerate(prompts):
+        outs = {}
+        for which in (("target", "speculative") if i % 2 == 0 else ("speculative", "target")):
+            _synchronize(dev)
+            t0 = time.perf_counter()
+            if which == "target":
+                outs[which] = greedy_generate(target, p.input_ids, max_new_tokens, stop_token_ids)
+            else:
+                so = dec.generate(p.input_ids, max_new_tokens, stop_token_ids)
+                outs[which] = so.output_ids
+                verifications += len(so.acceptance_lengths)
+            _synchronize(dev)
+            seconds[which] += time.perf_counter() - t0
+            tokens[which] += len(outs[which])
+        equal += outs["target"] == outs["speculative"]
+    rate = {k: tokens[k] / seconds[k] if seconds[k] > 0 else 0.0 for k in seconds}
+    return {"num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "device": dev.type,
+            "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
+            "target_tokens_per_s": round(rate["target"], 2), "speculative_tokens_per_s": round(rate["speculative"], 2),
+            "speedup": round(rate["speculative"] / rate["target"], 3) if rate["target"] else 0.0,
+            "target_tokens": tokens["target"], "speculative_tokens": tokens["speculative"],
+            "target_s": round(seconds["target"], 3), "speculative_s": round(seconds["speculative"], 3),
+            "tau": round((tokens["speculative"] - len(prompts)) / max(verifications, 1), 4),
+            "outputs_equal": int(equal)}
+
+
 @dataclass
 class EvalResult:
     tau: float  # mean tokens per verification over all prompts (pooled)

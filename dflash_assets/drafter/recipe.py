@@ -89,6 +89,8 @@ class TrainResult:
     world_size: int
     config: dict[str, Any] = field(default_factory=dict)
     data_stats: dict[str, Any] = field(default_factory=dict)  # the bounded part cache's counters, when one was used
+    draft_tokens: int = 0  # block tokens trained (anchors x block size, all ranks), this invocation
+    sequence_tokens: int = 0  # sequence tokens trained (all ranks), this invocation
 
     @property
     def finished(self) -> bool:
@@ -108,5 +110,6 @@ class TrainResult:
             "wall_s": self.wall_s,
             "num_sequences": self.num_sequences,
             "world_size": self.world_size,
+            "draft_tokens_per_sequence_token": self.draft_tokens / self.sequence_tokens if self.sequence_tokens else 0.0,
         }
 

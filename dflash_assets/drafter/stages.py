@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -84,6 +85,18 @@ def _training_files(store: Any, recipe: DrafterRecipe, shards: list[str]) -> lis
     return [store.local_path(e["key"]) for e in _cache_entries(store, recipe, shards)]
 
 
+def torch_dtype(name: str | None):
+    """A torch dtype by name ("float32", "bfloat16"); None stays None."""
+    import torch
+
+    if name is None:
+        return None
+    dtype = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
 def default_work_dir() -> Path:
     from dflash_assets.target.tokenizer import default_cache_root
 
@@ -92,8 +105,13 @@ def default_work_dir() -> Path:
 
 def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = None, device: str | None = None,
                  max_steps: int | None = None, log: Callable[[str], None] = logger.info,
-                 log_every: int = 10) -> dict[str, Any]:
-    """Train the recipe ``name`` against ``target`` (a ``TargetModelSpec``); returns metadata."""
+                 log_every: int = 10, time_budget_s: float | None = None) -> dict[str, Any]:
+    """Train the recipe ``name`` against ``target`` (a ``TargetModelSpec``); returns metadata.
+
+    ``time_budget_s``: the steps are cut to what fits (``train_drafter``). Every saved state (each
+    ``recipe.save_every`` steps) also leaves a learning-curve checkpoint, published beside the final one as
+    ``curve-step-NNNNNNNN.safetensors`` and listed (step, sequence tokens) in ``train_metrics.json``'s
+    ``curve``; ``eval_recipe(curve_prompts=...)`` measures tau on them."""
     from dflash_assets.cache_keys import build_fingerprint
     from dflash_assets.drafter.training import train_drafter
 
@@ -125,12 +143,39 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
     log(f"recipe {name}: {len(shards)} shards, {len(files)} files, work dir {work} (resumes from its last state)")
 
     def on_step(m: dict[str, Any]) -> None:
-        if m["step"] % log_every == 0 or m["step"] == 1:
+        if m.get("budget"):
+            log(f"step {m['step']}: {m['step_s'] * 1000:.0f} ms/step after warm-up: {m['total_steps']} steps "
+                f"fit the time budget")
+        elif m["step"] % log_every == 0 or m["step"] == 1:
             log(f"step {m['step']}: loss {m['loss']:.4f}, lr {m['lr']:.2e}, {m.get('tokens_per_s', 0):.0f} tok/s")
+
+    curve_dir = work / "curve"
+    curve: list[dict[str, Any]] = []
+
+    def on_save(step: int, tokens: int, drafter: Any) -> None:
+        from safetensors.torch import save_file
+
+        from dflash_assets.drafter.model import drafter_state_dict
+
+        curve_dir.mkdir(parents=True, exist_ok=True)
+        path = curve_dir / f"curve-step-{step:08d}.safetensors"
+        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+        save_file({k: v.detach().to("cpu", torch_dtype(recipe.checkpoint_dtype)).contiguous()
+                   for k, v in drafter_state_dict(drafter).items()}, str(tmp))
+        os.replace(tmp, path)
+        curve[:] = [c for c in curve if c["step"] != step] + [{"step": step, "tokens": tokens, "file": path.name}]
+
+    for path in sorted(curve_dir.glob("curve-step-*.json")) if curve_dir.exists() else []:  # an earlier run's points
+        curve.append(json.loads(path.read_text()))
+
+    def on_save_recorded(step: int, tokens: int, drafter: Any) -> None:
+        on_save(step, tokens, drafter)
+        (curve_dir / f"curve-step-{step:08d}.json").write_text(json.dumps(curve[-1]))
 
     try:
         result = train_drafter(recipe, files, target.model_path, work, resume=True, log=on_step, device=device,
-                               max_steps=max_steps, source=source)
+                               max_steps=max_steps, source=source, time_budget_s=time_budget_s,
+                               on_save=on_save_recorded)
     finally:
         if source is not None:
             source.close()  # its local parts go with it
@@ -141,13 +186,16 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
                            f"run again to resume from {result.state_dir}")
     metrics = result.to_metadata()
     metrics_path = Path(result.checkpoint_dir).parent / "train_metrics.json"
+    curve = sorted((c for c in curve if c["step"] <= result.steps), key=lambda c: c["step"])
     metrics_path.write_text(json.dumps({**metrics, "losses": result.losses, "recipe": recipe.to_dict(),
-                                        "shards": shards, "target": target.model_path}, indent=2, default=str))
+                                        "shards": shards, "target": target.model_path, "curve": curve},
+                                       indent=2, default=str))
     # every file under a new version, the manifest last: a kill never leaves a new model beside an old config
     legacy = [layout.drafter_checkpoint_file(name, f) for f in (*CHECKPOINT_FILES, "train_metrics.json")]
     manifest = publish_files(
         store, layout.drafter_checkpoint_manifest(name), layout.drafter_checkpoint_prefix(name),
-        {**{f: Path(result.checkpoint_dir) / f for f in CHECKPOINT_FILES}, "train_metrics.json": metrics_path},
+        {**{f: Path(result.checkpoint_dir) / f for f in CHECKPOINT_FILES}, "train_metrics.json": metrics_path,
+         **{c["file"]: curve_dir / c["file"] for c in curve}},
         extra={"recipe": name, "recipe_fingerprint": recipe.fingerprint()},
         stale=[k for k in legacy if store.exists(k)])
     prefix = f"{layout.drafter_checkpoint_prefix(name)}/{manifest['version']}"
@@ -157,30 +205,41 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         "steps": result.steps, "total_steps": result.total_steps,
         "first_loss": float(losses[0]) if losses else float("nan"), "final_loss": float(metrics["final_loss"]),
         "tokens_per_s": round(float(result.tokens_per_s), 1), "mean_accuracy": round(float(metrics["mean_accuracy"]), 4),
+        "sequence_tokens": result.sequence_tokens,
+        "draft_tokens_per_sequence_token": round(float(metrics["draft_tokens_per_sequence_token"]), 3),
         "resumed_from_step": result.resumed_from_step if result.resumed_from_step is not None else 0,
         "wall_s": round(result.wall_s, 1), "num_sequences": result.num_sequences,
         # Chart data: [step, mean loss] points (at most 200), and accuracy at block positions k = 1..B-1.
         "loss_curve": curve_points(losses, max_points=200),
         "accuracy_by_position": [round(float(a), 4) for a in result.accuracy_by_position],
+        "curve_checkpoints": [[c["step"], c["tokens"]] for c in curve],
         "checkpoint": store.url(prefix),
         **({"part_cache": result.data_stats} if result.data_stats else {}),
     }
 
 
 def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts: int) -> tuple[list[Any], bool]:
-    """Rendered prompts from shards the recipe did not train on; (prompts, held_out)."""
+    """Rendered prompts from shards the recipe did not train on; (prompts, held_out). A prompt whose first user
+    turn is also the text of a user turn in a trained shard is skipped (ShareGPT repeats texts under new ids):
+    held out means disjoint by prompt_id and by text."""
     from dflash_assets.drafter.decoding import EvalPrompt
 
     trained = set(training_shards(store, recipe))
     shards = layout.list_raw_prompt_shards(store)
     held = [s for s in shards if s not in trained]
     held_out = bool(held)
+    trained_texts: set[str] = set()
+    for shard in (s for s in shards if s in trained) if held else ():
+        for turns in store.read_parquet(layout.raw_prompts(shard), columns=["user_turns"]).column(0).to_pylist():
+            trained_texts.update(turns or ())
     tok = target.load_tokenizer()
     prompts: list[EvalPrompt] = []
     for shard in held or shards[-1:]:
         table = store.read_parquet(layout.raw_prompts(shard),
                                    columns=["prompt_id", "system", "user_turns", "category"])
         for row in table.to_pylist():
+            if row["user_turns"][0] in trained_texts:
+                continue
             messages = ([{"role": "system", "content": row["system"]}] if row["system"] else [])
             messages.append({"role": "user", "content": row["user_turns"][0]})
             text = target.render_chat(tok, messages, add_generation_prompt=True)
@@ -192,9 +251,16 @@ def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts:
 
 
 def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, max_new_tokens: int = 128,
-                device: str | None = None, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
-    """Acceptance length tau of the recipe's checkpoint on held-out prompts, and the lossless check."""
-    from dflash_assets.drafter.decoding import evaluate_drafter
+                device: str | None = None, log: Callable[[str], None] = logger.info, dtype: str | None = None,
+                speed_prompts: int = 0, curve_prompts: int = 0) -> dict[str, Any]:
+    """Acceptance length tau of the recipe's checkpoint on held-out prompts, and the lossless check.
+
+    ``dtype``: the target's (and drafter's) precision (default: float32 on CPU, bfloat16 on GPU; float32 makes
+    the lossless check exact). ``speed_prompts``: also time decoding at batch 1 on that many of the prompts,
+    target alone against speculative (``decode_speed``). ``curve_prompts``: also measure tau of the training
+    run's learning-curve checkpoints (``train_recipe``) on that many prompts: the learning curve."""
+    from dflash_assets.drafter.decoding import decode_speed, evaluate_drafter, load_target
+    from dflash_assets.drafter.model import load_drafter
 
     recipe = load_recipe(store, name)
     prompts, held_out = heldout_prompts(store, recipe, target, num_prompts)
@@ -206,15 +272,27 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
     if missing := [f for f in CHECKPOINT_FILES if f not in files]:
         raise FileNotFoundError(f"recipe {name!r} has no published checkpoint ({', '.join(missing)} missing); "
                                 "materialize drafter_checkpoint first")
+    model = load_target(target.model_path, device, torch_dtype(dtype))
+    speed, curve = None, []
     with tempfile.TemporaryDirectory(prefix="dflash-eval-") as tmp:
         for fname in CHECKPOINT_FILES:
             Path(tmp, fname).write_bytes(store.read_bytes(files[fname]))
         log(f"recipe {name}: speculative decoding of {len(prompts)} prompts, {max_new_tokens} new tokens each")
-        result = evaluate_drafter(tmp, target.model_path, prompts, max_new_tokens=max_new_tokens,
+        result = evaluate_drafter(tmp, model, prompts, max_new_tokens=max_new_tokens,
                                   stop_token_ids=stop, check_lossless=True, device=device)
+        log(f"recipe {name}: tau {result.tau:.3f}, lossless {result.lossless}")
+        target_dtype = next(model.parameters()).dtype
+        if speed_prompts > 0:
+            drafter = load_drafter(tmp, device=next(model.parameters()).device, dtype=target_dtype)
+            speed = decode_speed(model, drafter, prompts[:speed_prompts], max_new_tokens=max_new_tokens,
+                                 stop_token_ids=stop)
+            log(f"recipe {name}: batch-1 decode {speed['target_tokens_per_s']:.1f} tok/s target alone, "
+                f"{speed['speculative_tokens_per_s']:.1f} tok/s speculative ({speed['speedup']:.2f}x)")
+        if curve_prompts > 0:
+            curve = _learning_curve(store, files, tmp, model, prompts[:curve_prompts], max_new_tokens, stop, log)
     metrics = result.to_metadata()
-    store.write_json(layout.drafter_eval(name), {**metrics, "per_prompt": result.per_prompt, "held_out": held_out})
-    log(f"recipe {name}: tau {result.tau:.3f}, lossless {result.lossless}")
+    store.write_json(layout.drafter_eval(name), {**metrics, "per_prompt": result.per_prompt, "held_out": held_out,
+                                                 "decode_speed": speed, "learning_curve": curve})
     counts = result.acceptance_length_counts + [0] * (recipe.block_size + 1 - len(result.acceptance_length_counts))
     by_cat = "\n".join(["| category | tau |", "| --- | ---: |"]
                        + [f"| {c} | {t:.3f} |" for c, t in sorted(result.tau_by_category.items())])
@@ -225,7 +303,36 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
         # Chart data: share of verifications that accepted block position k (k = 1..B); sums to tau.
         "acceptance_by_position": [round(x, 4) for x in share_at_least(counts)],
         "wall_s": round(float(result.wall_s), 1),
+        **({"decode_speed": speed} if speed is not None else {}),
+        # Chart data: [sequence tokens trained, tau on the first curve_prompts prompts] per saved checkpoint.
+        **({"learning_curve": [[c["tokens"], c["tau"]] for c in curve]} if curve else {}),
     }
+
+
+def _learning_curve(store: Any, files: dict[str, str], checkpoint_dir: str, model: Any, prompts: list[Any],
+                    max_new_tokens: int, stop: list[int], log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """tau of each learning-curve checkpoint the training run published (``train_recipe``), in step order."""
+    from safetensors.torch import load_file
+
+    from dflash_assets.drafter.decoding import evaluate_drafter
+    from dflash_assets.drafter.model import load_drafter
+
+    metrics = json.loads(store.read_bytes(files["train_metrics.json"])) if "train_metrics.json" in files else {}
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    points = []
+    for point in metrics.get("curve", []):
+        if point["file"] not in files:
+            continue
+        drafter = load_drafter(checkpoint_dir, device=device, dtype=dtype)  # the config; weights replaced below
+        local = Path(checkpoint_dir) / point["file"]
+        local.write_bytes(store.read_bytes(files[point["file"]]))
+        drafter.load_state_dict({k: v.to(dtype) for k, v in load_file(str(local)).items()})
+        result = evaluate_drafter(drafter, model, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop,
+                                  check_lossless=False)
+        points.append({"step": point["step"], "tokens": point["tokens"], "tau": round(float(result.tau), 4)})
+        log(f"learning curve: step {point['step']}, {point['tokens']} tokens: tau {result.tau:.3f}")
+    return points
 
 
 def pipes_stage_train(call: Any) -> Any:

