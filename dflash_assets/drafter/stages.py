@@ -8,7 +8,7 @@ is the recipe's name, which carries its version (``demo-v1``).
   selects (or, for an online recipe, the tokenized samples, after checking
   their quality gate), trains in a work directory on the GPU host (resumable:
   a killed run continues from its last saved state there), and publishes
-  ``drafter_checkpoint/<recipe>/<version>/{model.safetensors,config.json,train_metrics.json}``,
+  ``drafter_checkpoint/<recipe>/<version>/{model.safetensors,config.json,train_metrics.json,provenance.json}``,
   then ``drafter_checkpoint/<recipe>/manifest.json`` naming them (last, so a
   kill never mixes files of two runs; see ``store.manifest``).
 - :func:`eval_recipe` downloads the checkpoint its manifest names, renders held-out prompts
@@ -105,8 +105,12 @@ def default_work_dir() -> Path:
 
 def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = None, device: str | None = None,
                  max_steps: int | None = None, log: Callable[[str], None] = logger.info,
-                 log_every: int = 10, time_budget_s: float | None = None) -> dict[str, Any]:
+                 log_every: int = 10, time_budget_s: float | None = None,
+                 provenance_inputs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train the recipe ``name`` against ``target`` (a ``TargetModelSpec``); returns metadata.
+
+    ``provenance_inputs``: what only the orchestrator knows, for ``provenance.json`` (``provenance.build_provenance``:
+    ``generation_settings``, ``decontamination``, ``dagster_code_versions``); published with the checkpoint.
 
     ``time_budget_s``: the steps are cut to what fits (``train_drafter``). Every saved state (each
     ``recipe.save_every`` steps) also leaves a learning-curve checkpoint, published beside the final one as
@@ -192,10 +196,17 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
                                        indent=2, default=str))
     # every file under a new version, the manifest last: a kill never leaves a new model beside an old config
     legacy = [layout.drafter_checkpoint_file(name, f) for f in (*CHECKPOINT_FILES, "train_metrics.json")]
+    from dflash_assets.drafter.provenance import PROVENANCE_FILE, build_provenance, provenance_summary, write_provenance
+
+    provenance = build_provenance(store, recipe, shards, target,
+                                  checkpoint_files={f: Path(result.checkpoint_dir) / f for f in CHECKPOINT_FILES},
+                                  training={"steps": result.steps, "sequence_tokens": result.sequence_tokens},
+                                  **(provenance_inputs or {}))
+    provenance_path = write_provenance(metrics_path.parent / PROVENANCE_FILE, provenance)
     manifest = publish_files(
         store, layout.drafter_checkpoint_manifest(name), layout.drafter_checkpoint_prefix(name),
         {**{f: Path(result.checkpoint_dir) / f for f in CHECKPOINT_FILES}, "train_metrics.json": metrics_path,
-         **{c["file"]: curve_dir / c["file"] for c in curve}},
+         PROVENANCE_FILE: provenance_path, **{c["file"]: curve_dir / c["file"] for c in curve}},
         extra={"recipe": name, "recipe_fingerprint": recipe.fingerprint()},
         stale=[k for k in legacy if store.exists(k)])
     prefix = f"{layout.drafter_checkpoint_prefix(name)}/{manifest['version']}"
@@ -214,6 +225,7 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         "accuracy_by_position": [round(float(a), 4) for a in result.accuracy_by_position],
         "curve_checkpoints": [[c["step"], c["tokens"]] for c in curve],
         "checkpoint": store.url(prefix),
+        "provenance": provenance_summary(provenance),
         **({"part_cache": result.data_stats} if result.data_stats else {}),
     }
 

@@ -1,0 +1,314 @@
+"""Decontamination: evaluation prompts must not appear in the prompts a drafter recipe trains on.
+
+The evaluation side is the prompts ``drafter_eval`` would decode (the held-out prompts
+``stages.heldout_prompts`` picks, in its order, up to ``max_eval_prompts``) plus every prompt of the
+benchmark files a deployment lists (``DFLASH_BENCHMARK_PROMPTS``). The training side is every user turn
+of every ``raw_prompts`` shard the recipe trains on.
+
+The rule (pure Python, no extra dependency):
+
+- text is normalized: Unicode NFKC, case-folded, every run of non-alphanumeric characters is one space;
+- **exact**: the normalized evaluation prompt equals a normalized training user turn;
+- **near duplicate**: the sets of word 5-grams (a text with fewer than 5 words is one "gram", itself) have a
+  Jaccard similarity of at least 0.7, or, for an evaluation prompt of at least 20 words, at least 0.8 of its
+  5-grams occur in one training turn (the prompt pasted into a longer one).
+
+Matching is exact, not sampled: the evaluation prompts' 5-grams are indexed, and each training turn is
+looked up gram by gram (no MinHash false negatives; cost linear in the training text).
+
+Reads ``raw_prompts/<shard>.parquet`` through the store and benchmark files (``.txt``: one prompt a line;
+``.json`` / ``.jsonl``: strings or records with a ``prompt``, ``question``, ``input``, ``instruction`` or
+``text`` field, or OpenAI-style ``messages`` whose user turns count). Writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from dflash_assets.store import layout
+
+__all__ = [
+    "NGRAM", "JACCARD_THRESHOLD", "CONTAINMENT_THRESHOLD", "CONTAINMENT_MIN_WORDS", "RULE",
+    "normalize_text", "word_ngrams", "EvalText", "Match", "DecontaminationReport", "find_overlaps",
+    "read_benchmark_prompts", "recipe_decontamination",
+]
+
+NGRAM = 5
+JACCARD_THRESHOLD = 0.7
+CONTAINMENT_THRESHOLD = 0.8
+CONTAINMENT_MIN_WORDS = 20
+MAX_EXAMPLES = 5
+RULE = (f"normalized text (NFKC, case-folded, non-alphanumerics collapsed to one space); exact: equal; "
+        f"near duplicate: word {NGRAM}-gram Jaccard >= {JACCARD_THRESHOLD}, or >= {CONTAINMENT_THRESHOLD} "
+        f"of an evaluation prompt's {NGRAM}-grams inside one training turn (prompts of >= "
+        f"{CONTAINMENT_MIN_WORDS} words)")
+
+_SEPARATORS = re.compile(r"[\s\W_]+", re.UNICODE)
+
+
+def normalize_text(text: str) -> str:
+    """NFKC, case-folded, every run of whitespace, punctuation or underscores one space, trimmed."""
+    folded = unicodedata.normalize("NFKC", text or "").casefold()
+    return _SEPARATORS.sub(" ", folded).strip()
+
+
+def word_ngrams(normalized: str, n: int = NGRAM) -> frozenset[str]:
+    """The word n-grams of a normalized text; a shorter non-empty text is one gram (itself)."""
+    words = normalized.split()
+    if not words:
+        return frozenset()
+    if len(words) < n:
+        return frozenset([" ".join(words)])
+    return frozenset(" ".join(words[i:i + n]) for i in range(len(words) - n + 1))
+
+
+@dataclass(frozen=True)
+class EvalText:
+    """One evaluation prompt: where it comes from (``heldout`` or a benchmark file) and its id there."""
+
+    origin: str
+    prompt_id: str
+    text: str
+
+
+@dataclass
+class Match:
+    kind: str  # "exact" | "near"
+    origin: str
+    eval_id: str
+    shard: str
+    train_id: str
+    jaccard: float
+    containment: float
+    eval_text: str
+    train_text: str
+
+    def short(self) -> dict[str, Any]:
+        return {**asdict(self), "eval_text": _clip(self.eval_text), "train_text": _clip(self.train_text)}
+
+
+@dataclass
+class DecontaminationReport:
+    """Counts of contaminated evaluation prompts (each counted once: exact wins over near), examples, rule."""
+
+    eval_prompts: int = 0
+    benchmark_prompts: int = 0
+    training_turns: int = 0
+    training_shards: list[str] = field(default_factory=list)
+    exact: int = 0
+    near: int = 0
+    by_origin: dict[str, int] = field(default_factory=dict)
+    examples: list[dict[str, Any]] = field(default_factory=list)
+    excluded_by_eval_selection: int = 0  # held-out prompts drafter_eval already skips (raw text equal)
+    held_out: bool = True  # False: the recipe trains on every shard, so drafter_eval would use training prompts
+    benchmark_files: list[str] = field(default_factory=list)
+    rule: str = RULE
+
+    @property
+    def contaminated(self) -> int:
+        return self.exact + self.near
+
+    @property
+    def passed(self) -> bool:
+        return self.held_out and self.contaminated == 0
+
+    def summary(self) -> str:
+        if not self.held_out:
+            return "no held-out shard: the recipe trains on every shard, so drafter_eval would measure training prompts"
+        if self.passed:
+            return (f"clean: none of {self.eval_prompts} held-out and {self.benchmark_prompts} benchmark prompts "
+                    f"matches any of {self.training_turns} training turns")
+        return (f"{self.contaminated} evaluation prompts appear in training data ({self.exact} exact, "
+                f"{self.near} near duplicates) of {self.eval_prompts + self.benchmark_prompts}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed, "contaminated": self.contaminated, "summary": self.summary()}
+
+
+def _clip(text: str, n: int = 160) -> str:
+    text = " ".join((text or "").split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+class _EvalIndex:
+    """Evaluation prompts by normalized text and by 5-gram, for lookups of training turns."""
+
+    def __init__(self, prompts: Sequence[EvalText]):
+        self.prompts = list(prompts)
+        self.grams = [word_ngrams(normalize_text(p.text)) for p in self.prompts]
+        self.words = [len(normalize_text(p.text).split()) for p in self.prompts]
+        self.by_text: dict[str, list[int]] = defaultdict(list)
+        self.by_gram: dict[str, list[int]] = defaultdict(list)
+        for i, p in enumerate(self.prompts):
+            norm = normalize_text(p.text)
+            if norm:
+                self.by_text[norm].append(i)
+            for g in self.grams[i]:
+                self.by_gram[g].append(i)
+
+    def matches(self, text: str) -> list[tuple[int, str, float, float]]:
+        """(eval index, kind, jaccard, containment) of each evaluation prompt this training turn matches."""
+        norm = normalize_text(text)
+        if not norm:
+            return []
+        found = [(i, "exact", 1.0, 1.0) for i in self.by_text.get(norm, ())]
+        exact = {i for i, *_ in found}
+        grams = word_ngrams(norm)
+        shared: dict[int, int] = defaultdict(int)
+        for g in grams:
+            for i in self.by_gram.get(g, ()):
+                shared[i] += 1
+        for i, inter in shared.items():
+            if i in exact:
+                continue
+            mine = len(self.grams[i])
+            jaccard = inter / (mine + len(grams) - inter)
+            containment = inter / mine
+            if jaccard >= JACCARD_THRESHOLD or (
+                    self.words[i] >= CONTAINMENT_MIN_WORDS and containment >= CONTAINMENT_THRESHOLD):
+                found.append((i, "near", round(jaccard, 4), round(containment, 4)))
+        return found
+
+
+def find_overlaps(eval_prompts: Sequence[EvalText], training: Iterable[tuple[str, str, str]],
+                  report: DecontaminationReport | None = None) -> DecontaminationReport:
+    """Match ``eval_prompts`` against training turns ``(shard, prompt_id, text)``; fills and returns ``report``.
+
+    Each evaluation prompt is counted once, as exact if any training turn equals it, else near."""
+    report = report if report is not None else DecontaminationReport()
+    index = _EvalIndex(eval_prompts)
+    best: dict[int, Match] = {}
+    turns = 0
+    for shard, train_id, text in training:
+        turns += 1
+        for i, kind, jaccard, containment in index.matches(text):
+            old = best.get(i)
+            if old is None or (old.kind == "near" and kind == "exact") or (
+                    old.kind == kind and jaccard > old.jaccard):
+                p = eval_prompts[i]
+                best[i] = Match(kind, p.origin, p.prompt_id, shard, train_id, jaccard, containment, p.text, text)
+    report.training_turns += turns
+    report.exact = sum(m.kind == "exact" for m in best.values())
+    report.near = sum(m.kind == "near" for m in best.values())
+    by_origin: dict[str, int] = defaultdict(int)
+    for m in best.values():
+        by_origin[m.origin] += 1
+    report.by_origin = dict(sorted(by_origin.items()))
+    ordered = sorted(best.values(), key=lambda m: (m.kind != "exact", m.origin, m.eval_id))
+    report.examples = [m.short() for m in ordered[:MAX_EXAMPLES]]
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark prompt files
+
+_PROMPT_FIELDS = ("prompt", "question", "input", "instruction", "text")
+
+
+def _prompt_of(record: Any) -> list[str]:
+    if isinstance(record, str):
+        return [record]
+    if isinstance(record, dict):
+        for key in _PROMPT_FIELDS:
+            if isinstance(record.get(key), str):
+                return [record[key]]
+        messages = record.get("messages") or record.get("conversations")
+        if isinstance(messages, list):
+            return [m.get("content") or m.get("value") for m in messages if isinstance(m, dict)
+                    and m.get("role", m.get("from")) in ("user", "human")
+                    and isinstance(m.get("content") or m.get("value"), str)]
+    return []
+
+
+def read_benchmark_prompts(path: str | Path) -> list[EvalText]:
+    """The prompts of one benchmark file (see the module docstring for the formats); a clear error otherwise."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"benchmark prompt file {str(path)!r} does not exist (DFLASH_BENCHMARK_PROMPTS)")
+    text = p.read_text("utf-8")
+    if p.suffix == ".txt":
+        records: list[Any] = [line for line in text.splitlines() if line.strip()]
+    elif p.suffix == ".jsonl":
+        records = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"benchmark file {p}: line {n} is not JSON: {e}") from e
+    elif p.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"benchmark file {p} is not JSON: {e}") from e
+        records = data if isinstance(data, list) else [data]
+    else:
+        raise ValueError(f"benchmark file {p}: use .txt (one prompt a line), .json or .jsonl")
+    out = []
+    for n, record in enumerate(records):
+        for k, prompt in enumerate(_prompt_of(record)):
+            out.append(EvalText(f"benchmark:{p.name}", f"{n}" if k == 0 else f"{n}.{k}", prompt))
+    if not out:
+        raise ValueError(f"benchmark file {p} holds no prompts (fields looked for: {', '.join(_PROMPT_FIELDS)}, "
+                         f"messages)")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# A recipe's check
+
+
+def heldout_texts(store: Any, trained: Sequence[str], limit: int) -> tuple[list[EvalText], int, bool]:
+    """The first user turns ``drafter_eval`` would decode, in its order (``stages.heldout_prompts``: held-out
+    shards, skipping a prompt whose raw first user turn is a trained user turn); (prompts, skipped, held_out)."""
+    shards = layout.list_raw_prompt_shards(store)
+    trained_set = set(trained)
+    held = [s for s in shards if s not in trained_set]
+    if not held:
+        return [], 0, False
+    trained_texts: set[str] = set()
+    for shard in (s for s in shards if s in trained_set):
+        for turns in store.read_parquet(layout.raw_prompts(shard), columns=["user_turns"]).column(0).to_pylist():
+            trained_texts.update(turns or ())
+    out: list[EvalText] = []
+    skipped = 0
+    for shard in held:
+        table = store.read_parquet(layout.raw_prompts(shard), columns=["prompt_id", "user_turns"])
+        for row in table.to_pylist():
+            first = (row["user_turns"] or [""])[0]
+            if first in trained_texts:
+                skipped += 1
+                continue
+            out.append(EvalText("heldout", row["prompt_id"], first))
+            if len(out) >= limit:
+                return out, skipped, True
+    return out, skipped, True
+
+
+def training_turns(store: Any, shards: Sequence[str]) -> Iterable[tuple[str, str, str]]:
+    """Every user turn of the trained shards: (shard, prompt_id, text)."""
+    for shard in shards:
+        table = store.read_parquet(layout.raw_prompts(shard), columns=["prompt_id", "user_turns"])
+        for pid, turns in zip(table.column(0).to_pylist(), table.column(1).to_pylist()):
+            for text in turns or ():
+                yield shard, pid, text
+
+
+def recipe_decontamination(store: Any, trained_shards: Sequence[str], *, benchmark_files: Sequence[str] = (),
+                           max_eval_prompts: int = 4096) -> DecontaminationReport:
+    """The decontamination report of a recipe that trains on ``trained_shards`` (see the module docstring).
+
+    ``max_eval_prompts``: how many held-out prompts are checked, in ``drafter_eval``'s order (it decodes the
+    first ``num_prompts`` of them, 16 by default)."""
+    heldout, skipped, held_out = heldout_texts(store, trained_shards, max_eval_prompts)
+    benchmark = [p for f in benchmark_files for p in read_benchmark_prompts(f)]
+    report = DecontaminationReport(eval_prompts=len(heldout), benchmark_prompts=len(benchmark),
+                                   training_shards=list(trained_shards), excluded_by_eval_selection=skipped,
+                                   held_out=held_out, benchmark_files=[str(f) for f in benchmark_files])
+    return find_overlaps([*heldout, *benchmark], training_turns(store, trained_shards), report)
