@@ -685,6 +685,14 @@ class SGLangEngine(Engine):
         return [dataclasses.replace(self._result(o, fitted, t0), max_new_tokens_cut=cut) for o in outs]
 
 
+def _utf8_len(text: Any) -> int:
+    """UTF-8 bytes of a message text (0 for None; str(...) of anything else)."""
+    if not text:
+        return 0
+    text = text if isinstance(text, str) else str(text)
+    return len(text) if text.isascii() else len(text.encode())
+
+
 def _openai_message(m: dict) -> dict:
     """A chat message for ``/v1/chat/completions``: role and content; tool calls (arguments as JSON text),
     tool results' ids and an agentic step's reasoning when the message has them."""
@@ -751,9 +759,13 @@ class OpenAIEngine(Engine):
     def prompt_tokens(self, messages: Sequence[dict], gen: GenerationConfig, tools: Sequence[dict] | None) -> int:
         """The request's prompt tokens for the context check: counted with the target's tokenizer when the
         engine has one and the cheap bound does not already fit; else that bound, an upper limit (a byte-level
-        BPE token is at least one UTF-8 byte; 32 tokens per message and 64 for the template's frame)."""
-        text = sum(len(json_dumps(_openai_message(m))) + 32 for m in messages) + 64
-        bound = text + (len(json_dumps(list(tools))) if tools else 0)
+        BPE token is at least one UTF-8 byte): the UTF-8 bytes of every text, 32 tokens per message for its
+        frame, 64 for the generation prompt, and with tools their JSON plus 1024 for the template's tool
+        instructions."""
+        bound = 64 + sum(_utf8_len(m.get("content")) + _utf8_len(m.get("reasoning_content")) + 32
+                         + (len(json_dumps(m["tool_calls"])) if m.get("tool_calls") else 0) for m in messages)
+        if tools:
+            bound += len(json_dumps(list(tools))) + 1024
         fits = self.context_length is None or bound + gen.max_new_tokens <= self.context_length
         if fits or self.tok is None:
             return bound
