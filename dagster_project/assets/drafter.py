@@ -6,16 +6,56 @@ partitions it selects and publishes safetensors + config.json in the layout
 public DFlash inference loads. ``drafter_eval`` decodes held-out prompts
 speculatively and reports tau; its ``lossless`` check fails if the output
 ever differs from the target's own greedy output.
+
+``drafter_checkpoint`` carries two blocking checks (issue 25):
+
+- ``decontamination`` runs in the asset body before the GPU run is launched (a check on the recipe that
+  must decide before GPU hours are spent; a check that ran after the asset would only stop drafter_eval):
+  the held-out prompts drafter_eval would decode and the benchmark prompt files listed in
+  ``DFLASH_BENCHMARK_PROMPTS`` (paths separated by ``os.pathsep``) against every user turn of the trained
+  shards (``dflash_assets.drafter.decontamination``). Contaminated: the check fails and the asset fails
+  without training. Its result goes into the checkpoint's ``provenance.json``.
+- ``serving_match``: after training, the published checkpoint against SGLang's DFlash loader rules and the
+  served target's chat template and thinking mode (``dflash_assets.drafter.serving_match``); the served side
+  is the deployment's target settings (SGLang reports no chat template).
 """
+
+import os
 
 import dagster as dg
 
-from dagster_project.config import DrafterEvalConfig, DrafterTrainingConfig
-from dagster_project.metadata import render_pipes_result
+from dagster_project.config import DrafterEvalConfig, DrafterTrainingConfig, GenerationStageConfig
+from dagster_project.metadata import check_metadata, render_pipes_result
 from dagster_project.partitions import drafter_recipes
 from dagster_project.pipes import GpuLauncherParam, check_specs_for
 from dagster_project.resources import StoreParam, TargetParam
 from dagster_project.versions import code_version
+from dflash_assets.drafter.decontamination import recipe_decontamination
+from dflash_assets.drafter.serving_match import checkpoint_serving_match, served_target_from_spec
+from dflash_assets.drafter.stages import load_recipe, training_shards
+
+BENCHMARK_PROMPTS_ENV = "DFLASH_BENCHMARK_PROMPTS"
+
+
+def benchmark_prompt_files() -> list[str]:
+    """The deployment's benchmark prompt files (``DFLASH_BENCHMARK_PROMPTS``, separated by ``os.pathsep``)."""
+    return [p for p in os.environ.get(BENCHMARK_PROMPTS_ENV, "").split(os.pathsep) if p.strip()]
+
+
+def completions_settings(context: dg.AssetExecutionContext, shards: list[str], thinking: bool) -> list[dict]:
+    """Sampling settings that may have made the trained shards' completions: the defaults and the run config of
+    each run that last materialized one of them. provenance.json keeps those whose config_hash is found."""
+    configs = [GenerationStageConfig()]
+    runs = set()
+    for shard in shards:
+        event = context.instance.get_latest_materialization_event(dg.AssetKey("completions"), partition=shard)
+        if event is not None and event.run_id not in runs:
+            runs.add(event.run_id)
+            run = context.instance.get_run_by_id(event.run_id)
+            cfg = ((run.run_config or {}).get("ops") or {}).get("completions", {}).get("config") if run else None
+            if cfg:
+                configs.append(GenerationStageConfig(**cfg))
+    return [c.to_library(enable_thinking=t).model_dump(mode="json") for c in configs for t in (thinking, not thinking)]
 
 
 @dg.asset(
@@ -26,12 +66,41 @@ from dagster_project.versions import code_version
     owners=["team:ml-training"],
     code_version=code_version("1", DrafterTrainingConfig, target=True),
     pool="gpu",
+    check_specs=[
+        dg.AssetCheckSpec("decontamination", asset="drafter_checkpoint", blocking=True,
+                          description="Held-out and benchmark prompts never appear in the trained shards (exact or "
+                                      "near duplicate); decided before training starts."),
+        dg.AssetCheckSpec("serving_match", asset="drafter_checkpoint", blocking=True,
+                          description="The checkpoint loads in SGLang's DFlash loader as trained (config fields, "
+                                      "block size, layers, mask id, no embedding/head, dtype) and was trained on "
+                                      "samples of the served target's chat template and thinking mode."),
+    ],
 )
 def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainingConfig, store: StoreParam,
-                       target: TargetParam, gpu_launcher: GpuLauncherParam) -> dg.MaterializeResult:
-    """A trained DFlash drafter (``DFlashDraftModel``): model.safetensors + config.json, resumable training."""
-    payload = {**config.to_stage_payload(work_dir=gpu_launcher.work_dir), "target": target.spec().model_dump()}
-    return render_pipes_result(gpu_launcher.run(context, "drafter_checkpoint", payload, store).get_materialize_result())
+                       target: TargetParam, gpu_launcher: GpuLauncherParam):
+    """A trained DFlash drafter (``DFlashDraftModel``): model.safetensors + config.json + provenance.json."""
+    st, spec = store.open(), target.spec()
+    shards = training_shards(st, load_recipe(st, context.partition_key))
+    decontamination = recipe_decontamination(st, shards, benchmark_files=benchmark_prompt_files())
+    decon_check = dg.AssetCheckResult(check_name="decontamination", passed=decontamination.passed,
+                                      severity=dg.AssetCheckSeverity.ERROR,
+                                      metadata=check_metadata(decontamination.to_dict()))
+    if not decontamination.passed:  # no GPU time for a recipe whose evaluation would be contaminated
+        yield decon_check
+        raise dg.Failure(description=f"decontamination: {decontamination.summary()}", allow_retries=False)
+    provenance_inputs = {
+        "decontamination": decontamination.to_dict(),
+        "generation_settings": completions_settings(context, shards, spec.thinking()),
+        "dagster_code_versions": {k.to_user_string(): v for k, v in context.assets_def.code_versions_by_key.items()},
+    }
+    payload = {**config.to_stage_payload(work_dir=gpu_launcher.work_dir), "target": spec.model_dump(),
+               "provenance_inputs": provenance_inputs}
+    yield render_pipes_result(gpu_launcher.run(context, "drafter_checkpoint", payload, store).get_materialize_result())
+    yield decon_check
+    match = checkpoint_serving_match(st, context.partition_key, served_target_from_spec(spec))
+    yield dg.AssetCheckResult(check_name="serving_match", passed=match.passed, severity=dg.AssetCheckSeverity.ERROR,
+                              metadata=check_metadata({"problems": match.problems or ["none"],
+                                                       "checked": match.checked, **match.facts}))
 
 
 @dg.asset(
