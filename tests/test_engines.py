@@ -519,14 +519,12 @@ def test_openai_tool_call_without_think_end_is_kept(tool_parser):
                                      ("/v1/models",)])
 @pytest.mark.parametrize("kind", ["sglang", "openai"])
 def test_probe_identifies_the_model_whatever_route_is_missing(tok, kind, missing):
-    if kind == "openai" and "/v1/models" in missing:
-        pytest.skip("the OpenAI kind is /v1/models itself")
     with LoopbackServer(model_path=TARGET, served_model_name="qwen3.6-27b", missing_routes=missing) as srv:
         probe, res = run(_probe_then_chat(_engine(kind, srv.url, tok)))
         info_calls = srv.stats.model_info_requests
     assert probe.healthy and probe.error is None and res.completion_tokens > 0
     assert "qwen3.6-27b" in probe.served_models
-    assert probe.facts.routes_missing == tuple(r for r in missing if r != "/v1/models" or kind == "sglang")
+    assert probe.facts.routes_missing == missing
     assert info_calls == (0 if "/get_model_info" in missing else 1)  # one identity call, the first route there
     assert probe.facts.context_length == (None if "/v1/models" in missing else 32768)
 

@@ -238,6 +238,7 @@ class ServerFacts:
     context_length: int | None = None
     version: str | None = None
     routes_missing: tuple[str, ...] = ()  # identity/info routes that answered 404 (skipped)
+    transformers_serve: bool = False  # /v1/models cards carry `transformers serve`'s non-OpenAI `status` object
 
     @property
     def splits_reasoning(self) -> bool | None:
@@ -498,9 +499,10 @@ class Engine(abc.ABC):
 
             deterministic = server.get("enable_deterministic_inference")
             version = server.get("version")
+            tagged = any(isinstance(m.get("status"), dict) for m in cards)
         return ServerFacts(tuple(dict.fromkeys(n for n in names if n)), flag("reasoning_parser"),
                            flag("tool_call_parser"), deterministic if isinstance(deterministic, bool) else None,
-                           context, str(version) if version else None, tuple(missing))
+                           context, str(version) if version else None, tuple(missing), tagged)
 
     def _adopt_facts(self, facts: ServerFacts) -> None:
         self.facts = facts
@@ -723,23 +725,19 @@ class OpenAIEngine(Engine):
         self.dialect: str | None = None
 
     async def probe(self) -> EngineProbe:
-        """``/v1/models`` (identity, dialect), SGLang's ``/model_info`` and ``/server_info`` when served (whether
-        it runs a reasoning parser, deterministic inference, context length), then ``/health`` without the key
-        (404 tolerated: some proxies have none)."""
+        """``server_facts``: SGLang's ``/model_info`` and ``/server_info`` when served (whether it runs a
+        reasoning parser, deterministic inference), ``/v1/models`` (identity, context length, the dialect:
+        ``transformers serve`` tags its cards); then ``/health`` without the key (404 tolerated: some proxies
+        have none)."""
         t0 = time.perf_counter()
         try:
-            models = await self._request("GET", "/v1/models", timeout_s=self.probe_timeout_s) or {}
-            latency = time.perf_counter() - t0
-            with self._reply_shape("/v1/models", models):
-                data = models.get("data", []) if isinstance(models, dict) else []
-                names = tuple(str(m["id"]) for m in data if m.get("id"))
-                # `transformers serve` tags its /v1/models entries with a non-OpenAI `status` object.
-                served_by_transformers = any(isinstance(m.get("status"), dict) for m in data)
             facts = await self.server_facts()
         except EngineError as e:
             return EngineProbe(self.url, self.kind, False, error=str(e))
+        latency = time.perf_counter() - t0
         self._adopt_facts(facts)
-        self.dialect = "transformers_serve" if served_by_transformers else "openai"
+        names = facts.names
+        self.dialect = "transformers_serve" if facts.transformers_serve else "openai"
         if self.extra_sampling_params is None:
             self.extra_sampling_params = self.dialect != "transformers_serve"
         if self.configured_reasoning_parser is None:
@@ -752,7 +750,7 @@ class OpenAIEngine(Engine):
             if e.status != 404:  # vLLM/SGLang/transformers have /health; some proxies do not
                 healthy, error = False, str(e)
         if not names:
-            error = error or "GET /v1/models lists no model"
+            error = error or "no model named by /model_info, /get_model_info or /v1/models"
         self.served_model = names[0] if names else ""
         return EngineProbe(self.url, self.kind, healthy, names, latency, error, self.dialect, facts)
 
@@ -906,6 +904,9 @@ class TransformersEngine(Engine):
         self.tok = ChatTokenizer(self._tokenizer or AutoTokenizer.from_pretrained(self.model_path))
         dtype = "auto" if self.dtype == "auto" else getattr(torch, self.dtype)
         self.model = load_causal_lm(self.model_path, dtype=dtype).to(self.device).eval()
+        # the model's positions bound prompt + new tokens here, as SGLang's context length does there
+        self.context_length = self.configured_context_length or _int_or_none(
+            getattr(self.model.config, "max_position_embeddings", None))
 
     async def probe(self) -> EngineProbe:
         t0 = time.perf_counter()
@@ -977,6 +978,7 @@ class TransformersEngine(Engine):
         await self.open()
         assert self.tok is not None
         ids = self.tok.prompt_ids(messages, generation.enable_thinking, tools)
+        generation, cut = self.fit_to_context(len(ids), generation)
         stop_ids = sorted(self.tok.stop_ids | set(generation.stop_token_ids))
         t0 = time.perf_counter()
         request = _BatchedRequest(ids, generation, stop_ids, generation.model_dump_json() + repr(stop_ids),
@@ -988,4 +990,4 @@ class TransformersEngine(Engine):
         finish = "stop" if out and out[-1] in stop_ids else "length"
         reasoning, content = self.tok.split_output_ids(out, generation.enable_thinking, generation.stop_token_ids)
         return ChatResult(content, reasoning, finish, len(ids), len(out), time.perf_counter() - t0, self.url,
-                          self.model_path)
+                          self.model_path, max_new_tokens_cut=cut)
