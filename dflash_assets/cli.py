@@ -24,6 +24,10 @@ returns and leaves it running. Reads/writes nothing but the optional log file.
 capture and training GPU-hours, offline or online, e.g. ``dflash plan
 --conversations 914000 --tokens-per-sample 3000 --target qwen3.6-27b --budget-tb 50``.
 
+``dflash inspect CHECKPOINT``: prints a drafter checkpoint's ``provenance.json``
+(``dflash_assets.drafter.provenance``): a checkpoint directory, or ``dflash inspect STORE_URI --recipe
+NAME`` for the recipe's published checkpoint (``--json``: the raw record). Reads only.
+
 Adding a subcommand: write ``_add_<name>(subparsers)`` that sets
 ``func=<callable(args) -> int>`` and append it to ``SUBCOMMANDS``.
 """
@@ -136,7 +140,34 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cost_plan.run)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_engine, _add_plan]
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="print a drafter checkpoint's provenance (provenance.json)",
+                       description="Print what made a drafter checkpoint: prompt sources, partitions, target "
+                       "identity, completions' engines and sampling, recipe, code versions, decontamination.")
+    p.add_argument("checkpoint", help="a checkpoint directory (or its provenance.json), or a store URI with --recipe")
+    p.add_argument("--recipe", help="the recipe whose published checkpoint to read from the store URI")
+    p.add_argument("--json", action="store_true", help="print the record as JSON")
+    p.set_defaults(func=_inspect)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from dflash_assets.drafter.provenance import format_provenance, read_provenance
+
+    try:
+        if args.recipe:
+            from dflash_assets.store.backends import open_store
+
+            doc = read_provenance(store=open_store(args.checkpoint), recipe=args.recipe)
+        else:
+            doc = read_provenance(args.checkpoint)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"dflash inspect: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(doc, indent=2, sort_keys=True) if args.json else format_provenance(doc))
+    return 0
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_engine, _add_plan, _add_inspect]
 
 
 def build_parser() -> argparse.ArgumentParser:
