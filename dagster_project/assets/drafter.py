@@ -97,10 +97,13 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainin
                "provenance_inputs": provenance_inputs}
     yield render_pipes_result(gpu_launcher.run(context, "drafter_checkpoint", payload, store).get_materialize_result())
     yield decon_check
-    match = checkpoint_serving_match(st, context.partition_key, served_target_from_spec(spec))
-    yield dg.AssetCheckResult(check_name="serving_match", passed=match.passed, severity=dg.AssetCheckSeverity.ERROR,
-                              metadata=check_metadata({"problems": match.problems or ["none"],
-                                                       "checked": match.checked, **match.facts}))
+    try:
+        match = checkpoint_serving_match(st, context.partition_key, served_target_from_spec(spec))
+        passed, values = match.passed, {"problems": match.problems or ["none"], "checked": match.checked, **match.facts}
+    except (OSError, ValueError) as e:  # the served target or the checkpoint cannot be read here: not a match
+        passed, values = False, {"problems": [f"{type(e).__name__}: {e}"]}
+    yield dg.AssetCheckResult(check_name="serving_match", passed=passed, severity=dg.AssetCheckSeverity.ERROR,
+                              metadata=check_metadata(values))
 
 
 @dg.asset(
