@@ -458,13 +458,14 @@ class Engine(abc.ABC):
             pause = min(pause * 2, 5.0)
 
     async def _optional_json(self, paths: Sequence[str], missing: list[str]) -> dict | None:
-        """The first of ``paths`` that answers a JSON object; a 404/405 route is noted in ``missing`` and skipped.
-        A connection failure or any other HTTP error is raised (the endpoint is not there, or refuses us)."""
+        """The first of ``paths`` that answers a JSON object; a route that is not there (404/405) or kept for an
+        admin key (403) is noted in ``missing`` and skipped. A connection failure or any other HTTP error (401: our
+        key is refused) is raised."""
         for path in paths:
             try:
                 reply = await self._request("GET", path, timeout_s=self.probe_timeout_s)
             except EngineError as e:
-                if e.status in (404, 405):
+                if e.status in (403, 404, 405):
                     missing.append(path)
                     continue
                 raise

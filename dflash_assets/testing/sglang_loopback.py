@@ -51,7 +51,10 @@ last message's content) contains a rule's trigger, the reply's content is
 ``name`` with ``arguments`` (the first rule that matches). ``/generate``
 needs ``tokenizer_json`` to read the prompt. ``tool_call_parser``: the chat
 route answers the call as parsed OpenAI ``tool_calls`` (finish
-``tool_calls``), as SGLang does when started with ``--tool-call-parser``.
+``tool_calls``) when the request carries ``tools``, as SGLang does when
+started with ``--tool-call-parser``. ``tool_call_without_think_end``: the
+block opens inside the reasoning without ``</think>`` (Qwen3.5 does this;
+SGLang's Qwen3 reasoning parser ends the reasoning at ``<tool_call>``).
 
 Misbehaviour modes (``LoopbackConfig``) play a broken or hostile engine:
 replies of the wrong shape, redirects, padded bodies, another model's name,
