@@ -175,6 +175,10 @@ class _Generator:
 
             self._tok = Tokenizer.from_file(cfg.tokenizer_json)
 
+    def count(self, text: str) -> int:
+        """Tokens of ``text`` (without building the id list when there is no tokenizer: one per UTF-8 byte)."""
+        return len(self.encode(text)) if self._tok is not None else len(text.encode())
+
     def encode(self, text: str) -> list[int]:
         if self._tok is not None:
             return self._tok.encode(text, add_special_tokens=False).ids
@@ -323,6 +327,8 @@ def _context_error(cfg: LoopbackConfig, prompt_tokens: int, max_new_tokens: Any)
 def _tool_schema_error(tools: list) -> str | None:
     """SGLang's check of each tool's ``parameters`` (``entrypoints/openai/serving_chat.py``,
     ``_validate_request``: ``Draft202012Validator.check_schema``), else None."""
+    if not tools:
+        return None
     from jsonschema import Draft202012Validator, SchemaError
 
     for i, tool in enumerate(tools):
@@ -429,7 +435,7 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
         batch = isinstance(ids, list) and ids and isinstance(ids[0], list) or isinstance(text, list)
         items = (ids if ids is not None else text) if batch else [ids if ids is not None else text]
         for x in items:
-            n_prompt = len(x) if ids is not None else len(gen.encode(x or ""))
+            n_prompt = len(x) if ids is not None else gen.count(x or "")
             if (error := _context_error(cfg, n_prompt, params.get("max_new_tokens"))) is not None:
                 return generate_error(error)
         if batch:
@@ -460,9 +466,9 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
         if (error := _tool_schema_error(tools)) is not None:
             return chat_error(error)
         think = (body.get("chat_template_kwargs") or {}).get("enable_thinking", True)
-        prompt_ids = gen.encode(_chatml(messages, tools, think))
+        n_prompt = gen.count(_chatml(messages, tools, think))
         max_new = body.get("max_completion_tokens") or body.get("max_tokens")
-        if (error := _context_error(cfg, len(prompt_ids), max_new)) is not None:
+        if (error := _context_error(cfg, n_prompt, max_new)) is not None:
             return chat_error(error)
         key = _prompt_key(None, json.dumps(body.get("messages"), sort_keys=True), seed_of(body.get("seed")))
         params = {"max_new_tokens": max_new or 128, "ignore_eos": body.get("ignore_eos")}
@@ -491,8 +497,7 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
             "choices": [{"index": 0, "finish_reason": finish["type"], "message": message,
                          "matched_stop": finish.get("matched")}],
             # usage_processor.py: prompt and completion tokens as the engine counted them
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(out),
-                      "total_tokens": len(prompt_ids) + len(out)},
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(out), "total_tokens": n_prompt + len(out)},
         }))
 
     async def health(_request: "web.Request") -> "web.Response":
