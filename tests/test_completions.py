@@ -353,3 +353,33 @@ def test_turns_that_do_not_fit_the_context_are_cut_or_stopped_before_sending(tok
     meta = s.to_metadata()
     assert (meta["turns_cut_to_context"], meta["conversations_stopped_at_context"],
             meta["prompts_failed_context_overflow"]) == (6, 4, 1)
+
+
+def test_agentic_step_that_does_not_fit_the_context_stops_the_conversation(tok, local_store, tiny_dense_target):
+    """A long tool result pushes the next step past the context: that step is not sent, the row keeps what was
+    generated and says agentic_stop: context_length."""
+    from dflash_assets.generation.chat_tokenizer import ChatTokenizer
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    events = [{"role": "user", "content": "What is the weather in Lyon?"},
+              {"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Lyon"}}]},
+              {"role": "tool", "name": "get_weather", "content": " ".join(["sunny"] * 300)},
+              {"role": "assistant", "content": "Sunny."}]
+    row = {"prompt_id": "agentic-long-result", "system": None, "user_turns": [events[0]["content"]],
+           "agentic_turns": json.dumps(events), "tools": json.dumps(tools)}
+    first = len(ChatTokenizer(tok).prompt_ids(events[:1], True, tools))
+    with LoopbackServer(model_path=TARGET, context_length=first + 100,
+                        tokenizer_json=str(tiny_dense_target / "tokenizer.json"),
+                        tool_rules=(("weather in Lyon", "get_weather", {"city": "Lyon"}),)) as srv:
+        cfg = EngineFleetConfig(target_model=TARGET, backoff_initial_s=0.01, context_min_new_tokens=80,
+                                endpoints=[EndpointConfig(url=srv.url)])
+        res = regenerate_shard([row], shard="agentic-ctx", store=local_store, fleet=cfg, tokenizer=tok,
+                               generation=GenerationConfig(max_new_tokens=256))
+        requests, sent = srv.stats.generate_requests, srv.stats.last_body["sampling_params"]["max_new_tokens"]
+    out = res.table.to_pylist()[0]
+    assert requests == 1 and sent == 100 and res.stats.turns_cut_to_context == 1
+    assert [m["role"] for m in out["messages"]] == ["user", "assistant", "tool"]
+    assert out["agentic_stop"] == "context_length" and res.stats.conversations_stopped_at_context == 1
+    assert res.stats.prompts_failed == 0
