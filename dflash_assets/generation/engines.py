@@ -512,7 +512,8 @@ class Engine(abc.ABC):
     @property
     def seed_honoured(self) -> bool:
         """Whether a request's seed makes its output reproducible here: configured, else the server's
-        ``enable_deterministic_inference`` (SGLang uses ``sampling_seed`` only then: ``layers/sampler.py``)."""
+        ``enable_deterministic_inference`` (SGLang passes ``sampling_seed`` to its sampler only then:
+        ``sampling/sampling_batch_info.py``)."""
         if self.configured_deterministic is not None:
             return self.configured_deterministic
         return bool(self.facts and self.facts.deterministic_inference)

@@ -40,8 +40,8 @@ and is cited where it is implemented. Routes:
 
 Seeds: a request's seed (``sampling_seed``, chat ``seed``) changes the output
 only when the server is ``deterministic`` (started with
-``--enable-deterministic-inference``); otherwise it is ignored, as SGLang's
-sampler ignores it (``layers/sampler.py``).
+``--enable-deterministic-inference``); otherwise it is ignored, as SGLang
+ignores it (``sampling/sampling_batch_info.py`` passes it to the sampler only then).
 
 Tool calls (``LoopbackConfig.tool_rules``): ``(trigger, name, arguments)``
 rules; when the prompt's last message (the text between its last two
@@ -398,7 +398,8 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
             await asyncio.sleep(wait)
 
     def seed_of(value: Any) -> Any:
-        # layers/sampler.py: the seed is used only with --enable-deterministic-inference
+        # sampling/sampling_batch_info.py: the batch carries a request's sampling_seed only with
+        # --enable-deterministic-inference (chat `seed` becomes sampling_seed: entrypoints/openai/protocol.py)
         return value if cfg.deterministic else None
 
     def one(ids: list[int] | None, text: str | None, params: dict, t0: float, rid: int) -> dict:
