@@ -189,3 +189,21 @@ def test_a_contaminated_recipe_fails_its_blocking_check_before_any_gpu_run(tmp_p
         assert "decontamination: 2 evaluation prompts" in str(failure.event_specific_data.error)
         assert instance.get_latest_materialization_event(dg.AssetKey("drafter_checkpoint")) is None
     assert store.list("drafter_checkpoint") == [] and store.list("_pipes") == []  # no GPU stage was launched
+
+
+def test_a_prompt_drafter_eval_already_skips_is_counted_apart(local_store, tmp_path):
+    """The same user turn under another system prompt is another prompt (another prompt_id); drafter_eval skips a
+    held-out prompt whose first user turn is a trained user turn, so it is not contamination, but it is counted."""
+    source = tmp_path / "prompts.jsonl"
+    records = [{"conversations": [{"from": "human", "value": long_prompt(t)}]} for t in TOPICS[:4]]
+    records.append({"conversations": [{"from": "system", "value": "You are terse."},
+                                      {"from": "human", "value": long_prompt(TOPICS[0])}]})
+    records.append({"conversations": [{"from": "human", "value": long_prompt(TOPICS[9])}]})
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = ingest_prompt_source(str(source), local_store, IngestConfig(max_prompts_per_shard=4))
+    shards = sorted(report.shard_keys)
+    for shard in shards:
+        materialize_prompt_shard(local_store, shard)
+    result = recipe_decontamination(local_store, shards[:1])
+    assert (result.excluded_by_eval_selection, result.eval_prompts, result.contaminated) == (1, 1, 0)
+    assert result.passed

@@ -23,6 +23,7 @@ Reads ``raw_prompts/<shard>.parquet`` through the store and benchmark files (``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import unicodedata
@@ -264,6 +265,10 @@ def read_benchmark_prompts(path: str | Path) -> list[EvalText]:
 # A recipe's check
 
 
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 def heldout_texts(store: Any, trained: Sequence[str], limit: int) -> tuple[list[EvalText], int, bool]:
     """The first user turns ``drafter_eval`` would decode, in its order (``stages.heldout_prompts``: held-out
     shards, skipping a prompt whose raw first user turn is a trained user turn); (prompts, skipped, held_out)."""
@@ -272,17 +277,17 @@ def heldout_texts(store: Any, trained: Sequence[str], limit: int) -> tuple[list[
     held = [s for s in shards if s not in trained_set]
     if not held:
         return [], 0, False
-    trained_texts: set[str] = set()
+    trained_texts: set[bytes] = set()  # digests, not texts: the trained turns of a large corpus stay small
     for shard in (s for s in shards if s in trained_set):
         for turns in store.read_parquet(layout.raw_prompts(shard), columns=["user_turns"]).column(0).to_pylist():
-            trained_texts.update(turns or ())
+            trained_texts.update(_digest(t) for t in turns or ())
     out: list[EvalText] = []
     skipped = 0
     for shard in held:
         table = store.read_parquet(layout.raw_prompts(shard), columns=["prompt_id", "user_turns"])
         for row in table.to_pylist():
             first = (row["user_turns"] or [""])[0]
-            if first in trained_texts:
+            if _digest(first) in trained_texts:
                 skipped += 1
                 continue
             out.append(EvalText("heldout", row["prompt_id"], first))
