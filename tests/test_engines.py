@@ -543,17 +543,20 @@ def test_health_is_waited_on_while_503_and_never_needs_the_key(tok):
     assert probe.healthy and waited >= 1.0 and res.completion_tokens > 0
 
 
-def test_health_that_stays_503_is_unhealthy_not_unreachable_and_the_router_is_always_200(tok):
+def test_health_that_stays_503_is_unhealthy_not_unreachable_and_the_router_is_asked_for_readiness(tok):
     from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig, probe_fleet
 
     with LoopbackServer(model_path=TARGET, health_503_s=60) as starting, \
-            LoopbackServer(model_path=TARGET, health_503_s=60, router=True) as router:
-        cfg = EngineFleetConfig(target_model=TARGET, health_wait_s=0.5,
-                                endpoints=[EndpointConfig(url=starting.url), EndpointConfig(url=router.url)])
+            LoopbackServer(model_path=TARGET, health_503_s=60, router=True) as router, \
+            LoopbackServer(model_path=TARGET, router=True, router_workers_healthy=False) as empty_router:
+        assert _http(empty_router.url, "/health") == (200, "OK")  # liveness, whatever the workers do
+        cfg = EngineFleetConfig(target_model=TARGET, health_wait_s=0.5, endpoints=[
+            EndpointConfig(url=starting.url), EndpointConfig(url=router.url), EndpointConfig(url=empty_router.url)])
         rows = {r.endpoint: r for r in probe_fleet(cfg, tok).rows}
     assert rows[starting.url].status == "unhealthy" and "503" in rows[starting.url].detail
     assert rows[starting.url].served_model == TARGET  # identified all the same
-    assert rows[router.url].status == "ok"  # the router's /health says nothing about its workers
+    assert rows[router.url].status == "ok"  # its /health says nothing about its workers; /readiness does
+    assert rows[empty_router.url].status == "unhealthy" and "no healthy worker" in rows[empty_router.url].detail
 
 
 @pytest.mark.parametrize("kind", ["sglang", "openai"])

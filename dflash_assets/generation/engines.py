@@ -30,7 +30,9 @@ the server's flags from ``GET /server_info`` (then ``/get_server_info``):
 ``tool_call_parser``, ``version``; the context length from ``/v1/models``'
 ``max_model_len``. Health is ``GET /health`` without the API key (SGLang
 exempts it), waited on while it answers 503 (a starting or busy SGLang; its
-health check is a one-token generation that may take up to 20 s).
+health check is a one-token generation that may take up to 20 s); behind
+sglang-router, whose ``/health`` is always 200, ``/readiness`` says whether a
+worker is healthy.
 
 Before a request is sent its prompt tokens plus ``max_new_tokens`` are checked
 against the endpoint's context length (``Engine.fit_to_context``): a request
@@ -450,12 +452,24 @@ class Engine(abc.ABC):
         while True:
             try:
                 await self._get_ok("/health", timeout_s=max(self.health_timeout_s, self.probe_timeout_s), auth=False)
+                await self._router_ready()
                 return
             except EngineError as e:
                 if e.status != 503 or time.monotonic() + pause > deadline:
                     raise
             await asyncio.sleep(pause)
             pause = min(pause * 2, 5.0)
+
+    async def _router_ready(self) -> None:
+        """sglang-router (sgl-model-gateway ``src/server.rs``) answers ``/health`` with 200 whatever its workers
+        do; its ``/readiness`` is 503 until a worker is healthy. Only that 503 counts: a server without the route
+        answers 404 (sent with the key: SGLang's key check covers ``/readiness``, its exemption is ``/ready*``)."""
+        try:
+            await self._get_ok("/readiness")
+        except EngineError as e:
+            if e.status == 503:
+                raise EngineError(f"{e} (sglang-router: no healthy worker behind it)", status=e.status,
+                                  retryable=e.retryable, endpoint=self.url) from e
 
     async def _optional_json(self, paths: Sequence[str], missing: list[str]) -> dict | None:
         """The first of ``paths`` that answers a JSON object; a route that is not there (404/405) or kept for an

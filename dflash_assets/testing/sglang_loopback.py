@@ -15,7 +15,8 @@ and is cited where it is implemented. Routes:
 - ``GET /health``, ``GET /health_generate``: 200, never behind the API key;
   503 for ``health_503_s`` after start (a starting server); ``health_delay_s``
   plays the one-token health generation. ``router``: always 200 (the router's
-  liveness answer, whatever its workers do).
+  liveness answer, whatever its workers do), and ``GET /readiness`` 200 or 503
+  by ``router_workers_healthy`` (sgl-model-gateway ``src/server.rs``).
 - ``GET /model_info`` and the deprecated ``/get_model_info``: ``{"model_path",
   "served_model_name", "tokenizer_path", "is_generation", "reasoning_parser",
   "tool_call_parser", ...}``. ``GET /server_info`` / ``/get_server_info``: the
@@ -108,6 +109,8 @@ __all__ = ["LoopbackConfig", "LoopbackServer", "LoopbackProcess", "build_app", "
 # Special ids of the Qwen3.5/3.6 tokenizer (the embedded default target).
 QWEN3_6_IDS = {"think_start": 248068, "think_end": 248069, "im_end": 248046, "endoftext": 248044}
 THINK_START, THINK_END, TOOL_CALL_START = "<think>", "</think>", "<tool_call>"
+_ROUTER_PUBLIC = frozenset({"/liveness", "/readiness", "/v1/models", "/model_info", "/get_model_info", "/server_info",
+                            "/get_server_info", "/engine_metrics"})
 _BYTE_ID0 = 256  # without a tokenizer, byte b of a text is id 256 + b (below token_lo: never a random token)
 
 
@@ -149,7 +152,8 @@ class LoopbackConfig:
     version: str = "0.5.23"
     health_503_s: float = 0.0  # /health answers 503 for this long after start (a starting server)
     health_delay_s: float = 0.0  # each /health takes this long (the real one generates a token: >= 1 s)
-    router: bool = False  # sglang-router in front: /health is always 200
+    router: bool = False  # sglang-router in front: /health is always 200, /readiness tells
+    router_workers_healthy: bool = True  # router: whether /readiness finds a healthy worker
 
 
 @dataclass
@@ -503,8 +507,8 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
 
     async def health(_request: "web.Request") -> "web.Response":
         stats.health_requests += 1
-        if cfg.router:  # sgl-model-gateway: liveness, 200 whatever the workers' state
-            return web.Response(status=200)
+        if cfg.router:  # sgl-model-gateway src/server.rs `health` = `liveness`: 200 "OK" whatever the workers do
+            return web.Response(status=200, text="OK")
         # http_server.py `health_generate`: 503 while starting; otherwise a one-token generation
         if time.monotonic() - started < cfg.health_503_s:
             return web.Response(status=503)
@@ -514,10 +518,17 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
             return web.Response(status=200, text=cfg.health_body)  # text/plain
         return web.Response(status=200)
 
+    async def readiness(_request: "web.Request") -> "web.Response":
+        # sgl-model-gateway src/server.rs `readiness`: 503 unless a worker is healthy
+        if cfg.router_workers_healthy:
+            return jresp({"status": "ready", "healthy_workers": 1, "total_workers": 1})
+        return jresp({"status": "not ready", "reason": "insufficient healthy workers"}, 503)
+
     @web.middleware
     async def bearer_auth(request: "web.Request", handler: Any) -> "web.StreamResponse":
-        # utils/auth.py: /health*, /ready*, /metrics* never need the key; 401 {"error": "Unauthorized"}
-        public = request.path.startswith(("/health", "/ready", "/metrics"))
+        # utils/auth.py: /health*, /ready*, /metrics* never need the key; 401 {"error": "Unauthorized"}.
+        # The router (sgl-model-gateway src/server.rs `public_routes`) also leaves its info routes open.
+        public = request.path.startswith(("/health", "/ready", "/metrics")) or (cfg.router and request.path in _ROUTER_PUBLIC)
         if cfg.api_key and not public and request.headers.get("Authorization") != f"Bearer {cfg.api_key}":
             stats.unauthorized += 1
             return jresp({"error": "Unauthorized"}, 401)
@@ -559,6 +570,8 @@ def build_app(cfg: LoopbackConfig, stats: _Stats | None = None):
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health)
+    if cfg.router:  # the router's routes; SGLang itself has no /readiness (404)
+        app.router.add_get("/readiness", readiness)
     app.router.add_get("/model_info", model_info)
     app.router.add_get("/get_model_info", model_info)
     app.router.add_get("/server_info", server_info)
