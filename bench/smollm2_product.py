@@ -53,7 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
 
 WHEELS = ("gguf==0.19.0", "pydantic==2.14.4", "pydantic_core==2.50.5", "annotated_types==0.7.0",
-          "typing_inspection==0.4.5", "orjson==3.13.0")
+          "typing_inspection==0.4.5", "orjson==3.13.0", "typing_extensions==4.16.0")
 
 
 def log(*a):
