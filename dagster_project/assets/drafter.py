@@ -48,10 +48,11 @@ def completions_settings(context: dg.AssetExecutionContext, shards: list[str], t
     configs = [GenerationStageConfig()]
     runs = set()
     for shard in shards:
-        event = context.instance.get_latest_materialization_event(dg.AssetKey("completions"), partition=shard)
-        if event is not None and event.run_id not in runs:
-            runs.add(event.run_id)
-            run = context.instance.get_run_by_id(event.run_id)
+        records = context.instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[shard]), limit=1).records
+        if records and records[0].run_id not in runs:
+            runs.add(records[0].run_id)
+            run = context.instance.get_run_by_id(records[0].run_id)
             cfg = ((run.run_config or {}).get("ops") or {}).get("completions", {}).get("config") if run else None
             if cfg:
                 configs.append(GenerationStageConfig(**cfg))
