@@ -52,7 +52,7 @@ def test_whole_graph_on_s3(moto_endpoint, monkeypatch):
         parts = layout.list_hidden_state_parts(s3).get(shard, [])  # the parts its manifest names
         assert parts and set(parts) <= set(keys)
     checkpoint = layout.drafter_checkpoint_files(s3, "demo-v1")
-    assert set(checkpoint) == {"model.safetensors", "config.json", "train_metrics.json"}
+    assert set(checkpoint) == {"model.safetensors", "config.json", "train_metrics.json", "provenance.json"}
     assert {*checkpoint.values(), "drafter_eval/demo-v1.json"} <= set(keys)
     assert not [k for k in keys if k.startswith("_pipes/")]  # Pipes sessions cleaned up
     for shard in shards:  # the blocking checks ran and passed on every shard
