@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     console.addHandler(handler)
     console.setLevel(logging.INFO)
     console.propagate = False
+    # The library's own log lines belong to the steps' event logs (the instance's managed_python_loggers), not to
+    # this console: with a handler of its own, Python's last-resort stderr handler never prints them here.
+    logging.getLogger("dflash_assets").addHandler(logging.NullHandler())
 
     with warnings.catch_warnings():
         _quiet_library_warnings()

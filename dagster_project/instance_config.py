@@ -27,12 +27,16 @@ POSTGRES_ENV = ("DAGSTER_PG_HOST", "DAGSTER_PG_PORT", "DAGSTER_PG_USER", "DAGSTE
 _LOCAL = """\
 # Dagster instance for DFLASH_PROFILE=local (the embedded default).
 # Storage: SQLite under $DAGSTER_HOME, Dagster's default, so nothing to set.
-# Deleting this file changes only the two settings below.
+# Deleting this file changes only the settings below.
 concurrency:
   runs:
     max_concurrent_runs: 2  # the dev machine has 2 cores
   pools:
     default_limit: 1  # pool "gpu": one GPU step at a time unless `dagster instance concurrency set gpu N`; pool "ingest": keep 1
+python_logs:  # the library's log lines (progress, warnings) go into each step's event log, where the UI shows them
+  managed_python_loggers:
+    - dflash_assets
+  python_log_level: INFO
 telemetry:
   enabled: false
 """
@@ -77,6 +81,10 @@ run_monitoring:
   enabled: true
   start_timeout_seconds: 300
   max_resume_run_attempts: 0
+python_logs:  # the library's log lines (progress, warnings) go into each step's event log, where the UI shows them
+  managed_python_loggers:
+    - dflash_assets
+  python_log_level: INFO
 telemetry:
   enabled: false
 """
