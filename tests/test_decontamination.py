@@ -178,8 +178,10 @@ def test_a_contaminated_recipe_fails_its_blocking_check_before_any_gpu_run(tmp_p
         result = dg.materialize(defs.assets, partition_key="contaminated-v1", instance=instance,
                                 resources=resources, selection=["drafter_checkpoint"], raise_on_error=False)
         assert not result.success
-        (check,) = result.get_asset_check_evaluations()
-        assert check.check_name == "decontamination" and not check.passed
+        checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
+        check, match = checks["decontamination"], checks["serving_match"]
+        assert not check.passed and not match.passed
+        assert match.metadata["problems"].value == ["not checked: decontamination failed, so no checkpoint was trained"]
         assert check.severity == dg.AssetCheckSeverity.ERROR
         meta = {k: v.value for k, v in check.metadata.items()}
         assert (meta["exact"], meta["near"], meta["contaminated"]) == ("2", "0", "2")

@@ -88,6 +88,9 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainin
                                       metadata=check_metadata(decontamination.to_dict()))
     if not decontamination.passed:  # no GPU time for a recipe whose evaluation would be contaminated
         yield decon_check
+        yield dg.AssetCheckResult(check_name="serving_match", passed=False, severity=dg.AssetCheckSeverity.ERROR,
+                                  metadata=check_metadata({"problems": [
+                                      "not checked: decontamination failed, so no checkpoint was trained"]}))
         raise dg.Failure(description=f"decontamination: {decontamination.summary()}", allow_retries=False)
     provenance_inputs = {
         "decontamination": decontamination.to_dict(),
