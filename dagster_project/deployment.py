@@ -97,6 +97,8 @@ SETTINGS: dict[str, str] = {
     "DFLASH_TARGET_MASK_TOKEN_ID": "an explicit mask token id (wins over the name; 248070 for published Qwen3.5/3.6 drafters)",
     "DFLASH_PROMPT_SOURCE": "prompt source the ingest and its sensor read (default: the embedded ShareGPT file)",
     "DFLASH_PROMPT_SOURCE_ROOTS": "other sources a run may ingest: comma-separated path or s3:// prefixes (default: none)",
+    "DFLASH_BENCHMARK_PROMPTS": "benchmark prompt files kept out of training data by drafter_checkpoint's "
+                                "decontamination check, separated by os.pathsep (default: none)",
     "DFLASH_CACHE": "local cache of built artifacts: tiny targets, tokenizer, drafter work dirs (default ~/.cache/dflash-assets)",
 }
 REQUIRED: dict[str, tuple[str, ...]] = {

@@ -34,12 +34,11 @@ from dflash_assets.drafter.decontamination import recipe_decontamination
 from dflash_assets.drafter.serving_match import checkpoint_serving_match, served_target_from_spec
 from dflash_assets.drafter.stages import load_recipe, training_shards
 
-BENCHMARK_PROMPTS_ENV = "DFLASH_BENCHMARK_PROMPTS"
 
 
 def benchmark_prompt_files() -> list[str]:
     """The deployment's benchmark prompt files (``DFLASH_BENCHMARK_PROMPTS``, separated by ``os.pathsep``)."""
-    return [p for p in os.environ.get(BENCHMARK_PROMPTS_ENV, "").split(os.pathsep) if p.strip()]
+    return [p for p in os.environ.get("DFLASH_BENCHMARK_PROMPTS", "").split(os.pathsep) if p.strip()]
 
 
 def completions_settings(context: dg.AssetExecutionContext, shards: list[str], thinking: bool) -> list[dict]:
