@@ -35,7 +35,6 @@ from dflash_assets.drafter.serving_match import checkpoint_serving_match, served
 from dflash_assets.drafter.stages import load_recipe, training_shards
 
 
-
 def benchmark_prompt_files() -> list[str]:
     """The deployment's benchmark prompt files (``DFLASH_BENCHMARK_PROMPTS``, separated by ``os.pathsep``)."""
     return [p for p in os.environ.get("DFLASH_BENCHMARK_PROMPTS", "").split(os.pathsep) if p.strip()]
