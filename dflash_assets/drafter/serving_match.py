@@ -159,7 +159,9 @@ def check_serving_match(config: Mapping[str, Any], tensors: Mapping[str, TensorI
     r.facts["block_size"] = resolved_block
 
     # -- target layers: dflash_utils.py:656-675 (non-empty list of ints), 556-585 (each < num_target_layers,
-    #    from dflash_config or top level, 600-607); they must be the layers the served target captures
+    #    from dflash_config or top level, 600-607). SGLang makes the target capture the layers the checkpoint
+    #    names, so a list that differs from the deployment's layers means the drafter was trained for another
+    #    target configuration than the one this deployment caches, evaluates and serves with
     r.checked.append("target_layer_ids")
     raw_ids = dc.get("target_layer_ids", config.get("target_layer_ids"))
     ids: list[int] = []
@@ -172,7 +174,8 @@ def check_serving_match(config: Mapping[str, Any], tensors: Mapping[str, TensorI
         ids = [int(x) for x in raw_ids]
         if ids != list(served.layer_ids):
             r.problems.append(f"target_layer_ids {ids} differ from the served target's layers "
-                              f"{list(served.layer_ids)}")
+                              f"{list(served.layer_ids)} (SGLang would capture the checkpoint's; this deployment's "
+                              f"cache and evaluation use its own)")
         out = [i for i in ids if not 0 <= i < served.num_layers]
         if out:
             r.problems.append(f"target_layer_ids {out} are out of range for the {served.num_layers}-layer target")
