@@ -112,9 +112,13 @@ def completions_identity(store: Any, shards: Sequence[str], target_model: str,
         if not store.exists(key):
             out[shard] = None
             continue
-        table = store.read_parquet(key)
-        rows = table.select([c for c in ("config_hash", "served_model", "endpoint")
-                             if c in table.column_names]).to_pylist()
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        data = store.read_bytes(key)  # only the three identity columns are decoded, not the messages
+        present = pq.read_schema(pa.BufferReader(data)).names
+        rows = pq.read_table(pa.BufferReader(data), columns=[c for c in ("config_hash", "served_model", "endpoint")
+                                                             if c in present]).to_pylist()
         groups: dict[str, dict[str, Any]] = {}
         for row in rows:
             h = row.get("config_hash") or "unknown"
