@@ -184,6 +184,8 @@ def train_drafter(
     if device is None:
         device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
