@@ -36,6 +36,7 @@ import pyarrow as pa
 from dflash_assets.store import layout
 from dflash_assets.store.schemas import AGENTIC_MESSAGES_TYPE, COMPLETIONS_MESSAGES_TYPE
 from dflash_assets.chart_data import binned_counts
+from dflash_assets.quality_gates import ratio_gate
 from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, NoEngineAvailable, run_sync
 from dflash_assets.generation.engines import (ChatResult, ContextOverflow, Engine, GenerationConfig, json_dumps,
                                               json_loads)
@@ -590,8 +591,9 @@ async def aregenerate_shard(
     work. The journal is flushed every ``flush_every`` rows or
     ``flush_interval_s`` seconds and kept after success with
     ``keep_journal``. ``max_failed_ratio``: the share of failed prompts
-    above which nothing is published and ``TooManyFailedPrompts`` is raised
-    (1.0: always publish). ``engines``: prebuilt engines instead of the config's.
+    above which nothing is published and ``TooManyFailedPrompts`` is raised,
+    by the ratio checks' rule (`quality_gates`: the 95% Wilson lower bound of
+    the failed share exceeds it; 1.0: always publish). ``engines``: prebuilt engines instead of the config's.
     Writes the journal, ``completions/<shard>.parquet`` and
     ``completions/_failed/<shard>.parquet``. Raises ``NoEngineAvailable``
     when no endpoint serves the target, or when all die mid-run (the journal
@@ -599,8 +601,9 @@ async def aregenerate_shard(
 
     A run reuses, besides the journal, the rows already published in
     ``completions/<shard>.parquet`` with the same ``config_hash`` (a re-run after
-    success regenerates only prompts without such a row). When more than
-    ``max_failed_ratio`` of the shard's prompts failed (default 1%), nothing is
+    success regenerates only prompts without such a row). When the failed share
+    is shown to be over ``max_failed_ratio`` (default 1%; its 95% Wilson lower
+    bound exceeds it: at 1%, one failed prompt fails a shard of up to 17 prompts, two of up to 55), nothing is
     published: ``_failed`` lists them, the journal keeps the finished rows, and
     ``TooManyFailedPrompts`` is raised so the partition fails; the next run
     retries only the failed prompts. The journal is deleted once the final
@@ -750,7 +753,10 @@ async def _regenerate(prompts: Any, shard: str, store: Any, fleet: EngineFleetCo
     table = _rows_to_table(rows)
     failed_rows = [failed[pid] for pid in order if pid in failed]
     failed_table = pa.Table.from_pylist(failed_rows, schema=failed_schema())
-    too_many = len(failed_rows) > max_failed_ratio * stats.prompts_total
+    # The ratio checks' rule (quality_gates): too many only when the 95% Wilson lower bound of the failed share
+    # exceeds max_failed_ratio, so one engine hiccup in a small shard does not fail it; no failure never does.
+    failed_gate = ratio_gate(len(failed_rows), max(stats.prompts_total, len(failed_rows)), max_failed_ratio)
+    too_many = bool(failed_rows) and not failed_gate.passed
     if too_many:  # not published: the finished rows stay in the journal, earlier published ones where they are
         digest = ""
     else:
@@ -776,7 +782,8 @@ async def _regenerate(prompts: Any, shard: str, store: Any, fleet: EngineFleetCo
         reasons = "; ".join(f"{r['prompt_id']}: {r['reason'][:120]}" for r in failed_rows[:3])
         raise TooManyFailedPrompts(
             f"[{shard}] {len(failed_rows)} of {stats.prompts_total} prompts failed "
-            f"({len(failed_rows) / max(stats.prompts_total, 1):.1%} > max_failed_ratio {max_failed_ratio:.1%}); "
+            f"({failed_gate.ratio:.1%}; 95% lower bound {failed_gate.lower:.1%} > max_failed_ratio "
+            f"{max_failed_ratio:.1%}); "
             f"nothing published, {len(rows)} finished rows kept for the next run, which retries only the failed. "
             f"Failed list: {layout.completions_failed(shard)}. First: {reasons}", result)
     return result
