@@ -2,7 +2,7 @@
 
 Each class converts to the library's own config object, so a notebook and the
 Dagster UI accept the same settings. Nothing here names a command, a host, an
-address or a path on a host: those are deployment settings (``deployment.py``).
+address or a path on a host: those are deployment settings (``profile.py``, ``deployment.py``).
 The one path a run may give, the ingest's ``source_uri``, must be the
 configured source or lie under ``DFLASH_PROMPT_SOURCE_ROOTS``.
 """
@@ -45,7 +45,7 @@ class IngestConfig(dg.Config):
 
     def resolved_source(self) -> str:
         """The source to read; a run's ``source_uri`` must be allowed by the deployment."""
-        from dagster_project.deployment import allowed_prompt_sources
+        from dagster_project.profile import allowed_prompt_sources
 
         allowed = allowed_prompt_sources()
         if self.source_uri is None:

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dagster as dg
 
-from dagster_project.assets.prompts import prompt_corpus, raw_prompts
 
 __all__ = [
     "HOST_KIND_TAG",
@@ -71,7 +70,7 @@ DRAFTER_GROUP = "drafter"
 
 ingest_prompts_job = dg.define_asset_job(
     "ingest_prompts_job",
-    selection=dg.AssetSelection.assets(prompt_corpus),
+    selection=dg.AssetSelection.assets("prompt_corpus"),
     description="Ingest the prompt source and register new prompt_shards partitions (prompt_corpus)." + LAUNCH_HERE,
     tags={HOST_KIND_TAG: "cpu"},
 )
@@ -79,7 +78,7 @@ ingest_prompts_job = dg.define_asset_job(
 _CPU = dg.AssetSelection.groups(*CPU_GROUPS)
 # Per shard: raw_prompts and its descendants in the CPU groups. Corpus-level assets (the ingest, the
 # generation plan) stay out: a partitioned run would otherwise redo them for every shard.
-_PER_SHARD_CPU = dg.AssetSelection.assets(raw_prompts).downstream() & _CPU
+_PER_SHARD_CPU = dg.AssetSelection.assets("raw_prompts").downstream() & _CPU
 
 prepare_data_job = dg.define_asset_job(
     "prepare_data_job",
@@ -91,7 +90,7 @@ prepare_data_job = dg.define_asset_job(
 
 plan_generation_job = dg.define_asset_job(
     "plan_generation_job",
-    selection=_CPU - _PER_SHARD_CPU - dg.AssetSelection.assets(prompt_corpus),
+    selection=_CPU - _PER_SHARD_CPU - dg.AssetSelection.assets("prompt_corpus"),
     description="Corpus-level CPU assets (generation_plan): the cost plan, measured on the engines: generation "
     "wall time, cache bytes, capture and training GPU-hours, offline or online. Run after an ingest, before any "
     "backfill." + LAUNCH_HERE,

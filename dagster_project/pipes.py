@@ -61,6 +61,7 @@ import dagster as dg
 from dagster_aws.pipes import PipesS3ContextInjector, PipesS3MessageReader
 from pydantic import Field
 
+from dagster_project.profile import DEFAULT_STAGE_TIMEOUT_S
 from dagster_project.resources import DeploymentResource
 from dflash_assets.pipes_worker import (
     EXTRA_CONFIG,
@@ -102,7 +103,6 @@ DEFAULT_FORWARD_ENV = (
 # The only variables set on the remote command line (they must exist before Python starts, and hold no secret);
 # every other variable, whatever its name, goes over stdin.
 COMMAND_LINE_ENV = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "PYTHONUNBUFFERED")
-DEFAULT_STAGE_TIMEOUT_S = 48 * 3600.0  # a stage that runs longer is stopped: raise it for long trainings
 SSH_KEEPALIVE = ("-o", "ServerAliveInterval=30", "-o", "ServerAliveCountMax=4")  # a vanished host fails in ~2 min
 _SECRET_WORDS = {"SECRET", "TOKEN", "PASSWORD", "PASSWD", "PWD", "KEY", "APIKEY", "CREDENTIAL", "CREDENTIALS",
                  "PRIVATE", "AUTH", "PAT", "DSN", "COOKIE", "SIGNATURE"}

@@ -16,8 +16,9 @@ fleet starts its own ``transformers serve`` (``EmbeddedEngine``) and the
 resource stops it when the step ends; anywhere else an empty fleet fails the
 step at once, saying how to start an engine.
 
-Reads: nothing by itself (``deployment.py`` reads the environment). Writes
-nothing; the embedded engine writes its log to a temporary file.
+Reads: nothing by itself (``deployment.py`` builds these from the environment;
+``profile.get_profile`` says whether a step may start the embedded engine).
+Writes nothing; the embedded engine writes its log to a temporary file.
 """
 
 from typing import Any, Optional
@@ -25,6 +26,7 @@ from typing import Any, Optional
 import dagster as dg
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
+from dagster_project.profile import endpoint_kind_and_url, get_profile
 from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
 from dflash_assets.store.backends import LocalStore, S3Store, default_store_uri, open_store
 from dflash_assets.target.conventions import DEFAULT_NUM_TARGET_LAYERS, MASK_TOKEN
@@ -202,7 +204,6 @@ class EngineFleetResource(DeploymentResource):
 
     def _embedded_endpoint(self, target_model: str):
         """The embedded engine's endpoint, started now if needed; a non-retryable failure where none may start."""
-        from dagster_project.deployment import get_profile
         from dflash_assets.embedded.engine import EmbeddedEngine, is_embedded_target
 
         profile = get_profile()
@@ -211,14 +212,6 @@ class EngineFleetResource(DeploymentResource):
         if self._embedded is None:
             self._embedded = EmbeddedEngine(log=self._log.info if self._log is not None else None)
         return self._embedded.endpoint()
-
-
-def endpoint_kind_and_url(entry: str, default_kind: str) -> tuple[str, str]:
-    """``sglang:http://h:1`` -> ``("sglang", "http://h:1")``; an entry without a kind prefix gets ``default_kind``."""
-    kind, sep, url = entry.strip().partition(":")
-    if not sep or kind not in ("sglang", "openai", "transformers"):
-        return default_kind, entry.strip()
-    return kind, url
 
 
 def no_engine_message(profile: str, target_model: str) -> str:
