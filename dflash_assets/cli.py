@@ -20,7 +20,7 @@ then stays in the foreground (Ctrl-C stops the server) or, with ``--detach``,
 returns and leaves it running. Reads/writes nothing but the optional log file.
 
 ``dflash plan``: prints the corpus's cost plan for given numbers
-(``dflash_assets.cost_plan``): generation wall time, hidden-state cache bytes,
+(``dflash_assets.planning.costs``): generation wall time, hidden-state cache bytes,
 capture and training GPU-hours, offline or online, e.g. ``dflash plan
 --conversations 914000 --tokens-per-sample 3000 --target qwen3.6-27b --budget-tb 50``.
 
@@ -132,12 +132,12 @@ def _run_engine(args: argparse.Namespace) -> int:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from dflash_assets import cost_plan
+    from dflash_assets.planning import costs
 
     p = sub.add_parser("plan", help="print the cost plan (generation, cache bytes, GPU-hours) for given numbers",
-                       description=cost_plan.__doc__.split("\n\n")[0])
-    cost_plan.add_arguments(p)
-    p.set_defaults(func=cost_plan.run)
+                       description=costs.__doc__.split("\n\n")[0])
+    costs.add_arguments(p)
+    p.set_defaults(func=costs.run)
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:

@@ -23,7 +23,7 @@ FLOORS = {
     "drafter": 6,
     "embedded": 7,  # the tiny targets and the embedded engine: built from the stages below
     "testing": 7,
-    "cost_plan": 7,  # the corpus's cost plan: arithmetic over the stages' shapes and formats
+    "planning": 7,  # the corpus's cost plan: measured on the fleet and the store, arithmetic over stage shapes
     "pipes_worker": 8, "cli": 8,  # entry points
 }
 # The stages in data-flow order (the target package serves them all, the embedded default sits on top).

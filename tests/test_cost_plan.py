@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dflash_assets.cost_plan import (
+from dflash_assets.planning.costs import (
     DRAFTER_DEFAULTS,
     QWEN3_6_27B,
     QWEN3_8B,
@@ -104,7 +104,7 @@ def test_from_config_reads_a_transformers_config():
 
 
 def test_generation_cost_from_a_pilot_and_a_throughput():
-    from dflash_assets.generation.plan import PilotMeasure
+    from dflash_assets.planning.measurements import PilotMeasure
 
     pilot = PilotMeasure(prompts=4, done=4, failed=0, turns=8, completion_tokens=800, prompt_tokens=400,
                          wall_s=12.0, dispatch_s=8.0, concurrency=2, sample_tokens=1_200,
@@ -127,7 +127,7 @@ def test_tokens_per_sample_take_the_prompt_lengths_of_the_whole_corpus(tmp_path)
     column) gives the rest: a corpus of longer prompts than the pilot's gets longer samples."""
     import pyarrow as pa
 
-    from dflash_assets.generation.plan import PilotMeasure, measure_prompts
+    from dflash_assets.planning.measurements import PilotMeasure, measure_prompts
     from dflash_assets.store import layout
     from dflash_assets.store.backends import LocalStore
 

@@ -20,7 +20,7 @@ from dflash_assets.generation.fleet import (
     serves_target,
 )
 from dflash_assets.generation.engines import GenerationConfig
-from dflash_assets.generation.plan import estimate_generation_time, format_duration, plan_generation
+from dflash_assets.planning.measurements import estimate_generation_time, format_duration, plan_generation
 from dflash_assets.testing.sglang_loopback import LoopbackProcess, LoopbackServer
 from dflash_assets.store.backends import LocalStore
 
@@ -311,7 +311,7 @@ class _ColumnRecordingStore(LocalStore):
 def test_plan_inputs_come_from_completions_and_prompts_column_by_column(tok, tmp_path):
     import pyarrow as pa
 
-    from dflash_assets.generation.plan import measure_completions, measure_prompts, mean_output_tokens
+    from dflash_assets.planning.measurements import measure_completions, measure_prompts, mean_output_tokens
     from dflash_assets.store import layout
 
     store = _ColumnRecordingStore(tmp_path / "store")
@@ -352,7 +352,7 @@ def test_plan_inputs_come_from_completions_and_prompts_column_by_column(tok, tmp
 
 
 def test_burst_sends_real_prompts_with_the_completions_sampling(tok):
-    from dflash_assets.generation.plan import measure_throughput
+    from dflash_assets.planning.measurements import measure_throughput
 
     chats = [[{"role": "user", "content": f"real prompt number {i} " * (1 + i)}] for i in range(5)]
     with LoopbackServer(model_path=TARGET) as srv:
@@ -369,7 +369,7 @@ def test_pilot_on_real_prompts_predicts_the_run(tok, tmp_path):
     """Before any completions: a pilot of real prompts through the whole path, scaled to the corpus."""
     import pyarrow as pa
 
-    from dflash_assets.generation.plan import pilot, sample_prompt_rows
+    from dflash_assets.planning.measurements import pilot, sample_prompt_rows
     from dflash_assets.store import layout
 
     store = LocalStore(tmp_path / "store")

@@ -15,10 +15,8 @@ scratch store) or a burst, and writes only its metadata.
 
 import dagster as dg
 
-from pathlib import Path
-
-from dagster_project.config import GenerationPlanConfig, GenerationStageConfig, TokenizeStageConfig
-from dagster_project.deployment import engine_kinds
+from dagster_project.config import GenerationPlanConfig, GenerationStageConfig
+from dagster_project.profile import engine_kinds
 from dagster_project.metadata import response_length_chart, to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import EnginesParam, StoreParam, TargetParam
@@ -31,15 +29,7 @@ from dflash_assets.generation.completions import (
 )
 from dflash_assets.generation.examples import answer_examples, examples_markdown
 from dflash_assets.generation.fleet import NoEngineAvailable
-from dflash_assets.cost_plan import CorpusShape, GenerationCost, TargetShape, plan_costs
-from dflash_assets.generation.plan import (
-    measure_completions,
-    measure_prompts,
-    pilot,
-    plan_generation,
-    sample_prompt_rows,
-)
-from dflash_assets.prompts.ingest import corpus_prompt_count, list_shard_keys
+from dflash_assets.planning.stage import plan_corpus
 from dflash_assets.store import layout
 
 
@@ -97,70 +87,22 @@ def completions(context: dg.AssetExecutionContext, config: GenerationStageConfig
 )
 def generation_plan(context: dg.AssetExecutionContext, config: GenerationPlanConfig, store: StoreParam,
                     target: TargetParam, engines: EnginesParam) -> dg.MaterializeResult:
-    """The corpus's cost plan (``dflash_assets.cost_plan``), from the target's shapes, the store and the fleet.
+    """The corpus's cost plan (``dflash_assets.planning``), from the target's shapes, the store and the fleet.
 
     Materialize it before a backfill of ``completions``. Generation: a pilot of ``pilot_prompts`` real prompts
     through the whole completions path when no completions exist yet, else a burst per endpoint with the
     completions' lengths. Cache and GPU-hours: the target's config and DFlash layers, the corpus size, and the
     tokens per sample of the completions (else the pilot's).
     """
-    st, spec = store.open(), target.spec()
-    prompts = corpus_prompt_count(st)
-    partitions = max(1, len(list_shard_keys(st)))
-    generation = config.completions.to_library(enable_thinking=spec.thinking())
-    max_length = TokenizeStageConfig().max_length
-    fleet, tokenizer = engines.fleet_config(target_model=spec.model_path), spec.load_tokenizer()
-    sample = config.probe_requests or 64
-    done = measure_completions(st, sample=sample, max_length=max_length)  # a few columns, one shard at a time
-    seen = measure_prompts(st, max_turns=generation.max_turns, sample=sample)
-    trial = None
-    if done is None and config.pilot_prompts > 0:
-        rows = sample_prompt_rows(st, config.pilot_prompts)
-        if rows is not None:
-            trial = pilot(fleet, rows, generation=generation, tokenizer=tokenizer, max_length=max_length)
-            context.log.info(f"pilot: {trial.done} of {trial.prompts} prompts in {trial.wall_s:.1f} s "
-                             f"({trial.dispatch_s:.1f} s dispatch), {trial.turns} turns, "
-                             f"{trial.completion_tokens} tokens")
-    measured = trial if trial is not None and trial.done else None
-    output_tokens, output_source = (
-        (config.expected_output_tokens, "config") if config.expected_output_tokens else
-        (done.output_tokens_per_turn, "completions") if done else
-        (measured.completion_tokens / max(measured.turns, 1), "pilot") if measured else
-        (generation.max_new_tokens, "max_new_tokens"))
-    turns, turns_source = (
-        (done.turns_per_prompt, "completions") if done else
-        (measured.turns / measured.done, "pilot") if measured else
-        (seen.turns_per_prompt, "raw_prompts") if seen else (config.turns_per_prompt or 1.0, "config"))
-    per_sample, sample_source = (
-        (config.tokens_per_sample, "config") if config.tokens_per_sample else
-        (done.tokens_per_sample, "completions") if done else
-        (measured.scaled_tokens_per_sample(seen.user_chars_per_prompt), "pilot + the corpus's prompt lengths")
-        if measured and seen else (measured.tokens_per_sample, "pilot") if measured else
-        (min(max_length, turns * output_tokens), "assumed: turns x output tokens"))
-    metadata: dict = {}
-    if measured:
-        cost = GenerationCost.from_pilot(measured, prompts, partitions)
-        metadata.update(measured.to_metadata(prompts, partitions))
-    else:
-        estimate = plan_generation(
-            fleet, prompts=prompts, output_tokens_per_turn=output_tokens, turns_per_prompt=turns,
-            tokenizer=tokenizer, generation=generation, max_new_tokens=config.probe_max_new_tokens,
-            requests=config.probe_requests,
-            conversations=(done.sample if done else ()) or (seen.sample if seen else None))
-        cost = GenerationCost.from_estimate(estimate)
-        metadata.update(estimate.to_metadata())
-        metadata["burst_prompts"] = "completions" if done and done.sample else ("raw_prompts" if seen else "fixed")
-    model_config = spec.load_config()
-    shape = TargetShape.from_config(model_config, spec.layer_ids(model_config), name=Path(spec.model_path).name,
-                                    dtype_bytes=4 if spec.dtype == "float32" else 2)
-    corpus = CorpusShape(prompts, max(per_sample, 1.0), turns, output_tokens, partitions=partitions,
-                         source=sample_source)
-    budget = int(config.cache_budget_gb * 1e9) if config.cache_budget_gb is not None else None
-    plan = plan_costs(shape, corpus, generation=cost, budget_bytes=budget)
-    context.log.info(f"cost plan:\n{plan.markdown()}")
-    if plan.over_budget:
-        context.log.warning(f"the hidden-state cache would exceed its budget: {plan.reason}")
-    metadata.update(plan.to_metadata())
-    metadata.update({"estimated_wall_s": metadata["generation_wall_s"], "estimated_wall": metadata["generation_wall"],
-                     "output_tokens_source": output_source, "turns_source": turns_source})
-    return dg.MaterializeResult(metadata={**to_metadata(metadata), "plan": dg.MetadataValue.md(plan.markdown())})
+    spec = target.spec()
+    result = plan_corpus(
+        store.open(), spec, engines.fleet_config(target_model=spec.model_path),
+        generation=config.completions.to_library(enable_thinking=spec.thinking()),
+        pilot_prompts=config.pilot_prompts, probe_requests=config.probe_requests,
+        probe_max_new_tokens=config.probe_max_new_tokens, expected_output_tokens=config.expected_output_tokens,
+        turns_per_prompt=config.turns_per_prompt, tokens_per_sample=config.tokens_per_sample,
+        cache_budget_gb=config.cache_budget_gb, log=context.log.info)
+    if result.plan.over_budget:
+        context.log.warning(f"the hidden-state cache would exceed its budget: {result.plan.reason}")
+    return dg.MaterializeResult(metadata={**to_metadata(result.metadata),
+                                          "plan": dg.MetadataValue.md(result.markdown())})

@@ -23,7 +23,7 @@ Before any completions exist, ``pilot`` is the honest measure: it
 regenerates a sample of real prompts (``sample_prompt_rows``) through the
 whole completions path into a scratch store and scales its wall time to the
 corpus (``PilotMeasure.estimate_wall_s``). Tokens per tokenized sample (what
-``dflash_assets.cost_plan`` turns into cache bytes and GPU-hours) come from
+``planning.costs`` turns into cache bytes and GPU-hours) come from
 the completions (``last_turn_tokens``: the last turn's prompt + completion
 tokens), else from the pilot with the whole corpus's prompt text
 (``PromptsMeasure.user_chars``, ``PilotMeasure.scaled_tokens_per_sample``).

@@ -5,7 +5,7 @@ shapes and the captured DFlash layers; ``TargetShape.from_config`` of a
 transformers config, or the constants ``QWEN3_8B`` and ``QWEN3_6_27B``), a
 ``CorpusShape`` (conversations, mean tokens per tokenized sample, turns per
 prompt, output tokens per turn) and, optionally, a ``GenerationCost`` (from
-``generation.plan``'s measured burst or pilot, or a given fleet throughput).
+``planning.measurements``' measured burst or pilot, or a given fleet throughput).
 ``plan_costs`` returns a ``CostPlan`` with ``markdown()`` and ``to_metadata()``.
 
 What it predicts:
@@ -295,7 +295,7 @@ class GenerationCost:
 
     @classmethod
     def from_estimate(cls, estimate: Any) -> "GenerationCost":
-        """From ``generation.plan.GenerationEstimate`` (a measured burst per endpoint)."""
+        """From ``planning.measurements.GenerationEstimate`` (a measured burst per endpoint)."""
         eps = tuple(EndpointCost(e.endpoint, e.tokens_per_s, e.share, e.alone_wall_s) for e in estimate.per_endpoint)
         return cls("burst", estimate.total_output_tokens, estimate.total_tokens_per_s, estimate.wall_s, eps,
                    f"burst of {estimate.probe_max_new_tokens} tokens per request" if estimate.probe_max_new_tokens
@@ -303,7 +303,7 @@ class GenerationCost:
 
     @classmethod
     def from_pilot(cls, pilot: Any, prompts: int, partitions: int = 1) -> "GenerationCost":
-        """From ``generation.plan.PilotMeasure``: the pilot's rate scaled to ``prompts`` in ``partitions``."""
+        """From ``planning.measurements.PilotMeasure``: the pilot's rate scaled to ``prompts`` in ``partitions``."""
         wall = pilot.estimate_wall_s(prompts, partitions)
         out = prompts * pilot.completion_tokens / pilot.done if pilot.done else 0.0
         tps = out / wall if wall and wall != float("inf") else 0.0
@@ -510,7 +510,7 @@ def plan_costs(target: TargetShape, corpus: CorpusShape, *, generation: Generati
 
 
 def add_arguments(parser: Any) -> None:
-    """The options of ``dflash plan`` (also ``python -m dflash_assets.cost_plan``)."""
+    """The options of ``dflash plan`` (also ``python -m dflash_assets.planning.costs``)."""
     parser.add_argument("--conversations", type=int, required=True, help="conversations in the corpus")
     parser.add_argument("--tokens-per-sample", type=float, required=True, help="mean tokens of a tokenized sample")
     parser.add_argument("--target", default="qwen3.6-27b",
@@ -565,7 +565,7 @@ def run(args: Any) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m dflash_assets.cost_plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m dflash_assets.planning.costs", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

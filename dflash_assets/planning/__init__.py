@@ -1,0 +1,9 @@
+"""The corpus's cost plan before any GPU hour: what each stage will cost, measured where it can be.
+
+``costs`` is the arithmetic (generation wall time, hidden-state cache bytes,
+capture and training GPU-hours, offline vs online training; also ``dflash plan``);
+``measurements`` measures what the arithmetic needs (the published completions,
+the raw prompts, a throughput burst over the fleet, a pilot of real prompts);
+``stage`` is the ``generation_plan`` stage: it chooses among those measurements,
+with the fallbacks in one place, and returns the plan.
+"""
