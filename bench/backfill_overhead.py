@@ -49,7 +49,7 @@ import dagster as dg  # noqa: E402
 from dagster_project.assets.prompts import prompt_corpus  # noqa: E402
 from dagster_project.partitions import prompt_shards  # noqa: E402
 from dagster_project.resources import StoreResource  # noqa: E402
-from dflash_assets.prompts.ingest import materialize_prompt_shard  # noqa: E402
+from dflash_assets.prompts.shards import materialize_prompt_shard  # noqa: E402
 
 LOCATION_ENV = "DFLASH_BENCH_LOCATION"
 POLICY_ENV = "DFLASH_BENCH_POLICY"  # "single_run" | "multi_run:<N>" | "none" | "project"
@@ -88,7 +88,8 @@ def write_source(path: Path, n: int) -> None:
 
 
 def run_loop(source: Path, store_dir: Path) -> dict:
-    from dflash_assets.prompts.ingest import IngestConfig, ingest_prompt_source
+    from dflash_assets.prompts.config import IngestConfig
+    from dflash_assets.prompts.ingest import ingest_prompt_source
     from dflash_assets.store.backends import LocalStore
 
     store = LocalStore(store_dir)

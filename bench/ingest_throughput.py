@@ -46,7 +46,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine_info  # noqa: E402
 from dflash_assets.prompts.sources import embedded_sharegpt_path, read_source  # noqa: E402
-from dflash_assets.prompts.ingest import IngestConfig, ingest_prompt_source, normalize_record  # noqa: E402
+from dflash_assets.prompts.config import IngestConfig  # noqa: E402
+from dflash_assets.prompts.ingest import ingest_prompt_source  # noqa: E402
+from dflash_assets.prompts.normalization import normalize_record  # noqa: E402
 from dflash_assets.store.backends import LocalStore  # noqa: E402
 
 

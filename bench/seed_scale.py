@@ -127,7 +127,8 @@ def _open(store_uri: str, endpoint: str | None):
 
 
 def stage_ingest(args) -> dict:
-    from dflash_assets.prompts.ingest import IngestConfig, ingest_prompt_source
+    from dflash_assets.prompts.config import IngestConfig
+    from dflash_assets.prompts.ingest import ingest_prompt_source
 
     store = _open(args.store, args.s3_endpoint)
     r = ingest_prompt_source(args.source, store, IngestConfig(source_name="synth"))
@@ -136,7 +137,8 @@ def stage_ingest(args) -> dict:
 
 
 def stage_raw_prompts(args) -> dict:
-    from dflash_assets.prompts.ingest import list_shard_keys, materialize_prompt_shard
+    from dflash_assets.prompts.corpus import list_shard_keys
+    from dflash_assets.prompts.shards import materialize_prompt_shard
 
     store = _open(args.store, args.s3_endpoint)
     prompts = turns = 0
@@ -150,7 +152,7 @@ def stage_raw_prompts(args) -> dict:
 def stage_completions(args) -> dict:
     from dflash_assets.generation.completions import GenerationConfig, regenerate_shard
     from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
-    from dflash_assets.prompts.ingest import list_shard_keys
+    from dflash_assets.prompts.corpus import list_shard_keys
     from dflash_assets.store import layout
     from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
     from dflash_assets.testing.sglang_loopback import LoopbackProcess
@@ -177,7 +179,7 @@ def stage_completions(args) -> dict:
 
 
 def stage_tokenized_samples(args) -> dict:
-    from dflash_assets.prompts.ingest import list_shard_keys
+    from dflash_assets.prompts.corpus import list_shard_keys
     from dflash_assets.store import layout
     from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
     from dflash_assets.tokenization.encoder import qwen3_6_encoder

@@ -20,16 +20,12 @@ from dflash_assets.generation.completions import GenerationConfig, output_schema
 from dflash_assets.generation.chat_tokenizer import ChatTokenizer
 from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
 from dflash_assets.generation.tool_calls import parse_qwen_tool_calls, same_calls
-from dflash_assets.prompts.ingest import (
-    AGENTIC_PROMPT_SCHEMA,
-    PROMPT_SCHEMA,
-    QUARANTINE_REASONS,
-    IngestConfig,
-    ingest_prompt_source,
-    list_shard_keys,
-    materialize_prompt_shard,
-    normalize_record,
-)
+from dflash_assets.prompts.config import IngestConfig
+from dflash_assets.prompts.corpus import list_shard_keys
+from dflash_assets.prompts.ingest import ingest_prompt_source
+from dflash_assets.prompts.normalization import normalize_record
+from dflash_assets.prompts.quarantine import QUARANTINE_REASONS
+from dflash_assets.prompts.shards import AGENTIC_PROMPT_SCHEMA, PROMPT_SCHEMA, materialize_prompt_shard
 from dflash_assets.prompts.sources import sharegpt_records
 from dflash_assets.store import layout
 from dflash_assets.testing.sglang_loopback import LoopbackServer
@@ -240,16 +236,16 @@ def test_a_recursion_error_anywhere_in_normalization_is_one_quarantined_record(t
     """The last guard in the ingest loop, for a path the depth checks would miss. Fault injection: the agentic
     normalizer raises RecursionError for one record, as Python does when a stack runs out; the real reader,
     quarantine and corpus commit run around it."""
-    from dflash_assets.prompts import ingest
+    from dflash_assets.prompts import normalization
 
-    real = ingest.normalize_agentic_record
+    real = normalization.normalize_agentic_record
 
     def runs_out_of_stack_on_one(record, config=None, *, index=0):
         if record.get("id") == "boom":
             raise RecursionError("maximum recursion depth exceeded")
         return real(record, config, index=index)
 
-    monkeypatch.setattr(ingest, "normalize_agentic_record", runs_out_of_stack_on_one)
+    monkeypatch.setattr(normalization, "normalize_agentic_record", runs_out_of_stack_on_one)
     boom = {**_copy(source_ids()["oa-weather-lyon"]), "id": "boom"}
     path = _write(tmp_path, [source_ids()["sg-docs"], boom, source_ids()["oa-currency"]], "jsonl")
     rep = ingest_prompt_source(path, local_store)

@@ -25,7 +25,9 @@ from dflash_assets.drafter.decontamination import (
     recipe_decontamination,
     word_ngrams,
 )
-from dflash_assets.prompts.ingest import IngestConfig, ingest_prompt_source, materialize_prompt_shard
+from dflash_assets.prompts.config import IngestConfig
+from dflash_assets.prompts.ingest import ingest_prompt_source
+from dflash_assets.prompts.shards import materialize_prompt_shard
 from dflash_assets.store import layout
 
 TOPICS = ["the water cycle", "binary search trees", "the French revolution", "compound interest",

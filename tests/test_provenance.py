@@ -29,7 +29,9 @@ from dflash_assets.drafter.provenance import (
 from dflash_assets.drafter.recipe import DrafterRecipe
 from dflash_assets.generation.completions import output_schema
 from dflash_assets.generation.engines import GenerationConfig
-from dflash_assets.prompts.ingest import IngestConfig, ingest_prompt_source, materialize_prompt_shard
+from dflash_assets.prompts.config import IngestConfig
+from dflash_assets.prompts.ingest import ingest_prompt_source
+from dflash_assets.prompts.shards import materialize_prompt_shard
 from dflash_assets.store import layout
 from dflash_assets.store.manifest import publish_files
 from dflash_assets.target.spec import TargetModelSpec

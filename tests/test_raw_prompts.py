@@ -1,4 +1,5 @@
-"""Tests for dflash_assets.prompts.ingest: normalization, quarantine, stable sharding, S3.
+"""Tests for the prompts stage's ingest (dflash_assets.prompts: normalization, quarantine, corpus, shards, ingest):
+normalization, quarantine, stable sharding, S3.
 
 Real files and real stores: a LocalStore in tmp, and an S3Store against moto's
 ThreadedMotoServer on 127.0.0.1 (real HTTP through boto3). The embedded
@@ -26,19 +27,12 @@ import zstandard
 
 from dflash_assets.prompts.sources import embedded_sharegpt_path, read_source
 from dflash_assets.store import layout
-from dflash_assets.prompts.ingest import (
-    PROMPT_SCHEMA,
-    QUARANTINE_REASONS,
-    QUARANTINE_SCHEMA,
-    IngestConfig,
-    NoValidPromptsError,
-    Prompt,
-    Rejection,
-    ingest_prompt_source,
-    list_shard_keys,
-    materialize_prompt_shard,
-    normalize_record,
-)
+from dflash_assets.prompts.config import IngestConfig
+from dflash_assets.prompts.corpus import list_shard_keys
+from dflash_assets.prompts.ingest import NoValidPromptsError, ingest_prompt_source
+from dflash_assets.prompts.normalization import Prompt, Rejection, normalize_record
+from dflash_assets.prompts.quarantine import QUARANTINE_REASONS, QUARANTINE_SCHEMA
+from dflash_assets.prompts.shards import PROMPT_SCHEMA, materialize_prompt_shard
 from dflash_assets.store.backends import LocalStore, S3Store
 
 

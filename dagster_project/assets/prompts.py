@@ -13,7 +13,8 @@ from dagster_project.metadata import markdown_counts, preview_table, to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import StoreParam
 from dagster_project.versions import code_version
-from dflash_assets.prompts.ingest import ingest_prompt_source, materialize_prompt_shard
+from dflash_assets.prompts.ingest import ingest_prompt_source
+from dflash_assets.prompts.shards import materialize_prompt_shard
 
 
 @dg.asset(

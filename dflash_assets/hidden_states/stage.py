@@ -115,7 +115,7 @@ def cache_partition_for_shard(store: Any, shard: str, target: Any, *, devices: S
 
 def _corpus_prompts(store: Any) -> int | None:
     """Prompts in the whole corpus (the ingest's index), for the projected cache size."""
-    from dflash_assets.prompts.ingest import corpus_prompt_count
+    from dflash_assets.prompts.corpus import corpus_prompt_count
 
     return corpus_prompt_count(store) or None
 

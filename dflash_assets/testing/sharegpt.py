@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from dflash_assets.prompts.ingest import ROLE_MAP
+from dflash_assets.prompts.normalization import ROLE_MAP
 from dflash_assets.prompts.sources import sharegpt_records
 from dflash_assets.store.schemas import COMPLETIONS_MESSAGES_TYPE
 
