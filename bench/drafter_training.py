@@ -39,7 +39,7 @@ from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash_assets.drafter.data import Batch, sample_anchors  # noqa: E402
 from dflash_assets.drafter.loss import dflash_block_mask, drafter_forward_loss, head_cross_entropy, train_step  # noqa: E402
 
-SPECFORGE_TOK_S = {1: 14_000, 2: 15_700, 4: 16_600}  # measured on one H200 (DESIGN.md)
+SPECFORGE_TOK_S = {1: 14_000, 2: 15_700, 4: 16_600}  # SpecForge's own trainer, one H200 (BENCHMARKS.md, drafter)
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, vocab_size=151_936, num_target_layers=36, mask_token_id=151_669)
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

