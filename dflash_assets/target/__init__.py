@@ -1,1 +1,3 @@
-"""The target model: its spec and checks (`spec`), tokenizer and chat template, the DFlash conventions, and the one layer capture."""
+"""The target model: its spec and checks (`spec`), the Qwen3.5/3.6 tokenizer of the embedded default (`tokenizer`),
+the one chat renderer and reasoning splitter (`chat_template`), the DFlash layer rule and mask token (`conventions`),
+the one layer capture with the decoder cut (`layer_capture`), and loading a causal LM from a directory (`loading`)."""
