@@ -1,7 +1,7 @@
 """Benchmark: does the demo pass its own checks on every run? Runs the demo's stages N times with varied seeds,
 under one or several CPU kernel levels.
 
-Each run is what ``make demo`` does (``dagster_project.demo_runner.run_demo``:
+Each run is what ``make demo`` does (``dagster_project.demo.run_demo``:
 the tiny target served by ``transformers serve``, the first ``--prompts``
 ShareGPT prompts, ``--shard-size`` per shard, every per-shard stage with its
 checks), in a fresh Dagster home and store under a temp dir, with the
@@ -45,7 +45,7 @@ from machine import machine_info  # noqa: E402
 def one_run(workdir: Path, index: int, args: argparse.Namespace) -> dict:
     import dagster as dg
 
-    from dagster_project.demo_runner import run_demo
+    from dagster_project.demo import run_demo
     from dagster_project.instance_config import write_instance_yaml
     from dagster_project.resources import StoreResource
 

@@ -1,7 +1,7 @@
 """Train and evaluate another drafter recipe on a finished demo's Dagster home, reusing its cache.
 
 After ``python -m dagster_project.demo [--target smollm2] --home HOME``, this registers a recipe
-that differs from the demo's (``demo_runner.demo_recipe`` over every shard but the last) only in
+that differs from the demo's (``dflash_assets.demo.demo_recipe`` over every shard but the last) only in
 the fields given, materializes ``drafter_checkpoint`` and ``drafter_eval`` for it in the same
 instance and store, and prints one JSON object: the recipe, the wall time, and the two assets'
 scalar metadata (steps, final loss, tau, lossless, ...). The demo's completions, samples and
@@ -53,7 +53,7 @@ def main() -> None:
     import dagster as dg
 
     from dagster_project.definitions import defs
-    from dagster_project.demo_runner import QUIET_CONSOLE, demo_recipe
+    from dagster_project.demo import QUIET_CONSOLE, demo_recipe
     from dagster_project.deployment import get_profile, store_for_profile
     from dagster_project.partitions import register_recipe
     from dagster_project.resources import TargetModelResource, deployment_resource

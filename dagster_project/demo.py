@@ -23,19 +23,47 @@ library warnings Dagster raises about its beta/preview APIs and about the
 demo's mixed backfill policies are filtered inside this command only, and
 Transformers' and tqdm's progress bars are off in its processes.
 
-Reads the Dagster home; writes the instance, the store and the cache.
+``run_demo`` drives the runs (tests and the reliability bench call it too):
+``prompt_corpus``, then ``generation_plan`` with a pilot of real prompts,
+then per shard one run of ``raw_prompts`` -> ``completions`` ->
+``tokenized_samples`` (with its blocking checks) -> ``hidden_state_cache``,
+then the recipe ``demo-v1`` (every good shard but the last, which is held
+out) with ``drafter_checkpoint`` and ``drafter_eval``. ``progress`` gets one
+``StageRun`` per asset and partition (ok / failed / skipped, seconds, a key
+number or two, read back from the run's events); it returns a
+``DemoSummary``. What is no Dagster (the recipe, the answers preview, the
+plan against the run, the untrained drafter's tau, the advice on a failed
+check) is the library's: ``dflash_assets.demo``.
+
+Reads the Dagster home; writes the instance, the store and the cache (through the Dagster instance and the
+store resource).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
+from dflash_assets.demo import (CHECK_ADVICE, PlanCheck, answer_line, demo_recipe, first_answers,
+                                         plan_checks, untrained_tau)
+from dflash_assets.stage_io import CheckOutcome
+
+if TYPE_CHECKING:
+    import dagster as dg
+
+__all__ = ["main", "run_demo", "DemoSummary", "StageRun", "PER_SHARD_ASSETS", "DRAFTER_ASSETS", "QUIET_CONSOLE",
+           "TARGET_DEFAULTS", "demo_recipe", "demo_run_config", "demo_target_settings", "summary_table",
+           "untrained_tau", "CHECK_ADVICE", "PlanCheck"]
+
+log = logging.getLogger("dflash.demo")
 
 # Per target: what the demo materializes unless told otherwise. SmolLM2's size is chosen to finish cold in
 # under 10 minutes on 2 CPU cores (BENCHMARKS.md, "make demo on three CPU kernel levels").
@@ -48,6 +76,12 @@ TARGET_DEFAULTS = {
 DEFAULT_TARGET = "smollm2"
 PROG = "python -m dagster_project.demo"
 
+
+PER_SHARD_ASSETS = ["raw_prompts", "completions", "tokenized_samples", "hidden_state_cache"]
+DRAFTER_ASSETS = ["drafter_checkpoint", "drafter_eval"]
+
+# The runs' console logger stays quiet: every event still goes to the instance's event log (the UI shows it).
+QUIET_CONSOLE = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 def _per_target(key: str) -> str:
     """'72 (smollm2), 48 (tiny)': a knob's default for each target, for --help."""
@@ -107,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_library_warnings()
         import dagster as dg
 
-        from dagster_project.demo_runner import run_demo
         from dflash_assets.embedded.defaults import embedded_default_target
 
         t0 = time.time()
@@ -161,8 +194,6 @@ def _quiet_library_warnings() -> None:
 
 def summary_table(summary, *, store: str, home: Path) -> str:
     """The demo's last lines: per shard the stages and checks, the drafter, where things are, what failed."""
-    from dagster_project.demo_runner import PER_SHARD_ASSETS
-
     cells = {(s.partition, s.asset): f"{s.status} {s.seconds:.0f} s" if s.seconds is not None else s.status
              for s in summary.stages}
     header = ["partition", *PER_SHARD_ASSETS, "checks"]
@@ -202,6 +233,266 @@ def summary_table(summary, *, store: str, home: Path) -> str:
     else:
         lines += ["", "OK: every stage succeeded and every check passed."]
     return "\n".join(lines)
+
+
+# -- the Dagster driving ----------------------------------------------------------------------------------------
+
+@dataclass
+class StageRun:
+    """One asset of one partition in one run, as the console shows it."""
+
+    asset: str
+    partition: str
+    status: str  # ok | failed | skipped
+    seconds: float | None
+    numbers: str = ""  # a key number or two, from the materialization's metadata
+    error: str | None = None  # first line of the step's error, when it failed
+    tau: float | None = None  # drafter_eval only: the acceptance length
+
+    def line(self) -> str:
+        secs = f"{self.seconds:5.0f} s" if self.seconds is not None else "      -"
+        detail = self.numbers if self.status == "ok" else (self.error or self.numbers)
+        return f"  {self.partition:<12} {self.asset:<19} {self.status:<7} {secs}  {detail}".rstrip()
+
+
+@dataclass
+class DemoSummary:
+    shards: list[str]
+    failed_shards: list[str]
+    recipe: str | None
+    tau: float | None
+    drafter_ok: bool
+    stages: list[StageRun] = field(default_factory=list)
+    checks: dict[str, list[CheckOutcome]] = field(default_factory=dict)  # by partition (shard or recipe)
+    tau_untrained: float | None = None  # an untrained drafter of the same shape on the same prompts (baseline=True)
+    failures: list[str] = field(default_factory=list)  # what failed, what it means, what to do
+    wall_s: float = 0.0
+    plan_checks: list[PlanCheck] = field(default_factory=list)  # the cost plan's predictions vs the run
+    answers: list[tuple[str, str]] = field(default_factory=list)  # (user prompt, the target's answer), first shard
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def __getitem__(self, key: str) -> Any:  # summary["tau"], as callers of the dict it used to be write
+        return getattr(self, key)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "shards": self.shards, "failed_shards": self.failed_shards, "recipe": self.recipe, "tau": self.tau,
+            "tau_untrained": self.tau_untrained,
+            "drafter_ok": self.drafter_ok, "ok": self.ok, "failures": self.failures, "wall_s": round(self.wall_s, 1),
+            "answers": [list(a) for a in self.answers],
+            "plan_checks": [{"what": c.what, "predicted": c.predicted, "measured": c.measured, "unit": c.unit,
+                             "ratio": c.ratio, "missing": c.missing} for c in self.plan_checks],
+            "stages": [vars(s) for s in self.stages],
+            "checks": {shard: {c.name: {"passed": c.passed, "blocking": c.blocking, "description": c.description}
+                               for c in checks} for shard, checks in self.checks.items()},
+        }
+
+
+def demo_run_config(max_new_tokens: int, max_turns: int, seed: int = 0) -> dict[str, Any]:
+    return {"ops": {"completions": {"config": {"max_new_tokens": max_new_tokens, "max_turns": max_turns,
+                                               "seed": seed}}}}
+
+
+def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int = 8, max_new_tokens: int = 96,
+             max_turns: int = 2, engine_concurrency: int = 2, eval_prompts: int = 4, eval_new_tokens: int = 48,
+             seed: int = 0, drafter: bool = True, store: Any = None, target: str | None = None,
+             baseline: bool = False, progress: Callable[[StageRun], None] | None = None,
+             pilot_prompts: int = 4, engine: str = "serve") -> DemoSummary:
+    """Materialize the whole graph on the embedded default; see the module docstring.
+
+    ``seed`` is the completions' sampling seed; ``drafter=False`` stops after the
+    per-shard stages. ``progress`` gets every ``StageRun`` as soon as its run ends.
+    ``target``: another local target directory (e.g. the converted SmolLM2), served by
+    ``transformers serve`` in float32 and used by every stage instead of the tiny target.
+    ``baseline``: also measure tau of an untrained drafter on the same held-out prompts.
+    ``pilot_prompts``: the cost plan's pilot before any completions (0: no plan).
+    ``engine``: "serve" (``transformers serve`` on 127.0.0.1, ``engine_concurrency`` requests in flight)
+    or "inprocess" (the batched in-process Transformers engine in each completions step: the requests
+    in flight, ``engine_concurrency`` of them, are one ``generate`` call; far faster on CPU).
+    """
+    if engine not in ("serve", "inprocess"):
+        raise ValueError(f"engine must be 'serve' or 'inprocess', not {engine!r}")
+    import dagster as dg
+
+    from dagster_project.definitions import defs
+    from dagster_project.partitions import register_recipe
+    from dagster_project.deployment import get_profile, store_for_profile
+    from dagster_project.resources import EngineFleetResource, TargetModelResource, deployment_resource
+    from dflash_assets.embedded.defaults import embedded_default_target, embedded_engine_server
+    from dflash_assets.generation.server import local_engine_server
+
+    t_start = time.time()
+    report = progress or (lambda stage: log.info(stage.line()))
+    summary = DemoSummary(shards=[], failed_shards=[], recipe=None, tau=None, drafter_ok=False)
+    if engine == "inprocess":
+        label = "inprocess://" + Path(target or embedded_default_target()).name
+        server, endpoint = contextlib.nullcontext(), f"transformers:{label}"
+    else:
+        server = (embedded_engine_server("transformers", port=0) if target is None  # the tiny target, on 127.0.0.1
+                  else local_engine_server("transformers", target, port=0, dtype="float32"))
+        log.info("starting the engine: %s", server.command)
+    with server:
+        if engine == "serve":
+            endpoint = f"openai:{server.url}"
+        store = store or store_for_profile(get_profile())  # a StoreResource; tests pass s3://... on moto's S3
+        resources = {**defs.resources, "store": deployment_resource(store), "engines": deployment_resource(
+            EngineFleetResource(endpoints=[endpoint], max_concurrency=engine_concurrency))}
+        if target is not None:
+            resources["target"] = deployment_resource(TargetModelResource(model_path=str(target), dtype="float32"))
+
+        metadata: dict[tuple[str, str], dict[str, Any]] = {}  # (asset, partition) -> its materialization's values
+
+        def materialize(selection: list[str], partition: str | None, run_config: dict[str, Any]) -> list[StageRun]:
+            result = dg.materialize(defs.assets, selection=selection, partition_key=partition, instance=instance,
+                                    resources=resources, run_config={**run_config, **QUIET_CONSOLE},
+                                    raise_on_error=False)
+            for asset in selection:
+                for m in result.asset_materializations_for_node(asset):
+                    metadata[(asset, partition or "")] = {k: getattr(v, "value", v) for k, v in m.metadata.items()}
+            stages = _stage_results(instance, result, selection, partition or "")
+            for stage in stages:
+                summary.stages.append(stage)
+                report(stage)
+            checks = _check_outcomes(result)
+            if checks:
+                summary.checks[partition or ""] = checks
+            return stages
+
+        corpus = materialize(["prompt_corpus"], None, {"ops": {"prompt_corpus": {"config": {
+            "limit": prompts, "max_prompts_per_shard": shard_size}}}})
+        if corpus[0].status != "ok":
+            summary.failures.append(f"prompt_corpus failed: {corpus[0].error}. Nothing else ran.")
+            summary.wall_s = time.time() - t_start
+            return summary
+        summary.shards = sorted(instance.get_dynamic_partitions("prompt_shards"))
+        if pilot_prompts:  # the cost plan before any completions, from a pilot of real prompts
+            completions_config = demo_run_config(max_new_tokens, max_turns, seed)["ops"]["completions"]["config"]
+            materialize(["generation_plan"], None, {"ops": {"generation_plan": {"config": {
+                "pilot_prompts": pilot_prompts, "completions": completions_config}}}})
+        for shard in summary.shards:
+            stages = materialize(PER_SHARD_ASSETS, shard, demo_run_config(max_new_tokens, max_turns, seed))
+            if not summary.answers and any(s.asset == "completions" and s.status == "ok" for s in stages):
+                summary.answers = first_answers(store.open(), shard)
+                for user, answer in summary.answers:
+                    log.info("    %s", answer_line(user, answer))
+            if any(s.status != "ok" for s in stages):
+                summary.failed_shards.append(shard)
+                summary.failures += _explain_shard(shard, stages, summary.checks.get(shard, []))
+        plan = metadata.get(("generation_plan", ""))
+        if plan is not None:
+            summary.plan_checks = plan_checks(plan, {s: metadata.get(("completions", s), {}) for s in summary.shards},
+                                              store.open())
+            for check in summary.plan_checks:
+                log.info(check.line().strip())
+    good = [s for s in summary.shards if s not in summary.failed_shards]
+    if drafter and not good:
+        summary.failures.append("no shard passed its checks, so no drafter was trained.")
+    elif drafter:
+        recipe = demo_recipe(good)
+        register_recipe(instance, store.open(), recipe)
+        summary.recipe = recipe.name
+        stages = materialize(DRAFTER_ASSETS, recipe.name, {"ops": {"drafter_eval": {"config": {
+            "num_prompts": eval_prompts, "max_new_tokens": eval_new_tokens}}}})
+        summary.drafter_ok = all(s.status == "ok" for s in stages)
+        summary.tau = next((s.tau for s in stages if s.asset == "drafter_eval" and s.tau is not None), None)
+        for check in summary.checks.get(recipe.name, []):
+            if not check.passed:
+                summary.failures.append(f"recipe {recipe.name}: check {check.name} failed: {check.description}. "
+                                        f"See it in the UI (make ui -> drafter_eval -> Checks).")
+        for stage in stages:
+            if stage.status != "ok":
+                summary.failures.append(f"{stage.asset} of recipe {recipe.name} {stage.status}: "
+                                        f"{stage.error or 'an upstream step failed'}. See the run in the UI (make ui).")
+        if baseline and summary.drafter_ok:
+            summary.tau_untrained = untrained_tau(store.open(), recipe.name, target, eval_prompts, eval_new_tokens)
+            log.info("untrained drafter: tau %.3f on the same held-out prompts", summary.tau_untrained)
+    summary.wall_s = time.time() - t_start
+    return summary
+
+
+# -- reading a run back -----------------------------------------------------------------------
+
+# The key numbers of each asset's materialization: (metadata key, format) pairs; missing keys are left out.
+_NUMBERS: dict[str, list[tuple[str, str]]] = {
+    "prompt_corpus": [("valid", "{} prompts"), ("num_shards", "{} shards"), ("records_read", "{} records read")],
+    "raw_prompts": [("num_prompts", "{} prompts"), ("num_user_turns", "{} user turns")],
+    "generation_plan": [("generation_wall", "completions predicted {}"), ("cache_gb", "cache {:.4f} GB"),
+                        ("recommendation", "{} training")],
+    "completions": [("prompts_done", "{} prompts done"), ("completion_tokens", "{} tokens"),
+                    ("tokens_per_s", "{:.0f} tok/s"), ("finish_length", "{} turns cut at max_new_tokens")],
+    "tokenized_samples": [("samples", "{} samples"), ("loss_tokens", "{} supervised tokens")],
+    "hidden_state_cache": [("num_tokens", "{} tokens"), ("gb", "{} GB")],
+    "drafter_checkpoint": [("steps", "{} steps"), ("final_loss", "final loss {:.2f}")],
+    "drafter_eval": [("tau", "tau {:.3f}"), ("lossless", "lossless {}")],
+}
+
+
+def _numbers(asset: str, metadata: dict[str, Any]) -> str:
+    parts = []
+    for key, fmt in _NUMBERS.get(asset, []):
+        if key in metadata:
+            value = getattr(metadata[key], "value", metadata[key])
+            try:
+                parts.append(fmt.format(value))
+            except (TypeError, ValueError):
+                parts.append(f"{key} {value}")
+    return ", ".join(parts)
+
+
+def _stage_results(instance: dg.DagsterInstance, result: dg.ExecuteInProcessResult, selection: list[str],
+                   partition: str) -> list[StageRun]:
+    import dagster as dg
+
+    started: dict[str, float] = {}
+    ended: dict[str, tuple[str, float, str | None]] = {}
+    for entry in instance.all_logs(result.run_id):
+        event = entry.dagster_event
+        if event is None or event.step_key is None:
+            continue
+        if event.event_type == dg.DagsterEventType.STEP_START:
+            started[event.step_key] = entry.timestamp
+        elif event.event_type == dg.DagsterEventType.STEP_SUCCESS:
+            ended[event.step_key] = ("ok", entry.timestamp, None)
+        elif event.event_type == dg.DagsterEventType.STEP_FAILURE:
+            error = event.step_failure_data.error
+            message = (error.message if error else "step failed").strip().splitlines()
+            ended[event.step_key] = ("failed", entry.timestamp, " ".join(message[:2])[:300])
+    stages = []
+    for asset in selection:
+        status, end, error = ended.get(asset, ("skipped", None, "not run: an upstream step failed"))
+        seconds = end - started[asset] if end is not None and asset in started else None
+        metadata = {}
+        for m in result.asset_materializations_for_node(asset):
+            metadata = dict(m.metadata)
+        stage = StageRun(asset, partition, status, seconds, _numbers(asset, metadata), error)
+        if asset == "drafter_eval" and "tau" in metadata:
+            stage.tau = float(getattr(metadata["tau"], "value", metadata["tau"]))
+        stages.append(stage)
+    return stages
+
+
+def _check_outcomes(result: dg.ExecuteInProcessResult) -> list[CheckOutcome]:
+    return [CheckOutcome(e.check_name, e.passed, severity=getattr(e.severity, "value", "ERROR"),
+                         description=e.description or "", blocking=bool(e.blocking))
+            for e in result.get_asset_check_evaluations()]
+
+
+def _explain_shard(shard: str, stages: list[StageRun], checks: list[CheckOutcome]) -> list[str]:
+    """Plain words for a failed shard: which check or stage, what it means, what to do next."""
+    lines = []
+    for check in checks:
+        if not check.passed:
+            meaning, todo = CHECK_ADVICE.get(check.name, ("the check failed", "open it in the UI (make ui)"))
+            kind = "blocking check" if check.blocking else "check"
+            lines.append(f"{shard}: {kind} {check.name} failed: {check.description}. What it means: {meaning}. "
+                         f"Next: {todo}.")
+    for stage in stages:
+        if stage.status == "failed" and not (stage.asset == "tokenized_samples" and lines):
+            lines.append(f"{shard}: {stage.asset} failed: {stage.error}. See the run in the UI (make ui).")
+    return lines or [f"{shard}: the run failed; see it in the UI (make ui)."]
 
 
 if __name__ == "__main__":

@@ -20,12 +20,20 @@ __all__ = ["CheckOutcome", "StageCall", "StageResult", "StageFn"]
 
 @dataclass(frozen=True)
 class CheckOutcome:
-    """One asset check evaluated on the host; the asset must declare a check spec of this name."""
+    """One asset check evaluated: the one type for every check of the project.
+
+    A GPU stage returns them to the orchestrator (the asset must declare a check
+    spec of this ``name``); the tokenization checks return them to their asset;
+    the demo reads them back from a run's events. ``description`` is the one line
+    the UI shows; ``blocking`` says whether a failure stops the downstream.
+    """
 
     name: str
     passed: bool
     severity: Literal["ERROR", "WARN"] = "ERROR"
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    description: str = ""
+    blocking: bool = False
 
 
 @dataclass

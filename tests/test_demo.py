@@ -107,7 +107,7 @@ def test_a_failed_check_says_what_and_exits_non_zero(tmp_path, tiny_dense_target
 @pytest.mark.slow
 def test_demo_generates_in_process_when_asked(tmp_path, tiny_dense_target, monkeypatch):
     """`--engine inprocess`: no server; each completions step batches its requests into generate calls."""
-    from dagster_project.demo_runner import run_demo
+    from dagster_project.demo import run_demo
     from dagster_project.resources import StoreResource
     from dflash_assets.store.backends import LocalStore
 

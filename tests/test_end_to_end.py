@@ -10,7 +10,7 @@ import dagster as dg
 import pytest
 
 from chart_png import MAX_CHART_BYTES, PNG_SIGNATURE, decode_chart
-from dagster_project.demo_runner import run_demo
+from dagster_project.demo import run_demo
 from dagster_project.resources import StoreResource
 from dflash_assets.store import layout
 from dflash_assets.store.backends import S3Store

@@ -135,7 +135,7 @@ def test_dflash_inspect_prints_a_directory_or_a_store_recipe(trained_store, tmp_
 
 @pytest.mark.slow
 def test_the_demo_graph_publishes_provenance_and_passes_the_new_checks(tmp_path, tiny_dense_target, capsys):
-    from dagster_project.demo_runner import run_demo
+    from dagster_project.demo import run_demo
     from dagster_project.resources import StoreResource
     from dflash_assets.store.backends import LocalStore
 
