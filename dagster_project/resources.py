@@ -42,6 +42,9 @@ __all__ = [
 ]
 
 
+EMBEDDED_TARGET = "embedded:tiny-dense"  # the embedded default's name in code versions (not built to name it)
+
+
 def _default(model: type[BaseModel], field: str) -> Any:
     """The library's default for ``model.field``: resources repeat no default of their own."""
     return model.model_fields[field].default
@@ -121,13 +124,26 @@ class TargetModelResource(DeploymentResource):
     mask_token_id: Optional[int] = Field(default=None, description="Explicit mask token id; wins over the lookup.")
 
     def spec(self):
+        """The library's ``TargetModelSpec`` of this target (the embedded default is built on first use)."""
         from dflash_assets.embedded.defaults import default_target_spec
-        from dflash_assets.target.spec import TargetModelSpec
 
         base = default_target_spec() if self.model_path is None else None
-        dtype = self.dtype if self.dtype != "auto" else ("float32" if base is not None else "bfloat16")
+        return self._spec(base.model_path if base is not None else self.model_path, embedded=base is not None)
+
+    def fingerprint(self) -> str:
+        """The spec's ``config_fingerprint`` (model config, tokenizer path, template, thinking, layers, dtype, mask):
+        what the assets' code versions hash. The embedded default is not built for it: it stands as
+        ``EMBEDDED_TARGET`` with its settings."""
+        if self.model_path is None:
+            return self._spec(EMBEDDED_TARGET, embedded=True).config_fingerprint()
+        return self.spec().config_fingerprint()
+
+    def _spec(self, model_path: str, embedded: bool):
+        from dflash_assets.target.spec import TargetModelSpec
+
+        dtype = self.dtype if self.dtype != "auto" else ("float32" if embedded else "bfloat16")
         return TargetModelSpec(
-            model_path=base.model_path if base is not None else self.model_path,
+            model_path=model_path,
             tokenizer_path=self.tokenizer_path,
             chat_template_path=self.chat_template_path,
             chat_template_kwargs={"enable_thinking": self.enable_thinking},

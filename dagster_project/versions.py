@@ -2,22 +2,26 @@
 
 Dagster marks a partition stale when its asset's code version changes. Each
 stage's version is its logic version plus a hash of the defaults of its run
-config and of the deployment settings it depends on (the target, its chat
-template, its layer ids), so changing a default sampling parameter or
-pointing at another target marks every materialized partition stale in the
-UI. Per-run config overrides are recorded in the data itself (``config_hash``
-on every completion row, the recipe fingerprint on every checkpoint).
+config and, for the stages that depend on the target, the target spec's
+fingerprint (``TargetModelSpec.config_fingerprint``: model config, tokenizer,
+chat template, thinking, layer ids, mask token, dtype) as the deployment
+builds it from the environment (``profile.target_settings``). So changing a
+default sampling parameter or pointing at another target, template or layer
+choice marks every materialized partition stale in the UI. Per-run config
+overrides are recorded in the data itself (``config_hash`` on every
+completion row, the recipe fingerprint on every checkpoint).
+
+Reads the environment (through ``profile``) and the target's config and
+template files; writes nothing.
 """
 
 import hashlib
 import json
-import os
 
 import dagster as dg
 
-TARGET_SETTINGS = ("DFLASH_TARGET_MODEL", "DFLASH_TARGET_TOKENIZER", "DFLASH_TARGET_CHAT_TEMPLATE",
-                   "DFLASH_TARGET_THINKING", "DFLASH_TARGET_DTYPE", "DFLASH_TARGET_LAYER_IDS",
-                   "DFLASH_TARGET_NUM_LAYERS", "DFLASH_TARGET_MASK_TOKEN", "DFLASH_TARGET_MASK_TOKEN_ID")
+from dagster_project.profile import target_settings
+from dagster_project.resources import TargetModelResource
 
 
 def _defaults(config_cls: type[dg.Config]) -> dict:
@@ -25,13 +29,15 @@ def _defaults(config_cls: type[dg.Config]) -> dict:
             for name, field in sorted(config_cls.model_fields.items())}
 
 
+def target_fingerprint() -> str:
+    """The fingerprint of the target the deployment runs (``DFLASH_TARGET_*``, else the embedded default)."""
+    return TargetModelResource(**target_settings()).fingerprint()
+
+
 def code_version(logic_version: str, *configs: type[dg.Config], target: bool = False) -> str:
-    """``<logic_version>-<hash of config defaults (+ target settings)>``."""
+    """``<logic_version>-<hash of config defaults (+ the target spec's fingerprint)>``."""
     payload = {c.__name__: _defaults(c) for c in configs}
     if target:
-        from dagster_project.resources import TargetModelResource
-
-        payload["target"] = {k: os.environ.get(k) for k in TARGET_SETTINGS}
-        payload["target_defaults"] = _defaults(TargetModelResource)
+        payload["target"] = target_fingerprint()
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:8]
     return f"{logic_version}-{digest}"

@@ -1,4 +1,5 @@
-"""The library's shape: stage packages in data-flow order, imports only downward, no cycles, module docstrings.
+"""The project's shape: the library's stage packages in data-flow order and the Dagster layer above them, imports
+only downward, no cycles, module docstrings.
 
 Reads the source with `ast` (imports inside functions count too), so what an
 editor or an import-graph tool sees is what is checked.
@@ -11,6 +12,7 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_assets"
+DAGSTER = PACKAGE.parent / "dagster_project"
 
 # Each top-level unit of the library and its floor: a unit may import only units on its floor or below.
 FLOORS = {
@@ -23,6 +25,7 @@ FLOORS = {
     "drafter": 6,
     "embedded": 7,  # the tiny targets and the embedded engine: built from the stages below
     "testing": 7,
+    "demo": 7,  # the demo's library parts (recipe, answers preview, plan vs run, untrained tau), for dagster_project.demo
     "planning": 7,  # the corpus's cost plan: measured on the fleet and the store, arithmetic over stage shapes
     "pipes_worker": 8, "cli": 8,  # entry points
 }
@@ -33,9 +36,24 @@ STAGES = ["prompts", "target", "generation", "tokenization", "hidden_states", "d
 MEASURED_FLOORS = 6
 
 
-def _modules() -> dict[str, Path]:
+# The Dagster layer sits above the whole library (it imports the library; the library never imports it). Its units
+# are its modules (assets/ is one unit), each on a floor: a unit imports only units on a lower floor.
+DAGSTER_FLOORS = {
+    "profile": 0, "charts": 0, "partitions": 0, "jobs": 0, "instance_config": 0,  # environment, charts, names
+    "resources": 1, "config": 1, "metadata": 1,  # deployment resources, run config, metadata
+    "pipes": 2, "versions": 2, "sensors": 2,  # the GPU launcher (a resource), code versions, the source sensor
+    "assets": 3, "deployment": 3,  # asset bodies; the profile's resources built from the environment
+    "definitions": 4,  # the code location
+    "demo": 5,  # `make demo`: drives the code location's assets (its library parts are dflash_assets.demo)
+}
+# Floors of the Dagster layer's unit-level import graph, measured by test_dagster_layer_has_at_most_six_floors;
+# README's architecture section says the same number.
+DAGSTER_MEASURED_FLOORS = 6
+
+
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
@@ -58,7 +76,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
         for t in targets:
             while t and t not in known:
                 t = t.rpartition(".")[0]
-            if t and t != name and t != "dflash_assets":
+            if t and t != name and t not in ("dflash_assets", "dagster_project"):
                 found.add(t)
     return found
 
@@ -152,3 +170,83 @@ def test_the_library_imports_no_dagster():
             if any(m == "dagster" or m.startswith(("dagster.", "dagster_")) and m != "dagster_pipes" for m in mods):
                 offenders.append(name)
     assert offenders == []
+
+
+# -- the Dagster layer -------------------------------------------------------------------------------------------
+
+
+def _project_graph() -> dict[str, set[str]]:
+    """Module -> project modules it imports, over the library and the Dagster layer together."""
+    modules = {**_modules(PACKAGE), **_modules(DAGSTER)}
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items()
+            if name not in ("dflash_assets", "dagster_project")}
+
+
+def _dagster_unit(module: str) -> str | None:
+    """``dagster_project.assets.drafter`` -> ``assets``; None for a library module."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "dagster_project" else None
+
+
+def test_every_dagster_module_belongs_to_a_known_unit():
+    units = {_dagster_unit(m) for m in _project_graph()} - {None}
+    assert units == set(DAGSTER_FLOORS), f"new units must get a floor: {sorted(units ^ set(DAGSTER_FLOORS))}"
+
+
+def test_the_library_never_imports_the_dagster_layer():
+    upward = sorted(f"{src} -> {dst}" for src, dsts in _project_graph().items() for dst in dsts
+                    if _dagster_unit(src) is None and _dagster_unit(dst) is not None)
+    assert upward == []
+
+
+def test_dagster_imports_only_go_down_the_floors():
+    upward = sorted(f"{src} -> {dst}" for src, dsts in _project_graph().items() for dst in dsts
+                    if _dagster_unit(src) is not None and _dagster_unit(dst) is not None
+                    and _dagster_unit(dst) != _dagster_unit(src)
+                    and DAGSTER_FLOORS[_dagster_unit(dst)] >= DAGSTER_FLOORS[_dagster_unit(src)])
+    assert upward == []
+
+
+def test_no_import_cycles_across_the_project():
+    """No module of the library or the Dagster layer reaches itself through its imports (lazy ones included)."""
+    graph = _project_graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+def test_dagster_layer_has_at_most_six_floors():
+    """The longest chain of Dagster units importing each other (the library below counts as none)."""
+    units: dict[str, set[str]] = {}
+    for src, dsts in _project_graph().items():
+        if (unit := _dagster_unit(src)) is not None:
+            units.setdefault(unit, set()).update(
+                d for d in map(_dagster_unit, dsts) if d is not None and d != unit)
+    depth: dict[str, int] = {}
+
+    def floor(unit: str) -> int:
+        if unit not in depth:
+            depth[unit] = 1 + max((floor(d) for d in units.get(unit, ())), default=0)
+        return depth[unit]
+
+    floors = max(floor(u) for u in units)
+    assert floors <= DAGSTER_MEASURED_FLOORS <= 6, (
+        f"{floors} floors of imports in dagster_project (recorded {DAGSTER_MEASURED_FLOORS}, at most 6): "
+        f"{sorted(depth.items(), key=lambda kv: kv[1])}")
+
+
+def test_every_dagster_module_opens_with_a_docstring():
+    assert [name for name, path in _modules(DAGSTER).items() if not ast.get_docstring(ast.parse(path.read_text()))] == []

@@ -38,3 +38,21 @@ def test_config_defaults_are_part_of_the_version():
     assert code_version("1", A) != code_version("1", B)
     assert code_version("1", A) == code_version("1", A)  # stable across calls
     assert code_version("1", A) != code_version("2", A)
+
+
+def test_the_target_part_is_the_spec_fingerprint_of_what_the_settings_name(tmp_path, monkeypatch):
+    """The same settings naming a file whose content changed give another version: the spec's fingerprint hashes
+    the template (and the model's config), not the variables' values; a layer choice changes it too."""
+    from dagster_project.versions import target_fingerprint
+
+    template = tmp_path / "chat_template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    monkeypatch.setenv("DFLASH_TARGET_CHAT_TEMPLATE", str(template))
+    before = target_fingerprint()
+    assert target_fingerprint() == before  # stable
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
+    after = target_fingerprint()
+    assert after != before
+    monkeypatch.setenv("DFLASH_TARGET_LAYER_IDS", "1,2,3")
+    assert target_fingerprint() not in (before, after)
+    assert code_version("1", target=True) != code_version("1")
