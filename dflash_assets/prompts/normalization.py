@@ -3,7 +3,7 @@
 Plain chats (ShareGPT ``conversations`` or OpenAI ``messages``) go through
 :func:`normalize_record`; a record with tools, tool calls or tool results goes
 on to :func:`normalize_agentic_record`. Both read a turn's role and content
-with one turn parser (:func:`_parse_turn`) and the one role table
+with one turn parser (:func:`_parse_turns`) and the one role table
 (:data:`ROLE_MAP`, plus :data:`AGENTIC_ROLE_MAP` for agentic records). A
 prompt's id is a content hash (:func:`prompt_id`, :func:`agentic_prompt_id`);
 a rejection carries a reason code of
@@ -19,7 +19,7 @@ import hashlib
 import json
 import sys
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,35 +96,41 @@ def _content_text(content: Any) -> str | None:
     return None
 
 
-def _parse_turn(turn: Any, i: int, role_map: dict[str, str]) -> tuple[str, str, Any] | Rejection:
-    """Turn ``i`` of a conversation -> ``(kind, role name, content)``, or a :class:`Rejection`: the one turn
-    parser of both normalizers.
+def _parse_turns(turns: list, role_map: dict[str, str]) -> Iterator[tuple[int, dict, str, str, Any] | Rejection]:
+    """The turns of a conversation, each as ``(i, turn, kind, role name, content)``, or a :class:`Rejection`
+    for the first malformed one (the caller returns it): the one turn parser of both normalizers.
 
     A turn is ShareGPT (``from``/``value``) or OpenAI (``role``/``content``), the other content key accepted
     too; ``content`` is ``_MISSING`` when the turn has none (each normalizer decides what that means). The
-    role is looked up in ``role_map`` as written, else stripped and lower-cased (the name returned is then
-    the lower-cased role; the map's keys are lower-case); a role in neither form is ``unknown_role``.
+    role is looked up in ``role_map`` as written, else stripped and lower-cased (the name given is then the
+    lower-cased role; the map's keys are lower-case); a role in neither form is ``unknown_role``. A generator,
+    not a call per turn: normalization is the ingest's hot loop.
     """
-    if not isinstance(turn, dict):
-        return Rejection("bad_turn", f"turn {i} is a {type(turn).__name__}")
-    if "from" in turn:
-        role = turn["from"]
-        content = turn["value"] if "value" in turn else turn.get("content", _MISSING)
-    elif "role" in turn:
-        role = turn["role"]
-        content = turn["content"] if "content" in turn else turn.get("value", _MISSING)
-    else:
-        return Rejection("bad_turn", f"turn {i} has no 'from' or 'role'")
-    if not isinstance(role, str):
-        return Rejection("bad_turn", f"turn {i} role is a {type(role).__name__}")
-    kind = role_map.get(role)
-    name = role
-    if kind is None:
-        name = role.strip().lower()
-        kind = role_map.get(name)
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            yield Rejection("bad_turn", f"turn {i} is a {type(turn).__name__}")
+            return
+        if "from" in turn:
+            role = turn["from"]
+            content = turn["value"] if "value" in turn else turn.get("content", _MISSING)
+        elif "role" in turn:
+            role = turn["role"]
+            content = turn["content"] if "content" in turn else turn.get("value", _MISSING)
+        else:
+            yield Rejection("bad_turn", f"turn {i} has no 'from' or 'role'")
+            return
+        if not isinstance(role, str):
+            yield Rejection("bad_turn", f"turn {i} role is a {type(role).__name__}")
+            return
+        kind = role_map.get(role)
+        name = role
         if kind is None:
-            return Rejection("unknown_role", f"turn {i} role {role[:40]!r}")
-    return kind, name, content
+            name = role.strip().lower()
+            kind = role_map.get(name)
+            if kind is None:
+                yield Rejection("unknown_role", f"turn {i} role {role[:40]!r}")
+                return
+        yield i, turn, kind, name, content
 
 
 def record_id_text(value: Any) -> str | None:
@@ -209,11 +215,10 @@ def normalize_record(record: Any, config: IngestConfig | None = None, *, index: 
     started = False  # a non-system turn was seen
     leading_assistant = 0
     empty_user = 0
-    for i, turn in enumerate(turns):
-        parsed = _parse_turn(turn, i, ROLE_MAP)
-        if isinstance(parsed, Rejection):
+    for parsed in _parse_turns(turns, ROLE_MAP):
+        if parsed.__class__ is Rejection:
             return parsed
-        kind, name, content = parsed
+        i, turn, kind, name, content = parsed
         if content is _MISSING:
             return Rejection("bad_turn", f"turn {i} has no content")
         text = content if content.__class__ is str else _content_text(content)
@@ -555,11 +560,10 @@ def _normalize_agentic_record(record: dict, config: IngestConfig, index: int) ->
     merged = False
     last: str | None = None  # user | calls | tool | answer
     open_calls = 0  # calls of the last call step still without a result
-    for i, turn in enumerate(turns):
-        parsed = _parse_turn(turn, i, _AGENTIC_ROLES)
-        if isinstance(parsed, Rejection):
+    for parsed in _parse_turns(turns, _AGENTIC_ROLES):
+        if parsed.__class__ is Rejection:
             return parsed
-        kind, name, content = parsed
+        i, turn, kind, name, content = parsed
         roles.append(name)
         if kind == SYSTEM:
             if started:
