@@ -114,12 +114,10 @@ class TargetShape:
 
         ``captured_layers``: the DFlash layer ids (``TargetModelSpec.layer_ids``); None: DFlash's rule.
         """
-        get_text = getattr(config, "get_text_config", None)
-        text = get_text(decoder=True) if get_text is not None else config
-        if isinstance(text, Mapping):
-            fields = dict(text.get("text_config") or text)
-        else:
-            fields = text.to_dict()
+        from dflash_assets.target.conventions import text_config
+
+        text = text_config(config)
+        fields = dict(text) if isinstance(text, Mapping) else text.to_dict()
         layers, hidden, heads = fields["num_hidden_layers"], fields["hidden_size"], fields["num_attention_heads"]
         if captured_layers is None:
             from dflash_assets.target.conventions import dflash_target_layer_ids

@@ -43,10 +43,25 @@ __all__ = [
     "dflash_target_layer_ids",
     "resolve_mask_token_id",
     "mask_token_id_in_dir",
+    "text_config",
 ]
 
 DEFAULT_NUM_TARGET_LAYERS = 5
 MASK_TOKEN = "<|MASK|>"
+
+
+def text_config(config: Any) -> Any:
+    """The decoder text config of a target: ``config`` itself, or its nested ``text_config`` (Qwen3.5 VL-style).
+
+    The one helper for it (the spec, the layer capture, the packing and the cost plan call it): a transformers
+    config answers ``get_text_config(decoder=True)``; a dict of config fields gives its ``text_config`` entry.
+    """
+    get = getattr(config, "get_text_config", None)
+    if get is not None:
+        return get(decoder=True)
+    if isinstance(config, Mapping):
+        return config.get("text_config") or config
+    return getattr(config, "text_config", None) or config
 
 
 class TargetModelError(ValueError):

@@ -19,12 +19,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from dflash_assets.target.conventions import text_config  # re-exported: hidden_states and bench use it from here
+
 __all__ = ["LayerCapture", "decoder_stack", "text_config"]
-
-
-def text_config(config: Any) -> Any:
-    """The text part of a (possibly multimodal) config."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def decoder_stack(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:

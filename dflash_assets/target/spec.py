@@ -49,6 +49,7 @@ from dflash_assets.target.conventions import (
     derive_chat_conventions,
     dflash_target_layer_ids,
     resolve_mask_token_id,
+    text_config,
 )
 from dflash_assets.target.tokenizer import QWEN3_6_MASK_TOKEN, tokenizer_hash
 
@@ -56,11 +57,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-def text_config_of(config: "PretrainedConfig") -> "PretrainedConfig":
-    """The decoder text config: `config` itself, or its nested `text_config` (Qwen3.5 VL-style)."""
-    get = getattr(config, "get_text_config", None)
-    text = get(decoder=True) if get is not None else getattr(config, "text_config", None) or config
-    return text
+text_config_of = text_config  # the decoder text config (target.conventions.text_config), by its older name
 
 
 def token_id(tok: "PreTrainedTokenizerBase", token: str) -> int | None:

@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 from dflash_assets.chart_data import binned_counts
 from dflash_assets.quality_gates import CEILING, FLOOR, RatioGate, ratio_gate
+from dflash_assets.stage_io import CheckOutcome
 from dflash_assets.store import layout
 from dflash_assets.tokenization.samples import SAMPLES_SCHEMA
 
@@ -58,15 +59,6 @@ __all__ = [
 
 
 # -- checks ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CheckOutcome:
-    """What a Dagster asset check returns: passed, plain-value metadata, a one-line description."""
-
-    passed: bool
-    metadata: dict[str, Any]
-    description: str
 
 
 LOSS_TOKEN_BIN_EDGES = (0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -112,8 +104,8 @@ def empty_response_check(table: pa.Table, min_loss_tokens: int = 16, max_empty_r
         "most_common_loss_tokens_share": round(float(freq.max()) / n, 6) if n else 0.0,
         "median_loss_tokens": float(np.median(loss)) if n else 0.0,
     }
-    return CheckOutcome(gate.passed, metadata, _described(
-        gate, f"have < {min_loss_tokens} supervised tokens or an empty answer"))
+    return CheckOutcome("empty_response_ratio", gate.passed, metadata=metadata, blocking=True,
+                        description=_described(gate, f"have < {min_loss_tokens} supervised tokens or an empty answer"))
 
 
 def thinking_ratio_check(table: pa.Table, floor: float = 0.9, thinking_requested: bool = True) -> CheckOutcome:
@@ -136,9 +128,10 @@ def thinking_ratio_check(table: pa.Table, floor: float = 0.9, thinking_requested
     }
     if not thinking_requested:  # thinking off, or a target without a thinking mode (SmolLM2): nothing to check
         share = f"{gate.ratio:.2%}" if n else "none (0 samples)"
-        return CheckOutcome(True, metadata, f"not applicable: thinking is off or the target has no thinking mode; "
-                                            f"{share} of samples have reasoning")
-    return CheckOutcome(gate.passed, metadata, _described(gate, "have non-empty reasoning"))
+        return CheckOutcome("thinking_ratio", True, metadata=metadata, description="not applicable: thinking is off "
+                            f"or the target has no thinking mode; {share} of samples have reasoning")
+    return CheckOutcome("thinking_ratio", gate.passed, metadata=metadata,
+                        description=_described(gate, "have non-empty reasoning"))
 
 
 def truncation_ratio_check(table: pa.Table, ceiling: float = 0.05) -> CheckOutcome:
@@ -154,7 +147,8 @@ def truncation_ratio_check(table: pa.Table, ceiling: float = 0.05) -> CheckOutco
         "mean_num_tokens": round(float(tokens.mean()), 1) if n else 0.0,
         "examples": _examples(table, truncated),
     }
-    return CheckOutcome(gate.passed, metadata, _described(gate, "were cut at max_length"))
+    return CheckOutcome("truncation_ratio", gate.passed, severity="WARN", metadata=metadata,
+                        description=_described(gate, "were cut at max_length"))
 
 
 def _described(gate: RatioGate, what: str) -> str:
@@ -215,7 +209,7 @@ def schema_check(table: pa.Table, max_length: int | None = None) -> CheckOutcome
     }
     passed = not problems
     description = "schema and row invariants hold" if passed else f"{len(problems)} problem(s): {problems[0]}"
-    return CheckOutcome(passed, metadata, description)
+    return CheckOutcome("schema", passed, metadata=metadata, description=description, blocking=True)
 
 
 # -- the partition as a whole: store layout, quality evaluation, the gate ---------------------

@@ -1,0 +1,88 @@
+"""What a regeneration samples with: ``GenerationConfig`` (hashed into every completion row), its Hugging Face
+``generate`` form, and the comparable id of a model.
+
+The engines (``engines``), the completions stage, the planning stage and the
+Dagster run config all take it from here, so it does not live inside an HTTP
+client. Reads and writes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["GenerationConfig", "hf_generation_settings", "normalize_model_id"]
+
+
+class GenerationConfig(BaseModel):
+    """Sampling settings of the regeneration; hashed into every completion row.
+
+    Defaults follow Qwen3's advice for thinking mode (temperature 0.6, top_p
+    0.95, top_k 20). ``top_k``/``min_p``/``repetition_penalty`` are not
+    OpenAI fields: SGLang and vLLM accept them, ``transformers serve`` rejects
+    them, so the OpenAI client leaves them out for that server (see
+    ``EndpointConfig.extra_sampling_params``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: int = Field(2048, ge=1, description="Cap on generated tokens per assistant turn.")
+    temperature: float = Field(0.6, ge=0.0)
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    top_k: int | None = Field(20, description="None or -1: not sent / disabled.")
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    enable_thinking: bool = Field(True, description="Thinking mode of the target's chat template.")
+    max_turns: int = Field(8, ge=1, description="Regenerate at most this many assistant turns per conversation.")
+    stop_token_ids: tuple[int, ...] = Field((), description="Extra stop ids (the template's end-of-turn ids are added).")
+    seed: int | None = Field(None, description="Per-request seed where the engine supports one.")
+    skip_special_tokens: bool = Field(False, description="SGLang native: passed through; ids are decoded here anyway.")
+    stop_after_truncated_turn: bool = Field(
+        True, description="End a conversation at a turn cut by max_new_tokens (later user turns are dropped)."
+    )
+
+    def config_hash(self, target_model: str | None = None, seed_honoured: bool | None = None) -> str:
+        """16 hex chars over every field, the (normalized) target model id and, when a seed is set, whether the
+        engines honour it (``seed_honoured``: SGLang only with ``--enable-deterministic-inference``).
+
+        Without a seed the hash is what it always was; with one, rows generated where the seed had no effect
+        never share a hash with rows where it did.
+        """
+        payload: dict[str, Any] = {"generation": self.model_dump(mode="json"),
+                                   "target": normalize_model_id(target_model or "")}
+        if self.seed is not None:
+            payload["seed_honoured"] = bool(seed_honoured)
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def hf_generation_settings(gen: GenerationConfig) -> dict[str, Any]:
+    """The sampling part of `gen` as Hugging Face `GenerationConfig` fields (what `model.generate` does).
+
+    Temperature 0 is greedy decoding; otherwise sampling with temperature,
+    top_p and top_k (0: off), plus min_p / repetition_penalty when set.
+    """
+    if gen.temperature == 0:
+        return {"do_sample": False}
+    settings: dict[str, Any] = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p,
+                                "top_k": gen.top_k if gen.top_k is not None and gen.top_k > 0 else 0}
+    if gen.min_p is not None:
+        settings["min_p"] = gen.min_p
+    if gen.repetition_penalty is not None:
+        settings["repetition_penalty"] = gen.repetition_penalty
+    return settings
+
+
+def normalize_model_id(model: str) -> str:
+    """Comparable id of a model: basename of a path or repo id, lower-case, no revision.
+
+    ``/models/Qwen3.6-27B/``, ``Qwen/Qwen3.6-27B`` and ``qwen3.6-27b@main`` all
+    give ``qwen3.6-27b``.
+    """
+    model = (model or "").strip().rstrip("/")
+    if "@" in model and not os.path.exists(model):
+        model = model.split("@", 1)[0]
+    return model.rsplit("/", 1)[-1].lower()
