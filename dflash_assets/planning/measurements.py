@@ -276,7 +276,7 @@ def _user_chars(table: pa.Table, max_turns: int) -> int:
 def _prompt_shards(store: Any, columns: list[str] | None = None):
     """(shard, table) of every ``raw_prompts`` shard, one at a time; before any is materialized, the committed
     corpus's shards (the same rows: what ``raw_prompts`` will copy)."""
-    from dflash_assets.prompts.ingest import list_shard_keys, read_corpus_shard
+    from dflash_assets.prompts.corpus import list_shard_keys, read_corpus_shard
 
     shards = layout.list_raw_prompt_shards(store)
     if shards:

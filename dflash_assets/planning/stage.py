@@ -45,7 +45,7 @@ from dflash_assets.planning.measurements import (
     plan_generation,
     sample_prompt_rows,
 )
-from dflash_assets.prompts.ingest import corpus_prompt_count, list_shard_keys
+from dflash_assets.prompts.corpus import corpus_prompt_count, list_shard_keys
 from dflash_assets.tokenization.samples import TokenizeConfig
 
 __all__ = ["CorpusPlan", "plan_corpus"]

@@ -50,12 +50,10 @@ from dflash_assets.prompts.shards import ShardBuilder
 from dflash_assets.prompts.sources import SourceItem, read_source, source_label
 from dflash_assets.store import layout
 
-# Re-exported, for callers that other engineers were editing while issue 23 split this module (their import
-# lines move to the homes named here once they are done; new code imports from the homes):
-# IngestConfig (dagster_project/config.py, bench/smollm2_h200.py, bench/smollm2_product.py),
-# materialize_prompt_shard (the two bench/smollm2*.py), corpus_prompt_count and list_shard_keys
-# (dagster_project/assets/generation.py), list_shard_keys and read_corpus_shard (the planning package).
-from dflash_assets.prompts.corpus import corpus_prompt_count, list_shard_keys, read_corpus_shard  # noqa: F401,E402
+# Still importable from here for callers that other engineers were editing while issue 23 split this module:
+# IngestConfig (dagster_project/config.py and the two bench/smollm2*.py; the driver uses it anyway) and
+# materialize_prompt_shard (bench/smollm2_h200.py, bench/smollm2_product.py). New code imports them from
+# dflash_assets.prompts.config and dflash_assets.prompts.shards.
 from dflash_assets.prompts.shards import materialize_prompt_shard  # noqa: F401,E402
 
 __all__ = ["IngestReport", "NoValidPromptsError", "ingest_prompt_source"]
