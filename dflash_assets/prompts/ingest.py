@@ -6,7 +6,7 @@ duplicates, quarantines bad records with a reason code
 (:mod:`dflash_assets.prompts.quarantine`), assigns new prompts to shards
 (:mod:`dflash_assets.prompts.shards`) and commits a new corpus index
 (:mod:`dflash_assets.prompts.corpus`); it returns an :class:`IngestReport`.
-Concurrent ingests, sharding and memory are described there. Each shard then
+Its docstring describes concurrent ingests, sharding and memory. Each shard then
 becomes a ``raw_prompts`` partition through
 :func:`dflash_assets.prompts.shards.materialize_prompt_shard` (Dagster runs the
 two steps separately).

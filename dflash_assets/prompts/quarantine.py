@@ -1,7 +1,7 @@
 """The ingest's quarantine: reason codes (:data:`QUARANTINE_REASONS`), the table's schema and its writer.
 
 :class:`QuarantineWriter` streams rejected records (the source reader's
-unreadable ones and normalization's :class:`~dflash_assets.prompts.normalization.Rejection` s)
+unreadable ones, and the rejections of :mod:`dflash_assets.prompts.normalization`)
 to a local Parquet file, a row group at a time, and uploads it once. Reads
 nothing; writes a temporary local file and, on ``publish``, the store key it is
 given (``prompt_corpus/quarantine/<source>.parquet``, atomically through the store).
