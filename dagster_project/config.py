@@ -1,18 +1,32 @@
 """Run configuration of each stage: what a run may choose, within limits; defaults that are safe.
 
 Each class converts to the library's own config object, so a notebook and the
-Dagster UI accept the same settings. Nothing here names a command, a host, an
+Dagster UI accept the same settings; where the library has a default, the
+field takes it from there (``_default``), never restating it. Nothing here names a command, a host, an
 address or a path on a host: those are deployment settings (``profile.py``, ``deployment.py``).
 The one path a run may give, the ingest's ``source_uri``, must be the
 configured source or lie under ``DFLASH_PROMPT_SOURCE_ROOTS``.
 """
 
+import dataclasses
 import os
 import re
-from typing import Optional
+from typing import Any, Optional
 
 import dagster as dg
 from pydantic import Field, field_validator
+
+from dflash_assets.generation.config import GenerationConfig
+from dflash_assets.prompts.config import IngestConfig as LibIngestConfig
+from dflash_assets.tokenization.quality import QualityThresholds
+from dflash_assets.tokenization.samples import TokenizeConfig
+
+
+def _default(library_cls: type, field: str) -> Any:
+    """The library's default of ``library_cls.field`` (a dataclass or a pydantic model): run config restates none."""
+    if dataclasses.is_dataclass(library_cls):
+        return next(f.default for f in dataclasses.fields(library_cls) if f.name == field)
+    return library_cls.model_fields[field].default
 
 
 class SourceNotAllowed(ValueError):
@@ -32,15 +46,15 @@ class IngestConfig(dg.Config):
         description="Prompt source: a local path or s3:// URI (ShareGPT JSON, JSONL, Parquet; .gz/.zst ok). "
         "Default: $DFLASH_PROMPT_SOURCE, else the embedded ShareGPT file.",
     )
-    max_prompts_per_shard: int = Field(default=1024, description="At most this many prompts per prompt_shards partition.")
-    max_record_chars: int = Field(default=65_536, description="Records longer than this are quarantined as oversize.")
+    max_prompts_per_shard: int = Field(default=_default(LibIngestConfig, "max_prompts_per_shard"), description="At most this many prompts per prompt_shards partition.")
+    max_record_chars: int = Field(default=_default(LibIngestConfig, "max_record_chars"), description="Records longer than this are quarantined as oversize.")
     leading_assistant: str = Field(
-        default="drop",
+        default=_default(LibIngestConfig, "leading_assistant"),
         description="Conversations that start with an assistant turn: 'drop' the leading assistant turns "
         "(counted) or 'quarantine' the record.",
     )
     limit: Optional[int] = Field(
-        default=None, description="Keep only the first N valid prompts (for demos). Counts still cover the whole source."
+        default=_default(LibIngestConfig, "limit"), description="Keep only the first N valid prompts (for demos). Counts still cover the whole source."
     )
 
     def resolved_source(self) -> str:
@@ -59,8 +73,6 @@ class IngestConfig(dg.Config):
         return self.source_uri
 
     def to_library(self):
-        from dflash_assets.prompts.ingest import IngestConfig as LibIngestConfig
-
         return LibIngestConfig(
             max_prompts_per_shard=self.max_prompts_per_shard, max_record_chars=self.max_record_chars,
             leading_assistant=self.leading_assistant,
@@ -69,28 +81,24 @@ class IngestConfig(dg.Config):
 
 
 class TokenizeStageConfig(dg.Config):
-    max_length: int = Field(default=3072, description="Samples are cut (and flagged) at this many tokens.")
+    max_length: int = Field(default=_default(TokenizeConfig, "max_length"), description="Samples are cut (and flagged) at this many tokens.")
     supervise: str = Field(
-        default="last_turn",
+        default=_default(TokenizeConfig, "supervise"),
         description="last_turn: one sample per conversation, supervising its final assistant turn; "
         "every_turn: one sample per assistant turn (about 2.6x the tokens on ShareGPT).",
     )
-    min_loss_tokens: int = Field(default=16, description="A supervised span shorter than this counts as empty.")
-    max_empty_ratio: float = Field(default=0.02, description="empty_response_ratio fails when the data show the "
+    min_loss_tokens: int = Field(default=_default(QualityThresholds, "min_loss_tokens"), description="A supervised span shorter than this counts as empty.")
+    max_empty_ratio: float = Field(default=_default(QualityThresholds, "max_empty_ratio"), description="empty_response_ratio fails when the data show the "
                                    "share is above this (95% Wilson lower bound, dflash_assets.quality_gates).")
-    thinking_floor: float = Field(default=0.9, description="thinking_ratio fails when the data show the share is "
+    thinking_floor: float = Field(default=_default(QualityThresholds, "thinking_floor"), description="thinking_ratio fails when the data show the share is "
                                   "below this (95% Wilson upper bound; thinking on).")
-    truncation_ceiling: float = Field(default=0.05, description="truncation_ratio warns when the data show the "
+    truncation_ceiling: float = Field(default=_default(QualityThresholds, "truncation_ceiling"), description="truncation_ratio warns when the data show the "
                                       "share is above this (95% Wilson lower bound).")
 
     def to_library(self):
-        from dflash_assets.tokenization.samples import TokenizeConfig
-
         return TokenizeConfig(max_length=self.max_length, supervise=self.supervise)
 
     def thresholds(self, thinking_requested: bool):
-        from dflash_assets.tokenization.quality import QualityThresholds
-
         return QualityThresholds(
             min_loss_tokens=self.min_loss_tokens, max_empty_ratio=self.max_empty_ratio,
             thinking_requested=thinking_requested, thinking_floor=self.thinking_floor,
@@ -101,20 +109,18 @@ class TokenizeStageConfig(dg.Config):
 class GenerationStageConfig(dg.Config):
     """Sampling of the regenerated completions; hashed into every row (a changed config is visible)."""
 
-    max_new_tokens: int = Field(default=2048, ge=1, le=131_072, description="Cap on generated tokens per assistant turn.")
-    temperature: float = Field(default=0.6, ge=0.0, le=2.0, description="Qwen3 thinking-mode advice: 0.6.")
-    top_p: float = Field(default=0.95, gt=0.0, le=1.0, description="Nucleus sampling.")
-    top_k: Optional[int] = Field(default=20, ge=1, le=1000,
+    max_new_tokens: int = Field(default=_default(GenerationConfig, "max_new_tokens"), ge=1, le=131_072, description="Cap on generated tokens per assistant turn.")
+    temperature: float = Field(default=_default(GenerationConfig, "temperature"), ge=0.0, le=2.0, description="Qwen3 thinking-mode advice: 0.6.")
+    top_p: float = Field(default=_default(GenerationConfig, "top_p"), gt=0.0, le=1.0, description="Nucleus sampling.")
+    top_k: Optional[int] = Field(default=_default(GenerationConfig, "top_k"), ge=1, le=1000,
                                  description="None: not sent (transformers serve rejects it anyway).")
-    max_turns: int = Field(default=8, ge=1, le=64, description="Regenerate at most this many assistant turns per conversation.")
-    seed: Optional[int] = Field(default=None, ge=0, description="Per-request seed where the engine supports one.")
+    max_turns: int = Field(default=_default(GenerationConfig, "max_turns"), ge=1, le=64, description="Regenerate at most this many assistant turns per conversation.")
+    seed: Optional[int] = Field(default=_default(GenerationConfig, "seed"), ge=0, description="Per-request seed where the engine supports one.")
     max_failed_ratio: float = Field(default=0.01, ge=0.0, le=1.0,
                                     description="The partition fails (nothing published) when more of its prompts "
                                     "fail than this share; the next run retries only the failed ones.")
 
     def to_library(self, enable_thinking: bool):
-        from dflash_assets.generation.engines import GenerationConfig
-
         return GenerationConfig(
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             max_turns=self.max_turns, seed=self.seed, enable_thinking=enable_thinking,
