@@ -9,6 +9,7 @@ configured source or lie under ``DFLASH_PROMPT_SOURCE_ROOTS``.
 """
 
 import dataclasses
+import inspect
 import os
 import re
 from typing import Any, Optional
@@ -16,17 +17,22 @@ from typing import Any, Optional
 import dagster as dg
 from pydantic import Field, field_validator
 
+from dflash_assets.generation.completions import aregenerate_shard
 from dflash_assets.generation.config import GenerationConfig
+from dflash_assets.planning.stage import plan_corpus
 from dflash_assets.prompts.config import IngestConfig as LibIngestConfig
 from dflash_assets.tokenization.quality import QualityThresholds
 from dflash_assets.tokenization.samples import TokenizeConfig
 
 
-def _default(library_cls: type, field: str) -> Any:
-    """The library's default of ``library_cls.field`` (a dataclass or a pydantic model): run config restates none."""
-    if dataclasses.is_dataclass(library_cls):
-        return next(f.default for f in dataclasses.fields(library_cls) if f.name == field)
-    return library_cls.model_fields[field].default
+def _default(library: Any, field: str) -> Any:
+    """The library's default of ``field`` in ``library`` (a dataclass, a pydantic model, or a stage function's
+    keyword): run config restates none."""
+    if dataclasses.is_dataclass(library):
+        return next(f.default for f in dataclasses.fields(library) if f.name == field)
+    if inspect.isfunction(library):
+        return inspect.signature(library).parameters[field].default
+    return library.model_fields[field].default
 
 
 class SourceNotAllowed(ValueError):
@@ -116,7 +122,7 @@ class GenerationStageConfig(dg.Config):
                                  description="None: not sent (transformers serve rejects it anyway).")
     max_turns: int = Field(default=_default(GenerationConfig, "max_turns"), ge=1, le=64, description="Regenerate at most this many assistant turns per conversation.")
     seed: Optional[int] = Field(default=_default(GenerationConfig, "seed"), ge=0, description="Per-request seed where the engine supports one.")
-    max_failed_ratio: float = Field(default=0.01, ge=0.0, le=1.0,
+    max_failed_ratio: float = Field(default=_default(aregenerate_shard, "max_failed_ratio"), ge=0.0, le=1.0,
                                     description="The partition fails (nothing published) when more of its prompts "
                                     "fail than this share; the next run retries only the failed ones.")
 
@@ -188,7 +194,7 @@ class DrafterEvalConfig(dg.Config):
 
 
 class GenerationPlanConfig(dg.Config):
-    probe_max_new_tokens: int = Field(default=256, description="Tokens per probe request.")
+    probe_max_new_tokens: int = Field(default=_default(plan_corpus, "probe_max_new_tokens"), description="Tokens per probe request.")
     probe_requests: Optional[int] = Field(default=None, description="Probe requests per endpoint (None: 2x concurrency).")
     expected_output_tokens: Optional[float] = Field(
         default=None,
