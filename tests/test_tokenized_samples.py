@@ -500,3 +500,36 @@ def test_malformed_agentic_rows_are_dropped_with_a_reason(enc):
     assert stats.dropped == {"bad_tool_call": 3, "template_error": 1, "bad_tools": 1}
     meta = stats.to_metadata()
     assert meta["dropped_bad_tool_call"] == 3 and meta["dropped"] == 5
+
+
+# -- the stage over the store ------------------------------------------------------------
+
+
+def test_tokenize_partition_publishes_samples_its_gate_names_with_the_targets_own_markers(local_store, sharegpt,
+                                                                                         tiny_dense_target):
+    """The library stage reads completions from the store, takes the supervised span's markers from the target's
+    template (whatever the config says), publishes samples and a gate naming their sha256, and builds the
+    target's encoder once per process."""
+    from dflash_assets.store import layout
+    from dflash_assets.target.spec import TargetModelSpec
+    from dflash_assets.tokenization import stage
+    from dflash_assets.tokenization.quality import QualityThresholds, read_verified_samples, require_quality_gate
+
+    spec = TargetModelSpec(model_path=str(tiny_dense_target))
+    chat = spec.chat_conventions()
+    local_store.write_parquet(layout.completions("shard-00000"), sharegpt.slice(0, 20))
+    lines: list[str] = []
+    wrong_markers = TokenizeConfig(max_length=1024, assistant_header="<|nowhere|>", end_of_turn="<|never|>")
+    lenient = QualityThresholds(max_empty_ratio=1.0, thinking_floor=0.0, thinking_requested=chat.thinking)
+    result = stage.tokenize_partition(local_store, "shard-00000", spec, wrong_markers, lenient, log=lines.append)
+    assert result.stats.samples == result.table.num_rows > 0 and result.stats.loss_tokens > 0
+    assert lines and lines[0].startswith(f"shard-00000: {result.stats.samples} samples from 20 conversations")
+    gate = require_quality_gate(local_store, "shard-00000")
+    assert gate["data_version"] == result.data_version == gate["samples_sha256"][:16]
+    assert read_verified_samples(local_store, "shard-00000", gate).equals(result.table)
+    assert set(result.outcomes) == set(gate["checks"]) and result.outcomes["schema"].passed
+    encoder, _ = stage.target_encoder(spec)
+    row = result.table.slice(0, 1).to_pylist()[0]
+    supervised = encoder.decode(np.array(row["input_ids"])[np.array(row["loss_mask"], dtype=bool)])
+    assert supervised.endswith(chat.end_of_turn)
+    assert stage.target_encoder(spec)[0] is encoder  # cached per target, per process

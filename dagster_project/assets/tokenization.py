@@ -13,8 +13,6 @@ the GPU stages verify both wherever they run.
 """
 
 
-import dataclasses
-
 import dagster as dg
 
 from dagster_project.config import TokenizeStageConfig
@@ -22,11 +20,8 @@ from dagster_project.metadata import check_metadata, loss_tokens_chart, to_metad
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import StoreParam, TargetParam
 from dagster_project.versions import code_version
-from dflash_assets.store import layout
-from dflash_assets.target.chat_template import ChatRenderer
-from dflash_assets.tokenization.encoder import build_encoder
-from dflash_assets.tokenization.quality import BLOCKING_CHECKS, publish_samples
-from dflash_assets.tokenization.samples import tokenize_completions
+from dflash_assets.tokenization.quality import BLOCKING_CHECKS
+from dflash_assets.tokenization.stage import tokenize_partition
 
 SEVERITY = {
     "empty_response_ratio": dg.AssetCheckSeverity.ERROR,
@@ -51,18 +46,6 @@ CHECK_DESCRIPTIONS = {
 }
 
 
-_ENCODERS: dict[str, tuple] = {}
-
-
-def _encoder_and_renderer(spec):
-    """One fast encoder (parity-checked at build) and renderer per target, per process."""
-    key = spec.config_fingerprint()
-    if key not in _ENCODERS:
-        tok = spec.load_tokenizer()
-        _ENCODERS[key] = (build_encoder(tok), ChatRenderer.from_tokenizer(tok, **spec.chat_template_kwargs))
-    return _ENCODERS[key]
-
-
 @dg.asset(
     deps=["completions"],
     partitions_def=prompt_shards,
@@ -85,22 +68,12 @@ def tokenized_samples(context: dg.AssetExecutionContext, config: TokenizeStageCo
     for Qwen3.5/3.6 with thinking (SpecForge's ``qwen3.5`` convention); ``<|im_start|>assistant\\n`` ...
     ``<|im_end|>\\n`` for a ChatML target without thinking (SmolLM2), whose thinking_ratio does not apply.
     """
-    shard, st = context.partition_key, store.open()
     spec = target.spec()
-    chat = spec.chat_conventions()
-    encoder, renderer = _encoder_and_renderer(spec)
-    library_config = dataclasses.replace(config.to_library(), assistant_header=chat.assistant_header,
-                                         end_of_turn=chat.end_of_turn)
-    table, stats = tokenize_completions(st.read_parquet(layout.completions(shard)), encoder,
-                                        library_config, template=renderer)
-    # gate pending, samples, then the gate naming the samples' sha256: a kill in between leaves a blocking gate
-    published = publish_samples(st, shard, table, config.thresholds(thinking_requested=chat.thinking))
-    version, outcomes = published.data_version, published.outcomes
-    context.log.info(f"{shard}: {stats.samples} samples from {stats.conversations} conversations, "
-                     f"{stats.tokens} tokens ({stats.loss_tokens} supervised), dropped {stats.dropped or 'none'}")
-    loss_tokens = loss_tokens_chart(table.column("num_loss_tokens").to_numpy(), config.min_loss_tokens)
-    yield dg.MaterializeResult(metadata={**to_metadata(stats.to_metadata()), "loss_tokens_histogram": loss_tokens},
-                               data_version=dg.DataVersion(version))
-    for name, outcome in outcomes.items():
+    result = tokenize_partition(store.open(), context.partition_key, spec, config.to_library(),
+                                config.thresholds(thinking_requested=spec.thinking()), log=context.log.info)
+    loss_tokens = loss_tokens_chart(result.table.column("num_loss_tokens").to_numpy(), config.min_loss_tokens)
+    metadata = {**to_metadata(result.stats.to_metadata()), "loss_tokens_histogram": loss_tokens}
+    yield dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(result.data_version))
+    for name, outcome in result.outcomes.items():
         yield dg.AssetCheckResult(check_name=name, passed=outcome.passed, severity=SEVERITY[name],
                                   description=outcome.description, metadata=check_metadata(outcome.metadata))
