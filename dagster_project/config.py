@@ -186,6 +186,12 @@ class DrafterEvalConfig(dg.Config):
     num_prompts: int = Field(default=16, ge=1, description="Held-out prompts decoded speculatively.")
     max_new_tokens: int = Field(default=128, ge=1, le=32_768, description="Tokens generated per prompt.")
     device: Optional[str] = Field(default=None, description="Device on the GPU host (None: cuda if present).")
+    dtype: Optional[str] = Field(default=None, description="Target precision (None: float32 on CPU, bfloat16 on "
+                                 "GPU; float32 makes the lossless check exact).")
+    speed_prompts: int = Field(default=0, ge=0, description="Also time batch-1 decoding, target alone vs "
+                               "speculative, on this many of the prompts (metadata decode_speed).")
+    curve_prompts: int = Field(default=0, ge=0, description="Also measure tau of the run's learning-curve "
+                               "checkpoints on this many prompts (metadata learning_curve).")
 
     @field_validator("device")
     @classmethod

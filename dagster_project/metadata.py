@@ -128,8 +128,18 @@ def acceptance_by_position_chart(shares: Sequence[float]) -> dg.MetadataValue:
                  "target's bonus token, produced by every verification).")
 
 
+def learning_curve_chart(points: Sequence[Sequence[float]]) -> dg.MetadataValue:
+    """tau on held-out prompts at the training run's checkpoints, from ``[sequence tokens trained, tau]`` points."""
+    tokens, taus = [p[0] / 1e6 for p in points], [p[1] for p in points]
+    png = line_chart_png(tokens, taus, title="Learning curve: tau at checkpoints", xlabel="tokens trained (M)",
+                         ylabel="tau")
+    caption = f"{len(points)} checkpoints: tau {taus[0]:.3f} -> {taus[-1]:.3f}." if points else "no checkpoints."
+    return chart("learning curve", png, caption)
+
+
 PIPES_CHARTS: dict[str, Callable[[Any], dg.MetadataValue]] = {
     "loss_curve": loss_curve_chart,
+    "learning_curve": learning_curve_chart,
     "accuracy_by_position": accuracy_by_position_chart,
     "acceptance_by_position": acceptance_by_position_chart,
 }

@@ -166,3 +166,51 @@ def test_greedy_mismatch_finds_the_first_departure(dense):
     k = next(i for i in range(4, 20) if ref[i] not in ref[:i])  # a token greedy emits first at k
     assert greedy_mismatch(dense, p, ref[: k + 1], 20, stop_token_ids=[ref[k]]) is None
     assert greedy_mismatch(dense, p, ref, 20, stop_token_ids=[ref[k]]) == k  # went on past a stop token
+
+
+def test_drafter_eval_learning_curve_is_drawn_as_a_chart_in_dagster():
+    """eval_recipe(curve_prompts=...) reports [tokens trained, tau] points; the asset shows them as a PNG chart."""
+    import dagster as dg
+
+    from dagster_project.config import DrafterEvalConfig
+    from dagster_project.metadata import render_pipes_result
+
+    result = render_pipes_result(dg.MaterializeResult(metadata={  # as Pipes hands them over: metadata values
+        "tau": dg.MetadataValue.float(1.45),
+        "learning_curve": dg.MetadataValue.json([[2_281_686, 1.0674], [4_574_972, 1.2467], [11_145_362, 1.3418]])}))
+    text = result.metadata["learning_curve"].value
+    assert "data:image/png;base64," in text and "3 checkpoints: tau 1.067 -> 1.342" in text
+    assert result.metadata["tau"].value == 1.45
+    # the config fields reach eval_recipe's keyword arguments unchanged (the asset sends config.model_dump())
+    cfg = DrafterEvalConfig(num_prompts=64, dtype="float32", speed_prompts=16, curve_prompts=4).model_dump()
+    assert {k: cfg[k] for k in ("dtype", "speed_prompts", "curve_prompts")} == {
+        "dtype": "float32", "speed_prompts": 16, "curve_prompts": 4}
+    import inspect
+
+    from dflash_assets.drafter.stages import eval_recipe
+
+    assert set(cfg) <= set(inspect.signature(eval_recipe).parameters)
+
+
+def test_heldout_prompts_are_disjoint_from_training_by_id_and_by_text(tmp_path, tiny_dense_target):
+    """ShareGPT repeats first turns under new ids: a held-out prompt whose text a trained shard holds is skipped."""
+    import pyarrow as pa
+
+    from dflash_assets.drafter.recipe import DrafterRecipe
+    from dflash_assets.drafter.stages import heldout_prompts
+    from dflash_assets.store import layout
+    from dflash_assets.store.backends import LocalStore
+    from dflash_assets.target.spec import TargetModelSpec
+
+    store = LocalStore(tmp_path / "store")
+
+    def shard(name, rows):
+        store.write_parquet(layout.raw_prompts(name), pa.Table.from_pylist(
+            [{"prompt_id": pid, "system": None, "user_turns": turns, "category": None} for pid, turns in rows]))
+
+    shard("shard-00000", [("a", ["hi", "tell me more"]), ("b", ["write a poem"])])
+    shard("shard-00001", [("c", ["hi"]), ("d", ["tell me more"]), ("e", ["what is 2+2?"])])
+    recipe = DrafterRecipe(name="r", partitions=("shard-00000",), online=True)
+    prompts, held_out = heldout_prompts(store, recipe, TargetModelSpec(model_path=str(tiny_dense_target)), 8)
+    assert held_out and [p.prompt_id for p in prompts] == ["e"]  # c and d repeat trained user turns
+    assert prompts[0].category == "unknown" and len(prompts[0].input_ids) > 0
