@@ -1,2 +1,3 @@
-"""Stage 3, tokenized samples: fast segment-wise encoding (`encoder`), samples with loss masks (`samples`), and the
-sample checks with the quality gate the GPU stages obey (`quality`)."""
+"""Stage 3, tokenized samples: fast segment-wise encoding (`encoder`), samples with loss masks (`samples`), the
+sample checks with the quality gate the GPU stages obey (`quality`), and the stage over the store that tokenizes,
+checks and publishes one partition (`stage`)."""
