@@ -237,7 +237,7 @@ def test_the_stage_functions_run_prompts_plan_completions_and_samples_without_da
     """The README's Python API as plain calls over one store. Before any completions the plan's figures fall back
     to the raw prompts (turns, the burst's requests) and max_new_tokens (output per turn); after one partition is
     regenerated they come from its completions."""
-    from dflash_assets.generation.engines import GenerationConfig
+    from dflash_assets.generation.config import GenerationConfig
     from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
     from dflash_assets.generation.stage import regenerate_partition
     from dflash_assets.planning.stage import plan_corpus

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dflash_assets.generation.completions import CompletionsResult, ProgressUpdate, regenerate_shard
-from dflash_assets.generation.engines import GenerationConfig
+from dflash_assets.generation.config import GenerationConfig
 from dflash_assets.generation.fleet import EngineFleetConfig, FleetProbe
 from dflash_assets.store import layout
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.generation.engines import GenerationConfig
+from dflash_assets.generation.config import GenerationConfig
 from dflash_assets.generation.fleet import EngineFleetConfig
 from dflash_assets.planning.costs import CorpusShape, CostPlan, GenerationCost, TargetShape, plan_costs
 from dflash_assets.planning.measurements import (
