@@ -533,3 +533,20 @@ def test_tokenize_partition_publishes_samples_its_gate_names_with_the_targets_ow
     supervised = encoder.decode(np.array(row["input_ids"])[np.array(row["loss_mask"], dtype=bool)])
     assert supervised.endswith(chat.end_of_turn)
     assert stage.target_encoder(spec)[0] is encoder  # cached per target, per process
+
+
+def test_tokenize_partition_without_thresholds_checks_thinking_as_the_target_decides(local_store, tiny_dense_target):
+    """No thresholds given: the defaults, with thinking_ratio applying only when the target's template thinks."""
+    from dflash_assets.store import layout
+    from dflash_assets.target.spec import TargetModelSpec
+    from dflash_assets.tokenization.stage import tokenize_partition
+
+    local_store.write_parquet(layout.completions("shard-00000"), completions(
+        [[user(f"question {i}"), assistant(f"a long enough answer number {i}, " * 8)] for i in range(30)]))
+    thinking = TargetModelSpec(model_path=str(tiny_dense_target))
+    plain = TargetModelSpec(model_path=str(tiny_dense_target), chat_template_kwargs={"enable_thinking": False})
+    assert thinking.thinking() and not plain.thinking()
+    on = tokenize_partition(local_store, "shard-00000", thinking).outcomes["thinking_ratio"]
+    off = tokenize_partition(local_store, "shard-00000", plain).outcomes["thinking_ratio"]
+    assert on.metadata["applicable"] and not on.passed  # no answer has reasoning: the check fails
+    assert not off.metadata["applicable"] and off.passed

@@ -56,15 +56,18 @@ class TokenizedPartition:
 
 
 def tokenize_partition(store: Any, shard: str, target: Any, config: TokenizeConfig = TokenizeConfig(),
-                       thresholds: QualityThresholds = QualityThresholds(), *,
+                       thresholds: QualityThresholds | None = None, *,
                        log: Callable[[str], None] = logger.info) -> TokenizedPartition:
     """Tokenize ``completions/<shard>.parquet`` for ``target`` and publish the samples with their quality gate.
 
-    ``config``'s ``assistant_header`` and ``end_of_turn`` are replaced by the target's (read off its template);
-    ``thresholds`` are the checks' (``thinking_requested``: whether the target thinks, ``target.thinking()``).
+    ``config``'s ``assistant_header`` and ``end_of_turn`` are replaced by the target's (read off its template).
+    ``thresholds``: the checks' (``thinking_requested``: whether the target thinks, ``target.thinking()``);
+    None: the defaults, with ``thinking_requested`` the target's.
     """
     encoder, renderer = target_encoder(target)
     chat = target.chat_conventions()
+    if thresholds is None:
+        thresholds = QualityThresholds(thinking_requested=chat.thinking)
     config = dataclasses.replace(config, assistant_header=chat.assistant_header, end_of_turn=chat.end_of_turn)
     table, stats = tokenize_completions(store.read_parquet(layout.completions(shard)), encoder, config,
                                         template=renderer)
