@@ -75,7 +75,9 @@ def prepare(out_dir: Path, num_prompts: int, shard_size: int, split_at: int) -> 
     import subprocess
 
     from dflash_assets.embedded.smollm2 import SMOLLM2_GGUF_SHA256, smollm2_gguf_path
-    from dflash_assets.prompts.ingest import IngestConfig, ingest_prompt_source, materialize_prompt_shard
+    from dflash_assets.prompts.config import IngestConfig
+    from dflash_assets.prompts.ingest import ingest_prompt_source
+    from dflash_assets.prompts.shards import materialize_prompt_shard
     from dflash_assets.prompts.sources import embedded_sharegpt_path
     from dflash_assets.store.backends import LocalStore
 

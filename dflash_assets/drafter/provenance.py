@@ -83,7 +83,7 @@ def prompt_sources(store: Any, shards: Sequence[str]) -> dict[str, Any]:
     except FileNotFoundError:
         return {"generation": None, "sources": {}, "shards": {s: None for s in shards},
                 "note": "no prompt corpus index in the store (prompts not ingested through prompt_corpus)"}
-    while True:  # the index copy can lag its commits (see prompts.ingest._load_index): roll forward
+    while True:  # the index copy can lag its commits (see prompts.corpus.load_corpus_index): roll forward
         try:
             index = store.read_json(layout.corpus_commit(int(index.get("generation", 0)) + 1))
         except FileNotFoundError:
