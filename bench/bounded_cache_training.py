@@ -38,7 +38,7 @@ from dflash_assets.drafter.recipe import DrafterRecipe  # noqa: E402
 from dflash_assets.drafter.training import train_drafter  # noqa: E402
 from dflash_assets.hidden_states.format import SafetensorsStreamWriter, ShardMetadata, shard_tensor_specs  # noqa: E402
 from dflash_assets.hidden_states.part_cache import BoundedPartCache  # noqa: E402
-from dflash_assets.target.conventions import dflash_target_layer_ids  # noqa: E402
+from dflash_assets.target_model.conventions import dflash_target_layer_ids  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, vocab_size=151_936, num_target_layers=36, mask_token_id=151_669)

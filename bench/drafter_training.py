@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
 
 from bench.machine import gpu_info, machine_info  # noqa: E402
-from dflash_assets.target.conventions import dflash_target_layer_ids  # noqa: E402
+from dflash_assets.target_model.conventions import dflash_target_layer_ids  # noqa: E402
 from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, TargetHead  # noqa: E402
 from dflash_assets.drafter.data import Batch, sample_anchors  # noqa: E402
 from dflash_assets.drafter.loss import dflash_block_mask, drafter_forward_loss, head_cross_entropy, train_step  # noqa: E402

@@ -32,8 +32,8 @@ from bench.machine import gpu_info, machine_info  # noqa: E402
 from dflash_assets.drafter.data import Batch, sample_anchors  # noqa: E402
 from dflash_assets.drafter.loss import train_step  # noqa: E402
 from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, TargetHead  # noqa: E402
-from dflash_assets.target.conventions import dflash_target_layer_ids  # noqa: E402
-from dflash_assets.target.layer_capture import LayerCapture  # noqa: E402
+from dflash_assets.target_model.conventions import dflash_target_layer_ids  # noqa: E402
+from dflash_assets.target_model.layer_capture import LayerCapture  # noqa: E402
 
 
 def log(*a):

@@ -154,7 +154,7 @@ def stage_completions(args) -> dict:
     from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
     from dflash_assets.prompts.corpus import list_shard_keys
     from dflash_assets.store import layout
-    from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
+    from dflash_assets.target_model.tokenizer import build_qwen3_6_tokenizer
     from dflash_assets.testing.sglang_loopback import LoopbackProcess
 
     store = _open(args.store, args.s3_endpoint)
@@ -181,7 +181,7 @@ def stage_completions(args) -> dict:
 def stage_tokenized_samples(args) -> dict:
     from dflash_assets.prompts.corpus import list_shard_keys
     from dflash_assets.store import layout
-    from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
+    from dflash_assets.target_model.tokenizer import build_qwen3_6_tokenizer
     from dflash_assets.tokenization.encoder import qwen3_6_encoder
     from dflash_assets.tokenization.quality import publish_samples
     from dflash_assets.tokenization.samples import TokenizeConfig, tokenize_completions

@@ -28,7 +28,7 @@ def main(argv=None) -> int:
                                                 load_target)
     from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, load_target_config
     from dflash_assets.embedded.smollm2 import smollm2_target_path
-    from dflash_assets.target.conventions import dflash_target_layer_ids, mask_token_id_in_dir
+    from dflash_assets.target_model.conventions import dflash_target_layer_ids, mask_token_id_in_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--new-tokens", type=int, default=32)

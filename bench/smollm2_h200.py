@@ -177,7 +177,7 @@ def train_online(target, head, samples, dcfg, *, epochs: int, batch_tokens: int,
     from dflash_assets.drafter.loss import train_step
     from dflash_assets.drafter.model import DFlashDrafter, loss_gamma
     from dflash_assets.drafter.training import lr_lambda
-    from dflash_assets.target.layer_capture import LayerCapture
+    from dflash_assets.target_model.layer_capture import LayerCapture
 
     device = next(target.parameters()).device
     rng = np.random.default_rng(seed)
@@ -334,8 +334,8 @@ def run(args) -> dict:
     from dflash_assets.drafter.decoding import EvalPrompt
     from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, TargetHead, load_target_config
     from dflash_assets.embedded.smollm2 import smollm2_target_path
-    from dflash_assets.target.conventions import dflash_target_layer_ids, mask_token_id_in_dir
-    from dflash_assets.target.loading import load_causal_lm
+    from dflash_assets.target_model.conventions import dflash_target_layer_ids, mask_token_id_in_dir
+    from dflash_assets.target_model.loading import load_causal_lm
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -129,7 +129,7 @@ def reassemble(parts: list[str], dest: Path) -> Path:
 
 
 def target_spec(target_dir: Path):
-    from dflash_assets.target.spec import TargetModelSpec
+    from dflash_assets.target_model.spec import TargetModelSpec
 
     return TargetModelSpec(model_path=str(target_dir), dtype="float32")
 
@@ -142,7 +142,7 @@ def generate_stage(args, report: dict) -> None:
     from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
     from dflash_assets.store import layout
     from dflash_assets.store.backends import LocalStore
-    from dflash_assets.target.chat_template import ChatRenderer
+    from dflash_assets.target_model.chat_template import ChatRenderer
     from dflash_assets.tokenization.encoder import build_encoder
     from dflash_assets.tokenization.quality import QualityThresholds, publish_samples
     from dflash_assets.tokenization.samples import TokenizeConfig, tokenize_completions

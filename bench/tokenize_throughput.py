@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import machine_info  # noqa: E402
 from dflash_assets.tokenization.encoder import qwen3_6_encoder  # noqa: E402
-from dflash_assets.target.chat_template import split_reasoning  # noqa: E402
+from dflash_assets.target_model.chat_template import split_reasoning  # noqa: E402
 from dflash_assets.tokenization.samples import (  # noqa: E402
     ASSISTANT_HEADER,
     TokenizeConfig,
@@ -43,7 +43,7 @@ from dflash_assets.tokenization.samples import (  # noqa: E402
     tokenize_completions,
 )
 from dflash_assets.testing.sharegpt import sharegpt_completions  # noqa: E402
-from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer  # noqa: E402
+from dflash_assets.target_model.tokenizer import build_qwen3_6_tokenizer  # noqa: E402
 
 
 def rate(n: int, wall: float, cpu: float) -> dict:

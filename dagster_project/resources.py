@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 from dagster_project.profile import endpoint_kind_and_url, get_profile
 from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
 from dflash_assets.store.backends import LocalStore, S3Store, default_store_uri, open_store
-from dflash_assets.target.conventions import DEFAULT_NUM_TARGET_LAYERS, MASK_TOKEN
+from dflash_assets.target_model.conventions import DEFAULT_NUM_TARGET_LAYERS, MASK_TOKEN
 
 __all__ = [
     "DeploymentResource",
@@ -139,7 +139,7 @@ class TargetModelResource(DeploymentResource):
         return self.spec().config_fingerprint()
 
     def _spec(self, model_path: str, embedded: bool):
-        from dflash_assets.target.spec import TargetModelSpec
+        from dflash_assets.target_model.spec import TargetModelSpec
 
         dtype = self.dtype if self.dtype != "auto" else ("float32" if embedded else "bfloat16")
         return TargetModelSpec(

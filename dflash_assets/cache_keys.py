@@ -90,7 +90,7 @@ def project_modules(roots: Iterable[str]) -> dict[str, Path]:
         if name in found:
             continue
         path = _module_file(name)
-        if path is None:  # e.g. `from dflash_assets.target.tokenizer import nfc` names an attribute, not a module
+        if path is None:  # e.g. `from dflash_assets.target_model.tokenizer import nfc` names an attribute, not a module
             continue
         found[name] = path
         st = path.stat()

@@ -71,8 +71,8 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
 def _reasoning_parser(target: str) -> str | None:
     """SGLang's `qwen3` reasoning parser for a target whose template has a thinking mode; none for one without
     (SmolLM2). A target whose template cannot be read here (e.g. only on the GPU host) keeps `qwen3`."""
-    from dflash_assets.target.conventions import TargetModelError
-    from dflash_assets.target.spec import TargetModelSpec
+    from dflash_assets.target_model.conventions import TargetModelError
+    from dflash_assets.target_model.spec import TargetModelSpec
 
     try:
         return "qwen3" if TargetModelSpec(model_path=target).chat_conventions().thinking_supported else None

@@ -114,7 +114,7 @@ def untrained_tau(store: Any, recipe_name: str, target: str | None, num_prompts:
     from dflash_assets.drafter.stages import heldout_prompts, load_recipe
     from dflash_assets.embedded.defaults import default_target_spec
     from dflash_assets.store import layout
-    from dflash_assets.target.spec import TargetModelSpec
+    from dflash_assets.target_model.spec import TargetModelSpec
 
     spec = default_target_spec() if target is None else TargetModelSpec(model_path=str(target), dtype="float32")
     recipe = load_recipe(store, recipe_name)

@@ -57,7 +57,7 @@ def tok(tiny_dense_target):
 
 @pytest.fixture(scope="module")
 def enc():
-    from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
+    from dflash_assets.target_model.tokenizer import build_qwen3_6_tokenizer
     from dflash_assets.tokenization.encoder import qwen3_6_encoder
 
     return qwen3_6_encoder(build_qwen3_6_tokenizer(), strict=True)
@@ -329,7 +329,7 @@ def test_tool_parameters_must_be_a_valid_json_schema(tmp_path, local_store):
 
 
 def test_qwen_tool_calls_parse_what_the_template_renders(tok):
-    from dflash_assets.target.chat_template import ChatRenderer
+    from dflash_assets.target_model.chat_template import ChatRenderer
 
     tools = json.loads(normalize_record(source_ids()["sg-two-steps"]).tools)
     calls = [{"name": "run_tests", "arguments": {"path": "tests/test_math.py", "verbose": True}},

@@ -18,7 +18,7 @@ DAGSTER = PACKAGE.parent / "dagster_project"
 FLOORS = {
     "store": 0, "cache_keys": 0, "chart_data": 0, "stage_io": 0, "quality_gates": 0,  # foundations
     "prompts": 1,
-    "target": 2,
+    "target_model": 2,
     "generation": 3,
     "tokenization": 4,
     "hidden_states": 5,
@@ -29,8 +29,8 @@ FLOORS = {
     "planning": 7,  # the corpus's cost plan: measured on the fleet and the store, arithmetic over stage shapes
     "pipes_worker": 8, "cli": 8,  # entry points
 }
-# The stages in data-flow order (the target package serves them all, the embedded default sits on top).
-STAGES = ["prompts", "target", "generation", "tokenization", "hidden_states", "drafter", "embedded"]
+# The stages in data-flow order (the target_model package serves them all, the embedded default sits on top).
+STAGES = ["prompts", "target_model", "generation", "tokenization", "hidden_states", "drafter", "embedded"]
 # Floors of the unit-level import graph, measured by test_floors_are_at_most_the_stages_plus_two (cli and
 # pipes_worker on floor 6); README's architecture section says the same number.
 MEASURED_FLOORS = 6

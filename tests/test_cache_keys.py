@@ -12,7 +12,7 @@ import pytest
 
 import dflash_assets.cache_keys as CK
 import dflash_assets.embedded.tiny_targets as TT
-import dflash_assets.target.tokenizer as T
+import dflash_assets.target_model.tokenizer as T
 
 
 @pytest.fixture
@@ -33,8 +33,8 @@ def test_project_modules_follow_imports_inside_functions_and_stop_at_the_package
     modules = CK.project_modules(["dflash_assets.embedded.tiny_targets"])
     # tiny_target_training imports prompts.sources inside a function (the ShareGPT reader): it counts,
     # and so does the __init__.py of each package on the way.
-    assert {"dflash_assets.embedded.tiny_targets", "dflash_assets.embedded.tiny_target_training", "dflash_assets.target.tokenizer",
-            "dflash_assets.target", "dflash_assets.target.chat_template", "dflash_assets.prompts",
+    assert {"dflash_assets.embedded.tiny_targets", "dflash_assets.embedded.tiny_target_training", "dflash_assets.target_model.tokenizer",
+            "dflash_assets.target_model", "dflash_assets.target_model.chat_template", "dflash_assets.prompts",
             "dflash_assets.prompts.sources", "dflash_assets.cache_keys"} <= set(modules)
     assert "dflash_assets.drafter.decoding" not in modules and "dflash_assets.hidden_states.capture" not in modules
     assert all(p.is_file() and p.suffix == ".py" for p in modules.values())
@@ -125,7 +125,7 @@ def test_tokenizer_key_changes_with_its_builder_code(package_copy):
     assert T.qwen3_6_build_id() == base
     _touch_bytes(package_copy / "embedded" / "tiny_target_training.py")  # the tokenizer does not import it
     assert T.qwen3_6_build_id() == base
-    _touch_bytes(package_copy / "target" / "tokenizer.py")
+    _touch_bytes(package_copy / "target_model" / "tokenizer.py")
     assert T.qwen3_6_build_id() != base
 
 
@@ -135,7 +135,7 @@ def test_changed_key_builds_a_new_tokenizer_file(package_copy, tmp_path, monkeyp
     monkeypatch.setattr(T, "_convert_backend", lambda: built.append(1) or real())
     first = T._tokenizer_json_path(tmp_path / "root")
     assert T._tokenizer_json_path(tmp_path / "root") == first and built == [1]
-    _touch_bytes(package_copy / "target" / "chat_template.py")  # imported by the tokenizer module
+    _touch_bytes(package_copy / "target_model" / "chat_template.py")  # imported by the tokenizer module
     second = T._tokenizer_json_path(tmp_path / "root")
     assert second != first and built == [1, 1] and second.read_bytes() == first.read_bytes()
 

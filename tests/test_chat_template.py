@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_assets.target.chat_template import (
+from dflash_assets.target_model.chat_template import (
     ASSISTANT_THINK_HEADER,
     GENERATION_PROMPT_NO_THINKING,
     GENERATION_PROMPT_THINKING,
@@ -13,7 +13,7 @@ from dflash_assets.target.chat_template import (
     render_chat,
     template_hash,
 )
-from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
+from dflash_assets.target_model.tokenizer import build_qwen3_6_tokenizer
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 U1 = {"role": "user", "content": "What is 2+2?"}
@@ -140,7 +140,7 @@ def test_one_renderer_equals_apply_chat_template_for_every_caller(tok, which):
     """ChatRenderer (tokenization), ChatTokenizer (generation clients) and render_chat give exactly what
     apply_chat_template gives, on the packaged Qwen3.6 template and on a ChatML one."""
     from dflash_assets.generation.chat_tokenizer import ChatTokenizer
-    from dflash_assets.target.chat_template import ChatRenderer
+    from dflash_assets.target_model.chat_template import ChatRenderer
 
     t = tok if which == "qwen3_6" else build_qwen3_6_tokenizer(chat_template=CHATML)
     renderer, client = ChatRenderer.from_tokenizer(t), ChatTokenizer(t)
@@ -158,7 +158,7 @@ def test_one_renderer_equals_apply_chat_template_for_every_caller(tok, which):
 
 
 def test_no_stage_renders_chats_another_way():
-    """Every chat render in the package goes through target/chat_template.py; the only other path is
+    """Every chat render in the package goes through target_model/chat_template.py; the only other path is
     ChatTokenizer's fallback for tokenizers that override apply_chat_template."""
     from pathlib import Path
 
@@ -170,7 +170,7 @@ def test_no_stage_renders_chats_another_way():
                             "from_string(") if w in text]
         if hits:
             found[str(path.relative_to(root))] = hits
-    assert found.pop("target/chat_template.py")
+    assert found.pop("target_model/chat_template.py")
     assert found == {"generation/chat_tokenizer.py": ["apply_chat_template("]}
 
 
@@ -184,8 +184,8 @@ def test_no_stage_renders_chats_another_way():
 ])
 def test_one_reasoning_splitter_for_generated_text_and_messages(text, thinking, expected):
     from dflash_assets.generation import engines
-    from dflash_assets.target import chat_template
-    from dflash_assets.target.chat_template import split_reasoning, split_reasoning_text
+    from dflash_assets.target_model import chat_template
+    from dflash_assets.target_model.chat_template import split_reasoning, split_reasoning_text
 
     assert engines.split_reasoning_text is chat_template.split_reasoning_text  # one implementation
     assert split_reasoning_text(text, thinking) == expected

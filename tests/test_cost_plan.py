@@ -243,7 +243,7 @@ def test_the_stage_functions_run_prompts_plan_completions_and_samples_without_da
     from dflash_assets.planning.stage import plan_corpus
     from dflash_assets.prompts.ingest import ingest_prompt_source, materialize_prompt_shard
     from dflash_assets.store.backends import LocalStore
-    from dflash_assets.target.spec import TargetModelSpec
+    from dflash_assets.target_model.spec import TargetModelSpec
     from dflash_assets.testing.sglang_loopback import LoopbackServer
     from dflash_assets.tokenization.stage import tokenize_partition
 

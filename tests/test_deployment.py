@@ -126,7 +126,7 @@ def test_unset_settings_are_the_librarys_defaults(monkeypatch):
     """A default is written once, in the library: an empty environment gives exactly its values, and a set
     variable still wins (including 0 for the read timeout: only the turn limit)."""
     from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
-    from dflash_assets.target.conventions import DEFAULT_NUM_TARGET_LAYERS, MASK_TOKEN
+    from dflash_assets.target_model.conventions import DEFAULT_NUM_TARGET_LAYERS, MASK_TOKEN
 
     for name in ("DFLASH_ENGINE_READ_TIMEOUT_S", "DFLASH_TARGET_NUM_LAYERS", "DFLASH_TARGET_MASK_TOKEN"):
         monkeypatch.delenv(name, raising=False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_assets.target.conventions import dflash_target_layer_ids, mask_token_id_in_dir
+from dflash_assets.target_model.conventions import dflash_target_layer_ids, mask_token_id_in_dir
 from dflash_assets.drafter.model import (
     DFlashDrafter,
     DraftCache,
@@ -130,7 +130,7 @@ def test_dflash_target_layer_ids():
 
 
 def test_config_from_tiny_targets(tiny_dense_target, tiny_hybrid_target):
-    from dflash_assets.target.tokenizer import QWEN3_6_MASK_TOKEN_ID  # <|MASK|> in the target's tokenizer.json
+    from dflash_assets.target_model.tokenizer import QWEN3_6_MASK_TOKEN_ID  # <|MASK|> in the target's tokenizer.json
 
     for target in (tiny_dense_target, tiny_hybrid_target):
         cfg = DrafterConfig.from_target_config(load_target_config(target), mask_token_id=mask_token_id_in_dir(target))

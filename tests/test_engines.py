@@ -100,7 +100,7 @@ def test_chat_tokenizer_renders_generation_prompt_and_splits_ids(tok):
 ])
 def test_chat_tokenizer_id_split_matches_the_text_split(tok, output, thinking):
     """`ChatTokenizer.split_output_ids` (on ids, SGLang's native and the in-process paths) and
-    `target.chat_template.split_reasoning_text` (on text, the OpenAI path) split one output alike."""
+    `target_model.chat_template.split_reasoning_text` (on text, the OpenAI path) split one output alike."""
     ids = tok.encode(output, add_special_tokens=False)
     assert (THINK_END in ids) == ("</think>" in output)  # the real tokenizer: `</think>` is one id
     text = strip_stop_text(tok.decode(ids, skip_special_tokens=False))

@@ -24,7 +24,7 @@ from dflash_assets.prompts.sources import sharegpt_records
 
 @pytest.fixture(scope="module")
 def tok():
-    from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
+    from dflash_assets.target_model.tokenizer import build_qwen3_6_tokenizer
 
     return build_qwen3_6_tokenizer()
 

@@ -40,7 +40,7 @@ from dflash_assets.hidden_states.format import (
     shard_tensor_specs,
 )
 from dflash_assets.store import layout
-from dflash_assets.target.tokenizer import tokenizer_hash
+from dflash_assets.target_model.tokenizer import tokenizer_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = [7, 23, 1, 23, 40, 5, 23, 16]  # three of 23 tokens: the hybrid stacks those in one forward

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_utils import PreTrainedModel
 
-from dflash_assets.target.loading import ModelLoadError, load_causal_lm
+from dflash_assets.target_model.loading import ModelLoadError, load_causal_lm
 
 
 @pytest.fixture(scope="module")

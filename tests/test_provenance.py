@@ -34,7 +34,7 @@ from dflash_assets.prompts.ingest import ingest_prompt_source
 from dflash_assets.prompts.shards import materialize_prompt_shard
 from dflash_assets.store import layout
 from dflash_assets.store.manifest import publish_files
-from dflash_assets.target.spec import TargetModelSpec
+from dflash_assets.target_model.spec import TargetModelSpec
 
 
 def completions_table(prompt_ids: list[str], config_hash: str, served_model: str, endpoint: str) -> pa.Table:

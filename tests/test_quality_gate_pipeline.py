@@ -111,7 +111,7 @@ def conversation(i: int, stub: bool) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def enc():
-    from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
+    from dflash_assets.target_model.tokenizer import build_qwen3_6_tokenizer
 
     return qwen3_6_encoder(build_qwen3_6_tokenizer(), strict=True)
 
@@ -159,7 +159,7 @@ def test_gate_names_the_sha256_of_the_samples_it_checked(enc, request, store_fix
 def test_samples_replaced_after_a_passing_gate_are_refused_by_the_gpu_stage(enc, local_store, tiny_dense_target):
     """The issue's scenario: passing gate, then 87% stubs written over the samples with no new gate."""
     from dflash_assets.hidden_states.stage import cache_partition_for_shard
-    from dflash_assets.target.spec import TargetModelSpec
+    from dflash_assets.target_model.spec import TargetModelSpec
 
     publish_samples(local_store, SHARD, samples(enc))
     require_quality_gate(local_store, SHARD)  # passes
@@ -211,7 +211,7 @@ def test_gates_that_name_no_samples_block(enc, local_store):
 @pytest.fixture(scope="module")
 def qwen_tokenizer_target(tmp_path_factory):
     """A target directory with only the Qwen3.6 tokenizer and chat template: all that tokenized_samples reads."""
-    from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
+    from dflash_assets.target_model.tokenizer import build_qwen3_6_tokenizer
 
     path = tmp_path_factory.mktemp("qwen3_6-tokenizer")
     build_qwen3_6_tokenizer().save_pretrained(path)

@@ -159,7 +159,7 @@ ANSWER = "Here is a complete answer with enough words in it to count as a real r
 
 @pytest.fixture(scope="module")
 def enc():
-    from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
+    from dflash_assets.target_model.tokenizer import build_qwen3_6_tokenizer
 
     return qwen3_6_encoder(build_qwen3_6_tokenizer(), strict=True)
 

@@ -25,13 +25,13 @@ from dflash_assets.embedded.smollm2 import (
     smollm2_target_path,
 )
 from dflash_assets.embedded.defaults import default_target_spec
-from dflash_assets.target.conventions import (
+from dflash_assets.target_model.conventions import (
     TargetModelError,
     derive_chat_conventions,
     dflash_target_layer_ids,
     mask_token_id_in_dir,
 )
-from dflash_assets.target.spec import TargetModelSpec
+from dflash_assets.target_model.spec import TargetModelSpec
 
 
 @pytest.fixture(scope="session")
@@ -175,7 +175,7 @@ def test_loss_mask_spans_the_answer_through_im_end(smollm2_spec):
     from dflash_assets.tokenization.encoder import build_encoder
     from dflash_assets.tokenization.quality import evaluate_quality, QualityThresholds
     from dflash_assets.tokenization.samples import COMPLETIONS_MESSAGES_TYPE, TokenizeConfig, tokenize_completions
-    from dflash_assets.target.chat_template import ChatRenderer
+    from dflash_assets.target_model.chat_template import ChatRenderer
 
     tok = smollm2_spec.load_tokenizer()
     chat = smollm2_spec.chat_conventions()

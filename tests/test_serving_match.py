@@ -22,8 +22,8 @@ from dflash_assets.drafter.serving_match import (
 )
 from dflash_assets.store import layout
 from dflash_assets.store.manifest import publish_files
-from dflash_assets.target.conventions import mask_token_id_in_dir
-from dflash_assets.target.spec import TargetModelSpec
+from dflash_assets.target_model.conventions import mask_token_id_in_dir
+from dflash_assets.target_model.spec import TargetModelSpec
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_assets.target.conventions import mask_token_id_in_dir
+from dflash_assets.target_model.conventions import mask_token_id_in_dir
 from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, load_drafter, load_target_config
 from dflash_assets.drafter.training import DrafterRecipe, train_drafter
 from dflash_assets.drafter.decoding import (
@@ -200,7 +200,7 @@ def test_heldout_prompts_are_disjoint_from_training_by_id_and_by_text(tmp_path, 
     from dflash_assets.drafter.stages import heldout_prompts
     from dflash_assets.store import layout
     from dflash_assets.store.backends import LocalStore
-    from dflash_assets.target.spec import TargetModelSpec
+    from dflash_assets.target_model.spec import TargetModelSpec
 
     store = LocalStore(tmp_path / "store")
 

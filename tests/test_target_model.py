@@ -10,16 +10,16 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from dflash_assets.target.chat_template import default_chat_template, template_hash
+from dflash_assets.target_model.chat_template import default_chat_template, template_hash
 from dflash_assets.embedded.defaults import default_target_spec
-from dflash_assets.target.spec import (
+from dflash_assets.target_model.spec import (
     TargetFacts,
     TargetModelError,
     TargetModelSpec,
     dflash_target_layer_ids,
     text_config_of,
 )
-from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer, tokenizer_hash
+from dflash_assets.target_model.tokenizer import build_qwen3_6_tokenizer, tokenizer_hash
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import dflash_assets.embedded.tiny_target_training as TR
 import dflash_assets.embedded.tiny_targets as TT
-from dflash_assets.target.chat_template import default_chat_template
-from dflash_assets.target.tokenizer import QWEN3_6_MASK_TOKEN_ID, build_qwen3_6_tokenizer, tokenizer_hash
+from dflash_assets.target_model.chat_template import default_chat_template
+from dflash_assets.target_model.tokenizer import QWEN3_6_MASK_TOKEN_ID, build_qwen3_6_tokenizer, tokenizer_hash
 
 THINK_END, IM_END, ENDOFTEXT = 248_069, 248_046, 248_044
 

@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import pytest
 from jinja2.exceptions import TemplateError
 
-from dflash_assets.target.chat_template import ChatRenderer, render_chat, split_reasoning
+from dflash_assets.target_model.chat_template import ChatRenderer, render_chat, split_reasoning
 from dflash_assets.tokenization.encoder import BACKEND_HF, BACKEND_TIKTOKEN, GPT2_PAT_STR, TiktokenParts, build_encoder, qwen3_6_encoder
 from dflash_assets.tokenization.quality import (
     empty_response_check,
@@ -48,7 +48,7 @@ def completions(conversations, ids=None) -> pa.Table:
 
 @pytest.fixture(scope="module")
 def tok():
-    from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
+    from dflash_assets.target_model.tokenizer import build_qwen3_6_tokenizer
 
     return build_qwen3_6_tokenizer()
 
@@ -511,7 +511,7 @@ def test_tokenize_partition_publishes_samples_its_gate_names_with_the_targets_ow
     template (whatever the config says), publishes samples and a gate naming their sha256, and builds the
     target's encoder once per process."""
     from dflash_assets.store import layout
-    from dflash_assets.target.spec import TargetModelSpec
+    from dflash_assets.target_model.spec import TargetModelSpec
     from dflash_assets.tokenization import stage
     from dflash_assets.tokenization.quality import QualityThresholds, read_verified_samples, require_quality_gate
 
@@ -538,7 +538,7 @@ def test_tokenize_partition_publishes_samples_its_gate_names_with_the_targets_ow
 def test_tokenize_partition_without_thresholds_checks_thinking_as_the_target_decides(local_store, tiny_dense_target):
     """No thresholds given: the defaults, with thinking_ratio applying only when the target's template thinks."""
     from dflash_assets.store import layout
-    from dflash_assets.target.spec import TargetModelSpec
+    from dflash_assets.target_model.spec import TargetModelSpec
     from dflash_assets.tokenization.stage import tokenize_partition
 
     local_store.write_parquet(layout.completions("shard-00000"), completions(

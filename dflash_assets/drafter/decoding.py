@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dflash_assets.drafter.model import DFlashDrafter, DraftCache, TargetHead, load_drafter
-from dflash_assets.target.layer_capture import LayerCapture
+from dflash_assets.target_model.layer_capture import LayerCapture
 
 
 @dataclass(frozen=True)
@@ -286,7 +286,7 @@ class EvalResult:
 
 def load_target(target_dir: str | Path, device=None, dtype=None):
     """The target for evaluation: fp32 on CPU (exact comparisons), bf16 on GPU by default."""
-    from dflash_assets.target.loading import load_causal_lm
+    from dflash_assets.target_model.loading import load_causal_lm
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_assets.store.manifest import pid_alive
-from dflash_assets.target.conventions import dflash_target_layer_ids
+from dflash_assets.target_model.conventions import dflash_target_layer_ids
 
 try:  # flex_attention exists in torch >= 2.5; the SDPA path works without it
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention

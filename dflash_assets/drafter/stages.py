@@ -98,7 +98,7 @@ def torch_dtype(name: str | None):
 
 
 def default_work_dir() -> Path:
-    from dflash_assets.target.tokenizer import default_cache_root
+    from dflash_assets.target_model.tokenizer import default_cache_root
 
     return default_cache_root() / "train"
 
@@ -350,7 +350,7 @@ def _learning_curve(store: Any, files: dict[str, str], checkpoint_dir: str, mode
 def pipes_stage_train(call: Any) -> Any:
     """``python -m dflash_assets.pipes_worker drafter_checkpoint``."""
     from dflash_assets.stage_io import StageResult
-    from dflash_assets.target.spec import TargetModelSpec
+    from dflash_assets.target_model.spec import TargetModelSpec
 
     cfg = dict(call.config)
     target = TargetModelSpec(**cfg.pop("target"))
@@ -361,7 +361,7 @@ def pipes_stage_train(call: Any) -> Any:
 def pipes_stage_eval(call: Any) -> Any:
     """``python -m dflash_assets.pipes_worker drafter_eval``; reports the ``lossless`` check."""
     from dflash_assets.stage_io import CheckOutcome, StageResult
-    from dflash_assets.target.spec import TargetModelSpec
+    from dflash_assets.target_model.spec import TargetModelSpec
 
     cfg = dict(call.config)
     target = TargetModelSpec(**cfg.pop("target"))

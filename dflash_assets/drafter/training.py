@@ -53,8 +53,8 @@ from dflash_assets.drafter.model import (
 )
 from dflash_assets.drafter.recipe import DrafterRecipe, TrainResult
 from dflash_assets.drafter.state import latest_state_dir, load_training_state, save_training_state
-from dflash_assets.target.conventions import mask_token_id_in_dir
-from dflash_assets.target.layer_capture import LayerCapture
+from dflash_assets.target_model.conventions import mask_token_id_in_dir
+from dflash_assets.target_model.layer_capture import LayerCapture
 
 __all__ = ["DrafterRecipe", "TrainResult", "TargetFeatures", "train_drafter", "main"]
 
@@ -69,7 +69,7 @@ class TargetFeatures:
     The same `LayerCapture` as the hidden-state cache, so online and offline features are identical."""
 
     def __init__(self, target_dir: str | Path, layer_ids: Sequence[int], device, dtype):
-        from dflash_assets.target.loading import load_causal_lm
+        from dflash_assets.target_model.loading import load_causal_lm
 
         model = load_causal_lm(target_dir, dtype=dtype)
         self.capture = LayerCapture(model, layer_ids, cut=True).__enter__()  # held for the target's lifetime

@@ -13,7 +13,7 @@ from typing import Literal, Sequence
 
 from dflash_assets.embedded.tiny_targets import tiny_target_path
 from dflash_assets.generation.server import EngineServer, local_engine_server
-from dflash_assets.target.spec import TargetModelSpec
+from dflash_assets.target_model.spec import TargetModelSpec
 
 __all__ = ["EMBEDDED_DTYPE", "embedded_default_target", "default_target_spec", "embedded_engine_server"]
 

@@ -21,7 +21,7 @@ What kind of target it is (README, "Walk-through: SmolLM2-135M-Instruct"): `llam
 vocab 49,152 (= embedding rows: no free row for a new `<|MASK|>`), tied embeddings; a ChatML
 template with a default system prompt and no thinking mode. Its tokenizer declares the unused
 special token `<empty_output>` (id 16) as its mask token (`tokenizer_config.json` `mask_token`),
-which `target.conventions` resolves when `<|MASK|>` is absent, the way published Qwen3.5/3.6
+which `target_model.conventions` resolves when `<|MASK|>` is absent, the way published Qwen3.5/3.6
 drafters reuse `<|audio_start|>`.
 
 Reads the GGUF (from the installed package or a path); writes the cache directory.
@@ -142,7 +142,7 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike) -> dict:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, GenerationConfig
 
-    from dflash_assets.target.loading import load_causal_lm
+    from dflash_assets.target_model.loading import load_causal_lm
 
     gguf, out = Path(gguf), Path(out)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -150,7 +150,7 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike) -> dict:
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied and model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
-        # A GGUF load after an unsynchronized concurrent load elsewhere left them distinct (see target.loading):
+        # A GGUF load after an unsynchronized concurrent load elsewhere left them distinct (see target_model.loading):
         # the file holds one matrix, so tie them here; a head that differs from it is an error.
         head, embed = model.lm_head.weight, model.model.embed_tokens.weight
         if head.shape == embed.shape and not torch.equal(head, embed) and bool(head.abs().sum() > 0):

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from dflash_assets.target.chat_template import ChatRenderer
+    from dflash_assets.target_model.chat_template import ChatRenderer
 
 _ASSISTANT_ROLES = {"gpt", "chatgpt", "bing", "bard", "assistant"}
 _USER_ROLES = {"human", "user"}
@@ -149,7 +149,7 @@ def build_samples(tok: "PreTrainedTokenizerBase", cfg: ChatFormatTraining) -> tu
     earlier turns) and make up every fifth step, so the format holds behind
     prompts of thousands of tokens.
     """
-    from dflash_assets.target.chat_template import ChatRenderer
+    from dflash_assets.target_model.chat_template import ChatRenderer
 
     render = ChatRenderer.from_tokenizer(tok)
     rng = random.Random(cfg.seed)

@@ -1,7 +1,7 @@
 """Tiny targets for tests and the embedded default: random init, then taught the chat format.
 
 Builds, once per machine, two deterministic causal LMs that use the Qwen3.5/3.6
-tokenizer of `dflash_assets.target.tokenizer` and load with
+tokenizer of `dflash_assets.target_model.tokenizer` and load with
 `AutoModelForCausalLM.from_pretrained(dir)`:
 
 - "dense":  `qwen3` (Qwen3ForCausalLM), 8 layers, hidden 64, 4 heads, 2 KV heads,
@@ -60,10 +60,10 @@ from dataclasses import asdict
 from typing import Literal
 
 from dflash_assets.cache_keys import Fingerprint, build_fingerprint, build_lock
-from dflash_assets.target.chat_template import DEFAULT_TEMPLATE_NAME, TEMPLATES_DIR, default_chat_template
+from dflash_assets.target_model.chat_template import DEFAULT_TEMPLATE_NAME, TEMPLATES_DIR, default_chat_template
 from dflash_assets.embedded.tiny_target_training import ChatFormatTraining, teach_chat_format
 from dflash_assets.prompts.sources import embedded_sharegpt_path
-from dflash_assets.target.tokenizer import (
+from dflash_assets.target_model.tokenizer import (
     QWEN3_6_EOS_TOKEN,
     QWEN3_6_MASK_TOKEN_ID,
     QWEN3_6_PAD_TOKEN,

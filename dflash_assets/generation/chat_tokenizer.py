@@ -3,8 +3,8 @@
 `ChatTokenizer` wraps any HF-style tokenizer for the engines that send or
 receive token ids (SGLang's native API, the in-process engine): it renders a
 chat's generation prompt through the one renderer
-(`target.chat_template.ChatRenderer`), encodes it, and splits generated ids at
-the `</think>` id, the id-level twin of `target.chat_template.split_think` (a
+(`target_model.chat_template.ChatRenderer`), encodes it, and splits generated ids at
+the `</think>` id, the id-level twin of `target_model.chat_template.split_think` (a
 test checks the two agree). `strip_stop_text` drops a stop marker that a
 server left at the end of its text. Reads and writes nothing (the tokenizer
 object it is given is already loaded); imports transformers only when present.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dflash_assets.target.chat_template import THINK_END, THINK_START, ChatRenderer
+from dflash_assets.target_model.chat_template import THINK_END, THINK_START, ChatRenderer
 
 __all__ = ["ChatTokenizer", "strip_stop_text"]
 
@@ -54,7 +54,7 @@ class ChatTokenizer:
         return idx
 
     def _chat_renderer(self):
-        """The one chat renderer (`target.chat_template.ChatRenderer`: the template compiled once) when the
+        """The one chat renderer (`target_model.chat_template.ChatRenderer`: the template compiled once) when the
         tokenizer renders with transformers' own `apply_chat_template` and one template; else None."""
         try:
             from transformers import PreTrainedTokenizerBase

@@ -69,7 +69,7 @@ from typing import Any, Literal, Sequence
 
 from dflash_assets.generation.chat_tokenizer import ChatTokenizer, strip_stop_text
 from dflash_assets.generation.config import GenerationConfig, hf_generation_settings, normalize_model_id
-from dflash_assets.target.chat_template import split_reasoning_text
+from dflash_assets.target_model.chat_template import split_reasoning_text
 
 try:  # orjson is ~5x faster on the request/response hot path; json is the fallback.
     import orjson
@@ -839,7 +839,7 @@ class TransformersEngine(Engine):
         import torch
         from transformers import AutoTokenizer
 
-        from dflash_assets.target.loading import load_causal_lm
+        from dflash_assets.target_model.loading import load_causal_lm
 
         self.tok = ChatTokenizer(self._tokenizer or AutoTokenizer.from_pretrained(self.model_path))
         dtype = "auto" if self.dtype == "auto" else getattr(torch, self.dtype)

@@ -3,7 +3,7 @@
 :func:`capture_partition` plans a partition's files and batches, checks its byte
 budget before any compute, and runs one worker per device
 (:func:`capture_batches`: hooks and decoder cut from
-:class:`~dflash_assets.target.layer_capture.LayerCapture`, samples packed without
+:class:`~dflash_assets.target_model.layer_capture.LayerCapture`, samples packed without
 padding, GPU compute overlapped with the writes); :func:`capture_hidden_states` is
 the synchronous form for notebooks and tests. The cached states equal running each
 sample alone (tests check this against ``output_hidden_states=True``).
@@ -54,7 +54,7 @@ from dflash_assets.hidden_states.packing import (
     register_packed_attention,
     resolve_packing,
 )
-from dflash_assets.target.layer_capture import LayerCapture, decoder_stack, text_config
+from dflash_assets.target_model.layer_capture import LayerCapture, decoder_stack, text_config
 
 __all__ = [
     "CaptureSpec",
@@ -79,7 +79,7 @@ logger = logging.getLogger(__name__)
 def load_target(path: str | os.PathLike, device: str | torch.device = "cpu",
                 dtype: str | torch.dtype = "bfloat16") -> nn.Module:
     """Load a causal-LM target for capture (``packed_causal`` attention, eval mode, on ``device``)."""
-    from dflash_assets.target.loading import load_causal_lm
+    from dflash_assets.target_model.loading import load_causal_lm
 
     register_packed_attention()
     device = torch.device(device)
@@ -245,7 +245,7 @@ def capture_batches(model: nn.Module, samples: Sequence[TokenizedSample], batche
     ``sink=None`` copies to host but writes nothing (capture-only timing).
     ``batches`` may be a shared iterator (several devices pull from it).
 
-    - Hooks + cut (:class:`~dflash_assets.target.layer_capture.LayerCapture`):
+    - Hooks + cut (:class:`~dflash_assets.target_model.layer_capture.LayerCapture`):
       forward hooks on the chosen decoder layers copy each layer's output into a
       [tokens, n_layers*H] staging buffer; the decoder is cut after the last
       needed layer and the *base* model is called, so no later layer and no
@@ -358,7 +358,7 @@ class CaptureSpec:
     max_part_bytes: int = 16 * 2**30  # hidden bytes per file before splitting into parts
     budget_bytes: int | None = None  # refuse to compute when used + this partition would exceed it
     compile: bool | None = None      # torch.compile norms + MLPs; None: on CUDA devices (see compile_elementwise)
-    tokenizer_hash: str = ""         # default: dflash_assets.target.tokenizer.tokenizer_hash of the target dir's tokenizer
+    tokenizer_hash: str = ""         # default: dflash_assets.target_model.tokenizer.tokenizer_hash of the target dir's tokenizer
     upstream_data_version: str = ""
     queue_depth: int = 2
     fsync: bool = True
@@ -400,13 +400,13 @@ class CaptureResult:
 
 
 def _tokenizer_hash(target: str) -> str:
-    """``dflash_assets.target.tokenizer.tokenizer_hash`` of the target directory's tokenizer, "" when it has none."""
+    """``dflash_assets.target_model.tokenizer.tokenizer_hash`` of the target directory's tokenizer, "" when it has none."""
     d = Path(target)
     if not (d.is_dir() and ((d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file())):
         return ""
     from transformers import AutoTokenizer
 
-    from dflash_assets.target.tokenizer import tokenizer_hash
+    from dflash_assets.target_model.tokenizer import tokenizer_hash
 
     return tokenizer_hash(AutoTokenizer.from_pretrained(str(d)))
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_assets.target.layer_capture import text_config
+from dflash_assets.target_model.layer_capture import text_config
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

@@ -123,7 +123,7 @@ def _corpus_prompts(store: Any) -> int | None:
 def pipes_stage(call: Any) -> Any:
     """Entry point of ``python -m dflash_assets.pipes_worker hidden_state_cache`` (see pipes_worker)."""
     from dflash_assets.stage_io import StageResult
-    from dflash_assets.target.spec import TargetModelSpec
+    from dflash_assets.target_model.spec import TargetModelSpec
 
     cfg = dict(call.config)
     target = TargetModelSpec(**cfg.pop("target"))

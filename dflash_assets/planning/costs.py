@@ -114,13 +114,13 @@ class TargetShape:
 
         ``captured_layers``: the DFlash layer ids (``TargetModelSpec.layer_ids``); None: DFlash's rule.
         """
-        from dflash_assets.target.conventions import text_config
+        from dflash_assets.target_model.conventions import text_config
 
         text = text_config(config)
         fields = dict(text) if isinstance(text, Mapping) else text.to_dict()
         layers, hidden, heads = fields["num_hidden_layers"], fields["hidden_size"], fields["num_attention_heads"]
         if captured_layers is None:
-            from dflash_assets.target.conventions import dflash_target_layer_ids
+            from dflash_assets.target_model.conventions import dflash_target_layer_ids
 
             captured_layers = dflash_target_layer_ids(layers, num_captured)
         types = fields.get("layer_types")

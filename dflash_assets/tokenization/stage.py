@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from dflash_assets.stage_io import CheckOutcome
 from dflash_assets.store import layout
-from dflash_assets.target.chat_template import ChatRenderer
+from dflash_assets.target_model.chat_template import ChatRenderer
 from dflash_assets.tokenization.encoder import build_encoder
 from dflash_assets.tokenization.quality import QualityThresholds, publish_samples
 from dflash_assets.tokenization.samples import TokenizeConfig, TokenizeStats, tokenize_completions

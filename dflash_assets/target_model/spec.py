@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash_assets.target.chat_template import ChatRenderer, load_chat_template, template_hash
-from dflash_assets.target.conventions import (
+from dflash_assets.target_model.chat_template import ChatRenderer, load_chat_template, template_hash
+from dflash_assets.target_model.conventions import (
     DEFAULT_NUM_TARGET_LAYERS,
     ChatConventions,
     TargetModelError,
@@ -51,7 +51,7 @@ from dflash_assets.target.conventions import (
     resolve_mask_token_id,
     text_config,
 )
-from dflash_assets.target.tokenizer import QWEN3_6_MASK_TOKEN, tokenizer_hash
+from dflash_assets.target_model.tokenizer import QWEN3_6_MASK_TOKEN, tokenizer_hash
 
 if TYPE_CHECKING:
     import torch
@@ -177,7 +177,7 @@ class TargetModelSpec(BaseModel):
 
     def load_model(self, device: "str | torch.device" = "cpu", dtype: str | None = None) -> "PreTrainedModel":
         """`AutoModelForCausalLM` in eval mode on `device`, in `dtype` (default: the spec's)."""
-        from dflash_assets.target.loading import load_causal_lm
+        from dflash_assets.target_model.loading import load_causal_lm
 
         model = load_causal_lm(
             self.model_path, dtype=self.torch_dtype(dtype), local_files_only=not self.allow_download

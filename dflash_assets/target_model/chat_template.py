@@ -1,7 +1,7 @@
 """Chat templates of DFlash targets: the one renderer and the one reasoning splitter.
 
 Reads the packaged Qwen3.5/3.6-style ChatML template
-(`dflash_assets/target/templates/qwen3_6.jinja`) or a user-supplied Jinja file.
+(`dflash_assets/target_model/templates/qwen3_6.jinja`) or a user-supplied Jinja file.
 `ChatRenderer` renders conversations exactly as
 `tokenizer.apply_chat_template(..., tokenize=False)` does (same message
 normalization, same sandboxed Jinja environment), with the template compiled

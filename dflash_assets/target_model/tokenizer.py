@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_assets.cache_keys import build_fingerprint, default_cache_root  # noqa: F401 - callers import the root here
-from dflash_assets.target.chat_template import default_chat_template
+from dflash_assets.target_model.chat_template import default_chat_template
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from dflash_assets.target.conventions import text_config  # re-exported: hidden_states and bench use it from here
+from dflash_assets.target_model.conventions import text_config  # re-exported: hidden_states and bench use it from here
 
 __all__ = ["LayerCapture", "decoder_stack", "text_config"]
 
