@@ -192,6 +192,10 @@ class DrafterEvalConfig(dg.Config):
                                "speculative, on this many of the prompts (metadata decode_speed).")
     curve_prompts: int = Field(default=0, ge=0, description="Also measure tau of the run's learning-curve "
                                "checkpoints on this many prompts (metadata learning_curve).")
+    promotion_margin: float = Field(default=0.05, ge=0, description="Promotion (check 'promotion'): the run's best "
+                                    "checkpoint becomes the family's promoted drafter only if its tau beats the "
+                                    "promoted one's and no slice (thinking, tools, prompt length, category) falls "
+                                    "below the promoted one's by more than this.")
 
     @field_validator("device")
     @classmethod

@@ -137,9 +137,26 @@ def learning_curve_chart(points: Sequence[Sequence[float]]) -> dg.MetadataValue:
     return chart("learning curve", png, caption)
 
 
+def learning_curve_by_slice_chart(curves: Mapping[str, Sequence[Sequence[float]]]) -> dg.MetadataValue:
+    """tau against tokens trained, one line per slice of the held-out prompts (``{slice: [[tokens, tau], ...]}``;
+    slices: thinking, tools, prompt length, category; see ``dflash_assets.drafter.promotion``)."""
+    from dagster_project.charts import _figure, _label, _png
+
+    fig, ax = _figure()
+    for name, points in sorted(curves.items()):
+        ax.plot([p[0] / 1e6 for p in points], [p[1] for p in points], linewidth=1.2, marker=".", label=name)
+    if curves:
+        ax.legend(fontsize=7, loc="best")
+    _label(ax, "Learning curve by slice: tau at checkpoints", "tokens trained (M)", "tau")
+    last = ", ".join(f"{n} {pts[-1][1]:.2f}" for n, pts in sorted(curves.items()) if pts)
+    return chart("learning curve by slice", _png(fig), f"{len(curves)} slices; last checkpoint: {last}."
+                 if curves else "no checkpoints.")
+
+
 PIPES_CHARTS: dict[str, Callable[[Any], dg.MetadataValue]] = {
     "loss_curve": loss_curve_chart,
     "learning_curve": learning_curve_chart,
+    "learning_curve_by_slice": learning_curve_by_slice_chart,
     "accuracy_by_position": accuracy_by_position_chart,
     "acceptance_by_position": acceptance_by_position_chart,
 }

@@ -18,6 +18,10 @@ ever differs from the target's own greedy output.
 - ``serving_match``: after training, the published checkpoint against SGLang's DFlash loader rules and the
   served target's chat template and thinking mode (``dflash_assets.drafter.serving_match``); the served side
   is the deployment's target settings (SGLang reports no chat template).
+
+``drafter_eval`` carries the blocking ``promotion`` check: tau of the run's checkpoints (learning-curve ones
+and the final one) by slice, against the family's promoted checkpoint (``dflash_assets.drafter.promotion``);
+the winner is written to ``drafter_promoted/<family>/manifest.json``, which the serving side reads.
 """
 
 import os
@@ -116,11 +120,18 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainin
     owners=["team:ml-training"],
     code_version=code_version("1", DrafterEvalConfig, target=True),
     pool="gpu",
-    check_specs=check_specs_for("drafter_eval", "drafter_eval"),
+    check_specs=[*check_specs_for("drafter_eval", "drafter_eval"),
+                 dg.AssetCheckSpec("promotion", asset="drafter_eval", blocking=True,
+                                   description="The run's best checkpoint beats the family's promoted drafter on "
+                                               "tau, re-measured on the same held-out prompts, and loses no more "
+                                               "than promotion_margin on any slice; then it is promoted "
+                                               "(drafter_promoted/<family>/manifest.json). Says which slice "
+                                               "regressed.")],
 )
 def drafter_eval(context: dg.AssetExecutionContext, config: DrafterEvalConfig, store: StoreParam,
                  target: TargetParam, gpu_launcher: GpuLauncherParam):
-    """Acceptance length tau (tokens per verification) of the checkpoint against its target, per category."""
+    """Acceptance length tau (tokens per verification) of the checkpoint against its target, per slice; promotes
+    the run's best checkpoint when it beats the promoted one (check ``promotion``)."""
     payload = {**config.model_dump(), "target": target.spec().model_dump()}
     for result in gpu_launcher.run(context, "drafter_eval", payload, store).get_results():
         yield render_pipes_result(result)

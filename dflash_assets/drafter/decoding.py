@@ -35,6 +35,7 @@ class EvalPrompt:
     input_ids: tuple[int, ...]  # the rendered prompt (chat template + generation prompt), token ids
     category: str = "default"
     prompt_id: str = ""
+    slices: tuple[str, ...] = ()  # the slices tau is also reported for (``promotion.prompt_slices``)
 
 
 @dataclass
@@ -334,7 +335,8 @@ def evaluate_drafter(
         lengths.update(so.acceptance_lengths)
         row = {"prompt_id": p.prompt_id, "category": p.category, "tau": so.tau,
                "verifications": len(so.acceptance_lengths), "accepted_tokens": sum(so.acceptance_lengths),
-               "new_tokens": len(so.output_ids), "prompt_tokens": len(p.input_ids)}
+               "new_tokens": len(so.output_ids), "prompt_tokens": len(p.input_ids),
+               "slices": list(p.slices)}
         if check_lossless:  # one teacher-forced forward, not a second token-by-token decode
             first = greedy_mismatch(target, p.input_ids, so.output_ids, max_new_tokens, stop_token_ids)
             row["lossless"] = first is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,16 @@ class DrafterRecipe:
     # shuffled within windows of parts (row groups) of half this size, so reads stay local. None: offline reads
     # every part where the store keeps it (an S3 store downloads all of them, unbounded), online holds 1 GB.
     cache_limit_gb: float | None = None
+    # Promotion (``drafter.promotion``): recipes of one family share ``drafter_promoted/<family>/``. None: the
+    # name without its version suffix (``demo-v2`` -> ``demo``).
+    family: str | None = None
+    # "promoted": start from the family's promoted drafter's weights when its shapes match (a refresh after the
+    # target changed); None: random init.
+    init_from: str | None = None
+
+    @property
+    def family_name(self) -> str:
+        return self.family or re.sub(r"-v\d+$", "", self.name)
 
     @property
     def loss_gamma(self) -> float:
@@ -64,13 +75,16 @@ class DrafterRecipe:
         for k in ("partitions", "target_layer_ids"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
+        if d.get("init_from") not in (None, "promoted"):
+            raise ValueError(f"recipe {d.get('name')!r}: init_from must be null or 'promoted', got {d['init_from']!r}")
         return cls(**d)
 
     def fingerprint(self) -> str:
         """Hash of the fields that change the run (not save_every / compile / attention)."""
         d = {k: v for k, v in self.to_dict().items() if k not in ("save_every", "compile", "attention")}
-        if d.get("cache_limit_gb") is None:  # unset: the same fingerprint as before the field existed
-            d.pop("cache_limit_gb", None)
+        for unset in ("cache_limit_gb", "family", "init_from"):  # unset: the fingerprint from before the field
+            if d.get(unset) is None:
+                d.pop(unset, None)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
 

@@ -34,6 +34,7 @@ from typing import Any, Callable
 from dflash_assets.store import layout
 from dflash_assets.store.manifest import publish_files
 from dflash_assets.chart_data import curve_points, share_at_least
+from dflash_assets.drafter.promotion import prompt_slices, tau_by_slice
 from dflash_assets.drafter.recipe import DrafterRecipe
 
 logger = logging.getLogger(__name__)
@@ -176,10 +177,31 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         on_save(step, tokens, drafter)
         (curve_dir / f"curve-step-{step:08d}.json").write_text(json.dumps(curve[-1]))
 
+    init_weights, warm_start = None, None
+    if recipe.init_from == "promoted":  # a refresh: start from the family's promoted drafter
+        from dflash_assets.drafter.promotion import read_promoted
+
+        promoted = read_promoted(store, recipe.family_name)
+        if promoted is None:
+            log(f"recipe {name}: init_from promoted, but {recipe.family_name} has none yet: random init")
+        else:
+            init_weights = work / "init" / "model.safetensors"
+            init_weights.parent.mkdir(parents=True, exist_ok=True)
+            init_weights.write_bytes(store.read_bytes(promoted["files"]["model.safetensors"]))
+            warm_start = {"recipe": promoted["recipe"], "checkpoint": promoted["checkpoint"], "tau": promoted["tau"]}
     try:
-        result = train_drafter(recipe, files, target.model_path, work, resume=True, log=on_step, device=device,
-                               max_steps=max_steps, source=source, time_budget_s=time_budget_s,
-                               on_save=on_save_recorded)
+        try:
+            result = train_drafter(recipe, files, target.model_path, work, resume=True, log=on_step, device=device,
+                                   max_steps=max_steps, source=source, time_budget_s=time_budget_s,
+                                   on_save=on_save_recorded, init_weights=init_weights)
+        except ValueError as e:
+            if init_weights is None or "other tensors or shapes" not in str(e):
+                raise
+            log(f"recipe {name}: the promoted drafter's shapes differ from this run's ({e}): random init")
+            warm_start = {**(warm_start or {}), "skipped": "shapes differ"}
+            result = train_drafter(recipe, files, target.model_path, work, resume=True, log=on_step, device=device,
+                                   max_steps=max_steps, source=source, time_budget_s=time_budget_s,
+                                   on_save=on_save_recorded)
     finally:
         if source is not None:
             source.close()  # its local parts go with it
@@ -226,6 +248,7 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         "curve_checkpoints": [[c["step"], c["tokens"]] for c in curve],
         "checkpoint": store.url(prefix),
         "provenance": provenance_summary(provenance),
+        **({"warm_start": warm_start} if warm_start else {}),
         **({"part_cache": result.data_stats} if result.data_stats else {}),
     }
 
@@ -245,10 +268,10 @@ def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts:
         for turns in store.read_parquet(layout.raw_prompts(shard), columns=["user_turns"]).column(0).to_pylist():
             trained_texts.update(turns or ())
     tok = target.load_tokenizer()
+    thinking = bool(target.thinking())
     prompts: list[EvalPrompt] = []
     for shard in held or shards[-1:]:
-        table = store.read_parquet(layout.raw_prompts(shard),
-                                   columns=["prompt_id", "system", "user_turns", "category"])
+        table = store.read_parquet(layout.raw_prompts(shard))  # shards written before agentic prompts: no tools
         for row in table.to_pylist():
             if row["user_turns"][0] in trained_texts:
                 continue
@@ -256,7 +279,10 @@ def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts:
             messages.append({"role": "user", "content": row["user_turns"][0]})
             text = target.render_chat(tok, messages, add_generation_prompt=True)
             ids = tok(text, add_special_tokens=False)["input_ids"]
-            prompts.append(EvalPrompt(tuple(ids[-1024:]), row["category"] or "unknown", row["prompt_id"]))
+            kept = tuple(ids[-1024:])
+            slices = prompt_slices(thinking=thinking, has_tools=bool(row.get("tools") if "tools" in table.column_names else None), prompt_tokens=len(ids),
+                                   category=row["category"])
+            prompts.append(EvalPrompt(kept, row["category"] or "unknown", row["prompt_id"], slices))
             if len(prompts) >= num_prompts:
                 return prompts, held_out
     return prompts, held_out
@@ -264,8 +290,13 @@ def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts:
 
 def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, max_new_tokens: int = 128,
                 device: str | None = None, log: Callable[[str], None] = logger.info, dtype: str | None = None,
-                speed_prompts: int = 0, curve_prompts: int = 0) -> dict[str, Any]:
+                speed_prompts: int = 0, curve_prompts: int = 0, promotion_margin: float | None = None
+                ) -> dict[str, Any]:
     """Acceptance length tau of the recipe's checkpoint on held-out prompts, and the lossless check.
+
+    ``promotion_margin``: also decide promotion (``drafter.promotion``): the run's checkpoints (the learning-curve
+    ones on the first ``curve_prompts`` prompts, and the final one) against the family's promoted checkpoint,
+    re-measured on the same prompts when it loads on this target; at most this much tau lost on any slice.
 
     ``dtype``: the target's (and drafter's) precision (default: float32 on CPU, bfloat16 on GPU; float32 makes
     the lossless check exact). ``speed_prompts``: also time decoding at batch 1 on that many of the prompts,
@@ -302,6 +333,10 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
                 f"{speed['speculative_tokens_per_s']:.1f} tok/s speculative ({speed['speedup']:.2f}x)")
         if curve_prompts > 0:
             curve = _learning_curve(store, files, tmp, model, prompts[:curve_prompts], max_new_tokens, stop, log)
+        promotion = None
+        if promotion_margin is not None:
+            promotion = _promote(store, recipe, files, tmp, model, prompts, result.per_prompt, curve,
+                                 curve_prompts, max_new_tokens, stop, promotion_margin, log)
     metrics = result.to_metadata()
     store.write_json(layout.drafter_eval(name), {**metrics, "per_prompt": result.per_prompt, "held_out": held_out,
                                                  "decode_speed": speed, "learning_curve": curve})
@@ -318,7 +353,75 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
         **({"decode_speed": speed} if speed is not None else {}),
         # Chart data: [sequence tokens trained, tau on the first curve_prompts prompts] per saved checkpoint.
         **({"learning_curve": [[c["tokens"], c["tau"]] for c in curve]} if curve else {}),
+        # Chart data: {slice: [[tokens, tau], ...]} over the curve checkpoints (and tau by slice of the final one).
+        **({"learning_curve_by_slice": _curve_by_slice(curve)} if curve else {}),
+        "tau_by_slice": tau_by_slice(result.per_prompt),
+        **({"promotion": promotion} if promotion is not None else {}),
     }
+
+
+def _curve_by_slice(curve: list[dict[str, Any]]) -> dict[str, list[list[float]]]:
+    out: dict[str, list[list[float]]] = {}
+    for point in curve:
+        for name, tau in point.get("slices", {}).items():
+            out.setdefault(name, []).append([point["tokens"], tau])
+    return out
+
+
+def _promote(store: Any, recipe: DrafterRecipe, files: dict[str, str], checkpoint_dir: str, model: Any,
+             prompts: list[Any], final_rows: list[dict[str, Any]], curve: list[dict[str, Any]], curve_prompts: int,
+             max_new_tokens: int, stop: list[int], margin: float, log: Callable[[str], None]) -> dict[str, Any]:
+    """Decide promotion among the run's checkpoints, all measured on the same prompts; write the promoted
+    manifest when one wins. Returns the decision as metadata."""
+    from dflash_assets.drafter.decoding import evaluate_drafter
+    from dflash_assets.drafter.promotion import Candidate, decide_promotion, read_promoted, write_promoted
+
+    n = min(curve_prompts, len(prompts)) if curve else len(prompts)
+    sequence_tokens = max((c["tokens"] for c in curve), default=0)
+    metrics = json.loads(store.read_bytes(files["train_metrics.json"])) if "train_metrics.json" in files else {}
+    sequence_tokens = int(metrics.get("sequence_tokens", 0) or sequence_tokens)
+    rows = final_rows[:n]  # greedy decoding: the final checkpoint's rows on the first n prompts
+    final_files = {f: files[f] for f in (*CHECKPOINT_FILES, "provenance.json") if f in files}
+    candidates = [Candidate("final", sequence_tokens, round(_pooled_tau(rows), 4), tau_by_slice(rows), final_files)]
+    for point in curve:
+        candidates.append(Candidate(point["file"], point["tokens"], point["tau"], point.get("slices", {}),
+                                    {**final_files, "model.safetensors": files[point["file"]]}))
+    family = recipe.family_name
+    previous = read_promoted(store, family)
+    if previous is not None:  # the promoted checkpoint re-measured on these prompts, when it loads on this target
+        try:
+            old = _evaluate_files(store, previous["files"], model, prompts[:n], max_new_tokens, stop)
+            previous = {**previous, "tau_recorded": previous["tau"], "tau": round(_pooled_tau(old), 4),
+                        "slices": tau_by_slice(old), "remeasured": True}
+        except (KeyError, OSError, RuntimeError, ValueError) as e:
+            log(f"promoted checkpoint of {family} not re-measured ({type(e).__name__}: {e}); its recorded tau is used")
+            previous = {**previous, "remeasured": False}
+    decision = decide_promotion(candidates, previous, margin)
+    if decision.promoted and decision.candidate is not None:
+        write_promoted(store, family, recipe.name, decision.candidate,
+                       provenance_key=files.get("provenance.json"), config_key=files.get("config.json"))
+        log(f"promoted {recipe.name}:{decision.candidate.name} as {family} (tau {decision.candidate.tau:.3f})")
+    else:
+        log(f"not promoted: {'; '.join(decision.reasons)}")
+    return {**decision.to_metadata(), "family": family, "margin": margin, "prompts": n,
+            "remeasured_previous": bool(previous and previous.get("remeasured"))}
+
+
+def _pooled_tau(rows: list[dict[str, Any]]) -> float:
+    n = sum(r["verifications"] for r in rows)
+    return sum(r["accepted_tokens"] for r in rows) / n if n else 0.0
+
+
+def _evaluate_files(store: Any, files: dict[str, str], model: Any, prompts: list[Any], max_new_tokens: int,
+                    stop: list[int]) -> list[dict[str, Any]]:
+    """Per-prompt rows of the checkpoint whose files (model.safetensors, config.json keys) are given."""
+    from dflash_assets.drafter.decoding import evaluate_drafter
+
+    with tempfile.TemporaryDirectory(prefix="dflash-promoted-") as tmp:
+        for fname in CHECKPOINT_FILES:
+            Path(tmp, fname).write_bytes(store.read_bytes(files[fname]))
+        return evaluate_drafter(tmp, model, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop,
+                                check_lossless=False).per_prompt
 
 
 def _learning_curve(store: Any, files: dict[str, str], checkpoint_dir: str, model: Any, prompts: list[Any],
@@ -342,7 +445,8 @@ def _learning_curve(store: Any, files: dict[str, str], checkpoint_dir: str, mode
         drafter.load_state_dict({k: v.to(dtype) for k, v in load_file(str(local)).items()})
         result = evaluate_drafter(drafter, model, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop,
                                   check_lossless=False)
-        points.append({"step": point["step"], "tokens": point["tokens"], "tau": round(float(result.tau), 4)})
+        points.append({"step": point["step"], "tokens": point["tokens"], "tau": round(float(result.tau), 4),
+                       "file": point["file"], "slices": tau_by_slice(result.per_prompt)})
         log(f"learning curve: step {point['step']}, {point['tokens']} tokens: tau {result.tau:.3f}")
     return points
 
@@ -366,9 +470,13 @@ def pipes_stage_eval(call: Any) -> Any:
     cfg = dict(call.config)
     target = TargetModelSpec(**cfg.pop("target"))
     meta = eval_recipe(call.store, call.partition_key, target, log=call.log.info, **cfg)
-    check = CheckOutcome("lossless", passed=meta["lossless"], severity="ERROR",
-                         metadata={"num_mismatches": meta["num_mismatches"], "num_prompts": meta["num_prompts"]})
-    return StageResult(metadata=meta, checks=[check])
+    checks = [CheckOutcome("lossless", passed=meta["lossless"], severity="ERROR",
+                           metadata={"num_mismatches": meta["num_mismatches"], "num_prompts": meta["num_prompts"]})]
+    if "promotion" in meta:  # not promoted = the run regressed or did not beat the promoted checkpoint
+        p = meta["promotion"]
+        checks.append(CheckOutcome("promotion", passed=bool(p["promoted"]), severity="ERROR",
+                                   metadata={k: v for k, v in p.items() if v is not None}))
+    return StageResult(metadata=meta, checks=checks)
 
 
 def recipe_from_json(text: str) -> DrafterRecipe:

@@ -165,6 +165,7 @@ def train_drafter(
     source: Any = None,
     time_budget_s: float | None = None,
     on_save: Callable[[int, int, DFlashDrafter], None] | None = None,
+    init_weights: str | Path | None = None,
 ) -> TrainResult:
     """Train (or continue training) a drafter; see the module docstring for what is read and written.
 
@@ -178,6 +179,8 @@ def train_drafter(
     after warm-up (steps `BUDGET_WARMUP_STEPS` to `BUDGET_WARMUP_STEPS + BUDGET_MEASURE_STEPS`: the first steps
     compile and allocate); the cosine schedule then ends at the cut, and the run ends with a checkpoint.
     on_save: called on rank 0 at every saved state with (step, sequence tokens trained so far, the drafter).
+    init_weights: a drafter ``model.safetensors`` to start from (a warm start) instead of random weights; its
+    tensors must have the new drafter's names and shapes (else ValueError). A resumed state overrides it.
     """
     t_start = time.perf_counter()
     rank, world, local_rank = _dist_info()
@@ -212,6 +215,16 @@ def train_drafter(
     # -- models: fp32 master weights, bf16 autocast on GPU; the target's head is frozen, outside the optimizer
     torch.manual_seed(recipe.seed)
     drafter = DFlashDrafter(config).to(device)
+    if init_weights is not None:
+        from safetensors.torch import load_file
+
+        init = load_file(str(init_weights))
+        from dflash_assets.drafter.model import drafter_state_dict
+
+        own = drafter_state_dict(drafter)
+        if sorted(init) != sorted(own) or any(init[k].shape != own[k].shape for k in own):
+            raise ValueError(f"{init_weights}: the drafter to start from has other tensors or shapes than this run's")
+        drafter.load_state_dict({k: v.to(torch.float32) for k, v in init.items()})
     head = TargetHead.from_target_dir(target_dir, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
     features = None
     if recipe.online:

@@ -22,6 +22,7 @@ outputs read their manifest (``store.manifest``).
     drafter_checkpoint/<recipe>/manifest.json    the checkpoint's files (readers trust only this list)
     drafter_checkpoint/<recipe>/<version>/<file> (before manifests: drafter_checkpoint/<recipe>/<file>)
     drafter_eval/<recipe>.json
+    drafter_promoted/<family>/manifest.json      the promoted checkpoint of a recipe family (serving reads it)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ HIDDEN_STATE_CACHE = "hidden_state_cache"
 DRAFTER_RECIPES = "drafter_recipes"
 DRAFTER_CHECKPOINT = "drafter_checkpoint"
 DRAFTER_EVAL = "drafter_eval"
+DRAFTER_PROMOTED = "drafter_promoted"
 
 _CACHE_PART = re.compile(r"(?P<shard>.+?)(?:-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.safetensors")
 
@@ -164,6 +166,13 @@ def drafter_checkpoint_files(store: Any, name: str, file_names: tuple[str, ...] 
 
 def drafter_eval(name: str) -> str:
     return f"{DRAFTER_EVAL}/{name}.json"
+
+
+def drafter_promoted_manifest(family: str) -> str:
+    """The promoted checkpoint of a recipe family (``promotion.write_promoted``): keys, tau per slice."""
+    if not family or "/" in family:
+        raise ValueError(f"recipe family must be a non-empty name without '/': {family!r}")
+    return f"{DRAFTER_PROMOTED}/{family}/manifest.json"
 
 
 # --- listing ------------------------------------------------------------------------
