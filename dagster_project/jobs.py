@@ -17,6 +17,9 @@
   work itself goes to a GPU host through Dagster Pipes.
 - ``drafter_job``: group ``drafter`` (``drafter_checkpoint``,
   ``drafter_eval``), partitioned by ``drafter_recipes``; GPU as above.
+- ``refresh_drafter_job``: the same assets, launched for a refresh recipe
+  (``init_from: promoted``) after the target changed: warm start from the
+  promoted drafter, tau old vs new in the ``promotion`` check.
 
 The GPU stages are two jobs, not one: an asset job has one partitions
 definition, and hidden states (per prompt shard) and the drafter (per recipe)
@@ -58,6 +61,7 @@ __all__ = [
     "plan_generation_job",
     "hidden_states_job",
     "drafter_job",
+    "refresh_drafter_job",
     "ALL_JOBS",
 ]
 
@@ -112,4 +116,16 @@ drafter_job = dg.define_asset_job(
     tags={HOST_KIND_TAG: "gpu"},
 )
 
-ALL_JOBS = [ingest_prompts_job, prepare_data_job, plan_generation_job, hidden_states_job, drafter_job]
+refresh_drafter_job = dg.define_asset_job(
+    "refresh_drafter_job",
+    selection=dg.AssetSelection.groups(DRAFTER_GROUP),
+    description="After the target changed (its fingerprint is in the code version of completions and everything "
+    "downstream, so the UI marks them stale): for a recipe with init_from 'promoted', train warm-started from the "
+    "family's promoted drafter (when the shapes match) and measure tau of new and promoted on the same held-out "
+    "prompts (check 'promotion': old tau, new tau, delta). Materialize the stale per-shard stages first "
+    "(prepare_data_job, hidden_states_job)." + LAUNCH_HERE,
+    tags={HOST_KIND_TAG: "gpu", "dflash/refresh": "true"},
+)
+
+ALL_JOBS = [ingest_prompts_job, prepare_data_job, plan_generation_job, hidden_states_job, drafter_job,
+            refresh_drafter_job]

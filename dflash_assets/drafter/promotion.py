@@ -77,6 +77,9 @@ class PromotionDecision:
             "promoted": self.promoted, "candidate": self.candidate.name if self.candidate else None,
             "candidate_tau": self.candidate.tau if self.candidate else None,
             "previous_tau": prev.get("tau"), "previous_checkpoint": prev.get("checkpoint"),
+            "previous_recipe": prev.get("recipe"),
+            "tau_delta": (round(self.candidate.tau - float(prev["tau"]), 4)
+                          if self.candidate and prev.get("tau") is not None else None),
             "reasons": self.reasons or ["none"],
             "regressed_slices": [f"{r['slice']}: {r['previous']:.3f} -> {r['candidate']:.3f} "
                                  f"(drop {r['drop']:.3f} > margin {r['margin']:.3f})" for r in self.regressions]

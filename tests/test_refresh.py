@@ -1,0 +1,107 @@
+"""A refresh when the target changes (issue 25 item 3).
+
+1. The target's identity is in the code version of completions and everything downstream: the asset modules
+   imported (in fresh interpreters) under two targets that differ, the tiny dense target against the same
+   target with another chat template, and against a copy with one weight changed, give different code versions
+   for completions, tokenized_samples, hidden_state_cache, drafter_checkpoint and drafter_eval. (The copy
+   differs by its path: the fingerprint hashes config.json, tokenizer and template, not the weights, so
+   weights overwritten in place at the same path would not change it.)
+2. Warm start (``init_weights``, what a recipe with ``init_from: promoted`` passes): a drafter trained on a
+   small target, then a second run started from its published weights on a target that differs (one weight
+   changed) starts from a lower loss than a random init; a drafter of other shapes is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_assets.drafter.training import train_drafter
+from test_drafter import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, write_cache  # noqa: F401
+from test_drafter_training import mini_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_ASSETS = ("completions", "tokenized_samples", "hidden_state_cache", "drafter_checkpoint", "drafter_eval")
+
+PRINT_CODE_VERSIONS = """
+import json
+from dagster_project.assets import drafter, generation, hidden_states, tokenization
+print(json.dumps({k.to_user_string(): v for m in (generation, tokenization, hidden_states, drafter)
+                  for a in vars(m).values() if hasattr(a, "code_versions_by_key")
+                  for k, v in a.code_versions_by_key.items()}))
+"""
+
+
+def code_versions(env: dict[str, str]) -> dict[str, str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_TARGET_")}
+    out = subprocess.run([sys.executable, "-c", PRINT_CODE_VERSIONS], env={**clean, "PYTHONPATH": str(REPO), **env},
+                         capture_output=True, text=True, check=True, cwd=REPO)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def with_one_weight_changed(src: Path, dst: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    name = sorted(weights)[0]
+    weights[name] = weights[name].clone()
+    weights[name].view(-1)[0] += 1.0
+    save_file(weights, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.slow
+def test_two_targets_that_differ_give_other_code_versions_downstream(tiny_dense_target, tmp_path):
+    template = tmp_path / "other.jinja"
+    template.write_text((Path(tiny_dense_target) / "chat_template.jinja").read_text() + "{# another revision #}\n")
+    finetuned = with_one_weight_changed(Path(tiny_dense_target), tmp_path / "finetuned")
+    base = code_versions({"DFLASH_TARGET_MODEL": str(tiny_dense_target)})
+    other_template = code_versions({"DFLASH_TARGET_MODEL": str(tiny_dense_target),
+                                    "DFLASH_TARGET_CHAT_TEMPLATE": str(template)})
+    other_weights = code_versions({"DFLASH_TARGET_MODEL": str(finetuned)})
+    for name in TARGET_ASSETS:
+        assert base[name] != other_template[name], name
+        assert base[name] != other_weights[name], name
+    assert base == code_versions({"DFLASH_TARGET_MODEL": str(tiny_dense_target)})  # stable for the same target
+
+
+@pytest.fixture(scope="module")
+def two_targets(tmp_path_factory):
+    """A small-vocab target and a copy with one weight changed, each with a cache of its own greedy outputs."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    base = tmp_path_factory.mktemp("refresh")
+    out = {}
+    for name, tdir in (("old", mini_target(base / "old")), ("new", None)):
+        if tdir is None:
+            tdir = with_one_weight_changed(out["old"]["target_dir"], base / "new")
+        target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
+        seqs = greedy_sequences(target, n=16, prompt_len=8, new_tokens=40, seed=0, vocab_hi=MINI_VOCAB - 12)
+        out[name] = {"target_dir": Path(tdir), "cache": write_cache(base / f"{name}.safetensors", target, seqs,
+                                                                    layer_ids=[1, 3])}
+    return out
+
+
+@pytest.mark.slow
+def test_warm_start_from_the_old_targets_drafter_starts_lower_and_other_shapes_are_refused(two_targets, tmp_path):
+    old, new = two_targets["old"], two_targets["new"]
+    promoted = train_drafter(mini_recipe(), [old["cache"]], old["target_dir"], tmp_path / "old", resume=False,
+                             device="cpu")
+    weights = Path(promoted.checkpoint_dir) / "model.safetensors"
+    cold = train_drafter(mini_recipe(epochs=1), [new["cache"]], new["target_dir"], tmp_path / "cold", resume=False,
+                         device="cpu")
+    warm = train_drafter(mini_recipe(epochs=1), [new["cache"]], new["target_dir"], tmp_path / "warm", resume=False,
+                         device="cpu", init_weights=weights)
+    assert warm.losses[0] < cold.losses[0] * 0.9, (warm.losses[0], cold.losses[0])
+    with pytest.raises(ValueError, match="other tensors or shapes"):
+        train_drafter(mini_recipe(num_layers=1), [new["cache"]], new["target_dir"], tmp_path / "other", resume=False,
+                      device="cpu", init_weights=weights)
