@@ -105,3 +105,16 @@ def test_warm_start_from_the_old_targets_drafter_starts_lower_and_other_shapes_a
     with pytest.raises(ValueError, match="other tensors or shapes"):
         train_drafter(mini_recipe(num_layers=1), [new["cache"]], new["target_dir"], tmp_path / "other", resume=False,
                       device="cpu", init_weights=weights)
+
+
+def test_refresh_job_is_registered_for_the_drafter_assets_per_recipe():
+    import dagster as dg
+
+    from dagster_project.definitions import defs
+
+    job = defs.resolve_job_def("refresh_drafter_job")
+    keys = {k.to_user_string() for k in job.asset_layer.executable_asset_keys}
+    assert keys == {"drafter_checkpoint", "drafter_eval"}
+    assert job.partitions_def is not None and job.tags["dflash/refresh"] == "true"
+    checks = {k.name for k in defs.resolve_asset_graph().asset_check_keys if k.asset_key == dg.AssetKey("drafter_eval")}
+    assert "promotion" in checks
