@@ -97,3 +97,55 @@ def test_recipe_family_and_init_from():
     assert DrafterRecipe(name="demo-v1", init_from="promoted").fingerprint() != DrafterRecipe(name="demo-v1").fingerprint()
     with pytest.raises(ValueError, match="init_from"):
         DrafterRecipe.from_dict({"name": "demo-v1", "init_from": "latest"})
+
+
+@pytest.mark.slow
+def test_eval_recipe_promotes_the_first_checkpoint_and_not_one_that_does_not_beat_it(tmp_path, tiny_dense_target):
+    """eval_recipe on a real store and the tiny target: tau by slice (tools with/without from the raw prompts'
+    tools column), the promoted manifest naming store keys that exist, then a second recipe of the family whose
+    checkpoint does not beat the promoted one (re-measured on the same prompts) is not promoted."""
+    import pyarrow as pa
+    import torch
+
+    from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, load_target_config, save_drafter
+    from dflash_assets.drafter.stages import eval_recipe, save_recipe
+    from dflash_assets.store.backends import LocalStore
+    from dflash_assets.store.manifest import publish_files
+    from dflash_assets.target_model.spec import TargetModelSpec
+    from dflash_assets.target_model.conventions import mask_token_id_in_dir
+
+    store = LocalStore(tmp_path / "store")
+    tools = '[{"type": "function", "function": {"name": "get_time", "parameters": {}}}]'
+    for shard, rows in (("shard-00000", [("a", "write a poem", None)]),
+                        ("shard-00001", [("b", "what is 2+2?", None), ("c", "what time is it?", tools),
+                                         ("d", "name three colors", None)])):
+        store.write_parquet(layout.raw_prompts(shard), pa.Table.from_pylist(
+            [{"prompt_id": pid, "system": None, "user_turns": [text], "category": "chat", "tools": t}
+             for pid, text, t in rows]))
+    spec = TargetModelSpec(model_path=str(tiny_dense_target), dtype="float32")
+    cfg = DrafterConfig.from_target_config(load_target_config(tiny_dense_target), num_layers=1,
+                                           mask_token_id=mask_token_id_in_dir(tiny_dense_target))
+    for seed, name in ((0, "demo-v1"), (1, "demo-v2")):
+        save_recipe(store, DrafterRecipe(name=name, partitions=("shard-00000",), online=True, num_layers=1))
+        torch.manual_seed(seed)
+        ckpt = save_drafter(DFlashDrafter(cfg), tmp_path / name)
+        publish_files(store, layout.drafter_checkpoint_manifest(name), layout.drafter_checkpoint_prefix(name),
+                      {f: ckpt / f for f in ("model.safetensors", "config.json")})
+
+    first = eval_recipe(store, "demo-v1", spec, num_prompts=3, max_new_tokens=6, device="cpu", dtype="float32",
+                        promotion_margin=0.05)
+    assert {"tools:with", "tools:without", "thinking:on", "category:chat"} <= set(first["tau_by_slice"])
+    assert first["promotion"]["promoted"] is True and first["promotion"]["family"] == "demo"
+    promoted = read_promoted(store, "demo")
+    assert promoted["recipe"] == "demo-v1" and promoted["tau"] == first["promotion"]["candidate_tau"]
+    assert all(store.exists(key) for key in promoted["files"].values())
+
+    second = eval_recipe(store, "demo-v2", spec, num_prompts=3, max_new_tokens=6, device="cpu", dtype="float32",
+                         promotion_margin=0.05)
+    p = second["promotion"]
+    assert p["remeasured_previous"] is True and p["previous_recipe"] == "demo-v1"
+    assert p["tau_delta"] == round(p["candidate_tau"] - p["previous_tau"], 4)
+    if p["candidate_tau"] <= p["previous_tau"]:
+        assert p["promoted"] is False and read_promoted(store, "demo")["recipe"] == "demo-v1"
+    else:  # an untrained drafter can beat another by chance; then it must be the one promoted
+        assert read_promoted(store, "demo")["recipe"] == ("demo-v2" if p["promoted"] else "demo-v1")
