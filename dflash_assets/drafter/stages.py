@@ -14,7 +14,12 @@ is the recipe's name, which carries its version (``demo-v1``).
 - :func:`eval_recipe` downloads the checkpoint its manifest names, renders held-out prompts
   (shards the recipe did not train on) with the target's chat template, runs
   greedy speculative decoding against the target, checks losslessness, and
-  writes ``drafter_eval/<recipe>.json``.
+  writes ``drafter_eval/<recipe>.json`` (tau overall and by slice); with a
+  promotion margin it also decides promotion among the run's checkpoints and
+  writes ``drafter_promoted/<family>/manifest.json`` when one wins
+  (``drafter.promotion``).
+- A recipe with ``init_from: promoted`` trains from the weights that manifest
+  names (a warm start after the target changed) when the shapes match.
 
 ``pipes_stage_train`` / ``pipes_stage_eval`` are the entry points of the
 Pipes worker on the GPU host. Imports torch and transformers lazily through
@@ -373,7 +378,6 @@ def _promote(store: Any, recipe: DrafterRecipe, files: dict[str, str], checkpoin
              max_new_tokens: int, stop: list[int], margin: float, log: Callable[[str], None]) -> dict[str, Any]:
     """Decide promotion among the run's checkpoints, all measured on the same prompts; write the promoted
     manifest when one wins. Returns the decision as metadata."""
-    from dflash_assets.drafter.decoding import evaluate_drafter
     from dflash_assets.drafter.promotion import Candidate, decide_promotion, read_promoted, write_promoted
 
     n = min(curve_prompts, len(prompts)) if curve else len(prompts)
