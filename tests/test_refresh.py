@@ -9,6 +9,9 @@
 2. Warm start (``init_weights``, what a recipe with ``init_from: promoted`` passes): a drafter trained on a
    small target, then a second run started from its published weights on a target that differs (one weight
    changed) starts from a lower loss than a random init; a drafter of other shapes is refused with a clear error.
+   Through the store: a recipe with ``init_from: promoted`` trains from the checkpoint the family's promoted
+   manifest names (metadata ``warm_start``).
+3. ``refresh_drafter_job`` is registered for the drafter assets, and drafter_eval declares ``promotion``.
 """
 
 from __future__ import annotations
@@ -118,3 +121,39 @@ def test_refresh_job_is_registered_for_the_drafter_assets_per_recipe():
     assert job.partitions_def is not None and job.tags["dflash/refresh"] == "true"
     checks = {k.name for k in defs.resolve_asset_graph().asset_check_keys if k.asset_key == dg.AssetKey("drafter_eval")}
     assert "promotion" in checks
+
+
+@pytest.mark.slow
+def test_a_recipe_with_init_from_promoted_trains_from_the_promoted_checkpoint_in_the_store(tmp_path,
+                                                                                        tiny_dense_target):
+    """train_recipe through the store: the family's promoted manifest names the first recipe's published
+    checkpoint; the next recipe (init_from promoted) downloads it, starts from a lower loss, and says so."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_assets.drafter.promotion import Candidate, write_promoted
+    from dflash_assets.drafter.recipe import DrafterRecipe
+    from dflash_assets.drafter.stages import save_recipe, train_recipe
+    from dflash_assets.store import layout
+    from dflash_assets.store.backends import LocalStore
+    from dflash_assets.store.manifest import publish_files
+    from dflash_assets.target_model.spec import TargetModelSpec
+
+    torch.set_num_threads(1)
+    store = LocalStore(tmp_path / "store")
+    spec = TargetModelSpec(model_path=str(tiny_dense_target), dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(tiny_dense_target, dtype=torch.float32).eval()
+    seqs = greedy_sequences(model, n=8, prompt_len=8, new_tokens=24, seed=0, vocab_hi=200)
+    cache = write_cache(tmp_path / "cache.safetensors", model, seqs, layer_ids=[1])
+    publish_files(store, layout.hidden_state_manifest("shard-00000"), layout.hidden_state_versions("shard-00000"),
+                  {"shard-00000.safetensors": cache})
+    base = dict(partitions=("shard-00000",), num_layers=1, block_size=8, epochs=2, batch_size=2, max_anchors=8,
+                lr=3e-3, save_every=2, compile=False)
+    save_recipe(store, DrafterRecipe(name="tiny-v1", **base))
+    first = train_recipe(store, "tiny-v1", spec, work_dir=str(tmp_path / "work"), device="cpu")
+    assert "warm_start" not in first
+    write_promoted(store, "tiny", "tiny-v1", Candidate("final", first["sequence_tokens"], 1.5, {},
+                                                       layout.drafter_checkpoint_files(store, "tiny-v1")))
+    save_recipe(store, DrafterRecipe(name="tiny-v2", init_from="promoted", **base))
+    second = train_recipe(store, "tiny-v2", spec, work_dir=str(tmp_path / "work"), device="cpu")
+    assert second["warm_start"] == {"recipe": "tiny-v1", "checkpoint": "final", "tau": 1.5}
+    assert second["first_loss"] < 0.9 * first["first_loss"], (second["first_loss"], first["first_loss"])
