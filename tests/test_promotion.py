@@ -149,3 +149,12 @@ def test_eval_recipe_promotes_the_first_checkpoint_and_not_one_that_does_not_bea
         assert p["promoted"] is False and read_promoted(store, "demo")["recipe"] == "demo-v1"
     else:  # an untrained drafter can beat another by chance; then it must be the one promoted
         assert read_promoted(store, "demo")["recipe"] == ("demo-v2" if p["promoted"] else "demo-v1")
+
+
+def test_learning_curve_by_slice_is_drawn_as_a_chart_with_one_line_per_slice():
+    from dagster_project.metadata import PIPES_CHARTS
+
+    value = PIPES_CHARTS["learning_curve_by_slice"]({"tools:with": [[1e6, 1.2], [2e6, 1.5]],
+                                                      "tools:without": [[1e6, 1.3], [2e6, 1.9]]})
+    assert value.md_str.startswith("![learning curve by slice](data:image/png;base64,")
+    assert "2 slices; last checkpoint: tools:with 1.50, tools:without 1.90." in value.md_str
