@@ -68,7 +68,7 @@ log = logging.getLogger("dflash.demo")
 # Per target: what the demo materializes unless told otherwise. SmolLM2's size is chosen to finish cold in
 # under 10 minutes on 2 CPU cores (BENCHMARKS.md, "make demo on three CPU kernel levels").
 TARGET_DEFAULTS = {
-    "smollm2": {"prompts": 48, "shard_size": 16, "max_new_tokens": 96, "engine": "inprocess",
+    "smollm2": {"prompts": 60, "shard_size": 20, "max_new_tokens": 96, "engine": "inprocess",
                 "eval_prompts": 8, "eval_new_tokens": 48},
     "tiny": {"prompts": 48, "shard_size": 24, "max_new_tokens": 96, "engine": "serve",
              "eval_prompts": 4, "eval_new_tokens": 48},
