@@ -51,6 +51,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from smollm2_h200 import reassemble  # noqa: E402  (the GGUF's two halves, joined and checked against its SHA-256)
 
 WHEELS = ("gguf==0.19.0", "pydantic==2.14.4", "pydantic_core==2.50.5", "annotated_types==0.7.0",
           "typing_inspection==0.4.5", "orjson==3.13.0", "typing_extensions==4.16.0")
@@ -108,24 +111,6 @@ def prepare(out_dir: Path, num_prompts: int, shard_size: int, split_at: int) -> 
 
 
 # -- there: the stages ----------------------------------------------------------------------------------------------
-
-
-def reassemble(parts: list[str], dest: Path) -> Path:
-    from dflash_assets.embedded.smollm2 import SMOLLM2_GGUF_NAME, SMOLLM2_GGUF_SHA256
-
-    dest.mkdir(parents=True, exist_ok=True)
-    path = dest / SMOLLM2_GGUF_NAME
-    digest = hashlib.sha256()
-    with open(str(path) + ".tmp", "wb") as out:
-        for part in parts:
-            with open(part, "rb") as f:
-                while chunk := f.read(1 << 22):
-                    digest.update(chunk)
-                    out.write(chunk)
-    if digest.hexdigest() != SMOLLM2_GGUF_SHA256:
-        raise SystemExit(f"reassembled GGUF has SHA-256 {digest.hexdigest()}, expected {SMOLLM2_GGUF_SHA256}")
-    os.replace(str(path) + ".tmp", path)
-    return path
 
 
 def target_spec(target_dir: Path):
