@@ -68,7 +68,7 @@ log = logging.getLogger("dflash.demo")
 # Per target: what the demo materializes unless told otherwise. SmolLM2's size is chosen to finish cold in
 # under 10 minutes on 2 CPU cores (BENCHMARKS.md, "make demo on three CPU kernel levels").
 TARGET_DEFAULTS = {
-    "smollm2": {"prompts": 60, "shard_size": 20, "max_new_tokens": 96, "engine": "inprocess",
+    "smollm2": {"prompts": 48, "shard_size": 16, "max_new_tokens": 96, "engine": "inprocess",
                 "eval_prompts": 8, "eval_new_tokens": 48},
     "tiny": {"prompts": 48, "shard_size": 24, "max_new_tokens": 96, "engine": "serve",
              "eval_prompts": 4, "eval_new_tokens": 48},
@@ -476,8 +476,20 @@ def _stage_results(instance: dg.DagsterInstance, result: dg.ExecuteInProcessResu
 
 def _check_outcomes(result: dg.ExecuteInProcessResult) -> list[CheckOutcome]:
     return [CheckOutcome(e.check_name, e.passed, severity=getattr(e.severity, "value", "ERROR"),
-                         description=e.description or "", blocking=bool(e.blocking))
+                         description=_check_words(e), blocking=bool(e.blocking))
             for e in result.get_asset_check_evaluations()]
+
+
+def _check_words(evaluation: Any) -> str:
+    """What a check said: its description, else its metadata's ``summary`` (or ``problems``), else its name."""
+    if evaluation.description:
+        return evaluation.description
+    meta = evaluation.metadata or {}
+    for key in ("summary", "problems"):
+        if key in meta:
+            value = getattr(meta[key], "value", meta[key])
+            return "; ".join(map(str, value)) if isinstance(value, list) else str(value)
+    return f"see the {evaluation.check_name} check's metadata"
 
 
 def _explain_shard(shard: str, stages: list[StageRun], checks: list[CheckOutcome]) -> list[str]:

@@ -1,10 +1,10 @@
 """Decontamination (issue 25 item 5): evaluation prompts never appear in the shards a recipe trains on.
 
 Prompts go through the real ingest (`ingest_prompt_source`, `materialize_prompt_shard`) into a local store;
-the held-out shard holds a planted exact duplicate (case, spacing and punctuation changed), a planted near
-duplicate (one word changed) and a prompt pasted into a longer training prompt; a clean corpus passes. Through
-Dagster, a contaminated recipe fails the blocking `decontamination` check of `drafter_checkpoint` before any
-GPU run is launched.
+the held-out shard holds a planted exact duplicate (case, spacing and punctuation changed) and a planted near
+duplicate (one word changed): they are left out of evaluation and counted; a clean corpus passes. Through
+Dagster, a recipe whose benchmark prompt is in its training data fails the blocking `decontamination` check of
+`drafter_checkpoint` before any GPU run is launched.
 """
 
 from __future__ import annotations
@@ -96,7 +96,9 @@ def test_a_clean_recipe_passes(local_store, tmp_path):
     assert report.summary() == "clean: none of 4 held-out and 0 benchmark prompts matches any of 8 training turns"
 
 
-def test_planted_exact_and_near_duplicates_are_counted_with_examples(local_store, tmp_path):
+def test_planted_held_out_duplicates_are_left_out_of_evaluation_and_counted(local_store, tmp_path):
+    """A held-out prompt that duplicates a trained one is not evaluated: drafter_eval decodes the clean ones, the
+    check passes and counts (with examples) what was left out; find_overlaps on them still finds both."""
     train = [long_prompt(t) for t in TOPICS[:8]]
     held = [
         long_prompt(TOPICS[0]).upper().replace(" ", "   ") + "?!",  # exact after normalization
@@ -106,15 +108,34 @@ def test_planted_exact_and_near_duplicates_are_counted_with_examples(local_store
     ]
     shards = ingest(local_store, tmp_path, train + held)
     report = recipe_decontamination(local_store, shards[:2])
-    assert not report.passed
-    assert (report.exact, report.near, report.contaminated, report.eval_prompts) == (1, 1, 2, 4)
-    assert report.by_origin == {"heldout": 2}
-    exact, near = report.examples
+    assert report.passed and report.contaminated == 0
+    assert (report.excluded_exact, report.excluded_near, report.excluded_by_eval_selection, report.eval_prompts) == (
+        1, 1, 2, 2)
+    exact, near = report.excluded_examples
     assert exact["kind"] == "exact" and exact["shard"] == "shard-00000" and "WATER CYCLE" in exact["eval_text"]
     assert near["kind"] == "near" and JACCARD_THRESHOLD <= near["jaccard"] < 1.0
-    assert report.summary() == "2 evaluation prompts appear in training data (1 exact, 1 near duplicates) of 4"
-    as_dict = report.to_dict()
-    assert as_dict["passed"] is False and as_dict["rule"].startswith("normalized text")
+    assert report.summary() == ("clean: none of 2 held-out and 0 benchmark prompts matches any of 8 training turns "
+                                "(2 held-out prompts left out of evaluation as duplicates of training turns: "
+                                "1 exact, 1 near)")
+    from dflash_assets.drafter.decontamination import heldout_selection, training_turns
+
+    selection = heldout_selection(local_store, shards[:2], 16)
+    held_rows = local_store.read_parquet(layout.raw_prompts(shards[2])).to_pylist()
+    assert [p.prompt_id for p in selection.prompts] == [r["prompt_id"] for r in held_rows[2:]]
+    # the rule still sees the two if they were evaluated: the selection, not a weaker rule, keeps them out
+    direct = find_overlaps([EvalText("heldout", r["prompt_id"], r["user_turns"][0]) for r in held_rows],
+                           training_turns(local_store, shards[:2]))
+    assert (direct.exact, direct.near, direct.passed) == (1, 1, False)
+    assert direct.summary() == "2 evaluation prompts appear in training data (1 exact, 1 near duplicates) of 4"
+    assert direct.to_dict()["passed"] is False and direct.to_dict()["rule"].startswith("normalized text")
+
+
+def test_a_held_out_shard_of_duplicates_only_fails(local_store, tmp_path):
+    train = [long_prompt(t) for t in TOPICS[:8]]
+    shards = ingest(local_store, tmp_path, train + [long_prompt(t).upper() for t in TOPICS[:4]])
+    report = recipe_decontamination(local_store, shards[:2])
+    assert not report.passed and report.eval_prompts == 0 and report.excluded_exact == 4
+    assert report.summary() == "no clean held-out prompt: all 4 held-out prompts match training turns"
 
 
 def test_benchmark_files_are_checked_too(local_store, tmp_path):
@@ -186,11 +207,12 @@ def test_a_contaminated_recipe_fails_its_blocking_check_before_any_gpu_run(tmp_p
         assert match.metadata["problems"].value == ["not checked: decontamination failed, so no checkpoint was trained"]
         assert check.severity == dg.AssetCheckSeverity.ERROR
         meta = {k: v.value for k, v in check.metadata.items()}
-        assert (meta["exact"], meta["near"], meta["contaminated"]) == ("2", "0", "2")
-        assert meta["summary"] == "2 evaluation prompts appear in training data (2 exact, 0 near duplicates) of 5"
-        assert {e["origin"] for e in meta["examples"]} == {"heldout", "benchmark:bench.txt"}
+        assert (meta["exact"], meta["near"], meta["contaminated"], meta["excluded_exact"]) == ("1", "0", "1", "1")
+        assert meta["summary"] == "1 evaluation prompts appear in training data (1 exact, 0 near duplicates) of 4"
+        assert {e["origin"] for e in meta["examples"]} == {"benchmark:bench.txt"}
+        assert {e["origin"] for e in meta["excluded_examples"]} == {"heldout"}  # left out of evaluation, counted
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-        assert "decontamination: 2 evaluation prompts" in str(failure.event_specific_data.error)
+        assert "decontamination: 1 evaluation prompts" in str(failure.event_specific_data.error)
         assert instance.get_latest_materialization_event(dg.AssetKey("drafter_checkpoint")) is None
     assert store.list("drafter_checkpoint") == [] and store.list("_pipes") == []  # no GPU stage was launched
 

@@ -1,9 +1,15 @@
 """Decontamination: evaluation prompts must not appear in the prompts a drafter recipe trains on.
 
-The evaluation side is the prompts ``drafter_eval`` would decode (the held-out prompts
-``stages.heldout_prompts`` picks, in its order, up to ``max_eval_prompts``) plus every prompt of the
-benchmark files a deployment lists (``DFLASH_BENCHMARK_PROMPTS``). The training side is every user turn
-of every ``raw_prompts`` shard the recipe trains on.
+The evaluation side is the prompts ``drafter_eval`` would decode plus every prompt of the benchmark files
+a deployment lists (``DFLASH_BENCHMARK_PROMPTS``). The training side is every user turn of every
+``raw_prompts`` shard the recipe trains on.
+
+Held-out prompts are *selected* clean: ``heldout_texts`` walks the held-out shards in order and leaves out
+each first user turn that matches a training turn by the rule below (ShareGPT repeats and rephrases prompts
+under new ids, so a held-out shard of real data nearly always holds a few); ``drafter_eval`` decodes the
+first ``num_prompts`` of what remains. Those left out are counted (``excluded_exact``, ``excluded_near``)
+with examples, not failed. What fails the recipe's check is a benchmark prompt found in training data
+(the user's benchmark is what it is: the training data must change) or no held-out prompt at all.
 
 The rule (pure Python, no extra dependency):
 
@@ -23,7 +29,6 @@ Reads ``raw_prompts/<shard>.parquet`` through the store and benchmark files (``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import unicodedata
@@ -37,7 +42,7 @@ from dflash_assets.store import layout
 __all__ = [
     "NGRAM", "JACCARD_THRESHOLD", "CONTAINMENT_THRESHOLD", "CONTAINMENT_MIN_WORDS", "RULE",
     "normalize_text", "word_ngrams", "EvalText", "Match", "DecontaminationReport", "find_overlaps",
-    "read_benchmark_prompts", "recipe_decontamination",
+    "read_benchmark_prompts", "recipe_decontamination", "HeldOutSelection", "heldout_selection", "best_matches",
 ]
 
 NGRAM = 5
@@ -106,7 +111,10 @@ class DecontaminationReport:
     near: int = 0
     by_origin: dict[str, int] = field(default_factory=dict)
     examples: list[dict[str, Any]] = field(default_factory=list)
-    excluded_by_eval_selection: int = 0  # held-out prompts drafter_eval already skips (raw text equal)
+    excluded_by_eval_selection: int = 0  # held-out prompts left out of evaluation: exact + near matches
+    excluded_exact: int = 0
+    excluded_near: int = 0
+    excluded_examples: list[dict[str, Any]] = field(default_factory=list)
     held_out: bool = True  # False: the recipe trains on every shard, so drafter_eval would use training prompts
     benchmark_files: list[str] = field(default_factory=list)
     rule: str = RULE
@@ -117,14 +125,20 @@ class DecontaminationReport:
 
     @property
     def passed(self) -> bool:
-        return self.held_out and self.contaminated == 0
+        return self.held_out and self.eval_prompts > 0 and self.contaminated == 0
 
     def summary(self) -> str:
         if not self.held_out:
             return "no held-out shard: the recipe trains on every shard, so drafter_eval would measure training prompts"
+        if self.eval_prompts == 0:
+            return (f"no clean held-out prompt: all {self.excluded_by_eval_selection} held-out prompts match "
+                    f"training turns")
+        excluded = (f" ({self.excluded_by_eval_selection} held-out prompts left out of evaluation as duplicates of "
+                    f"training turns: {self.excluded_exact} exact, {self.excluded_near} near)"
+                    if self.excluded_by_eval_selection else "")
         if self.passed:
             return (f"clean: none of {self.eval_prompts} held-out and {self.benchmark_prompts} benchmark prompts "
-                    f"matches any of {self.training_turns} training turns")
+                    f"matches any of {self.training_turns} training turns{excluded}")
         return (f"{self.contaminated} evaluation prompts appear in training data ({self.exact} exact, "
                 f"{self.near} near duplicates) of {self.eval_prompts + self.benchmark_prompts}")
 
@@ -177,12 +191,9 @@ class _EvalIndex:
         return found
 
 
-def find_overlaps(eval_prompts: Sequence[EvalText], training: Iterable[tuple[str, str, str]],
-                  report: DecontaminationReport | None = None) -> DecontaminationReport:
-    """Match ``eval_prompts`` against training turns ``(shard, prompt_id, text)``; fills and returns ``report``.
-
-    Each evaluation prompt is counted once, as exact if any training turn equals it, else near."""
-    report = report if report is not None else DecontaminationReport()
+def best_matches(eval_prompts: Sequence[EvalText], training: Iterable[tuple[str, str, str]]
+                 ) -> tuple[dict[int, Match], int]:
+    """{index into ``eval_prompts``: its strongest match (exact wins, then the higher Jaccard)}, turns read."""
     index = _EvalIndex(eval_prompts)
     best: dict[int, Match] = {}
     turns = 0
@@ -194,6 +205,16 @@ def find_overlaps(eval_prompts: Sequence[EvalText], training: Iterable[tuple[str
                     old.kind == kind and jaccard > old.jaccard):
                 p = eval_prompts[i]
                 best[i] = Match(kind, p.origin, p.prompt_id, shard, train_id, jaccard, containment, p.text, text)
+    return best, turns
+
+
+def find_overlaps(eval_prompts: Sequence[EvalText], training: Iterable[tuple[str, str, str]],
+                  report: DecontaminationReport | None = None) -> DecontaminationReport:
+    """Match ``eval_prompts`` against training turns ``(shard, prompt_id, text)``; fills and returns ``report``.
+
+    Each evaluation prompt is counted once, as exact if any training turn equals it, else near."""
+    report = report if report is not None else DecontaminationReport(eval_prompts=len(eval_prompts))
+    best, turns = best_matches(eval_prompts, training)
     report.training_turns += turns
     report.exact = sum(m.kind == "exact" for m in best.values())
     report.near = sum(m.kind == "near" for m in best.values())
@@ -265,35 +286,58 @@ def read_benchmark_prompts(path: str | Path) -> list[EvalText]:
 # A recipe's check
 
 
-def _digest(text: str) -> bytes:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+@dataclass
+class HeldOutSelection:
+    """The held-out prompts ``drafter_eval`` decodes, in its order, and those left out as training duplicates."""
+
+    prompts: list[EvalText]
+    excluded: list[Match]  # exact or near matches of a training turn, in shard order
+    held_out: bool  # False: the recipe trains on every shard
+
+    @property
+    def ids(self) -> set[str]:
+        return {p.prompt_id for p in self.prompts}
 
 
-def heldout_texts(store: Any, trained: Sequence[str], limit: int) -> tuple[list[EvalText], int, bool]:
-    """The first user turns ``drafter_eval`` would decode, in its order (``stages.heldout_prompts``: held-out
-    shards, skipping a prompt whose raw first user turn is a trained user turn); (prompts, skipped, held_out)."""
+def heldout_selection(store: Any, trained: Sequence[str], limit: int) -> HeldOutSelection:
+    """The first ``limit`` held-out first user turns (shards the recipe does not train on, in order) that match
+    no user turn of a trained shard, exactly or nearly (the module's rule); what was left out on the way."""
     shards = layout.list_raw_prompt_shards(store)
     trained_set = set(trained)
     held = [s for s in shards if s not in trained_set]
     if not held:
-        return [], 0, False
-    trained_texts: set[bytes] = set()  # digests, not texts: the trained turns of a large corpus stay small
-    for shard in (s for s in shards if s in trained_set):
-        for turns in store.read_parquet(layout.raw_prompts(shard), columns=["user_turns"]).column(0).to_pylist():
-            trained_texts.update(_digest(t) for t in turns or ())
-    out: list[EvalText] = []
-    skipped = 0
-    for shard in held:
-        table = store.read_parquet(layout.raw_prompts(shard), columns=["prompt_id", "user_turns"])
-        for row in table.to_pylist():
-            first = (row["user_turns"] or [""])[0]
-            if _digest(first) in trained_texts:
-                skipped += 1
-                continue
-            out.append(EvalText("heldout", row["prompt_id"], first))
-            if len(out) >= limit:
-                return out, skipped, True
-    return out, skipped, True
+        return HeldOutSelection([], [], False)
+    trained_shards = [s for s in shards if s in trained_set]
+
+    def candidates() -> Iterable[EvalText]:
+        for shard in held:
+            table = store.read_parquet(layout.raw_prompts(shard), columns=["prompt_id", "user_turns"])
+            for row in table.to_pylist():
+                yield EvalText("heldout", row["prompt_id"], (row["user_turns"] or [""])[0])
+
+    pending = iter(candidates())
+    chosen: list[EvalText] = []
+    excluded: list[Match] = []
+    while len(chosen) < limit:  # a round reads the trained shards once; one round unless many are duplicates
+        want = limit - len(chosen)
+        batch = [p for _, p in zip(range(want + want // 4 + 16), pending)]
+        if not batch:
+            break
+        best, _ = best_matches(batch, training_turns(store, trained_shards))
+        for i, prompt in enumerate(batch):
+            if len(chosen) >= limit:
+                break
+            if i in best:
+                excluded.append(best[i])
+            else:
+                chosen.append(prompt)
+    return HeldOutSelection(chosen, excluded, True)
+
+
+def heldout_texts(store: Any, trained: Sequence[str], limit: int) -> tuple[list[EvalText], int, bool]:
+    """``heldout_selection`` as (prompts, how many were left out, held_out)."""
+    selection = heldout_selection(store, trained, limit)
+    return selection.prompts, len(selection.excluded), selection.held_out
 
 
 def training_turns(store: Any, shards: Sequence[str]) -> Iterable[tuple[str, str, str]]:
@@ -311,9 +355,14 @@ def recipe_decontamination(store: Any, trained_shards: Sequence[str], *, benchma
 
     ``max_eval_prompts``: how many held-out prompts are checked, in ``drafter_eval``'s order (it decodes the
     first ``num_prompts`` of them, 16 by default)."""
-    heldout, skipped, held_out = heldout_texts(store, trained_shards, max_eval_prompts)
+    selection = heldout_selection(store, trained_shards, max_eval_prompts)
     benchmark = [p for f in benchmark_files for p in read_benchmark_prompts(f)]
-    report = DecontaminationReport(eval_prompts=len(heldout), benchmark_prompts=len(benchmark),
-                                   training_shards=list(trained_shards), excluded_by_eval_selection=skipped,
-                                   held_out=held_out, benchmark_files=[str(f) for f in benchmark_files])
-    return find_overlaps([*heldout, *benchmark], training_turns(store, trained_shards), report)
+    excluded = selection.excluded
+    report = DecontaminationReport(
+        eval_prompts=len(selection.prompts), benchmark_prompts=len(benchmark), training_shards=list(trained_shards),
+        excluded_by_eval_selection=len(excluded), excluded_exact=sum(m.kind == "exact" for m in excluded),
+        excluded_near=sum(m.kind == "near" for m in excluded), excluded_examples=[m.short() for m in
+                                                                                  excluded[:MAX_EXAMPLES]],
+        held_out=selection.held_out, benchmark_files=[str(f) for f in benchmark_files])
+    # the held-out prompts are clean by selection; they stay in the match so a rule change cannot hide one
+    return find_overlaps([*selection.prompts, *benchmark], training_turns(store, trained_shards), report)

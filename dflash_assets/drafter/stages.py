@@ -259,38 +259,35 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
 
 
 def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts: int) -> tuple[list[Any], bool]:
-    """Rendered prompts from shards the recipe did not train on; (prompts, held_out). A prompt whose first user
-    turn is also the text of a user turn in a trained shard is skipped (ShareGPT repeats texts under new ids):
-    held out means disjoint by prompt_id and by text."""
+    """Rendered prompts from shards the recipe did not train on; (prompts, held_out). Held out means disjoint by
+    prompt_id and by text: a prompt whose first user turn matches a trained user turn exactly or nearly (the
+    decontamination rule; ShareGPT repeats texts under new ids) is left out (``decontamination.heldout_selection``).
+    A recipe that trains on every shard gets the last shard's prompts, and held_out False."""
     from dflash_assets.drafter.decoding import EvalPrompt
+    from dflash_assets.drafter.decontamination import heldout_selection
 
-    trained = set(training_shards(store, recipe))
     shards = layout.list_raw_prompt_shards(store)
-    held = [s for s in shards if s not in trained]
-    held_out = bool(held)
-    trained_texts: set[str] = set()
-    for shard in (s for s in shards if s in trained) if held else ():
-        for turns in store.read_parquet(layout.raw_prompts(shard), columns=["user_turns"]).column(0).to_pylist():
-            trained_texts.update(turns or ())
+    trained = set(training_shards(store, recipe))
+    selection = heldout_selection(store, sorted(trained), num_prompts)
     tok = target.load_tokenizer()
     thinking = bool(target.thinking())
     prompts: list[EvalPrompt] = []
-    for shard in held or shards[-1:]:
+    for shard in [s for s in shards if s not in trained] or shards[-1:]:
         table = store.read_parquet(layout.raw_prompts(shard))  # shards written before agentic prompts: no tools
         for row in table.to_pylist():
-            if row["user_turns"][0] in trained_texts:
+            if selection.held_out and row["prompt_id"] not in selection.ids:
                 continue
             messages = ([{"role": "system", "content": row["system"]}] if row["system"] else [])
             messages.append({"role": "user", "content": row["user_turns"][0]})
             text = target.render_chat(tok, messages, add_generation_prompt=True)
             ids = tok(text, add_special_tokens=False)["input_ids"]
             kept = tuple(ids[-1024:])
-            slices = prompt_slices(thinking=thinking, has_tools=bool(row.get("tools") if "tools" in table.column_names else None), prompt_tokens=len(ids),
+            slices = prompt_slices(thinking=thinking, has_tools=bool(row.get("tools")), prompt_tokens=len(ids),
                                    category=row["category"])
             prompts.append(EvalPrompt(kept, row["category"] or "unknown", row["prompt_id"], slices))
             if len(prompts) >= num_prompts:
-                return prompts, held_out
-    return prompts, held_out
+                return prompts, selection.held_out
+    return prompts, selection.held_out
 
 
 def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, max_new_tokens: int = 128,
