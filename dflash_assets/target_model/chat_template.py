@@ -5,9 +5,9 @@ Reads the packaged Qwen3.5/3.6-style ChatML template
 `ChatRenderer` renders conversations exactly as
 `tokenizer.apply_chat_template(..., tokenize=False)` does (same message
 normalization, same sandboxed Jinja environment), with the template compiled
-once; every stage renders through it (`render_chat`, `TargetSpec.render_chat`,
-the tokenization stage, the generation clients' `ChatTokenizer`, the tiny
-targets' training). `split_reasoning` / `split_reasoning_text` split a think
+once; every stage renders through it (`render_chat`, the target's chat object
+`target_model.chat.TargetChat` that the tokenization stage, the generation
+clients' `ChatTokenizer` and the evaluation take, the tiny targets' training). `split_reasoning` / `split_reasoning_text` split a think
 block off a message or off generated text. Writes nothing.
 
 Format of the packaged template (it renders what the published Qwen3.6

@@ -17,6 +17,11 @@ file; it writes nothing.
   the facts include the chat conventions read off the target's own template
   (`chat_conventions()`: thinking supported and used, assistant header, end
   of turn) and whether the embeddings are tied.
+- `TargetModelSpec.chat()`: the target's one chat object
+  (`target_model.chat.TargetChat`: the tokenizer loaded here, the renderer
+  with the spec's template kwargs, the conventions, the stop ids, the
+  thinking flag), cached per process; engines, tokenization and evaluation
+  take it, so the template override reaches them all.
 - `TargetModelSpec.config_fingerprint()`: short hash of what changes pipeline
   outputs, for Dagster code versions.
 
@@ -35,12 +40,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dflash_assets.target_model.chat import TargetChat
 from dflash_assets.target_model.chat_template import ChatRenderer, load_chat_template, template_hash
 from dflash_assets.target_model.conventions import (
     DEFAULT_NUM_TARGET_LAYERS,
@@ -51,7 +58,7 @@ from dflash_assets.target_model.conventions import (
     resolve_mask_token_id,
     text_config,
 )
-from dflash_assets.target_model.tokenizer import QWEN3_6_MASK_TOKEN, tokenizer_hash
+from dflash_assets.target_model.tokenizer import QWEN3_6_MASK_TOKEN
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +99,24 @@ def _load_tokenizer(path: str, stamp: tuple, template: str | None, add_mask: boo
 
 
 _load_tokenizer_cached = functools.lru_cache(maxsize=8)(_load_tokenizer)
+
+
+_CHATS_LOCK = threading.Lock()
+_CHATS: dict[tuple, TargetChat] = {}  # (tokenizer load key, template kwargs as JSON) -> chat object; the last 8
+
+
+def _chat_cached(key: tuple, template_kwargs: dict[str, Any]) -> TargetChat:
+    """One chat object per loaded tokenizer (the `load_tokenizer` key) and template kwargs, per process."""
+    memo = (key, json.dumps(template_kwargs, sort_keys=True, default=repr))
+    tokenizer = _load_tokenizer_cached(*key)
+    with _CHATS_LOCK:
+        chat = _CHATS.pop(memo, None)
+        if chat is None or chat.tokenizer is not tokenizer:
+            chat = TargetChat.from_tokenizer(tokenizer, template_kwargs)
+        _CHATS[memo] = chat  # most recently used last
+        while len(_CHATS) > 8:
+            del _CHATS[next(iter(_CHATS))]
+    return chat
 
 
 @dataclass(frozen=True)
@@ -150,6 +175,17 @@ class TargetModelSpec(BaseModel):
         except (OSError, ValueError) as e:
             raise TargetModelError(f"cannot read the config of target {self.model_path!r}: {e}") from e
 
+    def _tokenizer_key(self) -> tuple:
+        """What a tokenizer load depends on: path, file stamps, template override, mask settings, downloads."""
+        template = None
+        if self.chat_template_path is not None:
+            try:
+                template = load_chat_template(self.chat_template_path)
+            except (OSError, ValueError) as e:
+                raise TargetModelError(f"cannot read chat template {self.chat_template_path!r}: {e}") from e
+        return (self.resolved_tokenizer_path, _dir_stamp(self.resolved_tokenizer_path), template,
+                self.add_mask_token, self.mask_token, self.allow_download)
+
     def load_tokenizer(self, fresh: bool = False) -> "PreTrainedTokenizerBase":
         """The tokenizer, with the chat-template override and (if asked) the mask token applied.
 
@@ -157,17 +193,16 @@ class TargetModelSpec(BaseModel):
         mask settings) and the cached instance is shared: treat it as
         read-only, or pass `fresh=True` for a private copy.
         """
-        template = None
-        if self.chat_template_path is not None:
-            try:
-                template = load_chat_template(self.chat_template_path)
-            except (OSError, ValueError) as e:
-                raise TargetModelError(f"cannot read chat template {self.chat_template_path!r}: {e}") from e
-        key = (self.resolved_tokenizer_path, _dir_stamp(self.resolved_tokenizer_path), template,
-               self.add_mask_token, self.mask_token, self.allow_download)
+        key = self._tokenizer_key()
         if fresh:
             return _load_tokenizer(*key)
         return _load_tokenizer_cached(*key)
+
+    def chat(self) -> TargetChat:
+        """The target's one chat object (`target_model.chat.TargetChat`): the tokenizer of `load_tokenizer`, the
+        renderer with this spec's template kwargs, the chat conventions, the stop ids and the thinking flag.
+        Cached per process with the tokenizer load (same key) and the template kwargs: shared, read-only."""
+        return _chat_cached(self._tokenizer_key(), self.chat_template_kwargs)
 
     def torch_dtype(self, dtype: str | None = None) -> "torch.dtype | str":
         import torch
@@ -206,13 +241,16 @@ class TargetModelSpec(BaseModel):
 
     def chat_conventions(self, tok: "PreTrainedTokenizerBase | None" = None) -> ChatConventions:
         """Thinking (supported, used), assistant header and end of turn, read off this target's template
-        rendered with this spec's template kwargs (`conventions.derive_chat_conventions`)."""
-        tok = tok if tok is not None else self.load_tokenizer()
+        rendered with this spec's template kwargs (`conventions.derive_chat_conventions`); those of `chat()`
+        unless another tokenizer is given."""
+        if tok is None:
+            return self.chat().conventions
         return derive_chat_conventions(ChatRenderer.from_tokenizer(tok), self.chat_template_kwargs)
 
     def thinking(self) -> bool:
-        """Whether generation runs with reasoning: thinking requested and the template has a thinking mode."""
-        return self.chat_conventions().thinking
+        """Whether generation runs with reasoning: thinking requested and the template has a thinking mode
+        (the chat object's flag, `chat().thinking`)."""
+        return self.chat().thinking
 
     def mask_token_id_resolved(self) -> int:
         """The mask id, loading the tokenizer when no explicit id is set."""
@@ -221,9 +259,12 @@ class TargetModelSpec(BaseModel):
         return self.mask_token_id_for(self.load_tokenizer())
 
     def render_chat(
-        self, tok: "PreTrainedTokenizerBase", messages: list[dict], add_generation_prompt: bool = False
+        self, tok: "PreTrainedTokenizerBase | None", messages: list[dict], add_generation_prompt: bool = False
     ) -> str:
-        """`messages` rendered with the tokenizer's template and this spec's template kwargs (the one renderer)."""
+        """`messages` rendered with the tokenizer's template and this spec's template kwargs (the one renderer):
+        `chat().render`, or with another tokenizer's template when one is given."""
+        if tok is None or tok is self.chat().tokenizer:
+            return self.chat().render(messages, add_generation_prompt)
         return ChatRenderer.from_tokenizer(tok, **self.chat_template_kwargs)(messages, add_generation_prompt)
 
     def validate(self) -> TargetFacts:
@@ -238,7 +279,8 @@ class TargetModelSpec(BaseModel):
                 f"config of {self.model_path!r} lacks num_hidden_layers/hidden_size/vocab_size "
                 f"(got {num_layers}, {hidden}, {model_vocab})"
             )
-        tok = self.load_tokenizer()
+        chat = self.chat()
+        tok = chat.tokenizer
         template = tok.chat_template
         if not isinstance(template, str) or not template.strip():
             raise TargetModelError(
@@ -254,7 +296,7 @@ class TargetModelSpec(BaseModel):
             raise TargetModelError(f"mask token id {mask_id} is outside the model's {model_vocab} embedding rows")
         mask_token = tok.convert_ids_to_tokens(mask_id) if mask_id < len(tok) else None
         eos = tok.eos_token_id
-        chat = self.chat_conventions(tok)
+        conventions = chat.conventions
         return TargetFacts(
             model_path=self.model_path,
             model_type=text.model_type,
@@ -266,11 +308,11 @@ class TargetModelSpec(BaseModel):
             mask_token=mask_token,
             mask_token_id=mask_id,
             eos_token_id=eos if isinstance(eos, int) else None,
-            tokenizer_hash=tokenizer_hash(tok),
+            tokenizer_hash=chat.tokenizer_hash,
             template_hash=template_hash(template),
             dtype=self.dtype,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),  # the outer config decides
-            chat=chat,
+            chat=conventions,
         )
 
     def _checked_layer_ids(self, num_layers: int) -> list[int]:
