@@ -122,7 +122,6 @@ def untrained_tau(store: Any, recipe_name: str, target: str | None, num_prompts:
     files = layout.drafter_checkpoint_files(store, recipe_name, ("config.json",))
     config = DrafterConfig.from_hf_dict(json.loads(store.read_bytes(files["config.json"])))
     torch.manual_seed(recipe.seed)
-    tok = spec.load_tokenizer()
-    stop = sorted({i for i in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if isinstance(i, int)})
+    stop = sorted(spec.chat().stop_ids)
     return float(evaluate_drafter(DFlashDrafter(config), spec.model_path, prompts, max_new_tokens=max_new_tokens,
                                   stop_token_ids=stop, check_lossless=False).tau)

@@ -269,8 +269,8 @@ def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts:
     shards = layout.list_raw_prompt_shards(store)
     trained = set(training_shards(store, recipe))
     selection = heldout_selection(store, sorted(trained), num_prompts)
-    tok = target.load_tokenizer()
-    thinking = bool(target.thinking())
+    chat = target.chat()
+    thinking = bool(chat.thinking)
     prompts: list[EvalPrompt] = []
     for shard in [s for s in shards if s not in trained] or shards[-1:]:
         table = store.read_parquet(layout.raw_prompts(shard))  # shards written before agentic prompts: no tools
@@ -279,8 +279,7 @@ def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts:
                 continue
             messages = ([{"role": "system", "content": row["system"]}] if row["system"] else [])
             messages.append({"role": "user", "content": row["user_turns"][0]})
-            text = target.render_chat(tok, messages, add_generation_prompt=True)
-            ids = tok(text, add_special_tokens=False)["input_ids"]
+            ids = chat.encode(chat.render(messages, add_generation_prompt=True))
             kept = tuple(ids[-1024:])
             slices = prompt_slices(thinking=thinking, has_tools=bool(row.get("tools")), prompt_tokens=len(ids),
                                    category=row["category"])
@@ -311,8 +310,7 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
     prompts, held_out = heldout_prompts(store, recipe, target, num_prompts)
     if not held_out:
         log(f"recipe {name} trained on every shard: evaluating on training prompts (tau is optimistic)")
-    tok = target.load_tokenizer()
-    stop = sorted({i for i in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if isinstance(i, int)})
+    stop = sorted(target.chat().stop_ids)
     files = layout.drafter_checkpoint_files(store, name, CHECKPOINT_FILES)
     if missing := [f for f in CHECKPOINT_FILES if f not in files]:
         raise FileNotFoundError(f"recipe {name!r} has no published checkpoint ({', '.join(missing)} missing); "

@@ -1,8 +1,9 @@
 """The generation clients' tokenizer adapter: chats to prompt ids, generated ids to (reasoning, content).
 
-`ChatTokenizer` wraps any HF-style tokenizer for the engines that send or
-receive token ids (SGLang's native API, the in-process engine): it renders a
-chat's generation prompt through the one renderer
+`ChatTokenizer` wraps the target's chat object (`target_model.chat.TargetChat`, made by
+`TargetModelSpec.chat()`: its tokenizer, renderer with the spec's template kwargs and stop ids) or any
+HF-style tokenizer for the engines that send or receive token ids (SGLang's native API, the in-process
+engine): it renders a chat's generation prompt through the one renderer
 (`target_model.chat_template.ChatRenderer`), encodes it, and splits generated ids at
 the `</think>` id, the id-level twin of `target_model.chat_template.split_think` (a
 test checks the two agree). `strip_stop_text` drops a stop marker that a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from dflash_assets.target_model.chat import TargetChat, encode_text, stop_token_ids, token_id_of
 from dflash_assets.target_model.chat_template import THINK_END, THINK_START, ChatRenderer
 
 __all__ = ["ChatTokenizer", "strip_stop_text"]
@@ -28,34 +30,35 @@ class ChatTokenizer:
     is used for encoding when present (about 1.5x faster). A transformers
     tokenizer with one template renders through the project's one renderer
     (`ChatRenderer`, the same output as its ``apply_chat_template``, ~2x faster).
+    Given a `TargetChat` it renders with the chat's renderer (the target spec's template kwargs; a call's
+    ``enable_thinking`` overrides them) and stops on the chat's stop ids (`target_model.chat.stop_token_ids`,
+    the one rule, also for a bare tokenizer).
     """
 
     def __init__(self, tokenizer: Any):
         if isinstance(tokenizer, ChatTokenizer):
-            tokenizer = tokenizer.tokenizer
+            tokenizer = tokenizer.chat if tokenizer.chat is not None else tokenizer.tokenizer
+        self.chat: TargetChat | None = tokenizer if isinstance(tokenizer, TargetChat) else None
+        if self.chat is not None:
+            tokenizer = self.chat.tokenizer
         self.tokenizer = tokenizer
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.think_start_id = self._token_id(THINK_START)
         self.think_end_id = self._token_id(THINK_END)
-        stops = {self._token_id("<|im_end|>"), self._token_id("<|endoftext|>"), getattr(tokenizer, "eos_token_id", None)}
-        self.stop_ids = frozenset(i for i in stops if isinstance(i, int))
+        self.stop_ids = self.chat.stop_ids if self.chat is not None else stop_token_ids(tokenizer)
         self._render = self._chat_renderer()
         # Kept as text by `decode` even where the tokenizer marks them special: a step's tool calls
         # (Qwen3.5/3.6 `<tool_call>` blocks) are parsed from the decoded content.
         self._kept_marks = {i: t for t in ("<tool_call>", "</tool_call>") if (i := self._token_id(t)) is not None}
 
     def _token_id(self, token: str) -> int | None:
-        try:
-            idx = self.tokenizer.convert_tokens_to_ids(token)
-        except Exception:
-            return None
-        if not isinstance(idx, int) or idx == getattr(self.tokenizer, "unk_token_id", None):
-            return None
-        return idx
+        return token_id_of(self.tokenizer, token)
 
     def _chat_renderer(self):
         """The one chat renderer (`target_model.chat_template.ChatRenderer`: the template compiled once) when the
-        tokenizer renders with transformers' own `apply_chat_template` and one template; else None."""
+        tokenizer renders with transformers' own `apply_chat_template` and one template; else None. A chat
+        object's own renderer when given one."""
+        if self.chat is not None:
+            return self.chat.renderer
         try:
             from transformers import PreTrainedTokenizerBase
         except ImportError:
@@ -77,9 +80,7 @@ class ChatTokenizer:
         )
 
     def encode(self, text: str) -> list[int]:
-        if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=False).ids
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_text(self.tokenizer, text)
 
     def prompt_ids(self, messages: Sequence[dict], enable_thinking: bool,
                    tools: Sequence[dict] | None = None) -> list[int]:

@@ -527,9 +527,9 @@ def _resolve_tokenizer(tokenizer: Any, fleet: EngineFleetConfig) -> Any:
         return tokenizer
     path = Path(fleet.target_model)
     if path.is_dir():
-        from transformers import AutoTokenizer
+        from dflash_assets.target_model.spec import TargetModelSpec
 
-        return AutoTokenizer.from_pretrained(str(path))
+        return TargetModelSpec(model_path=str(path), allow_download=True).chat()
     raise ValueError("sglang/transformers endpoints need the target's tokenizer: pass tokenizer= "
                      f"(target {fleet.target_model!r} is not a local model dir)")
 
@@ -584,9 +584,10 @@ async def aregenerate_shard(
     """Regenerate the assistant turns of ``prompts`` (one shard) over the fleet; resume from the journal.
 
     ``prompts``: Arrow table, polars frame or dicts with ``prompt_id``,
-    ``system`` (optional), ``user_turns``. ``tokenizer``: the target's
-    (needed for sglang/transformers endpoints; loaded from ``target_model``
-    when that is a local dir). ``progress`` gets a ``ProgressUpdate`` every
+    ``system`` (optional), ``user_turns``. ``tokenizer``: the target's chat
+    object (``TargetModelSpec.chat()``) or a bare tokenizer (needed for
+    sglang/transformers endpoints; the chat object of ``target_model`` when
+    that is a local dir). ``progress`` gets a ``ProgressUpdate`` every
     ``progress_interval_s``; ``on_probe`` the fleet's one probe, before any
     work. The journal is flushed every ``flush_every`` rows or
     ``flush_interval_s`` seconds and kept after success with

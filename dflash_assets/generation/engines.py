@@ -50,8 +50,9 @@ here) holds the sampling settings and gives the ``config_hash`` stored with ever
 
 Starting a server on a host is ``generation.server``'s job.
 
-Reads: HTTP endpoints, a tokenizer object (for the native and in-process
-paths), a model directory (in-process path). Writes nothing.
+Reads: HTTP endpoints, the target's chat object (``target_model.chat.TargetChat``, or a bare tokenizer object;
+for the native and in-process paths), a model directory (in-process path; its tokenizer through
+``TargetModelSpec.chat()`` when no chat object is given). Writes nothing.
 """
 
 from __future__ import annotations
@@ -837,11 +838,14 @@ class TransformersEngine(Engine):
 
     def _load(self) -> None:
         import torch
-        from transformers import AutoTokenizer
 
         from dflash_assets.target_model.loading import load_causal_lm
+        from dflash_assets.target_model.spec import TargetModelSpec
 
-        self.tok = ChatTokenizer(self._tokenizer or AutoTokenizer.from_pretrained(self.model_path))
+        # no chat object given: the model directory's own tokenizer, through the target package (downloads as
+        # the model load below may)
+        chat = self._tokenizer or TargetModelSpec(model_path=self.model_path, allow_download=True).chat()
+        self.tok = ChatTokenizer(chat)
         dtype = "auto" if self.dtype == "auto" else getattr(torch, self.dtype)
         self.model = load_causal_lm(self.model_path, dtype=dtype).to(self.device).eval()
         # the model's positions bound prompt + new tokens here, as SGLang's context length does there

@@ -1,7 +1,7 @@
 """The ``completions`` stage over the store: regenerate one ``raw_prompts`` partition with the target.
 
 :func:`regenerate_partition` reads ``raw_prompts/<shard>.parquet`` and the
-target's tokenizer (through its spec), and regenerates every assistant turn
+target's chat object (`TargetModelSpec.chat()`), and regenerates every assistant turn
 over the fleet (``completions.regenerate_shard``: journaled as answers arrive,
 so a crashed run resumes where it stopped). It writes the journal,
 ``completions/<shard>.parquet`` (one row per prompt) and
@@ -29,12 +29,13 @@ def regenerate_partition(store: Any, shard: str, target: Any, fleet: EngineFleet
                          on_probe: Callable[[FleetProbe], None] | None = None) -> CompletionsResult:
     """Regenerate the assistant turns of ``raw_prompts/<shard>.parquet`` on ``fleet`` and publish them.
 
-    ``target`` is a ``TargetModelSpec`` (its tokenizer, with the template override, renders the prompts for
-    engines that take token ids); ``generation`` the sampling (``enable_thinking``: ``target.thinking()``).
+    ``target`` is a ``TargetModelSpec`` (its chat object, ``target.chat()``: the tokenizer with the template
+    override and the template kwargs, renders the prompts for engines that take token ids); ``generation`` the
+    sampling (``enable_thinking``: ``target.thinking()``, the chat object's thinking flag).
     ``progress`` and ``on_probe`` are ``regenerate_shard``'s. Raises ``NoEngineAvailable`` and
     ``TooManyFailedPrompts`` as it does.
     """
     return regenerate_shard(
         store.read_parquet(layout.raw_prompts(shard)), shard=shard, store=store, fleet=fleet,
-        generation=generation, tokenizer=target.load_tokenizer(), max_failed_ratio=max_failed_ratio,
+        generation=generation, tokenizer=target.chat(), max_failed_ratio=max_failed_ratio,
         progress=progress, on_probe=on_probe)

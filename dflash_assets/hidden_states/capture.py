@@ -400,15 +400,14 @@ class CaptureResult:
 
 
 def _tokenizer_hash(target: str) -> str:
-    """``dflash_assets.target_model.tokenizer.tokenizer_hash`` of the target directory's tokenizer, "" when it has none."""
+    """``dflash_assets.target_model.tokenizer.tokenizer_hash`` of the target directory's tokenizer (its chat object,
+    ``TargetModelSpec.chat()``: loaded through the target package), "" when it has none."""
     d = Path(target)
     if not (d.is_dir() and ((d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file())):
         return ""
-    from transformers import AutoTokenizer
+    from dflash_assets.target_model.spec import TargetModelSpec
 
-    from dflash_assets.target_model.tokenizer import tokenizer_hash
-
-    return tokenizer_hash(AutoTokenizer.from_pretrained(str(d)))
+    return TargetModelSpec(model_path=str(d)).chat().tokenizer_hash
 
 
 def _target_config(spec: CaptureSpec, models: Sequence[nn.Module] | None) -> Any:

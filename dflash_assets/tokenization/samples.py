@@ -54,6 +54,7 @@ import pyarrow.compute as pc
 from jinja2.exceptions import TemplateError
 
 from dflash_assets.store.schemas import AGENTIC_MESSAGES_TYPE, COMPLETIONS_MESSAGES_TYPE
+from dflash_assets.target_model.chat import TargetChat
 from dflash_assets.target_model.chat_template import ASSISTANT_THINK_HEADER, ChatRenderer, message_text, split_reasoning
 from dflash_assets.tokenization.encoder import EncodedBatch, FastEncoder
 
@@ -332,11 +333,12 @@ def tokenize_completions(
     table: pa.Table,
     encoder: FastEncoder,
     config: TokenizeConfig = TokenizeConfig(),
-    template: str | ChatRenderer | None = None,
+    template: str | ChatRenderer | TargetChat | None = None,
 ) -> tuple[pa.Table, TokenizeStats]:
     """Completions -> samples table (`SAMPLES_SCHEMA`) and `TokenizeStats`.
 
-    `template`: a chat template string, a `ChatRenderer`, or None for the
+    `template`: the target's chat object (`TargetModelSpec.chat()`: its
+    renderer), a chat template string, a `ChatRenderer`, or None for the
     packaged Qwen3.5/3.6 template. A conversation the template refuses, or
     with malformed tool calls or tool definitions, is dropped and counted
     (`DROP_REASONS`), never the partition. The encoder is verified against its HF
@@ -344,6 +346,8 @@ def tokenize_completions(
     (falls back to the HF backend on a mismatch, see `FastEncoder.verify`).
     """
     t0 = time.perf_counter()
+    if isinstance(template, TargetChat):
+        template = template.renderer
     renderer = template if isinstance(template, ChatRenderer) else ChatRenderer(template, **config.template_kwargs)
     prompt_ids = pc.cast(table.column("prompt_id"), pa.string()).to_pylist()
     messages_col = table.column("messages")

@@ -1,10 +1,11 @@
 """The ``tokenized_samples`` stage over the store: tokenize one completions partition, check it, publish it.
 
 :func:`tokenize_partition` reads ``completions/<shard>.parquet`` and the target
-(its tokenizer and chat template, through its spec), renders and tokenizes
-every conversation (``samples.tokenize_completions``) with the supervised span
-delimited by the target's own assistant header and end of turn (read off its
-template: ``spec.chat_conventions``), runs the sample checks and writes
+(its chat object, ``spec.chat()``: tokenizer, renderer with the template
+kwargs, conventions), renders and tokenizes every conversation
+(``samples.tokenize_completions``) with the supervised span delimited by the
+target's own assistant header and end of turn (read off its template:
+``chat().conventions``), runs the sample checks and writes
 ``tokenized_samples/<shard>.parquet`` with its quality gate
 ``tokenized_samples/<shard>.quality.json`` (``quality.publish_samples``: gate
 pending, samples, then the gate naming the samples' sha256). The fast encoder
@@ -37,11 +38,12 @@ _ENCODERS: dict[str, tuple[Any, ChatRenderer]] = {}
 
 
 def target_encoder(target: Any) -> tuple[Any, ChatRenderer]:
-    """One fast encoder (parity-checked at build) and chat renderer per target (``TargetModelSpec``), per process."""
+    """One fast encoder (parity-checked at build) and chat renderer per target (``TargetModelSpec``), per process:
+    the encoder of the target's chat object's tokenizer, and that chat object's renderer (``target.chat()``)."""
     key = target.config_fingerprint()
     if key not in _ENCODERS:
-        tok = target.load_tokenizer()
-        _ENCODERS[key] = (build_encoder(tok), ChatRenderer.from_tokenizer(tok, **target.chat_template_kwargs))
+        chat = target.chat()
+        _ENCODERS[key] = (build_encoder(chat.tokenizer), chat.renderer)
     return _ENCODERS[key]
 
 
@@ -65,7 +67,7 @@ def tokenize_partition(store: Any, shard: str, target: Any, config: TokenizeConf
     None: the defaults, with ``thinking_requested`` the target's.
     """
     encoder, renderer = target_encoder(target)
-    chat = target.chat_conventions()
+    chat = target.chat().conventions
     if thresholds is None:
         thresholds = QualityThresholds(thinking_requested=chat.thinking)
     config = dataclasses.replace(config, assistant_header=chat.assistant_header, end_of_turn=chat.end_of_turn)
