@@ -238,3 +238,28 @@ def test_dagster_layer_has_at_most_six_floors():
 
 def test_every_dagster_module_opens_with_a_docstring():
     assert [name for name, path in _modules(DAGSTER).items() if not ast.get_docstring(ast.parse(path.read_text()))] == []
+
+
+# Where a tokenizer may be loaded: the target package (the spec loads it, the chat object carries it) and the
+# embedded target builders; and the SGLang stand-in, which loads its tokenizer.json as a server does.
+TOKENIZER_LOADERS = ("target_model", "embedded")
+SERVER_STAND_INS = ("dflash_assets.testing.sglang_loopback",)
+
+
+def test_no_tokenizer_is_loaded_outside_the_target_package():
+    """No `AutoTokenizer`, nor `from_pretrained` / `from_file` of a tokenizer class, outside the target package
+    (and the embedded builders): the stages take the target's chat object (`TargetModelSpec.chat()`), so its
+    template override and template kwargs reach them all."""
+    offenders = []
+    for name, path in _modules().items():
+        if name == "dflash_assets" or _unit(name) in TOKENIZER_LOADERS or name in SERVER_STAND_INS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.alias) and "AutoTokenizer" in node.name:
+                offenders.append(f"{name}: imports {node.name}")
+            elif isinstance(node, ast.Name) and node.id == "AutoTokenizer":
+                offenders.append(f"{name}: uses AutoTokenizer")
+            elif (isinstance(node, ast.Attribute) and node.attr in ("from_pretrained", "from_file")
+                  and "Tokenizer" in ast.unparse(node.value)):
+                offenders.append(f"{name}: {ast.unparse(node)}")
+    assert offenders == []
