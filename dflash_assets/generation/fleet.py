@@ -120,6 +120,8 @@ class EndpointConfig(BaseModel):
         "SGLang's /server_info enable_deterministic_inference (false when the server does not say).")
     model_path: str | None = Field(None, description="transformers kind: model dir (default: the fleet's target_model).")
     device: str = Field("cpu", description="transformers kind: torch device.")
+    dtype: str = Field("auto", description="transformers kind: torch dtype of the weights, e.g. bfloat16 (auto: the "
+                       "checkpoint's own).")
     max_batch_tokens: int = Field(8192, ge=1, description="transformers kind: padded prompt tokens per generate "
                                   "call (requests are batched by similar length within it).")
 
@@ -299,7 +301,7 @@ def build_engine(ep: EndpointConfig, config: EngineFleetConfig, tokenizer: Any =
                             reasoning_parser=ep.reasoning_parser, tokenizer=tokenizer, **common)
     if ep.kind == "transformers":
         return TransformersEngine(ep.model_path or config.target_model, device=ep.device, tokenizer=tokenizer,
-                                  max_batch_tokens=ep.max_batch_tokens, **common)
+                                  dtype=ep.dtype, max_batch_tokens=ep.max_batch_tokens, **common)
     raise ValueError(f"unknown endpoint kind {ep.kind!r}")
 
 
