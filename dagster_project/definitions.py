@@ -12,7 +12,7 @@ import dagster as dg
 from dagster_project.assets import drafter, generation, hidden_states, prompts, tokenization
 from dagster_project.deployment import get_profile, resources_for_profile
 from dagster_project.jobs import ALL_JOBS, refresh_drafter_job
-from dagster_project.sensors import prompt_source_sensor
+from dagster_project.sensors import prompt_source_sensor, target_refresh_sensor
 
 PROFILE = get_profile()
 
@@ -20,5 +20,5 @@ defs = dg.Definitions(
     assets=dg.load_assets_from_modules([prompts, generation, tokenization, hidden_states, drafter]),
     resources=resources_for_profile(PROFILE),
     jobs=[*ALL_JOBS, refresh_drafter_job],
-    sensors=[prompt_source_sensor],
+    sensors=[prompt_source_sensor, target_refresh_sensor],
 )

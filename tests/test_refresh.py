@@ -4,14 +4,15 @@
    imported (in fresh interpreters) under two targets that differ, the tiny dense target against the same
    target with another chat template, and against a copy with one weight changed, give different code versions
    for completions, tokenized_samples, hidden_state_cache, drafter_checkpoint and drafter_eval. (The copy
-   differs by its path: the fingerprint hashes config.json, tokenizer and template, not the weights, so
-   weights overwritten in place at the same path would not change it.)
+   differs by its path and by its weights: the fingerprint samples the weight files too; one weight changed in
+   place at the same path is ``tests/test_target_refresh.py``'s.)
 2. Warm start (``init_weights``, what a recipe with ``init_from: promoted`` passes): a drafter trained on a
    small target, then a second run started from its published weights on a target that differs (one weight
    changed) starts from a lower loss than a random init; a drafter of other shapes is refused with a clear error.
    Through the store: a recipe with ``init_from: promoted`` trains from the checkpoint the family's promoted
    manifest names (metadata ``warm_start``).
-3. ``refresh_drafter_job`` is registered for the drafter assets, and drafter_eval declares ``promotion``.
+3. ``refresh_drafter_job`` is registered for the drafter assets, and drafter_eval declares ``promotion``. The one
+   action that runs the refresh, ``target_refresh_sensor``, is ``tests/test_target_refresh.py``'s.
 """
 
 from __future__ import annotations

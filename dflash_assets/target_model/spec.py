@@ -23,7 +23,11 @@ file; it writes nothing.
   thinking flag), cached per process; engines, tokenization and evaluation
   take it, so the template override reaches them all.
 - `TargetModelSpec.config_fingerprint()`: short hash of what changes pipeline
-  outputs, for Dagster code versions.
+  outputs, for Dagster code versions. The weights enter through a cheap
+  content sample (`weights_sample`): per `*.safetensors` / `*.bin` / `*.gguf`
+  file of the model directory, its size and a blake2b of its first, middle
+  and last 1 MiB, cached per (path, size, mtime), so a fine-tune written over
+  the old files at the same path changes it.
 
 Mask token: by default `<|MASK|>` must be in the tokenizer (the tiny targets
 have it at 248077), or the tokenizer must declare its own `mask_token`
@@ -117,6 +121,39 @@ def _chat_cached(key: tuple, template_kwargs: dict[str, Any]) -> TargetChat:
         while len(_CHATS) > 8:
             del _CHATS[next(iter(_CHATS))]
     return chat
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
+WEIGHT_SAMPLE_BYTES = 1 << 20  # per sampled window: the first, middle and last MiB of each weight file
+
+
+@functools.lru_cache(maxsize=256)
+def _weight_file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """blake2b of the first, middle and last ``WEIGHT_SAMPLE_BYTES`` of a file (the whole file when smaller than
+    three windows); cached per (path, size, mtime), so each file is read once per process and change."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        if size <= 3 * WEIGHT_SAMPLE_BYTES:
+            h.update(f.read())
+        else:
+            for offset in (0, (size - WEIGHT_SAMPLE_BYTES) // 2, size - WEIGHT_SAMPLE_BYTES):
+                f.seek(offset)
+                h.update(f.read(WEIGHT_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def weights_sample(model_path: str) -> list[tuple[str, int, str]]:
+    """(name, size, sampled blake2b) of each weight file in a local model directory (sub-directories included,
+    names relative); [] for a hub id or a directory without weight files."""
+    base = Path(model_path)
+    if not base.is_dir():
+        return []
+    out = []
+    for f in sorted(p for p in base.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)):
+        st = f.stat()
+        out.append((f.relative_to(base).as_posix(), st.st_size, _weight_file_digest(str(f), st.st_size,
+                                                                                     st.st_mtime_ns)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -352,12 +389,14 @@ class TargetModelSpec(BaseModel):
         return ""
 
     def config_fingerprint(self) -> str:
-        """16-hex hash of what changes outputs: model (path and config.json), tokenizer path,
-        template content, template kwargs, layer choice, dtype and mask settings."""
+        """16-hex hash of what changes outputs: model (path, config.json and a content sample of the weight
+        files, `weights_sample`), tokenizer path, template content, template kwargs, layer choice, dtype and mask
+        settings."""
         config_file = Path(self.model_path) / "config.json"
         payload = {
             "model_path": self.model_path,
             "config_json": hashlib.sha256(config_file.read_bytes()).hexdigest() if config_file.is_file() else None,
+            "weights": weights_sample(self.model_path),
             "tokenizer_path": self.resolved_tokenizer_path,
             "template": template_hash(self._template_text()),
             "template_kwargs": self.chat_template_kwargs,
