@@ -11,7 +11,7 @@ import boto3
 import dagster as dg
 import pytest
 
-from chart_png import MAX_CHART_BYTES, PNG_SIGNATURE, decode_chart
+from tests.chart_png import MAX_CHART_BYTES, PNG_SIGNATURE, decode_chart
 from dagster_project.demo import run_demo
 from dagster_project.resources import StoreResource
 from dflash_assets.store import layout

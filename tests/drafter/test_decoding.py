@@ -17,7 +17,7 @@ from dflash_assets.drafter.decoding import (
     greedy_mismatch,
     load_target,
 )
-from test_drafter import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, one_thread, write_cache  # noqa: F401
+from tests.drafter.test_model import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, one_thread, write_cache  # noqa: F401
 
 EOS = (248046, 248044)
 

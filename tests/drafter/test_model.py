@@ -28,7 +28,7 @@ from dflash_assets.drafter.data import Batch, Sample, collate, sample_anchors
 from dflash_assets.drafter.loss import block_labels, dflash_dense_mask, drafter_forward_loss
 
 # ----------------------------------------------------------------------------------------------
-# helpers shared by test_drafter_training.py and test_speculative_decoding.py
+# helpers shared by test_training.py, test_decoding.py, test_target_change.py (this folder) and hidden_states/test_part_cache.py
 
 MINI_VOCAB = 512
 MINI_MASK = MINI_VOCAB - 1

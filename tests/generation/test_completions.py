@@ -32,7 +32,7 @@ from dflash_assets.testing.sglang_loopback import LoopbackServer
 from dflash_assets.store.backends import LocalStore
 
 TARGET = "/models/Qwen3.6-27B"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from dagster_project.resources import StoreParam, StoreResource
 from dflash_assets import pipes_worker
 from dflash_assets.store.backends import open_store
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHARDS = dg.StaticPartitionsDefinition(["shard-00000", "shard-00001"])
 # Set by a shell or by Python itself (PEP 538 locale coercion), never by us.
 SHELL_ENV = {"PWD", "OLDPWD", "SHLVL", "_", "LC_CTYPE"}

@@ -81,7 +81,7 @@ def test_next_recipe_numbers_past_every_registered_recipe_of_the_family():
 
 
 def test_one_weight_changed_in_place_changes_the_targets_identity_and_the_code_versions(tiny_dense_target, tmp_path):
-    from test_refresh import code_versions
+    from tests.drafter.test_target_change import code_versions
 
     from dflash_assets.target_model.spec import TargetModelSpec, weights_sample
 
@@ -149,7 +149,7 @@ def test_one_sensor_refreshes_the_demo_graph_after_the_target_changed(tiny_dense
     from dflash_assets.drafter.promotion import read_promoted
     from dflash_assets.drafter.stages import load_recipe
     from dflash_assets.store.backends import LocalStore
-    from test_refresh import with_one_weight_changed
+    from tests.drafter.test_target_change import with_one_weight_changed
 
     target_a = tmp_path / "target-a"
     shutil.copytree(tiny_dense_target, target_a)

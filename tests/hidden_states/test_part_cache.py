@@ -17,7 +17,7 @@ from dflash_assets.drafter.recipe import DrafterRecipe
 from dflash_assets.drafter.training import train_drafter
 from dflash_assets.hidden_states.part_cache import BoundedPartCache, PartTooLarge
 from dflash_assets.store import layout
-from test_drafter import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, one_thread, write_cache  # noqa: F401
+from tests.drafter.test_model import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, one_thread, write_cache  # noqa: F401
 
 
 @pytest.fixture(scope="module")

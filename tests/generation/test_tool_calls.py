@@ -31,7 +31,7 @@ from dflash_assets.store import layout
 from dflash_assets.testing.sglang_loopback import LoopbackServer
 from dflash_assets.tokenization.samples import AGENTIC_MESSAGES_TYPE, TokenizeConfig, tokenize_completions
 
-CORPUS = Path(__file__).parent / "data" / "agentic_corpus.jsonl"
+CORPUS = Path(__file__).parents[1] / "data" / "agentic_corpus.jsonl"
 TARGET = "/models/Qwen3.6-27B"
 # The loopback's calls: Lyon and Porto as the source recorded them, the currency call with another currency.
 RULES = (

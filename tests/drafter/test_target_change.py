@@ -5,14 +5,14 @@
    target with another chat template, and against a copy with one weight changed, give different code versions
    for completions, tokenized_samples, hidden_state_cache, drafter_checkpoint and drafter_eval. (The copy
    differs by its path and by its weights: the fingerprint samples the weight files too; one weight changed in
-   place at the same path is ``tests/test_target_refresh.py``'s.)
+   place at the same path is ``tests/drafter/test_refresh.py``'s.)
 2. Warm start (``init_weights``, what a recipe with ``init_from: promoted`` passes): a drafter trained on a
    small target, then a second run started from its published weights on a target that differs (one weight
    changed) starts from a lower loss than a random init; a drafter of other shapes is refused with a clear error.
    Through the store: a recipe with ``init_from: promoted`` trains from the checkpoint the family's promoted
    manifest names (metadata ``warm_start``).
 3. ``refresh_drafter_job`` is registered for the drafter assets, and drafter_eval declares ``promotion``. The one
-   action that runs the refresh, ``target_refresh_sensor``, is ``tests/test_target_refresh.py``'s.
+   action that runs the refresh, ``target_refresh_sensor``, is ``tests/drafter/test_refresh.py``'s.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import pytest
 import torch
 
 from dflash_assets.drafter.training import train_drafter
-from test_drafter import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, write_cache  # noqa: F401
-from test_drafter_training import mini_recipe
+from tests.drafter.test_model import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, write_cache  # noqa: F401
+from tests.drafter.test_training import mini_recipe
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TARGET_ASSETS = ("completions", "tokenized_samples", "hidden_state_cache", "drafter_checkpoint", "drafter_eval")
 
 PRINT_CODE_VERSIONS = """

@@ -226,7 +226,7 @@ def test_demo_on_smollm2_passes_its_checks_and_reports_an_untrained_baseline(tmp
     env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "DFLASH_STORE")}
     done = subprocess.run([sys.executable, "-m", "dagster_project.demo", "--home", str(tmp_path / "home"),
                            "--target", "smollm2", "--prompts", "4", "--shard-size", "2", "--max-new-tokens", "24"],
-                          capture_output=True, text=True, timeout=1500, env=env, cwd=Path(__file__).parents[1])
+                          capture_output=True, text=True, timeout=1500, env=env, cwd=Path(__file__).parents[2])
     console = done.stdout + done.stderr
     assert done.returncode == 0, console
     assert "SmolLM2-135M-Instruct" in done.stdout and "Traceback" not in console

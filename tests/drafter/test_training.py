@@ -20,9 +20,9 @@ from dflash_assets.drafter.loss import head_cross_entropy
 from dflash_assets.drafter.recipe import DrafterRecipe
 from dflash_assets.drafter.state import latest_state_dir
 from dflash_assets.drafter.training import TargetFeatures, train_drafter
-from test_drafter import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, one_thread, write_cache  # noqa: F401
+from tests.drafter.test_model import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, one_thread, write_cache  # noqa: F401
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 
 from dflash_assets.cli import build_parser, main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_engine_prints_transformers_serve_for_the_embedded_default(capsys, tiny_dense_target, monkeypatch):

@@ -42,7 +42,7 @@ from dflash_assets.hidden_states.format import (
 from dflash_assets.store import layout
 from dflash_assets.target_model.tokenizer import tokenizer_hash
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = [7, 23, 1, 23, 40, 5, 23, 16]  # three of 23 tokens: the hybrid stacks those in one forward
 BUDGET = 64  # tokens per forward: several samples share each one
 

@@ -570,9 +570,9 @@ def test_two_ingests_at_once_leave_an_intact_corpus(tmp_path, request, how, back
             t = threading.Thread(target=_gated_ingest, args=args)
             t.start()
             return t
-        code = ("import sys; sys.path.insert(0, sys.argv[1]); from test_raw_prompts import _gated_ingest; "
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.prompts.test_ingest import _gated_ingest; "
                 "_gated_ingest(*sys.argv[2:])")
-        return subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parent), *args])
+        return subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parents[2]), *args])
 
     def wait(job):
         (job.join if how == "thread" else job.wait)(timeout=120)

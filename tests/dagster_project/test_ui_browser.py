@@ -42,7 +42,7 @@ import re
 
 import dagster as dg
 import pytest
-from dagster_dev import REPO_ROOT, dagster_dev, write_completions, write_prompt_source
+from tests.dagster_dev import REPO_ROOT, dagster_dev, write_completions, write_prompt_source
 from playwright.sync_api import Page, expect, sync_playwright
 
 from dagster_project.definitions import defs

@@ -14,11 +14,11 @@ from pathlib import Path
 import dagster as dg
 import pytest
 from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage, PostgresScheduleStorage
-from postgres_fixture import postgres_server  # noqa: F401  (the fixture)
+from tests.postgres_fixture import postgres_server  # noqa: F401  (the fixture)
 
 from dagster_project.instance_config import POSTGRES_ENV
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHARDS = dg.DynamicPartitionsDefinition(name="prompt_shards")
 
 

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 from PIL import Image
 
-from chart_png import MAX_CHART_BYTES, PNG_SIGNATURE, decode_chart, has_color
+from tests.chart_png import MAX_CHART_BYTES, PNG_SIGNATURE, decode_chart, has_color
 from dagster_project.charts import HIGHLIGHT_COLOR, bar_chart_png, line_chart_png
 from dagster_project.definitions import defs
 from dagster_project.metadata import check_metadata, render_pipes_result

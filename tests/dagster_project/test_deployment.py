@@ -32,7 +32,7 @@ from dagster_project.instance_config import INSTANCE_YAML, instance_yaml, postgr
 from dagster_project.pipes import GpuLauncherParam, check_specs_for
 from dagster_project.resources import EngineFleetResource, StoreParam, StoreResource, deployment_resource
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLUSTER_ENV = ("DFLASH_STORE", "DFLASH_GPU_HOSTS", "DFLASH_ENGINE_URLS", "DFLASH_GPU_LAUNCH", "DFLASH_GPU_PYTHON",
                "DFLASH_GPU_WORKDIR", "DFLASH_GPU_ENV", "DFLASH_GPU_REMOTE_SHELL", "DFLASH_ENGINE_KIND",
                "DFLASH_ENGINE_CONCURRENCY", "DFLASH_PROFILE")
@@ -117,7 +117,7 @@ def test_the_completions_asset_is_tagged_with_the_engines_in_use():
     for urls in ("", "sglang:http://gpu-1:30000,openai:http://gpu-2:8000"):
         env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")} | {"DFLASH_ENGINE_URLS": urls}
         done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=env,
-                              cwd=Path(__file__).parents[1], check=True)
+                              cwd=Path(__file__).parents[2], check=True)
         seen[urls] = done.stdout.strip().splitlines()[-1]
     assert seen[""] == "['parquet', 'transformers']"  # local: the embedded transformers serve
     assert seen["sglang:http://gpu-1:30000,openai:http://gpu-2:8000"] == "['openai', 'parquet', 'sglang']"
@@ -200,7 +200,7 @@ def test_configured_endpoints_are_used_as_given(monkeypatch):
 @pytest.mark.slow
 def test_local_profile_generates_on_an_embedded_engine_it_starts_and_stops(tmp_path, monkeypatch):
     """No engine configured, the embedded default: completions materializes; its engine is gone afterwards."""
-    from dagster_dev import process_tree
+    from tests.dagster_dev import process_tree
 
     from dagster_project.definitions import defs
 
@@ -240,7 +240,7 @@ def test_make_ui_stops_on_ctrl_c_with_a_run_in_flight(tmp_path):
     """``make ui`` in its own process group, a completions run starting its embedded engine, then SIGINT to the
     group (Ctrl-C): make, the launcher, dagster dev, webserver, daemon, code servers, run worker, step process and
     engine are all gone within UI_STOP_LIMIT_S, and the run was marked failed by its worker, not left started."""
-    from dagster_dev import DagsterDev, free_port, process_tree, still_running, wait_until_ready, write_prompt_source
+    from tests.dagster_dev import DagsterDev, free_port, process_tree, still_running, wait_until_ready, write_prompt_source
 
     port, home = free_port(), tmp_path / "home"
     source = write_prompt_source(tmp_path / "prompts.jsonl", 4)
@@ -364,7 +364,7 @@ def test_make_ui_serves_make_demos_target_unless_told_otherwise(monkeypatch, tmp
 
     from dflash_assets.embedded.smollm2 import smollm2_target_path
 
-    spec = importlib.util.spec_from_file_location("local_ui", Path(__file__).parents[1] / "deploy/local/ui.py")
+    spec = importlib.util.spec_from_file_location("local_ui", Path(__file__).parents[2] / "deploy/local/ui.py")
     ui = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ui)
     for name in ("DFLASH_PROFILE", "DFLASH_TARGET_MODEL", "DFLASH_ENGINE_URLS"):

@@ -1,7 +1,7 @@
 """Tests for dflash_assets.prompts.sources: formats, compression, truncation, bad bytes.
 
 Every source here is a real file (or bytes) in JSON, JSONL or Parquet, written
-plainly, gzip- or zstd-compressed; S3 sources are tested in test_raw_prompts.py.
+plainly, gzip- or zstd-compressed; S3 sources are tested in test_ingest.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`make demo` as a user runs it: a fresh Dagster home, the real command, its console and its exit status.
 
-These run the tiny target (`--target tiny`, the thinking format); `tests/test_real_target.py` runs the
+These run the tiny target (`--target tiny`, the thinking format); `tests/embedded/test_smollm2.py` runs the
 default, SmolLM2. The demo passes every check of its own (blocking and not) on a fresh home, prints one line
 per stage, the first answers and a summary table, and nothing else (no Dagster DEBUG events, no alembic lines,
 no tracebacks, no warnings); the full logs stay in the Dagster instance. It does so with the tiny target built
@@ -28,7 +28,7 @@ def run_demo_command(home: Path, *args: str, timeout: int = 1500,
                      env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "DFLASH_STORE")} | (env_extra or {})
     return subprocess.run([sys.executable, "-m", "dagster_project.demo", "--home", str(home), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(__file__).parents[1])
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(__file__).parents[2])
 
 
 def assert_quiet(console: str) -> None:

@@ -162,7 +162,7 @@ def test_no_stage_renders_chats_another_way():
     ChatTokenizer's fallback for tokenizers that override apply_chat_template."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "dflash_assets"
+    root = Path(__file__).resolve().parents[2] / "dflash_assets"
     found = {}
     for path in root.rglob("*.py"):
         text = path.read_text("utf-8")

@@ -24,7 +24,7 @@ as the launchpad does (``max_prompts_per_shard`` 8) registers three
 To cover a stage as it lands, add its selection to ``BACKFILL_SELECTIONS``.
 A stage that generates runs on the embedded engine (the harness is the
 local profile with no ``DFLASH_ENGINE_URLS``: each generating step starts
-``transformers serve`` on the tiny target); ``tests/test_ui_browser.py``
+``transformers serve`` on the tiny target); ``tests/dagster_project/test_ui_browser.py``
 backfills ``completions`` and ``prepare_data_job`` that way from the UI.
 Assets downstream of ``tokenized_samples`` that are partitioned by
 ``prompt_shards`` join the blocking-check backfill by themselves.
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from dagster_dev import DagsterDev, dagster_dev, write_completions, write_prompt_source
+from tests.dagster_dev import DagsterDev, dagster_dev, write_completions, write_prompt_source
 
 from dagster_project.definitions import defs
 from dagster_project.partitions import prompt_shards
@@ -53,7 +53,7 @@ SHARD_SIZE = 8  # -> shards of 8, 8 and 4 prompts
 BACKFILL_SELECTIONS = {
     "prompts": ["raw_prompts"],
     # "cpu_stages": ["raw_prompts", "completions", "tokenized_samples"] runs on the embedded engine, but whether
-    # its blocking checks pass depends on the tiny target's answers: it is covered in test_ui_browser.py.
+    # its blocking checks pass depends on the tiny target's answers: it is covered in test_ui_browser.py (this folder).
 }
 BACKFILL_TAG = "dagster/backfill"
 
