@@ -263,3 +263,99 @@ def test_no_tokenizer_is_loaded_outside_the_target_package():
                   and "Tokenizer" in ast.unparse(node.value)):
                 offenders.append(f"{name}: {ast.unparse(node)}")
     assert offenders == []
+
+
+# --- the tests' layout: tests/<package>/test_<module>.py ------------------------------------------------------------
+TESTS = PACKAGE.parent / "tests"
+# Test modules at the top of tests/: they test no one package but the whole (the shape, the demo graph end to end,
+# the install lock, what a run may read).
+TOP_LEVEL_TESTS = {
+    "test_architecture.py": "the project's shape, read from the source",
+    "test_end_to_end.py": "the demo graph through Dagster, every stage",
+    "test_lock.py": "constraints.txt against pyproject.toml",
+    "test_trust_boundaries.py": "what a run may read and where secrets go, across the Dagster layer and the library",
+}
+# Test folders named other than a package of dflash_assets: `library` holds the tests of dflash_assets' top-level
+# modules (dflash_assets/cache_keys.py -> tests/library/test_cache_keys.py); the Dagster layer mirrors its own tree.
+TEST_FOLDERS_OUTSIDE_THE_STAGES = {"library": PACKAGE, "dagster_project": DAGSTER, "dagster_project/assets": DAGSTER / "assets"}
+# Library modules without a tests/<package>/test_<module>.py, and why (the file named exercises it).
+NO_TEST_MODULE = {
+    "dflash_assets/chart_data.py": "tested through tests/dagster_project/test_charts.py (chart numbers whose answer is known)",
+    "dflash_assets/demo.py": "tested through tests/dagster_project/test_demo.py (`make demo`) and tests/test_end_to_end.py",
+    "dflash_assets/stage_io.py": "data only (the plain types between the Pipes worker and the stage libraries)",
+    "dflash_assets/pipes_worker.py": "tested through tests/dagster_project/test_pipes.py (its selftest and the GPU-host stages)",
+    "dflash_assets/store/layout.py": "tested through every stage test that reads the store, e.g. tests/prompts/test_ingest.py",
+    "dflash_assets/store/schemas.py": "data only (Arrow schemas)",
+    "dflash_assets/prompts/config.py": "tested through tests/prompts/test_ingest.py (IngestConfig)",
+    "dflash_assets/prompts/corpus.py": "tested through tests/prompts/test_ingest.py",
+    "dflash_assets/prompts/normalization.py": "tested through tests/prompts/test_ingest.py and tests/generation/test_tool_calls.py",
+    "dflash_assets/prompts/quarantine.py": "tested through tests/prompts/test_ingest.py and tests/generation/test_tool_calls.py",
+    "dflash_assets/prompts/shards.py": "tested through tests/prompts/test_ingest.py and tests/generation/test_tool_calls.py",
+    "dflash_assets/target_model/conventions.py": "tested through tests/drafter/test_serving_match.py and tests/embedded/test_smollm2.py",
+    "dflash_assets/target_model/layer_capture.py": "tested through tests/hidden_states/test_capture.py (equal to HF "
+                                                   "output_hidden_states) and tests/drafter/test_decoding.py",
+    "dflash_assets/generation/chat_tokenizer.py": "tested through tests/generation/test_engines.py and "
+                                                  "tests/target_model/test_chat_template.py",
+    "dflash_assets/generation/stage.py": "tested through tests/generation/test_config.py and "
+                                         "tests/dagster_project/assets/test_generation.py",
+    "dflash_assets/tokenization/stage.py": "tested through tests/tokenization/test_samples.py",
+    "dflash_assets/hidden_states/batching.py": "tested through tests/hidden_states/test_capture.py",
+    "dflash_assets/hidden_states/format.py": "tested through tests/hidden_states/test_capture.py (the v1 fixture in tests/data)",
+    "dflash_assets/hidden_states/packing.py": "tested through tests/hidden_states/test_capture.py (no leak across packed samples)",
+    "dflash_assets/hidden_states/stage.py": "tested through tests/hidden_states/test_capture.py and tests/store/test_manifest.py",
+    "dflash_assets/drafter/data.py": "tested through tests/drafter/test_model.py and tests/drafter/test_training.py",
+    "dflash_assets/drafter/loss.py": "tested through tests/drafter/test_model.py and tests/drafter/test_training.py",
+    "dflash_assets/drafter/recipe.py": "tested through tests/drafter/test_training.py and tests/planning/test_costs.py",
+    "dflash_assets/drafter/stages.py": "tested through tests/drafter/test_promotion.py, tests/drafter/test_refresh.py "
+                                       "and tests/test_end_to_end.py",
+    "dflash_assets/drafter/state.py": "tested through tests/drafter/test_training.py (resume) and tests/store/test_manifest.py",
+    "dflash_assets/embedded/defaults.py": "tested through tests/target_model/test_spec.py and tests/embedded/test_smollm2.py",
+    "dflash_assets/embedded/engine.py": "tested through tests/dagster_project/test_ui_browser.py (the embedded default "
+                                        "generating under dagster dev) and tests/dagster_project/test_deployment.py",
+    "dflash_assets/embedded/tiny_target_training.py": "tested through tests/embedded/test_tiny_targets.py",
+    "dflash_assets/planning/measurements.py": "tested through tests/planning/test_costs.py and tests/generation/test_fleet.py",
+    "dflash_assets/planning/stage.py": "tested through tests/planning/test_costs.py",
+    "dflash_assets/testing/sglang_loopback.py": "test support (the SGLang stand-in), exercised by tests/generation/test_engines.py",
+    "dflash_assets/testing/sharegpt.py": "test support (ShareGPT rows for tests/tokenization/test_samples.py)",
+}
+
+
+def _package_of_test_folder(folder: str) -> Path:
+    return TEST_FOLDERS_OUTSIDE_THE_STAGES.get(folder, PACKAGE / folder)
+
+
+def test_every_test_module_sits_in_the_folder_of_a_package():
+    """tests/<package>/test_<module>.py: each folder is named after a package that exists (`library`: the top of
+    dflash_assets, a namespace package) and is itself a package, so two folders may hold test modules of one name."""
+    misplaced = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        folder = path.parent.relative_to(TESTS).as_posix()
+        if folder == ".":
+            if path.name not in TOP_LEVEL_TESTS:
+                misplaced.append(f"{path.name}: at the top of tests/, but not in TOP_LEVEL_TESTS")
+            continue
+        package = _package_of_test_folder(folder)
+        if not any(package.glob("*.py")):
+            misplaced.append(f"{folder}/{path.name}: no package {folder}")
+        if not (path.parent / "__init__.py").is_file():
+            misplaced.append(f"{folder}/{path.name}: tests/{folder} has no __init__.py")
+    assert misplaced == []
+
+
+def test_every_library_module_has_a_test_module_or_a_reason():
+    """Each dflash_assets/**/*.py (not __init__) has tests/<package>/test_<module>.py or a line in NO_TEST_MODULE;
+    no line there for a module that has a test module or no longer exists, and every test file a reason names exists."""
+    missing = []
+    modules = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py")
+    for path in modules:
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        folder = path.parent.relative_to(PACKAGE).as_posix()
+        test = TESTS / ("library" if folder == "." else folder) / f"test_{path.name}"
+        if test.is_file() == (rel in NO_TEST_MODULE):
+            missing.append(f"{rel}: " + ("has a test module and a NO_TEST_MODULE line" if test.is_file()
+                                          else "no test module and no NO_TEST_MODULE line"))
+    known = {p.relative_to(PACKAGE.parent).as_posix() for p in modules}
+    missing += [f"{rel}: in NO_TEST_MODULE, but no such module" for rel in NO_TEST_MODULE if rel not in known]
+    missing += [f"{rel}: names {name}, which does not exist" for rel, reason in NO_TEST_MODULE.items()
+                for name in re.findall(r"tests/[\w/]+\.py", reason) if not (PACKAGE.parent / name).is_file()]
+    assert missing == []
