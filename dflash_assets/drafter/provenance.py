@@ -73,6 +73,7 @@ def target_identity(spec: Any) -> dict[str, Any]:
         "mask_token_id": facts.mask_token_id,
         "dtype": facts.dtype,
         "fingerprint": spec.config_fingerprint(),
+        "generation_fingerprint": spec.generation_fingerprint(),  # in the completions' config_hash
     }
 
 
@@ -95,17 +96,20 @@ def prompt_sources(store: Any, shards: Sequence[str]) -> dict[str, Any]:
 
 
 def completions_identity(store: Any, shards: Sequence[str], target_model: str,
-                         generation_settings: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+                         generation_settings: Sequence[Mapping[str, Any]] = (),
+                         target_fingerprint: str | None = None) -> dict[str, Any]:
     """Per shard: each ``config_hash`` of its completions with rows, served models, endpoints and (when one of
-    ``generation_settings`` (``GenerationConfig`` fields) hashes to it for ``target_model``) the settings."""
+    ``generation_settings`` (``GenerationConfig`` fields) hashes to it for ``target_model``, with
+    ``target_fingerprint`` or by the name alone, as rows of a remote engine are) the settings."""
     from dflash_assets.generation.engines import GenerationConfig
 
     known: dict[str, dict[str, Any]] = {}
     for settings in generation_settings:
         gen = GenerationConfig(**settings)
         for honoured in ((None,) if gen.seed is None else (True, False)):
-            known[gen.config_hash(target_model, honoured)] = {
-                **gen.model_dump(mode="json"), **({} if honoured is None else {"seed_honoured": honoured})}
+            for fingerprint in {None, target_fingerprint}:
+                known[gen.config_hash(target_model, honoured, fingerprint)] = {
+                    **gen.model_dump(mode="json"), **({} if honoured is None else {"seed_honoured": honoured})}
     out: dict[str, Any] = {}
     for shard in shards:
         key = layout.completions(shard)
@@ -159,7 +163,8 @@ def build_provenance(store: Any, recipe: Any, shards: Sequence[str], target: Any
         "partitions": {"shards": list(shards), "source": "tokenized_samples" if recipe.online else "hidden_state_cache"},
         "prompt_sources": prompt_sources(store, shards),
         "target": target_identity(target),
-        "completions": completions_identity(store, shards, target.model_path, generation_settings),
+        "completions": completions_identity(store, shards, target.model_path, generation_settings,
+                                            target.generation_fingerprint()),
         "code": code_versions(dagster_code_versions),
         "checkpoint_files": {name: file_sha256(path) for name, path in dict(checkpoint_files).items()},
         "training": dict(training or {}),

@@ -8,7 +8,8 @@ Plain chats are one :class:`_Conversation` each, agentic ones (rows with
 go to a :class:`CompletionJournal`, so a killed run resumes where it stopped; a
 shard with too many failed prompts publishes nothing (:class:`TooManyFailedPrompts`).
 With a seed set, the fleet is probed first: ``config_hash`` records whether the
-engines honour the seed. A turn that does not fit the endpoint's context length
+engines honour the seed. Given the target's fingerprint (``target_fingerprint``), ``config_hash``
+holds it too, so rows of an earlier target of the same name are not resumed. A turn that does not fit the endpoint's context length
 is cut or stopped before it is sent (``generation.engines.Engine.fit_to_context``)
 and counted in :class:`GenerationStats`.
 
@@ -580,6 +581,7 @@ async def aregenerate_shard(
     keep_journal: bool = False,
     max_failed_ratio: float = 0.01,
     engines: Sequence[Engine] | None = None,
+    target_fingerprint: str | None = None,
 ) -> CompletionsResult:
     """Regenerate the assistant turns of ``prompts`` (one shard) over the fleet; resume from the journal.
 
@@ -595,6 +597,9 @@ async def aregenerate_shard(
     above which nothing is published and ``TooManyFailedPrompts`` is raised,
     by the ratio checks' rule (`quality_gates`: the 95% Wilson lower bound of
     the failed share exceeds it; 1.0: always publish). ``engines``: prebuilt engines instead of the config's.
+    ``target_fingerprint``: the target's ``TargetModelSpec.generation_fingerprint()`` (``stage.regenerate_partition``
+    passes it), hashed into ``config_hash`` so rows of another target of the same name are never reused; None (a
+    remote engine, no local target directory known) names the target by its basename alone.
     Writes the journal, ``completions/<shard>.parquet`` and
     ``completions/_failed/<shard>.parquet``. Raises ``NoEngineAvailable``
     when no endpoint serves the target, or when all die mid-run (the journal
@@ -622,7 +627,7 @@ async def aregenerate_shard(
     try:
         return await _regenerate(prompts, shard, store, fleet, generation, tokenizer, progress, on_probe,
                                  progress_interval_s, flush_every, flush_interval_s, keep_journal, max_failed_ratio,
-                                 engines, t_start, fleet_runner, seed_honoured)
+                                 engines, t_start, fleet_runner, seed_honoured, target_fingerprint)
     finally:
         if fleet_runner is not None:
             await fleet_runner.close()
@@ -633,9 +638,9 @@ async def _regenerate(prompts: Any, shard: str, store: Any, fleet: EngineFleetCo
                       on_probe: Callable[[FleetProbe], None] | None, progress_interval_s: float, flush_every: int,
                       flush_interval_s: float, keep_journal: bool, max_failed_ratio: float,
                       engines: Sequence[Engine] | None, t_start: float, fleet_runner: "EngineFleet | None",
-                      seed_honoured: bool | None) -> CompletionsResult:
+                      seed_honoured: bool | None, target_fingerprint: str | None = None) -> CompletionsResult:
     """The body of ``aregenerate_shard``; ``fleet_runner`` is the fleet already probed (a seed is set), else None."""
-    config_hash = generation.config_hash(fleet.target_model, seed_honoured)
+    config_hash = generation.config_hash(fleet.target_model, seed_honoured, target_fingerprint)
     stats = GenerationStats(shard=shard, config_hash=config_hash)
     if generation.seed is not None:
         stats.seed_effect = "honoured" if seed_honoured else "ignored"

@@ -45,15 +45,23 @@ class GenerationConfig(BaseModel):
         True, description="End a conversation at a turn cut by max_new_tokens (later user turns are dropped)."
     )
 
-    def config_hash(self, target_model: str | None = None, seed_honoured: bool | None = None) -> str:
-        """16 hex chars over every field, the (normalized) target model id and, when a seed is set, whether the
-        engines honour it (``seed_honoured``: SGLang only with ``--enable-deterministic-inference``).
+    def config_hash(self, target_model: str | None = None, seed_honoured: bool | None = None,
+                    target_fingerprint: str | None = None) -> str:
+        """16 hex chars over every field, the (normalized) target model id, the target's fingerprint when one is
+        known and, when a seed is set, whether the engines honour it (``seed_honoured``: SGLang only with
+        ``--enable-deterministic-inference``).
 
-        Without a seed the hash is what it always was; with one, rows generated where the seed had no effect
-        never share a hash with rows where it did.
+        ``target_fingerprint``: ``TargetModelSpec.generation_fingerprint()`` of a local target directory (its
+        config, tokenizer and template files and a sample of its weights), so a fine-tune written in place, or
+        ``/models/v2/X`` after ``/models/v1/X``, never shares a hash with the old target's rows. Without one (a
+        remote engine serving a hub id, no local directory known) the target is named by its normalized id
+        alone, and the hash is what it always was. Without a seed likewise; with one, rows generated where the
+        seed had no effect never share a hash with rows where it did.
         """
         payload: dict[str, Any] = {"generation": self.model_dump(mode="json"),
                                    "target": normalize_model_id(target_model or "")}
+        if target_fingerprint:
+            payload["target_fingerprint"] = target_fingerprint
         if self.seed is not None:
             payload["seed_honoured"] = bool(seed_honoured)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]

@@ -32,10 +32,12 @@ def regenerate_partition(store: Any, shard: str, target: Any, fleet: EngineFleet
     ``target`` is a ``TargetModelSpec`` (its chat object, ``target.chat()``: the tokenizer with the template
     override and the template kwargs, renders the prompts for engines that take token ids); ``generation`` the
     sampling (``enable_thinking``: ``target.thinking()``, the chat object's thinking flag).
+    The target's ``generation_fingerprint()`` enters every row's ``config_hash``: a fine-tune written in place, or
+    another directory of the same name, regenerates instead of resuming the old target's rows.
     ``progress`` and ``on_probe`` are ``regenerate_shard``'s. Raises ``NoEngineAvailable`` and
     ``TooManyFailedPrompts`` as it does.
     """
     return regenerate_shard(
         store.read_parquet(layout.raw_prompts(shard)), shard=shard, store=store, fleet=fleet,
         generation=generation, tokenizer=target.chat(), max_failed_ratio=max_failed_ratio,
-        progress=progress, on_probe=on_probe)
+        progress=progress, on_probe=on_probe, target_fingerprint=target.generation_fingerprint())

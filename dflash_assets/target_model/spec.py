@@ -28,6 +28,10 @@ file; it writes nothing.
   file of the model directory, its size and a blake2b of its first, middle
   and last 1 MiB, cached per (path, size, mtime), so a fine-tune written over
   the old files at the same path changes it.
+- `TargetModelSpec.generation_fingerprint()`: short hash of what changes the
+  target's answers (config, generation and tokenizer files by content, the
+  weights sample, the template and its kwargs; not the path, layers, mask or
+  dtype), hashed into completions' `config_hash`; None for a hub id.
 
 Mask token: by default `<|MASK|>` must be in the tokenizer (the tiny targets
 have it at 248077), or the tokenizer must declare its own `mask_token`
@@ -153,6 +157,26 @@ def weights_sample(model_path: str) -> list[tuple[str, int, str]]:
         st = f.stat()
         out.append((f.relative_to(base).as_posix(), st.st_size, _weight_file_digest(str(f), st.st_size,
                                                                                      st.st_mtime_ns)))
+    return out
+
+
+# Small files of a model / tokenizer directory that change what the target generates: config.json,
+# generation_config.json, tokenizer*.json, special_tokens_map.json, vocab/merges, chat_template.jinja, *.model.
+TARGET_FILE_SUFFIXES = (".json", ".jinja", ".model", ".tiktoken", ".txt")
+
+
+def target_files_sample(path: str) -> list[tuple[str, int, str]]:
+    """(name, size, blake2b) of the top-level config / tokenizer / template files of a local directory (the
+    ``TARGET_FILE_SUFFIXES``; weight indexes and READMEs aside), by content, cached like the weight sample;
+    [] for a hub id."""
+    base = Path(path)
+    if not base.is_dir():
+        return []
+    out = []
+    for f in sorted(p for p in base.iterdir() if p.is_file() and p.name.endswith(TARGET_FILE_SUFFIXES)
+                    and not p.name.endswith(".index.json") and not p.name.lower().startswith("readme")):
+        st = f.stat()
+        out.append((f.name, st.st_size, _weight_file_digest(str(f), st.st_size, st.st_mtime_ns)))
     return out
 
 
@@ -403,5 +427,27 @@ class TargetModelSpec(BaseModel):
             "layers": self.target_layer_ids if self.target_layer_ids is not None else f"rule:{self.num_target_layers}",
             "dtype": self.dtype,
             "mask": [self.mask_token, self.mask_token_id, self.add_mask_token],
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def generation_fingerprint(self) -> str | None:
+        """16-hex hash of what changes the target's answers, for completions' ``config_hash``: the model's and
+        the tokenizer's config / tokenizer / template files by content (`target_files_sample`), the weight files'
+        content sample (`weights_sample`), the template override's content and the template kwargs.
+
+        Not the path (a copy moved elsewhere keeps its rows), nor the DFlash layers, mask settings or dtype
+        (they change capture and training, not the answers). None when ``model_path`` is not a local
+        directory (a hub id): there is nothing to sample, and completions name the target by its id alone.
+        """
+        if not Path(self.model_path).is_dir():
+            return None
+        payload = {
+            "model_files": target_files_sample(self.model_path),
+            "weights": weights_sample(self.model_path),
+            "tokenizer_files": (target_files_sample(self.resolved_tokenizer_path)
+                                if self.tokenizer_path not in (None, self.model_path) else None),
+            "template_override": (template_hash(load_chat_template(self.chat_template_path))
+                                  if self.chat_template_path is not None else None),
+            "template_kwargs": self.chat_template_kwargs,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
