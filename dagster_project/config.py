@@ -17,6 +17,8 @@ from typing import Any, Optional
 import dagster as dg
 from pydantic import Field, field_validator
 
+from dflash_assets.drafter.promotion import DEFAULT_MARGIN
+from dflash_assets.drafter.stages import eval_recipe
 from dflash_assets.generation.completions import aregenerate_shard
 from dflash_assets.generation.config import GenerationConfig
 from dflash_assets.planning.stage import plan_corpus
@@ -143,7 +145,10 @@ def _check_device(value: Optional[str]) -> Optional[str]:
 
 
 class HiddenStateCacheConfig(dg.Config):
-    """A run chooses devices and batching; the scratch disk is the deployment's (``DFLASH_GPU_SCRATCH_DIR``)."""
+    """A run chooses devices and batching; the scratch disk is the deployment's (``DFLASH_GPU_SCRATCH_DIR``).
+
+    The defaults restate ``hidden_states.stage.cache_partition_for_shard``'s: that module (through ``capture``)
+    costs the code location about 2 s of imports it otherwise never loads (the stage runs on the GPU host)."""
 
     devices: list[str] = Field(
         default_factory=lambda: ["cpu"],
@@ -183,16 +188,16 @@ class DrafterTrainingConfig(dg.Config):
 
 
 class DrafterEvalConfig(dg.Config):
-    num_prompts: int = Field(default=16, ge=1, description="Held-out prompts decoded speculatively.")
-    max_new_tokens: int = Field(default=128, ge=1, le=32_768, description="Tokens generated per prompt.")
+    num_prompts: int = Field(default=_default(eval_recipe, "num_prompts"), ge=1, description="Held-out prompts decoded speculatively.")
+    max_new_tokens: int = Field(default=_default(eval_recipe, "max_new_tokens"), ge=1, le=32_768, description="Tokens generated per prompt.")
     device: Optional[str] = Field(default=None, description="Device on the GPU host (None: cuda if present).")
     dtype: Optional[str] = Field(default=None, description="Target precision (None: float32 on CPU, bfloat16 on "
                                  "GPU; float32 makes the lossless check exact).")
-    speed_prompts: int = Field(default=0, ge=0, description="Also time batch-1 decoding, target alone vs "
+    speed_prompts: int = Field(default=_default(eval_recipe, "speed_prompts"), ge=0, description="Also time batch-1 decoding, target alone vs "
                                "speculative, on this many of the prompts (metadata decode_speed).")
-    curve_prompts: int = Field(default=0, ge=0, description="Also measure tau of the run's learning-curve "
+    curve_prompts: int = Field(default=_default(eval_recipe, "curve_prompts"), ge=0, description="Also measure tau of the run's learning-curve "
                                "checkpoints on this many prompts (metadata learning_curve).")
-    promotion_margin: float = Field(default=0.05, ge=0, description="Promotion (check 'promotion'): the run's best "
+    promotion_margin: float = Field(default=DEFAULT_MARGIN, ge=0, description="Promotion (check 'promotion'): the run's best "
                                     "checkpoint becomes the family's promoted drafter only if its tau beats the "
                                     "promoted one's and no slice (thinking, tools, prompt length, category) falls "
                                     "below the promoted one's by more than this.")
@@ -205,14 +210,14 @@ class DrafterEvalConfig(dg.Config):
 
 class GenerationPlanConfig(dg.Config):
     probe_max_new_tokens: int = Field(default=_default(plan_corpus, "probe_max_new_tokens"), description="Tokens per probe request.")
-    probe_requests: Optional[int] = Field(default=None, description="Probe requests per endpoint (None: 2x concurrency).")
+    probe_requests: Optional[int] = Field(default=_default(plan_corpus, "probe_requests"), description="Probe requests per endpoint (None: 2x concurrency).")
     expected_output_tokens: Optional[float] = Field(
-        default=None,
+        default=_default(plan_corpus, "expected_output_tokens"),
         description="Mean output tokens per assistant turn. None: measured from the completions materialized so "
         "far, else max_new_tokens of the generation config (a thinking model often hits it).",
     )
     turns_per_prompt: Optional[float] = Field(
-        default=None,
+        default=_default(plan_corpus, "turns_per_prompt"),
         description="Assistant turns per prompt, the last fallback: used only when nothing measured them (the "
         "completions' num_turns, else the pilot's, else raw_prompts' user turns capped at max_turns). None: 1.0.",
     )
@@ -222,19 +227,19 @@ class GenerationPlanConfig(dg.Config):
         "burst and the pilot generate with it.",
     )
     pilot_prompts: int = Field(
-        default=0, ge=0,
+        default=_default(plan_corpus, "pilot_prompts"), ge=0,
         description="Before any completions exist: regenerate this many real prompts (the first of raw_prompts) "
         "through the whole completions path into a scratch store and scale its wall time and lengths to the "
         "corpus (the honest measure; twice the fleet's concurrency keeps every slot busy). 0: no pilot, the "
         "generation time comes from the throughput burst.",
     )
     cache_budget_gb: Optional[float] = Field(
-        default=None, gt=0,
+        default=_default(plan_corpus, "cache_budget_gb"), gt=0,
         description="Hidden-state cache budget in GB (1e9 B). When the corpus's cache exceeds it, the plan says so "
         "and recommends online training. None: no budget.",
     )
     tokens_per_sample: Optional[float] = Field(
-        default=None, gt=0,
+        default=_default(plan_corpus, "tokens_per_sample"), gt=0,
         description="Mean tokens of a tokenized sample. None: measured (last turn's prompt + completion tokens of "
         "the completions, else of the pilot); without either, turns x output tokens per turn.",
     )
