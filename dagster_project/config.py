@@ -6,6 +6,9 @@ field takes it from there (``_default``), never restating it. Nothing here names
 address or a path on a host: those are deployment settings (``profile.py``, ``deployment.py``).
 The one path a run may give, the ingest's ``source_uri``, must be the
 configured source or lie under ``DFLASH_PROMPT_SOURCE_ROOTS``.
+
+Reads: the environment (the allowed prompt sources, through ``profile.py``), when a run's source is resolved.
+Writes nothing.
 """
 
 import dataclasses

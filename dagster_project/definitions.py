@@ -5,6 +5,9 @@ resource: the store, the target, the engine fleet and the GPU launcher; see
 ``deployment.py``. On ``local`` with no ``DFLASH_ENGINE_URLS``, ``engines``
 starts the embedded engine for each step that generates (see
 ``EngineFleetResource``). Run config cannot change a resource.
+
+Reads, when it loads: the environment (``profile.py``) and, for the code versions, the target's files
+(``versions.py``). Writes nothing.
 """
 
 import dagster as dg

@@ -3,6 +3,9 @@
 ``prompt_shards``: one partition per shard of at most 1024 prompts, registered
 by the ``prompt_corpus`` ingest (and the source sensor) as new shards appear.
 ``drafter_recipes``: one partition per named, versioned training recipe.
+
+Reads nothing; ``register_recipe`` writes ``drafter_recipes/<name>.json`` to the store and adds the partition to
+the Dagster instance.
 """
 
 import dagster as dg

@@ -4,6 +4,9 @@
 s3://), normalizes, deduplicates, quarantines bad records, assigns prompts to
 stable shards and registers the shards as ``prompt_shards`` partitions.
 ``raw_prompts`` writes one shard per partition as Parquet.
+
+Reads the prompt source (``DFLASH_PROMPT_SOURCE``, or a run's allowed ``source_uri``); writes ``prompt_corpus/``
+(index, staged shards, manifests, commits, quarantine and reports) and ``raw_prompts/<shard>.parquet``.
 """
 
 import dagster as dg
