@@ -485,7 +485,7 @@ def _check_words(evaluation: Any) -> str:
     if evaluation.description:
         return evaluation.description
     meta = evaluation.metadata or {}
-    for key in ("summary", "problems"):
+    for key in ("summary", "problems", "reasons"):
         if key in meta:
             value = getattr(meta[key], "value", meta[key])
             return "; ".join(map(str, value)) if isinstance(value, list) else str(value)

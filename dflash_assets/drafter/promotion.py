@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from dflash_assets.store import layout
 
@@ -70,11 +70,18 @@ class PromotionDecision:
     previous: dict[str, Any] | None  # the promoted manifest before this decision
     reasons: list[str]  # why not promoted (empty when promoted)
     regressions: list[dict[str, Any]]  # slices that fell by more than the margin
+    already_promoted: bool = False  # the best checkpoint is the promoted one (a re-run): nothing to decide
+
+    @property
+    def passed(self) -> bool:
+        """What the blocking ``promotion`` check reports: promoted now, or promoted already."""
+        return self.promoted or self.already_promoted
 
     def to_metadata(self) -> dict[str, Any]:
         prev = self.previous or {}
         return {
-            "promoted": self.promoted, "candidate": self.candidate.name if self.candidate else None,
+            "promoted": self.promoted, "already_promoted": self.already_promoted, "passed": self.passed,
+            "candidate": self.candidate.name if self.candidate else None,
             "candidate_tau": self.candidate.tau if self.candidate else None,
             "previous_tau": prev.get("tau"), "previous_checkpoint": prev.get("checkpoint"),
             "previous_recipe": prev.get("recipe"),
@@ -88,9 +95,14 @@ class PromotionDecision:
 
 
 def decide_promotion(candidates: list[Candidate], previous: Mapping[str, Any] | None,
-                     margin: float = DEFAULT_MARGIN) -> PromotionDecision:
+                     margin: float = DEFAULT_MARGIN,
+                     is_promoted: Callable[[Candidate], bool] | None = None) -> PromotionDecision:
     """Promote the best candidate if it beats ``previous`` (the promoted manifest, or None) and no slice both
-    measured drops by more than ``margin`` below the previous promoted checkpoint's tau on that slice."""
+    measured drops by more than ``margin`` below the previous promoted checkpoint's tau on that slice.
+
+    ``is_promoted(candidate)``: whether the candidate is the promoted checkpoint itself (the same weights: a
+    re-run of the recipe that was promoted, or of an unchanged checkpoint). Then nothing is decided and the
+    check passes (``already_promoted``): a checkpoint cannot beat itself, and re-running must not fail."""
     if margin < 0:
         raise ValueError(f"margin must be >= 0, got {margin}")
     if not candidates:
@@ -98,6 +110,8 @@ def decide_promotion(candidates: list[Candidate], previous: Mapping[str, Any] | 
     best = max(candidates, key=lambda c: (c.tau, c.tokens))  # ties: the one trained longer
     if previous is None:
         return PromotionDecision(True, best, None, [], [])
+    if is_promoted is not None and is_promoted(best):
+        return PromotionDecision(False, best, dict(previous), [], [], already_promoted=True)
     reasons: list[str] = []
     if best.tau <= float(previous["tau"]):
         reasons.append(f"tau {best.tau:.4f} is not above the promoted checkpoint's {float(previous['tau']):.4f}")

@@ -395,8 +395,12 @@ def _promote(store: Any, recipe: DrafterRecipe, files: dict[str, str], checkpoin
         except (KeyError, OSError, RuntimeError, ValueError) as e:
             log(f"promoted checkpoint of {family} not re-measured ({type(e).__name__}: {e}); its recorded tau is used")
             previous = {**previous, "remeasured": False}
-    decision = decide_promotion(candidates, previous, margin)
-    if decision.promoted and decision.candidate is not None:
+    decision = decide_promotion(candidates, previous, margin,
+                                is_promoted=lambda c: previous is not None and _same_file(
+                                    store, c.files.get("model.safetensors"), previous["files"].get("model.safetensors")))
+    if decision.already_promoted:
+        log(f"{recipe.name}:{decision.candidate.name} is {family}'s promoted drafter already (same weights)")
+    elif decision.promoted and decision.candidate is not None:
         write_promoted(store, family, recipe.name, decision.candidate,
                        provenance_key=files.get("provenance.json"), config_key=files.get("config.json"))
         log(f"promoted {recipe.name}:{decision.candidate.name} as {family} (tau {decision.candidate.tau:.3f})")
@@ -404,6 +408,18 @@ def _promote(store: Any, recipe: DrafterRecipe, files: dict[str, str], checkpoin
         log(f"not promoted: {'; '.join(decision.reasons)}")
     return {**decision.to_metadata(), "family": family, "margin": margin, "prompts": n,
             "remeasured_previous": bool(previous and previous.get("remeasured"))}
+
+
+def _same_file(store: Any, key: str | None, other: str | None) -> bool:
+    """Whether two store keys hold the same bytes (the same key, or equal content)."""
+    if not key or not other:
+        return False
+    if key == other:
+        return True
+    try:
+        return hashlib.blake2b(store.read_bytes(key)).digest() == hashlib.blake2b(store.read_bytes(other)).digest()
+    except (KeyError, OSError, FileNotFoundError):
+        return False
 
 
 def _pooled_tau(rows: list[dict[str, Any]]) -> float:
@@ -473,7 +489,7 @@ def pipes_stage_eval(call: Any) -> Any:
                            metadata={"num_mismatches": meta["num_mismatches"], "num_prompts": meta["num_prompts"]})]
     if "promotion" in meta:  # not promoted = the run regressed or did not beat the promoted checkpoint
         p = meta["promotion"]
-        checks.append(CheckOutcome("promotion", passed=bool(p["promoted"]), severity="ERROR",
+        checks.append(CheckOutcome("promotion", passed=bool(p.get("passed", p["promoted"])), severity="ERROR",
                                    metadata={k: v for k, v in p.items() if v is not None}))
     return StageResult(metadata=meta, checks=checks)
 

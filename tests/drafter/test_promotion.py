@@ -61,6 +61,19 @@ def test_a_checkpoint_not_above_the_promoted_tau_is_not_promoted():
         decide_promotion([Candidate("final", 1, 2.0, {})], None, margin=-0.1)
 
 
+def test_the_promoted_checkpoint_itself_passes_without_being_promoted_again():
+    """A re-run (a second `make demo`) evaluates the checkpoint that is promoted already: same tau, so it cannot
+    beat it, but nothing regressed either; the check passes as already_promoted."""
+    previous = previous_manifest(1.80, {"tools:without": 1.8})
+    same = Candidate("final", 10, 1.80, {"tools:without": 1.8}, {"model.safetensors": "k"})
+    decision = decide_promotion([same], previous, is_promoted=lambda c: c.files.get("model.safetensors") == "k")
+    assert decision.already_promoted and decision.passed and not decision.promoted and decision.reasons == []
+    meta = decision.to_metadata()
+    assert (meta["already_promoted"], meta["passed"], meta["reasons"]) == (True, True, ["none"])
+    other = decide_promotion([same], previous, is_promoted=lambda c: False)  # other weights, same tau: fails
+    assert not other.passed and "not above" in other.reasons[0]
+
+
 def test_slices_and_pooled_tau_by_slice():
     assert [length_bucket(n) for n in (1, 256, 257, 1024, 1025)] == ["0-256", "0-256", "257-1024", "257-1024",
                                                                       ">1024"]
@@ -140,11 +153,17 @@ def test_eval_recipe_promotes_the_first_checkpoint_and_not_one_that_does_not_bea
     assert promoted["recipe"] == "demo-v1" and promoted["tau"] == first["promotion"]["candidate_tau"]
     assert all(store.exists(key) for key in promoted["files"].values())
 
+    again = eval_recipe(store, "demo-v1", spec, num_prompts=3, max_new_tokens=6, device="cpu", dtype="float32",
+                        promotion_margin=0.05)  # a re-run of the promoted recipe passes: same weights
+    assert again["promotion"]["already_promoted"] is True and again["promotion"]["passed"] is True
+    assert again["promotion"]["promoted"] is False and read_promoted(store, "demo")["recipe"] == "demo-v1"
+
     second = eval_recipe(store, "demo-v2", spec, num_prompts=3, max_new_tokens=6, device="cpu", dtype="float32",
                          promotion_margin=0.05)
     p = second["promotion"]
     assert p["remeasured_previous"] is True and p["previous_recipe"] == "demo-v1"
     assert p["tau_delta"] == round(p["candidate_tau"] - p["previous_tau"], 4)
+    assert p["already_promoted"] is False  # other weights
     if p["candidate_tau"] <= p["previous_tau"]:
         assert p["promoted"] is False and read_promoted(store, "demo")["recipe"] == "demo-v1"
     else:  # an untrained drafter can beat another by chance; then it must be the one promoted
