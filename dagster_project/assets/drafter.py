@@ -125,7 +125,7 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainin
                                    description="The run's best checkpoint beats the family's promoted drafter on "
                                                "tau, re-measured on the same held-out prompts, and loses no more "
                                                "than promotion_margin on any slice; then it is promoted "
-                                               "(drafter_promoted/<family>/manifest.json). Says which slice "
+                                               "(drafter_promoted/FAMILY/manifest.json). Says which slice "
                                                "regressed.")],
 )
 def drafter_eval(context: dg.AssetExecutionContext, config: DrafterEvalConfig, store: StoreParam,
