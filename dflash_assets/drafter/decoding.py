@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dflash_assets.drafter.model import DFlashDrafter, DraftCache, TargetHead, load_drafter
-from dflash_assets.target_model.layer_capture import LayerCapture
+from dflash_assets.target_model.layer_capture import LayerCapture, text_config
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,7 @@ def _cache_kwarg(target) -> str:
 
 def supports_cache_crop(target) -> bool:
     """Only attention layers can be rolled back by cropping; linear-attention state cannot."""
-    cfg = getattr(target.config, "text_config", None) or target.config
-    types = getattr(cfg, "layer_types", None) or ["full_attention"]
+    types = getattr(text_config(target.config), "layer_types", None) or ["full_attention"]
     return all(t in ("full_attention", "sliding_attention") for t in types)
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_assets.store.manifest import pid_alive
-from dflash_assets.target_model.conventions import dflash_target_layer_ids
+from dflash_assets.target_model.conventions import dflash_target_layer_ids, text_config
 
 try:  # flex_attention exists in torch >= 2.5; the SDPA path works without it
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -90,7 +90,7 @@ class DrafterConfig:
         target_layer_ids: list[int] | None = None,
     ) -> "DrafterConfig":
         """Drafter shaped like the target's layers (same H, heads, head_dim, MLP width)."""
-        tc = target_config.get("text_config") or target_config  # hybrid/multimodal nest the LM
+        tc = text_config(target_config)  # hybrid/multimodal nest the LM
         L = tc["num_hidden_layers"]
         H = tc["hidden_size"]
         n_heads = tc["num_attention_heads"]
