@@ -139,7 +139,8 @@ def test_every_help_text_is_whole_sentences_and_names_its_command(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert text.startswith("usage: python -m dagster_project.demo ")
     for knob, key in (("--prompts", "prompts"), ("--shard-size", "shard_size"), ("--max-new-tokens", "max_new_tokens"),
-                      ("--engine", "engine"), ("--eval-prompts", "eval_prompts")):
+                      ("--engine", "engine"), ("--eval-prompts", "eval_prompts"),
+                      ("--max-empty-ratio", "max_empty_ratio")):
         expected = ", ".join(f"{d[key]} ({t})" for t, d in demo.TARGET_DEFAULTS.items())
         assert re.search(rf"{knob} \S+ .*?default {re.escape(expected)}", text), (knob, expected, text)
     assert "smollm2 (default)" in text
