@@ -213,7 +213,7 @@ class DrafterEvalConfig(dg.Config):
 
 class GenerationPlanConfig(dg.Config):
     probe_max_new_tokens: int = Field(default=_default(plan_corpus, "probe_max_new_tokens"), description="Tokens per probe request.")
-    probe_requests: Optional[int] = Field(default=_default(plan_corpus, "probe_requests"), description="Probe requests per endpoint (None: 2x concurrency).")
+    probe_requests: Optional[int] = Field(default=_default(plan_corpus, "probe_requests"), description="Probe requests per endpoint (None: pilot_prompts when set, else 2x concurrency).")
     expected_output_tokens: Optional[float] = Field(
         default=_default(plan_corpus, "expected_output_tokens"),
         description="Mean output tokens per assistant turn. None: measured from the completions materialized so "

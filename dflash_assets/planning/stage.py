@@ -74,7 +74,8 @@ def plan_corpus(store: Any, target: Any, fleet: EngineFleetConfig, *, generation
     ``target`` is a ``TargetModelSpec``; ``generation`` the completions' settings the backfill will use (the
     burst and the pilot generate with them); ``max_length`` caps tokens per sample as ``tokenized_samples``
     does (default: ``TokenizeConfig``'s). ``probe_requests`` is also the number of real requests sampled for
-    the burst (default 64).
+    the burst (default: ``pilot_prompts`` when a pilot was asked for, else 2x each endpoint's concurrency);
+    its turns are capped at the lesser of ``probe_max_new_tokens`` and ``generation.max_new_tokens``.
     """
     prompts = corpus_prompt_count(store)
     partitions = max(1, len(list_shard_keys(store)))
@@ -100,10 +101,13 @@ def plan_corpus(store: Any, target: Any, fleet: EngineFleetConfig, *, generation
         cost = GenerationCost.from_pilot(measured, prompts, partitions)
         metadata.update(measured.to_metadata(prompts, partitions))
     else:
+        # The burst: no longer than the run's own turns, and as small as a pilot the caller asked for (a second
+        # `make demo` ran 64 requests of 256 tokens here, 927 s on 2 CPU cores, where the first run's pilot took 15 s)
         estimate = plan_generation(
             fleet, prompts=prompts, output_tokens_per_turn=output_tokens, turns_per_prompt=turns,
-            tokenizer=tokenizer, generation=generation, max_new_tokens=probe_max_new_tokens,
-            requests=probe_requests,
+            tokenizer=tokenizer, generation=generation,
+            max_new_tokens=min(probe_max_new_tokens, generation.max_new_tokens),
+            requests=probe_requests or (pilot_prompts if pilot_prompts > 0 else None),
             conversations=(done.sample if done else ()) or (seen.sample if seen else None))
         cost = GenerationCost.from_estimate(estimate)
         metadata.update(estimate.to_metadata())
