@@ -17,8 +17,8 @@ import json, re, sys, tempfile
 from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.dagster_dev import dagster_dev
-from playwright.sync_api import sync_playwright
+from tests.dagster_dev import dagster_dev, ui_page
+
 from dagster_project.partitions import register_recipe
 from dflash_assets.drafter.recipe import DrafterRecipe
 from dflash_assets.store.backends import LocalStore
@@ -43,18 +43,11 @@ with dagster_dev(root / "home", env=env) as dev:
     register_recipe(dev.instance(), store, DrafterRecipe(name="qwen36-27b-v1", partitions=tuple(shards[:2])))
     out = dev.wait_for_run(dev.launch_run(["drafter_checkpoint"], tags={"dagster/partition": "qwen36-27b-v1"}))
     print("drafter_checkpoint run:", out)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True,
-                                    args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
-        ctx = browser.new_context(viewport={"width": 1600, "height": 1250})
-        ctx.add_init_script("window.localStorage.setItem('communityNux', '\"1\"')")
-        page = ctx.new_page()
-        page.set_default_timeout(60_000)
+    with ui_page() as page:
         page.goto(dev.url + "/assets/drafter_checkpoint?view=checks", wait_until="domcontentloaded")
         page.get_by_text("decontamination").first.wait_for()
         page.get_by_text("decontamination").first.click()
         page.wait_for_timeout(4000)
         page.get_by_text("excluded_exact").first.wait_for()
         page.screenshot(path=str(REPO / "docs" / "decontamination-check.png"), full_page=True)
-        browser.close()
 print("ok")

@@ -44,7 +44,7 @@ for key in [k for k in os.environ if k.startswith(("DFLASH_TARGET_", "DFLASH_ENG
 os.environ.update(deployment(target_a))  # this process: target A, before the code location is imported
 
 import dagster as dg  # noqa: E402
-from playwright.sync_api import sync_playwright  # noqa: E402
+
 
 from dagster_project.definitions import defs  # noqa: E402
 from dagster_project.demo import QUIET_CONSOLE, run_demo  # noqa: E402
@@ -53,7 +53,7 @@ from dflash_assets.drafter.promotion import read_promoted  # noqa: E402
 from dflash_assets.drafter.recipe import DrafterRecipe  # noqa: E402
 from dflash_assets.drafter.stages import load_recipe  # noqa: E402
 from dflash_assets.store.backends import LocalStore  # noqa: E402
-from tests.dagster_dev import dagster_dev  # noqa: E402
+from tests.dagster_dev import dagster_dev, ui_page  # noqa: E402
 
 CURVE = {"ops": {"drafter_eval": {"config": {"num_prompts": 2, "max_new_tokens": 16, "curve_prompts": 2}}}}
 TICKS = """query($s: SensorSelector!) { sensorOrError(sensorSelector: $s) { __typename ... on Sensor {
@@ -99,13 +99,7 @@ with dagster_dev(root / "home", env=deployment(target_b)) as dev:  # the UI's de
         time.sleep(3)
     print("sensor ticks:", json.dumps(ticks)[:600])
 
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True,
-                                    args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
-        ctx = browser.new_context(viewport={"width": 1600, "height": 1250})
-        ctx.add_init_script("window.localStorage.setItem('communityNux', '\"1\"')")
-        page = ctx.new_page()
-        page.set_default_timeout(60_000)
+    with ui_page() as page:
         page.goto(dev.url + "/assets/drafter_eval?view=checks", wait_until="domcontentloaded")
         shoot(page, DOCS / "promotion-check.png", "candidate_tau", click="promotion")
         page.goto(dev.url + "/locations/dflash_assets/sensors/target_refresh_sensor", wait_until="domcontentloaded")
@@ -131,5 +125,4 @@ with dagster_dev(root / "home", env=deployment(target_b)) as dev:  # the UI's de
             print("no learning-curve screenshot:", type(e).__name__, str(e)[:300])
             page.screenshot(path=str(root / "drafter_eval-events.png"))
             print("what the page showed:", root / "drafter_eval-events.png", page.inner_text("body")[:1500])
-        browser.close()
 print(f"ok in {time.time() - t0:.0f} s")

@@ -485,3 +485,22 @@ def write_completions(store: Any, shard: str, *, stub: bool = False) -> int:
                       "messages": pa.array(conversations, COMPLETIONS_MESSAGES_TYPE)})
     store.write_parquet(layout.completions(shard), table)
     return table.num_rows
+
+
+@contextlib.contextmanager
+def ui_page(width: int = 1600, height: int = 1250, timeout_ms: int = 60_000) -> Iterator[Any]:
+    """A Playwright page in Debian's chromium, headless, with the Dagster UI's first-run tour dismissed (the
+    screenshot benches)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True,
+                                    args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+        try:
+            ctx = browser.new_context(viewport={"width": width, "height": height})
+            ctx.add_init_script("window.localStorage.setItem('communityNux', '\"1\"')")
+            page = ctx.new_page()
+            page.set_default_timeout(timeout_ms)
+            yield page
+        finally:
+            browser.close()
