@@ -4,7 +4,7 @@ The evaluation side is the prompts ``drafter_eval`` would decode plus every prom
 a deployment lists (``DFLASH_BENCHMARK_PROMPTS``). The training side is every user turn of every
 ``raw_prompts`` shard the recipe trains on.
 
-Held-out prompts are *selected* clean: ``heldout_texts`` walks the held-out shards in order and leaves out
+Held-out prompts are *selected* clean: ``heldout_selection`` walks the held-out shards in order and leaves out
 each first user turn that matches a training turn by the rule below (ShareGPT repeats and rephrases prompts
 under new ids, so a held-out shard of real data nearly always holds a few); ``drafter_eval`` decodes the
 first ``num_prompts`` of what remains. Those left out are counted (``excluded_exact``, ``excluded_near``)
@@ -332,12 +332,6 @@ def heldout_selection(store: Any, trained: Sequence[str], limit: int) -> HeldOut
             else:
                 chosen.append(prompt)
     return HeldOutSelection(chosen, excluded, True)
-
-
-def heldout_texts(store: Any, trained: Sequence[str], limit: int) -> tuple[list[EvalText], int, bool]:
-    """``heldout_selection`` as (prompts, how many were left out, held_out)."""
-    selection = heldout_selection(store, trained, limit)
-    return selection.prompts, len(selection.excluded), selection.held_out
 
 
 def training_turns(store: Any, shards: Sequence[str]) -> Iterable[tuple[str, str, str]]:

@@ -175,10 +175,10 @@ def test_eval_order_and_the_limit_follow_drafter_evals_selection(local_store, tm
     held = local_store.read_parquet(layout.raw_prompts(shards[2]), columns=["prompt_id"]).column(0).to_pylist()
     report = recipe_decontamination(local_store, shards[:2], max_eval_prompts=2)
     assert report.eval_prompts == 2
-    from dflash_assets.drafter.decontamination import heldout_texts
+    from dflash_assets.drafter.decontamination import heldout_selection
 
-    prompts, skipped, held_out = heldout_texts(local_store, shards[:2], 3)
-    assert [p.prompt_id for p in prompts] == held[:3] and skipped == 0 and held_out
+    selection = heldout_selection(local_store, shards[:2], 3)
+    assert [p.prompt_id for p in selection.prompts] == held[:3] and len(selection.excluded) == 0 and selection.held_out
 
 
 def test_a_contaminated_recipe_fails_its_blocking_check_before_any_gpu_run(tmp_path, monkeypatch):
