@@ -184,7 +184,7 @@ def train_online(target, head, samples, dcfg, *, epochs: int, batch_tokens: int,
     torch.manual_seed(seed)
     drafter = DFlashDrafter(dcfg).to(device)
     if compile_layers:
-        from dflash_assets.drafter.training import apply_inductor_workarounds
+        from dflash_assets.torch_compile import apply_inductor_workarounds
 
         apply_inductor_workarounds()
         for layer in drafter.layers:

@@ -153,7 +153,7 @@ def generate_stage(args, report: dict) -> None:
     device = "cuda" if args.device == "cuda" else "cpu"
     fleet = EngineFleetConfig(target_model=str(target_dir), endpoints=[EndpointConfig(
         url="inprocess://smollm2", kind="transformers", device=device, max_concurrency=args.gen_concurrency,
-        max_batch_tokens=args.gen_batch_tokens, dtype=args.gen_dtype)])
+        max_batch_tokens=args.gen_batch_tokens, dtype=args.gen_dtype, cache=args.gen_cache)])
     generation = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                   top_p=args.top_p, top_k=None, max_turns=args.max_turns,
                                   enable_thinking=spec.thinking(), seed=args.seed if args.temperature > 0 else None)
@@ -352,6 +352,8 @@ def main(argv=None) -> int:
     p.add_argument("--gen-batch-tokens", type=int, default=262144, help="padded prompt tokens per generate call")
     p.add_argument("--gen-dtype", default="auto", help="the generating engine's weights dtype (auto: float32 "
                    "here); the evaluation stays float32")
+    p.add_argument("--gen-cache", default="dynamic", choices=["dynamic", "static"],
+                   help="the engine's KV cache: static pads batches to a few shapes and compiles the decode step")
     p.add_argument("--gen-budget-s", type=float, default=420.0, help="no new shard starts after this")
     p.add_argument("--recipe", default="smollm2-greedy-v1")
     p.add_argument("--block-size", type=int, default=16)

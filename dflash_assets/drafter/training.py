@@ -55,6 +55,7 @@ from dflash_assets.drafter.recipe import DrafterRecipe, TrainResult
 from dflash_assets.drafter.state import latest_state_dir, load_training_state, save_training_state
 from dflash_assets.target_model.conventions import mask_token_id_in_dir
 from dflash_assets.target_model.layer_capture import LayerCapture
+from dflash_assets.torch_compile import allow_recompiles, apply_inductor_workarounds
 
 __all__ = ["DrafterRecipe", "TrainResult", "TargetFeatures", "train_drafter", "main"]
 
@@ -108,43 +109,6 @@ def lr_lambda(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
         return 0.5 * (1.0 + math.cos(math.pi * min(t, 1.0)))
 
     return f
-
-
-def needs_coalesce_tiling_workaround(torch_version: str) -> bool:
-    """Whether this torch's inductor needs ``triton.coalesce_tiling_analysis = False`` to compile the drafter.
-
-    torch 2.11's inductor asserts in ``tiling_utils.get_pw_red_splits`` while compiling the small drafter
-    layers (pytorch issue 197077; seen on the H200, 2026-12-01); turning the coalescing analysis off avoided
-    it. Only 2.11.x is known to need it: other versions keep inductor's default."""
-    parts = torch_version.split("+")[0].split(".")
-    try:
-        major, minor = int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return False
-    return (major, minor) == (2, 11)
-
-
-def apply_inductor_workarounds(torch_version: str | None = None) -> dict[str, Any]:
-    """Set the inductor options this torch version needs before compiling; returns what was set."""
-    version = torch_version or torch.__version__
-    applied: dict[str, Any] = {}
-    if needs_coalesce_tiling_workaround(version):
-        import torch._inductor.config as inductor_config
-
-        triton_cfg = inductor_config.triton
-        if hasattr(triton_cfg, "coalesce_tiling_analysis"):
-            triton_cfg.coalesce_tiling_analysis = False
-            applied["triton.coalesce_tiling_analysis"] = False
-    return applied
-
-
-def _allow_recompiles(limit: int = 64):
-    """Sequence length and anchor count vary per batch (padded to multiples of 128 / 8): let dynamo
-    recompile (it turns those dims dynamic after the first change) instead of falling back to eager."""
-    cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(cfg, name) and getattr(cfg, name) < limit:
-            setattr(cfg, name, limit)
 
 
 def _dist_info() -> tuple[int, int, int]:
@@ -237,7 +201,7 @@ def train_drafter(
     compiled = recipe.compile and cuda
     if compiled:
         apply_inductor_workarounds()
-        _allow_recompiles()
+        allow_recompiles()
         for layer in drafter.layers:
             layer.compile()
     model = drafter

@@ -48,7 +48,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Literal, Protocol, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -122,6 +122,9 @@ class EndpointConfig(BaseModel):
     device: str = Field("cpu", description="transformers kind: torch device.")
     dtype: str = Field("auto", description="transformers kind: torch dtype of the weights, e.g. bfloat16 (auto: the "
                        "checkpoint's own).")
+    cache: Literal["dynamic", "static"] = Field("dynamic", description="transformers kind: KV cache of `generate`; "
+                                                "static pads batches to a few shapes and, on CUDA, compiles the "
+                                                "decode step (a GPU's fast path; see TransformersEngine).")
     max_batch_tokens: int = Field(8192, ge=1, description="transformers kind: padded prompt tokens per generate "
                                   "call (requests are batched by similar length within it).")
 
@@ -301,7 +304,7 @@ def build_engine(ep: EndpointConfig, config: EngineFleetConfig, tokenizer: Any =
                             reasoning_parser=ep.reasoning_parser, tokenizer=tokenizer, **common)
     if ep.kind == "transformers":
         return TransformersEngine(ep.model_path or config.target_model, device=ep.device, tokenizer=tokenizer,
-                                  dtype=ep.dtype, max_batch_tokens=ep.max_batch_tokens, **common)
+                                  dtype=ep.dtype, max_batch_tokens=ep.max_batch_tokens, cache=ep.cache, **common)
     raise ValueError(f"unknown endpoint kind {ep.kind!r}")
 
 

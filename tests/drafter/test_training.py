@@ -272,25 +272,6 @@ def test_last_layer_features_are_equal_online_offline_and_at_decode_time(tiny_de
 # Issue 21: compile on torch 2.11, bucketed widths, a time budget measured after warm-up
 
 
-@pytest.mark.parametrize("version, needed", [("2.11.0", True), ("2.11.0+cu130", True), ("2.11.2+cpu", True),
-                                             ("2.10.1", False), ("2.12.0", False), ("2.13.0+cpu", False),
-                                             ("3.11.0", False), ("nightly", False)])
-def test_inductor_workaround_only_where_the_torch_version_needs_it(version, needed):
-    from dflash_assets.drafter.training import apply_inductor_workarounds, needs_coalesce_tiling_workaround
-
-    assert needs_coalesce_tiling_workaround(version) is needed
-    import torch._inductor.config as inductor_config
-
-    before = inductor_config.triton.coalesce_tiling_analysis
-    try:
-        inductor_config.triton.coalesce_tiling_analysis = True
-        applied = apply_inductor_workarounds(version)
-        assert applied == ({"triton.coalesce_tiling_analysis": False} if needed else {})
-        assert inductor_config.triton.coalesce_tiling_analysis is (not needed)
-    finally:
-        inductor_config.triton.coalesce_tiling_analysis = before
-
-
 def test_bucketed_widths_are_few_and_waste_at_most_half():
     from dflash_assets.drafter.data import Sample, bucket_width, collate
 

@@ -316,6 +316,37 @@ def test_transformers_engine_batches_concurrent_requests_with_the_same_answers(t
         assert a.prompt_tokens == b.prompt_tokens and 1 <= a.completion_tokens <= 12
 
 
+def test_static_batch_shapes_are_few_and_hold_the_batch():
+    from dflash_assets.generation.engines import STATIC_WIDTH_STEP, static_batch_shape
+
+    shapes = {static_batch_shape(n, w, 1024) for n in range(1, 1025) for w in range(1, 2049, 7)}
+    assert {r for r, _ in shapes} == {16, 64, 256, 1024}  # 1,024 row counts -> 4 compiled shapes
+    assert {w for _, w in shapes} == {STATIC_WIDTH_STEP * k for k in range(1, 9)}
+    for n, w in [(1, 1), (17, 300), (1000, 256), (1024, 257)]:
+        rows, width = static_batch_shape(n, w, 1024)
+        assert rows >= n and width >= w and width % STATIC_WIDTH_STEP == 0
+    assert static_batch_shape(100, 10, 96) == (100, 256)  # a batch over max_rows (never formed) is not cut
+    assert static_batch_shape(70, 10, 96) == (96, 256)  # the bucket is capped at max_rows
+
+
+def test_static_cache_engine_answers_as_the_dynamic_one(tiny_dense_target, tok):
+    """The static-cache path (padded rows and width) gives each request the dynamic cache's greedy answer."""
+    gen = GenerationConfig(max_new_tokens=10, temperature=0.0, enable_thinking=False)
+    chats = [[{"role": "user", "content": q}] for q in ("What is 2+2?", "Name a colour.", "Write a long sentence.")]
+
+    async def go(cache):
+        async with TransformersEngine(tiny_dense_target, tokenizer=tok, max_concurrency=8, cache=cache) as eng:
+            out = await asyncio.gather(*(eng.chat(m, gen) for m in chats))
+            return out, eng.batch_shapes
+
+    (static, shapes), (dynamic, dyn_shapes) = run(go("static")), run(go("dynamic"))
+    assert shapes == [(8, 256)] and dyn_shapes[0][0] == 3  # 3 rows padded to the 8-row cap, width to 256
+    assert [(r.content, r.completion_tokens, r.finish_reason) for r in static] == \
+        [(r.content, r.completion_tokens, r.finish_reason) for r in dynamic]
+    with pytest.raises(ValueError, match="dynamic' or 'static"):
+        TransformersEngine(tiny_dense_target, tokenizer=tok, cache="paged")
+
+
 # -- broken or hostile engines (issue 14 item 4) ----------------------------------------
 
 

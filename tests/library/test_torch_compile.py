@@ -1,0 +1,41 @@
+"""The shared compile settings: the inductor workaround only where the torch version needs it (issue 21), and
+the recompile limit the compiled paths raise."""
+
+import pytest
+
+
+@pytest.mark.parametrize("version, needed", [("2.11.0", True), ("2.11.0+cu130", True), ("2.11.2+cpu", True),
+                                             ("2.10.1", False), ("2.12.0", False), ("2.13.0+cpu", False),
+                                             ("3.11.0", False), ("nightly", False)])
+def test_inductor_workaround_only_where_the_torch_version_needs_it(version, needed):
+    from dflash_assets.torch_compile import apply_inductor_workarounds, needs_coalesce_tiling_workaround
+
+    assert needs_coalesce_tiling_workaround(version) is needed
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.triton.coalesce_tiling_analysis
+    try:
+        inductor_config.triton.coalesce_tiling_analysis = True
+        applied = apply_inductor_workarounds(version)
+        assert applied == ({"triton.coalesce_tiling_analysis": False} if needed else {})
+        assert inductor_config.triton.coalesce_tiling_analysis is (not needed)
+    finally:
+        inductor_config.triton.coalesce_tiling_analysis = before
+
+
+def test_allow_recompiles_raises_the_limit_and_never_lowers_it():
+    import torch
+
+    from dflash_assets.torch_compile import allow_recompiles
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    before = getattr(cfg, name)
+    try:
+        setattr(cfg, name, 8)
+        allow_recompiles(64)
+        assert getattr(cfg, name) == 64
+        allow_recompiles(16)
+        assert getattr(cfg, name) == 64
+    finally:
+        setattr(cfg, name, before)
