@@ -794,11 +794,15 @@ STATIC_ROW_BUCKETS = (16, 64, 256, 1024, 4096)
 STATIC_WIDTH_STEP = 256
 
 
-def static_batch_shape(rows: int, width: int, max_rows: int) -> tuple[int, int]:
+def static_batch_shape(rows: int, width: int, max_rows: int, max_tokens: int | None = None) -> tuple[int, int]:
     """(rows, prompt width) a static-cache batch of `rows` prompts at most `width` tokens long is padded to:
-    the next row bucket (never over `max_rows` unless `rows` is) and the next multiple of STATIC_WIDTH_STEP."""
+    the next multiple of STATIC_WIDTH_STEP, and the next row bucket, never over `max_rows` nor over
+    `max_tokens` padded prompt tokens (the batch's own rows are never cut: the engine formed the batch within
+    both). Padding 300 long prompts up to 1,024 rows would multiply the prefill's and the cache's memory."""
+    padded_width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
+    cap = min(max_rows, max_tokens // padded_width if max_tokens else max_rows)
     bucket = next((b for b in STATIC_ROW_BUCKETS if b >= rows), rows)
-    return max(rows, min(bucket, max_rows)), -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
+    return max(rows, min(bucket, cap)), padded_width
 
 
 @dataclass(eq=False)  # compared by identity: removing a batch from the queue must not compare id lists
@@ -903,7 +907,7 @@ class TransformersEngine(Engine):
             torch.manual_seed(gen.seed)
         n, width = len(rows), max(len(r) for r in rows)
         if self.cache == "static":
-            padded_rows, width = static_batch_shape(n, width, self.max_concurrency)
+            padded_rows, width = static_batch_shape(n, width, self.max_concurrency, self.max_batch_tokens)
             rows = list(rows) + [rows[0]] * (padded_rows - n)  # copies finish with the row they copy
             kwargs["cache_implementation"] = "static"
         self.batch_shapes.append((len(rows), width))

@@ -327,6 +327,8 @@ def test_static_batch_shapes_are_few_and_hold_the_batch():
         assert rows >= n and width >= w and width % STATIC_WIDTH_STEP == 0
     assert static_batch_shape(100, 10, 96) == (100, 256)  # a batch over max_rows (never formed) is not cut
     assert static_batch_shape(70, 10, 96) == (96, 256)  # the bucket is capped at max_rows
+    assert static_batch_shape(300, 1700, 1024, 524288) == (300, 1792)  # 1,024 x 1,792 is over the token cap
+    assert static_batch_shape(600, 500, 1024, 524288) == (1024, 512)  # 1,024 x 512 is within it
 
 
 def test_static_cache_engine_answers_as_the_dynamic_one(tiny_dense_target, tok):
