@@ -792,6 +792,9 @@ class OpenAIEngine(Engine):
 # STATIC_WIDTH_STEP, so the compiled decode step sees a handful of shapes instead of one per batch.
 STATIC_ROW_BUCKETS = (16, 64, 256, 1024, 4096)
 STATIC_WIDTH_STEP = 256
+# Prompts longer than this decode on the dynamic cache: a static cache's prefill attends over the whole cache
+# length, and a batch of 64 prompts of 8K tokens ran an H200 out of memory (issue 21). Few prompts are this long.
+STATIC_MAX_WIDTH = 2048
 
 
 def static_batch_shape(rows: int, width: int, max_rows: int, max_tokens: int | None = None) -> tuple[int, int]:
@@ -906,7 +909,7 @@ class TransformersEngine(Engine):
         if gen.seed is not None:
             torch.manual_seed(gen.seed)
         n, width = len(rows), max(len(r) for r in rows)
-        if self.cache == "static":
+        if self.cache == "static" and width <= STATIC_MAX_WIDTH:
             padded_rows, width = static_batch_shape(n, width, self.max_concurrency, self.max_batch_tokens)
             rows = list(rows) + [rows[0]] * (padded_rows - n)  # copies finish with the row they copy
             kwargs["cache_implementation"] = "static"

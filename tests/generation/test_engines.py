@@ -345,6 +345,15 @@ def test_static_cache_engine_answers_as_the_dynamic_one(tiny_dense_target, tok):
     assert shapes == [(8, 256)] and dyn_shapes[0][0] == 3  # 3 rows padded to the 8-row cap, width to 256
     assert [(r.content, r.completion_tokens, r.finish_reason) for r in static] == \
         [(r.content, r.completion_tokens, r.finish_reason) for r in dynamic]
+    long_chat = [{"role": "user", "content": "word " * 3000}]  # over STATIC_MAX_WIDTH: the dynamic cache decodes it
+
+    async def long(cache):
+        async with TransformersEngine(tiny_dense_target, tokenizer=tok, max_concurrency=8, cache=cache) as eng:
+            return await eng.chat(long_chat, gen), eng.batch_shapes
+
+    (long_static, long_shapes), (long_dynamic, _) = run(long("static")), run(long("dynamic"))
+    assert long_shapes[0][0] == 1 and long_shapes[0][1] > 2048  # not padded: one row, its own width
+    assert long_static.content == long_dynamic.content
     with pytest.raises(ValueError, match="dynamic' or 'static"):
         TransformersEngine(tiny_dense_target, tokenizer=tok, cache="paged")
 
