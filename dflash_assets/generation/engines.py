@@ -62,8 +62,10 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -71,6 +73,8 @@ from typing import Any, Literal, Sequence
 from dflash_assets.generation.chat_tokenizer import ChatTokenizer, strip_stop_text
 from dflash_assets.generation.config import GenerationConfig, hf_generation_settings, normalize_model_id
 from dflash_assets.target_model.chat_template import split_reasoning_text
+
+_log = logging.getLogger(__name__)
 
 try:  # orjson is ~5x faster on the request/response hot path; json is the fallback.
     import orjson
@@ -857,15 +861,25 @@ class TransformersEngine(Engine):
         self._batcher: asyncio.Task | None = None
         self.batch_sizes: list[int] = []  # rows of each generate call, in order (for logs and tests)
         self.batch_shapes: list[tuple[int, int]] = []  # (rows, prompt width) each generate call ran at, padding included
+        # one thread loads the model and runs every generate: compiled CUDA graphs keep per-thread state
+        self._worker: ThreadPoolExecutor | None = None
+
+    def _in_worker(self, fn, *args) -> asyncio.Future:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
+        return asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def open(self) -> None:
         if self.model is None:
-            await asyncio.to_thread(self._load)
+            await self._in_worker(self._load)
 
     async def close(self) -> None:
         if self._batcher is not None and not self._batcher.done():
             self._batcher.cancel()
         self.model = None
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+            self._worker = None
 
     def _load(self) -> None:
         import torch
@@ -946,9 +960,11 @@ class TransformersEngine(Engine):
             self._pending = [r for r in self._pending if r not in batch]
             self.batch_sizes.append(len(batch))
             try:
-                outs = await asyncio.to_thread(self._generate, [r.ids for r in batch], batch[0].generation,
-                                               batch[0].stop_ids)
+                outs = await self._in_worker(self._generate, [r.ids for r in batch], batch[0].generation,
+                                             batch[0].stop_ids)
             except Exception as e:  # noqa: BLE001 - every request of the batch fails alike
+                _log.warning("%s: generate of %d rows (prompt width %d) failed", self.url, len(batch),
+                             max(len(r.ids) for r in batch), exc_info=True)
                 err = EngineError(f"{self.url}: generate failed: {type(e).__name__}: {e}", endpoint=self.url)
                 for r in batch:
                     if not r.future.done():

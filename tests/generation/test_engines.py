@@ -316,6 +316,31 @@ def test_transformers_engine_batches_concurrent_requests_with_the_same_answers(t
         assert a.prompt_tokens == b.prompt_tokens and 1 <= a.completion_tokens <= 12
 
 
+def test_transformers_engine_loads_and_generates_on_one_worker_thread(tiny_dense_target, tok, monkeypatch):
+    """Compiled CUDA graphs keep per-thread state: the load and every batch run on the engine's one thread."""
+    import threading
+
+    threads = []
+    for name in ("_load", "_generate"):
+        original = getattr(TransformersEngine, name)
+
+        def record(self, *args, _original=original):
+            threads.append((threading.get_ident(), threading.current_thread().name.split("_")[0]))
+            return _original(self, *args)
+
+        monkeypatch.setattr(TransformersEngine, name, record)
+    gen = GenerationConfig(max_new_tokens=3, temperature=0.0, enable_thinking=False)
+
+    async def go():
+        async with TransformersEngine(tiny_dense_target, tokenizer=tok, max_concurrency=1) as eng:
+            await asyncio.gather(*(eng.chat([{"role": "user", "content": q}], gen) for q in ("a", "b", "c")))
+            return eng.batch_sizes
+
+    assert run(go()) == [1, 1, 1]
+    assert len(threads) == 4 and set(threads) == {(threads[0][0], "dflash-generate")}  # the engine's own thread
+    assert threads[0][0] != threading.get_ident()
+
+
 def test_static_batch_shapes_are_few_and_hold_the_batch():
     from dflash_assets.generation.engines import STATIC_WIDTH_STEP, static_batch_shape
 
