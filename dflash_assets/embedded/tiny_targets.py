@@ -26,7 +26,9 @@ target (the embedded default) is therefore trained briefly on one CPU core
 (`tiny_target_training.teach_chat_format`: 160 steps on synthetic ShareGPT
 chats rendered with the chat template, ~30-45 s) to answer in the thinking
 format: `Okay, ...` reasoning of ~16 tokens, `\\n</think>\\n\\n`, an answer of
-~24 tokens, `<|im_end|>`. Rows of embed_tokens / lm_head for ids absent from
+~24 tokens, `<|im_end|>`; then its greedy bfloat16 answers to 40 held-out ShareGPT prompts must keep that
+format (95%), or it trains on in rounds of 80 steps until they do (`teach_until_well_formed`: how well a
+short run learns depends on the CPU's kernels). Rows of embed_tokens / lm_head for ids absent from
 that data keep their random values. The hybrid stays random (see
 `TINY_TARGET_TRAINING`). How a target was trained (settings, steps, losses,
 data; null when it was not) is recorded in the directory's
@@ -61,7 +63,7 @@ from typing import Literal
 
 from dflash_assets.cache_keys import Fingerprint, build_fingerprint, build_lock
 from dflash_assets.target_model.chat_template import DEFAULT_TEMPLATE_NAME, TEMPLATES_DIR, default_chat_template
-from dflash_assets.embedded.tiny_target_training import ChatFormatTraining, teach_chat_format
+from dflash_assets.embedded.tiny_target_training import ChatFormatTraining, teach_until_well_formed
 from dflash_assets.prompts.sources import embedded_sharegpt_path
 from dflash_assets.target_model.tokenizer import (
     QWEN3_6_EOS_TOKEN,
@@ -111,7 +113,7 @@ TINY_TARGET_SETTINGS: dict[str, dict] = {
 }
 
 
-# How each target is taught the chat format after its random init (`teach_chat_format`); None: left random.
+# How each target is taught the chat format after its random init (`teach_until_well_formed`); None: left random.
 # The hybrid stays random: Transformers' PyTorch fallback for its linear-attention layers makes training it
 # ~2.5x slower than the dense (~100 s for the same steps on one core; 80 steps, ~50 s, were not enough), and
 # it serves only hidden-state capture tests, where random weights do.
@@ -181,7 +183,7 @@ def _build(kind: str, out: Path) -> dict | None:
     torch.manual_seed(TINY_TARGET_SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     training = TINY_TARGET_TRAINING[kind]
-    report = teach_chat_format(model, tok, training) if training is not None else None
+    report = teach_until_well_formed(model, tok, training) if training is not None else None
     model = model.to(torch.bfloat16).eval()
     # Sampling defaults as real Qwen3 checkpoints ship them (thinking mode): a server that starts from
     # this file (`transformers serve`) samples unless a request asks for temperature 0.
