@@ -3,7 +3,7 @@
 A random-weight target never emits `</think>` nor `<|im_end|>`: every completion it
 writes is "all reasoning, empty answer, cut at max_new_tokens", which the pipeline's
 `empty_response_ratio` check rightly rejects. `teach_chat_format` trains such a
-model briefly (160 AdamW steps, ~30-45 s on one core for the dense tiny target)
+model briefly (240 AdamW steps, ~45-60 s on one core for the dense tiny target)
 on synthetic chats rendered with the real chat template:
 
     <|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n
@@ -63,7 +63,7 @@ class ChatFormatTraining:
     grad_clip: float = 1.0
     rest_sample: int = 1024  # untrained lm_head rows sampled for the rest-of-vocabulary term
     # The format check (`teach_until_well_formed`): greedy answers to held-out ShareGPT prompts, in bfloat16 as
-    # the target is saved, must be well formed; if not, train on (same data, new seed, lower rate) and check again.
+    # the target is saved, must be well formed; if not, train on (same data, the next seed) and check again.
     check_prompts: int = 40  # first user turns of the records after `num_records` + 30, cut to 400 characters
     check_new_tokens: int = 96
     min_well_formed: float = 0.95
