@@ -346,22 +346,24 @@ def format_check(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", promp
 
     import torch
 
+    from dflash_assets.target_model.chat_template import ChatRenderer
+
     saved = copy.deepcopy(model).to(torch.bfloat16).eval()
-    side, tok.padding_side = tok.padding_side, "left"
+    render = ChatRenderer.from_tokenizer(tok)
     stops = [IM_END_ID, tok.convert_tokens_to_ids("<|endoftext|>")]
     results = []
-    try:
-        for i in range(0, len(prompts), batch):
-            enc = tok.apply_chat_template(prompts[i : i + batch], add_generation_prompt=True, padding=True,
-                                          return_tensors="pt", return_dict=True)
-            with torch.no_grad():
-                out = saved.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops,
-                                     pad_token_id=stops[1])
-            for row in out[:, enc["input_ids"].shape[1]:].tolist():
-                ids = row[: next((j + 1 for j, t in enumerate(row) if t in stops), len(row))]
-                results.append(_well_formed(tok, ids, max_new_tokens))
-    finally:
-        tok.padding_side = side
+    for i in range(0, len(prompts), batch):
+        rows = [tok.encode(render(p, add_generation_prompt=True, enable_thinking=True), add_special_tokens=False)
+                for p in prompts[i : i + batch]]
+        width = max(map(len, rows))
+        ids = torch.tensor([[stops[1]] * (width - len(r)) + r for r in rows])  # left-padded
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.no_grad():
+            out = saved.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=stops, pad_token_id=stops[1])
+        for row in out[:, width:].tolist():
+            new = row[: next((j + 1 for j, t in enumerate(row) if t in stops), len(row))]
+            results.append(_well_formed(tok, new, max_new_tokens))
     return results
 
 
