@@ -23,8 +23,8 @@ A purely random model never writes `</think>` nor `<|im_end|>`, so every
 completion it generates is "all reasoning, empty answer" and the pipeline's
 `empty_response_ratio` check fails. After its seeded random init the dense
 target (the embedded default) is therefore trained briefly on one CPU core
-(`tiny_target_training.teach_chat_format`: 160 steps on synthetic ShareGPT
-chats rendered with the chat template, ~30-45 s) to answer in the thinking
+(`tiny_target_training.teach_chat_format`: 240 steps on synthetic ShareGPT
+chats rendered with the chat template, ~45-60 s) to answer in the thinking
 format: `Okay, ...` reasoning of ~16 tokens, `\\n</think>\\n\\n`, an answer of
 ~24 tokens, `<|im_end|>`; then its greedy bfloat16 answers to 40 held-out ShareGPT prompts must keep that
 format (95%), or it trains on in rounds of 80 steps until they do (`teach_until_well_formed`: how well a
