@@ -7,9 +7,10 @@ not a slice). :func:`decide_promotion` picks, among a training run's checkpoints
 final one), the one with the best tau, and promotes it only if its tau beats the promoted checkpoint's and no
 slice that both measured falls below the promoted one's by more than ``margin``.
 
-Reads and writes (through ``store.layout``) ``drafter_promoted/<family>/manifest.json``: the promoted
-checkpoint's store keys, tau, tau per slice, tokens trained and provenance (the serving side reads it). The
-write is one atomic ``write_json``: a reader sees the old manifest or the new one.
+Reads and writes (through ``store.layout``) ``drafter_promoted/<family>/manifest.json``: the store keys of the
+promoted checkpoint's own copy (``drafter_promoted/<family>/<version>/``, so re-running or deleting the recipe's
+checkpoints leaves it whole), tau, tau per slice, tokens trained and provenance (the serving side reads it). The
+manifest is written after the copies, in one atomic ``write_json``: a reader sees the old manifest or the new one.
 """
 
 from __future__ import annotations
@@ -134,9 +135,28 @@ def read_promoted(store: Any, family: str) -> dict[str, Any] | None:
 
 def write_promoted(store: Any, family: str, recipe: str, candidate: Candidate, *,
                    provenance_key: str | None = None, config_key: str | None = None) -> dict[str, Any]:
-    """Point ``drafter_promoted/<family>/manifest.json`` at ``candidate`` (one atomic write); returns it."""
+    """Copy ``candidate``'s files to ``drafter_promoted/<family>/<version>/``, then point
+    ``drafter_promoted/<family>/manifest.json`` at the copies (one atomic write); returns the manifest.
+
+    The promoted drafter owns its bytes: re-running its recipe publishes a new checkpoint version and deletes the
+    old one, and that must not delete what serving reads. Older promoted versions are deleted after the switch.
+    ``source_files`` keeps the checkpoint keys the copies came from."""
+    from dflash_assets.store.manifest import new_version
+
+    prefix = layout.drafter_promoted_prefix(family)
+    version = new_version()
+    copies = {name: f"{prefix}/{version}/{name}" for name in candidate.files}
+    for name, source in candidate.files.items():
+        store.upload_file(copies[name], store.local_path(source))
+    by_source = {source: copies[name] for name, source in candidate.files.items()}
     doc = {"family": family, "recipe": recipe, "checkpoint": candidate.name, "tokens": candidate.tokens,
-           "tau": candidate.tau, "slices": dict(candidate.slices), "files": dict(candidate.files),
-           "config": config_key, "provenance": provenance_key, "promoted_at": time.time()}
-    store.write_json(layout.drafter_promoted_manifest(family), doc)
+           "tau": candidate.tau, "slices": dict(candidate.slices), "files": copies,
+           "source_files": dict(candidate.files), "version": version,
+           "config": by_source.get(config_key, config_key), "provenance": by_source.get(provenance_key, provenance_key),
+           "promoted_at": time.time()}
+    store.write_json(layout.drafter_promoted_manifest(family), doc)  # the switch
+    for key in store.list(prefix):
+        rest = key[len(prefix) + 1:]
+        if "/" in rest and rest.split("/", 1)[0] < version:
+            store.delete(key)
     return doc

@@ -23,6 +23,7 @@ outputs read their manifest (``store.manifest``).
     drafter_checkpoint/<recipe>/<version>/<file> (before manifests: drafter_checkpoint/<recipe>/<file>)
     drafter_eval/<recipe>.json
     drafter_promoted/<family>/manifest.json      the promoted checkpoint of a recipe family (serving reads it)
+    drafter_promoted/<family>/<version>/<file>   its own copy of that checkpoint's files
 """
 
 from __future__ import annotations
@@ -168,11 +169,16 @@ def drafter_eval(name: str) -> str:
     return f"{DRAFTER_EVAL}/{name}.json"
 
 
-def drafter_promoted_manifest(family: str) -> str:
-    """The promoted checkpoint of a recipe family (``promotion.write_promoted``): keys, tau per slice."""
+def drafter_promoted_prefix(family: str) -> str:
+    """Where a recipe family's promoted checkpoint keeps its own copy: ``<prefix>/<version>/<file>``."""
     if not family or "/" in family:
         raise ValueError(f"recipe family must be a non-empty name without '/': {family!r}")
-    return f"{DRAFTER_PROMOTED}/{family}/manifest.json"
+    return f"{DRAFTER_PROMOTED}/{family}"
+
+
+def drafter_promoted_manifest(family: str) -> str:
+    """The promoted checkpoint of a recipe family (``promotion.write_promoted``): keys, tau per slice."""
+    return f"{drafter_promoted_prefix(family)}/manifest.json"
 
 
 # --- listing ------------------------------------------------------------------------

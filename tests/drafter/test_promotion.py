@@ -90,11 +90,27 @@ def test_slices_and_pooled_tau_by_slice():
 
 def test_promoted_manifest_round_trips_in_the_store(local_store):
     assert read_promoted(local_store, "demo") is None
-    cand = Candidate("final", 123, 1.75, {"tools:without": 1.75},
-                     {"model.safetensors": "drafter_checkpoint/demo-v1/v1/model.safetensors"})
-    write_promoted(local_store, "demo", "demo-v1", cand, config_key="drafter_checkpoint/demo-v1/v1/config.json")
+    sources = {"model.safetensors": "drafter_checkpoint/demo-v1/v1/model.safetensors",
+               "config.json": "drafter_checkpoint/demo-v1/v1/config.json"}
+    for name, key in sources.items():
+        local_store.write_bytes(key, f"bytes of {name}".encode())
+    cand = Candidate("final", 123, 1.75, {"tools:without": 1.75}, sources)
+    write_promoted(local_store, "demo", "demo-v1", cand, config_key=sources["config.json"])
     doc = read_promoted(local_store, "demo")
-    assert doc["tau"] == 1.75 and doc["recipe"] == "demo-v1" and doc["files"] == dict(cand.files)
+    assert doc["tau"] == 1.75 and doc["recipe"] == "demo-v1" and doc["source_files"] == sources
+    assert set(doc["files"]) == set(sources)
+    assert all(key.startswith(f"drafter_promoted/demo/{doc['version']}/") for key in doc["files"].values())
+    assert doc["config"] == doc["files"]["config.json"]
+    for name, key in sources.items():  # the recipe's checkpoint goes away (a re-run publishes a new version)
+        local_store.delete(key)
+    assert local_store.read_bytes(doc["files"]["model.safetensors"]) == b"bytes of model.safetensors"
+
+    for name, key in sources.items():
+        local_store.write_bytes(key, f"new bytes of {name}".encode())
+    second = write_promoted(local_store, "demo", "demo-v2", cand)
+    assert second["version"] > doc["version"]
+    assert not any(local_store.exists(key) for key in doc["files"].values())  # the older copy is deleted
+    assert local_store.read_bytes(second["files"]["model.safetensors"]) == b"new bytes of model.safetensors"
     assert local_store.exists("drafter_promoted/demo/manifest.json")
     with pytest.raises(ValueError):
         layout.drafter_promoted_manifest("a/b")
@@ -153,9 +169,16 @@ def test_eval_recipe_promotes_the_first_checkpoint_and_not_one_that_does_not_bea
     assert promoted["recipe"] == "demo-v1" and promoted["tau"] == first["promotion"]["candidate_tau"]
     assert all(store.exists(key) for key in promoted["files"].values())
 
+    # A re-run of the promoted recipe (a second `make demo`) publishes the same weights as a new checkpoint
+    # version, which deletes the old version's files; the promoted drafter keeps its own copy, and passes.
+    publish_files(store, layout.drafter_checkpoint_manifest("demo-v1"), layout.drafter_checkpoint_prefix("demo-v1"),
+                  {f: tmp_path / "demo-v1" / f for f in ("model.safetensors", "config.json")})
+    assert not any(store.exists(key) for key in promoted["source_files"].values())
+    assert all(store.exists(key) for key in read_promoted(store, "demo")["files"].values())
     again = eval_recipe(store, "demo-v1", spec, num_prompts=3, max_new_tokens=6, device="cpu", dtype="float32",
                         promotion_margin=0.05)  # a re-run of the promoted recipe passes: same weights
     assert again["promotion"]["already_promoted"] is True and again["promotion"]["passed"] is True
+    assert again["promotion"]["remeasured_previous"] is True
     assert again["promotion"]["promoted"] is False and read_promoted(store, "demo")["recipe"] == "demo-v1"
 
     second = eval_recipe(store, "demo-v2", spec, num_prompts=3, max_new_tokens=6, device="cpu", dtype="float32",
