@@ -387,6 +387,15 @@ def _promote(store: Any, recipe: DrafterRecipe, files: dict[str, str], checkpoin
                                     {**final_files, "model.safetensors": files[point["file"]]}))
     family = recipe.family_name
     previous = read_promoted(store, family)
+    missing_previous = None
+    if previous is not None and not store.exists(previous.get("files", {}).get("model.safetensors", "")):
+        # Before promotions kept their own copy, re-running the promoted recipe deleted its weights: nothing can
+        # serve that drafter any more, so this run's best replaces it rather than failing against a ghost.
+        missing_previous = {"recipe": previous.get("recipe"), "checkpoint": previous.get("checkpoint"),
+                            "tau": previous.get("tau")}
+        log(f"{family}'s promoted checkpoint ({previous.get('recipe')}:{previous.get('checkpoint')}) has no weights "
+            f"in the store any more; this run's best checkpoint replaces it")
+        previous = None
     if previous is not None:  # the promoted checkpoint re-measured on these prompts, when it loads on this target
         try:
             old = _evaluate_files(store, previous["files"], model, prompts[:n], max_new_tokens, stop)
@@ -407,7 +416,8 @@ def _promote(store: Any, recipe: DrafterRecipe, files: dict[str, str], checkpoin
     else:
         log(f"not promoted: {'; '.join(decision.reasons)}")
     return {**decision.to_metadata(), "family": family, "margin": margin, "prompts": n,
-            "remeasured_previous": bool(previous and previous.get("remeasured"))}
+            "remeasured_previous": bool(previous and previous.get("remeasured")),
+            "replaced_missing_previous": missing_previous or "no"}
 
 
 def _same_file(store: Any, key: str | None, other: str | None) -> bool:

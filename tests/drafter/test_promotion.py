@@ -181,6 +181,16 @@ def test_eval_recipe_promotes_the_first_checkpoint_and_not_one_that_does_not_bea
     assert again["promotion"]["remeasured_previous"] is True
     assert again["promotion"]["promoted"] is False and read_promoted(store, "demo")["recipe"] == "demo-v1"
 
+    # A store from before the copies: the promoted manifest names checkpoint keys a re-run deleted. The next
+    # evaluation replaces the ghost instead of failing against its recorded tau.
+    ghost = {**read_promoted(store, "demo"), "files": dict(promoted["source_files"])}
+    store.write_json(layout.drafter_promoted_manifest("demo"), ghost)
+    repaired = eval_recipe(store, "demo-v1", spec, num_prompts=3, max_new_tokens=6, device="cpu", dtype="float32",
+                           promotion_margin=0.05)
+    assert repaired["promotion"]["promoted"] is True and repaired["promotion"]["passed"] is True
+    assert repaired["promotion"]["replaced_missing_previous"]["recipe"] == "demo-v1"
+    assert all(store.exists(key) for key in read_promoted(store, "demo")["files"].values())
+
     second = eval_recipe(store, "demo-v2", spec, num_prompts=3, max_new_tokens=6, device="cpu", dtype="float32",
                          promotion_margin=0.05)
     p = second["promotion"]
