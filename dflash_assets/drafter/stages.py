@@ -405,7 +405,7 @@ def _promote(store: Any, recipe: DrafterRecipe, files: dict[str, str], checkpoin
             log(f"promoted checkpoint of {family} not re-measured ({type(e).__name__}: {e}); its recorded tau is used")
             previous = {**previous, "remeasured": False}
     decision = decide_promotion(candidates, previous, margin,
-                                is_promoted=lambda c: previous is not None and _same_file(
+                                is_promoted=lambda c: previous is not None and _same_weights(
                                     store, c.files.get("model.safetensors"), previous["files"].get("model.safetensors")))
     if decision.already_promoted:
         log(f"{recipe.name}:{decision.candidate.name} is {family}'s promoted drafter already (same weights)")
@@ -420,15 +420,27 @@ def _promote(store: Any, recipe: DrafterRecipe, files: dict[str, str], checkpoin
             "replaced_missing_previous": missing_previous or "no"}
 
 
-def _same_file(store: Any, key: str | None, other: str | None) -> bool:
-    """Whether two store keys hold the same bytes (the same key, or equal content)."""
+def _same_weights(store: Any, key: str | None, other: str | None) -> bool:
+    """Whether two safetensors files in the store hold the same tensors (names, dtypes, shapes, values).
+
+    Not their bytes: safetensors writes the metadata map in no fixed order, so one drafter saved twice (a re-run
+    that resumes from its final state) can differ in the header alone."""
+    from safetensors import SafetensorError, safe_open
+
     if not key or not other:
         return False
     if key == other:
         return True
     try:
-        return hashlib.blake2b(store.read_bytes(key)).digest() == hashlib.blake2b(store.read_bytes(other)).digest()
-    except (KeyError, OSError, FileNotFoundError):
+        with safe_open(str(store.local_path(key)), "pt") as a, safe_open(str(store.local_path(other)), "pt") as b:
+            if set(a.keys()) != set(b.keys()):
+                return False
+            for name in a.keys():
+                x, y = a.get_tensor(name), b.get_tensor(name)
+                if x.dtype != y.dtype or x.shape != y.shape or not bool((x == y).all()):
+                    return False
+            return True
+    except (KeyError, OSError, ValueError, SafetensorError):  # gone, or not a safetensors file
         return False
 
 

@@ -133,8 +133,11 @@ def test_eval_recipe_promotes_the_first_checkpoint_and_not_one_that_does_not_bea
     """eval_recipe on a real store and the tiny target: tau by slice (tools with/without from the raw prompts'
     tools column), the promoted manifest naming store keys that exist, then a second recipe of the family whose
     checkpoint does not beat the promoted one (re-measured on the same prompts) is not promoted."""
+    import shutil
+
     import pyarrow as pa
     import torch
+    from safetensors.torch import load_file, save_file
 
     from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, load_target_config, save_drafter
     from dflash_assets.drafter.stages import eval_recipe, save_recipe
@@ -171,8 +174,15 @@ def test_eval_recipe_promotes_the_first_checkpoint_and_not_one_that_does_not_bea
 
     # A re-run of the promoted recipe (a second `make demo`) publishes the same weights as a new checkpoint
     # version, which deletes the old version's files; the promoted drafter keeps its own copy, and passes.
+    # Saved again, the same tensors need not be the same bytes (safetensors orders the metadata map freely).
+    again_dir = tmp_path / "demo-v1-again"
+    again_dir.mkdir()
+    save_file(load_file(tmp_path / "demo-v1" / "model.safetensors"), str(again_dir / "model.safetensors"),
+              metadata={"saved": "again", "format": "pt"})
+    shutil.copy(tmp_path / "demo-v1" / "config.json", again_dir / "config.json")
+    assert (again_dir / "model.safetensors").read_bytes() != (tmp_path / "demo-v1" / "model.safetensors").read_bytes()
     publish_files(store, layout.drafter_checkpoint_manifest("demo-v1"), layout.drafter_checkpoint_prefix("demo-v1"),
-                  {f: tmp_path / "demo-v1" / f for f in ("model.safetensors", "config.json")})
+                  {f: again_dir / f for f in ("model.safetensors", "config.json")})
     assert not any(store.exists(key) for key in promoted["source_files"].values())
     assert all(store.exists(key) for key in read_promoted(store, "demo")["files"].values())
     again = eval_recipe(store, "demo-v1", spec, num_prompts=3, max_new_tokens=6, device="cpu", dtype="float32",
@@ -210,3 +220,28 @@ def test_learning_curve_by_slice_is_drawn_as_a_chart_with_one_line_per_slice():
                                                       "tools:without": [[1e6, 1.3], [2e6, 1.9]]})
     assert value.md_str.startswith("![learning curve by slice](data:image/png;base64,")
     assert "2 slices; last checkpoint: tools:with 1.50, tools:without 1.90." in value.md_str
+
+
+def test_same_weights_compares_tensors_not_bytes(local_store, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from dflash_assets.drafter.stages import _same_weights
+
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
+    variants = {
+        "first": (tensors, {"format": "pt", "recipe": "x"}),
+        "header": (tensors, {"recipe": "x", "format": "pt", "note": "saved again"}),
+        "value": ({**tensors, "b": torch.full((4,), 2.0, dtype=torch.bfloat16)}, {"format": "pt"}),
+        "dtype": ({**tensors, "a": tensors["a"].double()}, {"format": "pt"}),
+        "names": ({"a": tensors["a"]}, {"format": "pt"}),
+    }
+    for name, (ts, meta) in variants.items():
+        save_file(ts, str(tmp_path / f"{name}.safetensors"), metadata=meta)
+        local_store.upload_file(f"w/{name}.safetensors", tmp_path / f"{name}.safetensors")
+    local_store.write_bytes("w/garbage.safetensors", b"not a safetensors file")
+    assert _same_weights(local_store, "w/first.safetensors", "w/header.safetensors")
+    for other in ("value", "dtype", "names", "garbage", "missing"):
+        assert not _same_weights(local_store, "w/first.safetensors", f"w/{other}.safetensors"), other
+    assert not _same_weights(local_store, None, "w/first.safetensors")
+
