@@ -388,7 +388,8 @@ def _promote(store: Any, recipe: DrafterRecipe, files: dict[str, str], checkpoin
     family = recipe.family_name
     previous = read_promoted(store, family)
     missing_previous = None
-    if previous is not None and not store.exists(previous.get("files", {}).get("model.safetensors", "")):
+    previous_weights = (previous or {}).get("files", {}).get("model.safetensors")
+    if previous is not None and not (previous_weights and store.exists(previous_weights)):
         # Before promotions kept their own copy, re-running the promoted recipe deleted its weights: nothing can
         # serve that drafter any more, so this run's best replaces it rather than failing against a ghost.
         missing_previous = {"recipe": previous.get("recipe"), "checkpoint": previous.get("checkpoint"),
