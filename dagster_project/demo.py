@@ -48,7 +48,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -291,8 +291,7 @@ class DemoSummary:
             "tau_untrained": self.tau_untrained,
             "drafter_ok": self.drafter_ok, "ok": self.ok, "failures": self.failures, "wall_s": round(self.wall_s, 1),
             "answers": [list(a) for a in self.answers],
-            "plan_checks": [{"what": c.what, "predicted": c.predicted, "measured": c.measured, "unit": c.unit,
-                             "ratio": c.ratio, "missing": c.missing, "reused": c.reused} for c in self.plan_checks],
+            "plan_checks": [{**asdict(c), "ratio": c.ratio} for c in self.plan_checks],
             "stages": [vars(s) for s in self.stages],
             "checks": {shard: {c.name: {"passed": c.passed, "blocking": c.blocking, "description": c.description}
                                for c in checks} for shard, checks in self.checks.items()},

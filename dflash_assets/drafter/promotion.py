@@ -141,7 +141,7 @@ def write_promoted(store: Any, family: str, recipe: str, candidate: Candidate, *
     The promoted drafter owns its bytes: re-running its recipe publishes a new checkpoint version and deletes the
     old one, and that must not delete what serving reads. Older promoted versions are deleted after the switch.
     ``source_files`` keeps the checkpoint keys the copies came from."""
-    from dflash_assets.store.manifest import new_version
+    from dflash_assets.store.manifest import delete_older_versions, new_version
 
     prefix = layout.drafter_promoted_prefix(family)
     version = new_version()
@@ -155,8 +155,5 @@ def write_promoted(store: Any, family: str, recipe: str, candidate: Candidate, *
            "config": by_source.get(config_key, config_key), "provenance": by_source.get(provenance_key, provenance_key),
            "promoted_at": time.time()}
     store.write_json(layout.drafter_promoted_manifest(family), doc)  # the switch
-    for key in store.list(prefix):
-        rest = key[len(prefix) + 1:]
-        if "/" in rest and rest.split("/", 1)[0] < version:
-            store.delete(key)
+    delete_older_versions(store, prefix, version)
     return doc

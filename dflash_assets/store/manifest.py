@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MANIFEST_FORMAT", "new_version", "publish_files", "read_manifest", "manifest_files", "pid_alive",
+__all__ = ["MANIFEST_FORMAT", "new_version", "publish_files", "delete_older_versions", "read_manifest", "manifest_files", "pid_alive",
            "scratch_prefix", "remove_stale_scratch"]
 
 MANIFEST_FORMAT = "dflash-manifest/v1"
@@ -64,15 +64,21 @@ def publish_files(store: Any, manifest_key: str, version_prefix: str, files: Map
     manifest = {**(extra or {}), "format": MANIFEST_FORMAT, "version": version, "files": entries}
     store.write_json(manifest_key, manifest)  # the switch: readers see the new set from here on
     keep = {e["key"] for e in entries}
-    for key in store.list(base):
-        rest = key[len(base) + 1:]
-        older = "/" in rest and rest.split("/", 1)[0] < version
-        if key not in keep and older:
-            store.delete(key)
+    delete_older_versions(store, base, version, keep)
     for key in stale:
         if key not in keep:
             store.delete(key)
     return manifest
+
+
+def delete_older_versions(store: Any, prefix: str, version: str, keep: Iterable[str] = ()) -> None:
+    """Delete the objects under ``<prefix>/<v>/`` for every version ``v`` older than ``version`` (names sort by
+    start time), except ``keep``. Objects of a newer version (a concurrent publication) are left alone."""
+    keep = set(keep)
+    for key in store.list(prefix):
+        rest = key[len(prefix) + 1:]
+        if key not in keep and "/" in rest and rest.split("/", 1)[0] < version:
+            store.delete(key)
 
 
 def read_manifest(store: Any, manifest_key: str) -> dict[str, Any] | None:
