@@ -64,6 +64,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -792,24 +793,81 @@ class OpenAIEngine(Engine):
                           str(out.get("model") or self.served_model), msg.get("tool_calls") or None)
 
 
-# The static-cache engine pads each batch to one of these row counts and its prompt width to a multiple of
-# STATIC_WIDTH_STEP, so the compiled decode step sees a handful of shapes instead of one per batch.
-STATIC_ROW_BUCKETS = (16, 64, 256, 1024, 4096)
-STATIC_WIDTH_STEP = 256
+# The static-cache engine pads each batch to one of these row counts and its prompt width to one of these widths,
+# so the compiled decode step (one graph per shape) sees at most 16 shapes in a process, compiled once each.
+STATIC_ROW_BUCKETS = (64, 256, 1024, 4096)
+STATIC_WIDTH_BUCKETS = (256, 512, 1024, 2048)
 # Prompts longer than this decode on the dynamic cache: a static cache's prefill attends over the whole cache
 # length, and a batch of 64 prompts of 8K tokens ran an H200 out of memory (issue 21). Few prompts are this long.
-STATIC_MAX_WIDTH = 2048
+STATIC_MAX_WIDTH = STATIC_WIDTH_BUCKETS[-1]
+
+
+def static_width(width: int) -> int:
+    """The padded prompt width of a static-cache batch whose longest prompt has `width` tokens (<= STATIC_MAX_WIDTH)."""
+    return next(b for b in STATIC_WIDTH_BUCKETS if b >= width)
+
+
+def static_row_cap(padded_width: int, max_rows: int, max_tokens: int | None = None) -> int:
+    """The most rows a static-cache batch of this padded width may hold: the largest row bucket within `max_rows`
+    and `max_tokens` padded prompt tokens, or that limit itself when it is under the smallest bucket."""
+    limit = max(1, min(max_rows, max_tokens // padded_width if max_tokens else max_rows))
+    return max((b for b in STATIC_ROW_BUCKETS if b <= limit), default=limit)
 
 
 def static_batch_shape(rows: int, width: int, max_rows: int, max_tokens: int | None = None) -> tuple[int, int]:
-    """(rows, prompt width) a static-cache batch of `rows` prompts at most `width` tokens long is padded to:
-    the next multiple of STATIC_WIDTH_STEP, and the next row bucket, never over `max_rows` nor over
-    `max_tokens` padded prompt tokens (the batch's own rows are never cut: the engine formed the batch within
-    both). Padding 300 long prompts up to 1,024 rows would multiply the prefill's and the cache's memory."""
-    padded_width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
-    cap = min(max_rows, max_tokens // padded_width if max_tokens else max_rows)
+    """(rows, prompt width) a static-cache batch of `rows` prompts at most `width` tokens long is padded to: the
+    next width bucket, and the next row bucket within `static_row_cap` (a batch over the cap, which the engine
+    never forms, keeps its rows). Padding 300 long prompts up to 1,024 rows would multiply the prefill's and the
+    cache's memory, hence the cap by tokens."""
+    padded_width = static_width(width)
+    cap = static_row_cap(padded_width, max_rows, max_tokens)
     bucket = next((b for b in STATIC_ROW_BUCKETS if b >= rows), rows)
     return max(rows, min(bucket, cap)), padded_width
+
+
+@dataclass
+class _LoadedModel:
+    """A model loaded in this process, shared by the in-process engines that run it, with the one thread that
+    loaded it and runs all its generate calls (compiled CUDA graphs keep per-thread state)."""
+
+    model: Any
+    worker: ThreadPoolExecutor
+    users: int = 0
+
+
+# (model path, its weights' stamp, device, dtype, cache) -> the loaded model. An engine closing leaves its model loaded while no other
+# model is asked for, so the next shard's engine reuses the weights and the compiled decode graphs (reloading
+# per shard made a static-cache shard 10x slower than one warm batch on an H200, issue 21).
+_LOADED: dict[tuple[str, str, str, str, str], _LoadedModel] = {}
+_LOADED_LOCK = threading.Lock()
+
+
+def _weights_stamp(model_path: str) -> str:
+    """Names, sizes and mtimes of a model directory's weight files: a model rebuilt in place is loaded anew."""
+    path = Path(model_path)
+    if not path.is_dir():
+        return ""
+    files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf"))
+    return ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+
+
+def release_idle_models(keep: tuple | None = None) -> int:
+    """Drop the loaded models no engine uses (but `keep`), freeing their memory; returns how many were dropped."""
+    with _LOADED_LOCK:
+        idle = [k for k, m in _LOADED.items() if m.users == 0 and k != keep]
+        dropped = [_LOADED.pop(k) for k in idle]
+    for m in dropped:
+        m.worker.shutdown(wait=False)
+    if dropped:
+        import gc
+
+        gc.collect()
+        with contextlib.suppress(Exception):
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return len(dropped)
 
 
 @dataclass(eq=False)  # compared by identity: removing a batch from the queue must not compare id lists
@@ -837,9 +895,13 @@ class TransformersEngine(Engine):
     ``cache="static"`` (for a GPU) decodes into transformers' static KV cache, whose decode
     step transformers compiles (CUDA graphs) on CUDA: each batch is padded to a few shapes
     (``static_batch_shape``: rows to a bucket with copies of its first row, the prompt width
-    to a multiple of 256 with left padding), so compiles are few and then reused. The
+    to a power of two from 256 to 2,048 with left padding), so compiles are few and then reused. The
     dynamic cache's step costs ~65 ms at any batch size on an H200 for SmolLM2-135M in
     bfloat16; the compiled static one 10 ms at 256 rows (BENCHMARKS.md, issue 21).
+
+    The loaded model is shared within the process (``_LOADED``): engines of the same model, device,
+    dtype and cache reuse its weights, its compiled graphs and its one worker thread, and it stays
+    loaded after they close until another model is asked for (``release_idle_models`` frees it).
     """
 
     kind = "transformers"
@@ -857,50 +919,89 @@ class TransformersEngine(Engine):
         self._tokenizer = tokenizer
         self.tok: ChatTokenizer | None = None
         self.model = None
+        self._loaded: _LoadedModel | None = None
+        self._loaded_key: tuple = ()
         self._pending: list[_BatchedRequest] = []
         self._batcher: asyncio.Task | None = None
         self.batch_sizes: list[int] = []  # rows of each generate call, in order (for logs and tests)
         self.batch_shapes: list[tuple[int, int]] = []  # (rows, prompt width) each generate call ran at, padding included
-        # one thread loads the model and runs every generate: compiled CUDA graphs keep per-thread state
-        self._worker: ThreadPoolExecutor | None = None
+        self.reused_model = False  # whether open() found the model loaded already (by an earlier engine)
+
+    @property
+    def _key(self) -> tuple[str, str, str, str, str]:
+        return (self.model_path, _weights_stamp(self.model_path), self.device, self.dtype, self.cache)
 
     def _in_worker(self, fn, *args) -> asyncio.Future:
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
-        return asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        assert self._loaded is not None, "open() the engine first"
+        return asyncio.get_running_loop().run_in_executor(self._loaded.worker, fn, *args)
 
     async def open(self) -> None:
-        if self.model is None:
-            await self._in_worker(self._load)
+        if self.model is not None:
+            return
+        key = self._key
+        release_idle_models(keep=key)  # one idle model at a time: free another before loading this one
+        with _LOADED_LOCK:
+            loaded = _LOADED.get(key)
+            self.reused_model = loaded is not None
+            if loaded is None:
+                loaded = _LOADED[key] = _LoadedModel(
+                    None, ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate"))
+            loaded.users += 1
+        self._loaded, self._loaded_key = loaded, key
+        try:
+            await self._in_worker(self._load_once, loaded)
+        except BaseException:
+            self._release()
+            raise
+        self.model = loaded.model
+        # the model's positions bound prompt + new tokens here, as SGLang's context length does there
+        self.context_length = self.configured_context_length or _int_or_none(
+            getattr(self.model.config, "max_position_embeddings", None))
+
+    def _release(self) -> None:
+        if self._loaded is not None:
+            with _LOADED_LOCK:
+                self._loaded.users -= 1
+                if self._loaded.model is None and self._loaded.users == 0:  # the load failed: nothing to keep
+                    _LOADED.pop(self._loaded_key, None)
+                    self._loaded.worker.shutdown(wait=False)
+            self._loaded = None
 
     async def close(self) -> None:
         if self._batcher is not None and not self._batcher.done():
             self._batcher.cancel()
         self.model = None
-        if self._worker is not None:
-            self._worker.shutdown(wait=False)
-            self._worker = None
+        self._release()
 
-    def _load(self) -> None:
+    def _load_once(self, loaded: _LoadedModel) -> None:
+        """The tokenizer, and the model unless an engine opened before loaded it (on the worker thread, so two
+        engines opening at once load it once)."""
+        if self.tok is None:
+            self.tok = ChatTokenizer(self._tokenizer or self._chat_from_model_dir())
+        if loaded.model is None:
+            loaded.model = self._load()
+
+    def _chat_from_model_dir(self) -> Any:
+        """No chat object given: the model directory's own tokenizer, through the target package (downloads as the
+        model load may)."""
+        from dflash_assets.target_model.spec import TargetModelSpec
+
+        return TargetModelSpec(model_path=self.model_path, allow_download=True).chat()
+
+    def _load(self) -> Any:
+        """The model, on this engine's device and dtype (runs on the worker thread that will run its generates)."""
         import torch
 
         from dflash_assets.target_model.loading import load_causal_lm
-        from dflash_assets.target_model.spec import TargetModelSpec
 
-        # no chat object given: the model directory's own tokenizer, through the target package (downloads as
-        # the model load below may)
-        chat = self._tokenizer or TargetModelSpec(model_path=self.model_path, allow_download=True).chat()
-        self.tok = ChatTokenizer(chat)
         dtype = "auto" if self.dtype == "auto" else getattr(torch, self.dtype)
-        self.model = load_causal_lm(self.model_path, dtype=dtype).to(self.device).eval()
+        model = load_causal_lm(self.model_path, dtype=dtype).to(self.device).eval()
         if self.cache == "static":
             from dflash_assets.torch_compile import allow_recompiles, apply_inductor_workarounds
 
             apply_inductor_workarounds()
             allow_recompiles()
-        # the model's positions bound prompt + new tokens here, as SGLang's context length does there
-        self.context_length = self.configured_context_length or _int_or_none(
-            getattr(self.model.config, "max_position_embeddings", None))
+        return model
 
     async def probe(self) -> EngineProbe:
         t0 = time.perf_counter()
@@ -941,16 +1042,23 @@ class TransformersEngine(Engine):
 
     def _next_batch(self) -> list[_BatchedRequest]:
         """The oldest request, and the others with its settings closest to it in length, while the batch
-        stays within `max_concurrency` rows and `max_batch_tokens` padded prompt tokens (a longer one runs alone)."""
+        stays within `max_concurrency` rows and `max_batch_tokens` padded prompt tokens (a longer one runs alone).
+        On the static cache the padded width is the width bucket's and the rows stop at `static_row_cap`, so a
+        batch is padded to a row bucket, never to a row count of its own."""
         anchor = self._pending[0]
         same = sorted((r for r in self._pending if r.key == anchor.key), key=lambda r: abs(len(r.ids) - len(anchor.ids)))
         batch, width = [anchor], len(anchor.ids)
         for r in same[1:]:
             if len(batch) == self.max_concurrency:
                 break
-            if max(width, len(r.ids)) * (len(batch) + 1) <= self.max_batch_tokens:
+            wider = max(width, len(r.ids))
+            if self.cache == "static" and wider <= STATIC_MAX_WIDTH:
+                fits = len(batch) + 1 <= static_row_cap(static_width(wider), self.max_concurrency, self.max_batch_tokens)
+            else:
+                fits = wider * (len(batch) + 1) <= self.max_batch_tokens
+            if fits:
                 batch.append(r)
-                width = max(width, len(r.ids))
+                width = wider
         return batch
 
     async def _run_batches(self) -> None:

@@ -4,6 +4,7 @@ with the tiny target, and the in-process Transformers engine."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -320,6 +321,10 @@ def test_transformers_engine_loads_and_generates_on_one_worker_thread(tiny_dense
     """Compiled CUDA graphs keep per-thread state: the load and every batch run on the engine's one thread."""
     import threading
 
+    from dflash_assets.generation.engines import release_idle_models
+
+    release_idle_models()  # loaded by an earlier test: this one sees the load
+
     threads = []
     for name in ("_load", "_generate"):
         original = getattr(TransformersEngine, name)
@@ -342,18 +347,73 @@ def test_transformers_engine_loads_and_generates_on_one_worker_thread(tiny_dense
 
 
 def test_static_batch_shapes_are_few_and_hold_the_batch():
-    from dflash_assets.generation.engines import STATIC_WIDTH_STEP, static_batch_shape
+    from dflash_assets.generation.engines import STATIC_WIDTH_BUCKETS, static_batch_shape, static_row_cap
 
     shapes = {static_batch_shape(n, w, 1024) for n in range(1, 1025) for w in range(1, 2049, 7)}
-    assert {r for r, _ in shapes} == {16, 64, 256, 1024}  # 1,024 row counts -> 4 compiled shapes
-    assert {w for _, w in shapes} == {STATIC_WIDTH_STEP * k for k in range(1, 9)}
+    assert {r for r, _ in shapes} == {64, 256, 1024}  # 1,024 row counts -> 3 row buckets
+    assert {w for _, w in shapes} == {256, 512, 1024, 2048} == set(STATIC_WIDTH_BUCKETS)  # powers of two
     for n, w in [(1, 1), (17, 300), (1000, 256), (1024, 257)]:
         rows, width = static_batch_shape(n, w, 1024)
-        assert rows >= n and width >= w and width % STATIC_WIDTH_STEP == 0
+        assert rows >= n and width >= w
     assert static_batch_shape(100, 10, 96) == (100, 256)  # a batch over max_rows (never formed) is not cut
-    assert static_batch_shape(70, 10, 96) == (96, 256)  # the bucket is capped at max_rows
-    assert static_batch_shape(300, 1700, 1024, 524288) == (300, 1792)  # 1,024 x 1,792 is over the token cap
+    assert static_batch_shape(70, 10, 96) == (70, 256)  # 96 rows is no bucket: the cap is the bucket under it, 64
+    assert static_batch_shape(40, 10, 96) == (64, 256)
+    assert static_batch_shape(3, 10, 8) == (8, 256)  # under the smallest bucket: the cap itself
+    # the token cap: 1,024 x 1,024 is over 524,288 padded tokens, so rows stop at the bucket under 512, 256
+    assert static_row_cap(1024, 1024, 524288) == 256 and static_row_cap(512, 1024, 524288) == 1024
+    assert static_batch_shape(200, 700, 1024, 524288) == (256, 1024)
     assert static_batch_shape(600, 500, 1024, 524288) == (1024, 512)  # 1,024 x 512 is within it
+    # under a token cap every shape a formed batch (rows <= the cap) can take is a bucket pair
+    formed = {static_batch_shape(n, w, 1024, 524288) for w in range(1, 2049, 7) for n in range(1, 1025)
+              if n <= static_row_cap(static_batch_shape(1, w, 1024)[1], 1024, 524288)}
+    assert len(formed) <= 12 and all(r in (64, 256, 1024) for r, _ in formed)
+
+
+def test_static_engine_forms_batches_of_bucket_rows(tiny_dense_target, tok):
+    """The batcher stops a static-cache batch at the row bucket its padded width allows, so 5 waiting requests
+    under a 4-row token cap run as 4 + 1 (each padded to 4 rows), not as one batch of 5."""
+    gen = GenerationConfig(max_new_tokens=2, temperature=0.0, enable_thinking=False)
+
+    async def go():
+        async with TransformersEngine(tiny_dense_target, tokenizer=tok, max_concurrency=6, max_batch_tokens=4 * 256,
+                                      cache="static") as eng:
+            await asyncio.gather(*(eng.chat([{"role": "user", "content": f"Count to {i}."}], gen) for i in range(5)))
+            return eng.batch_sizes, eng.batch_shapes
+
+    sizes, shapes = run(go())
+    assert sizes == [4, 1] and shapes == [(4, 256), (4, 256)]
+
+
+def test_engines_of_one_model_share_its_load_and_thread(tiny_dense_target, tok, monkeypatch, tmp_path):
+    """A second engine of the same model (the next shard's) reuses the loaded model, its compiled graphs and its
+    thread; another model, or the same directory rebuilt, loads anew and frees the idle one."""
+    import shutil
+
+    from dflash_assets.generation import engines
+
+    engines.release_idle_models()
+    loads = []
+    original = TransformersEngine._load
+    monkeypatch.setattr(TransformersEngine, "_load", lambda self: loads.append(self.model_path) or original(self))
+    gen = GenerationConfig(max_new_tokens=3, temperature=0.0, enable_thinking=False)
+
+    async def one(path):
+        async with TransformersEngine(path, tokenizer=tok, max_concurrency=2) as eng:
+            out = await eng.chat([{"role": "user", "content": "Hi"}], gen)
+            return eng.reused_model, id(eng.model), out.content
+
+    first, second = run(one(tiny_dense_target)), run(one(tiny_dense_target))
+    assert loads == [str(tiny_dense_target)] and (first[0], second[0]) == (False, True)
+    assert first[1] == second[1] and first[2] == second[2]
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dense_target, copy)
+    third = run(one(copy))
+    assert loads == [str(tiny_dense_target), str(copy)] and not third[0] and third[2] == first[2]
+    assert list(engines._LOADED) == [TransformersEngine(copy)._key]  # the idle first model was freed
+    weights = next(copy.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # rebuilt in place
+    assert not run(one(copy))[0] and len(loads) == 3
+    assert engines.release_idle_models() == 1 and not engines._LOADED
 
 
 def test_static_cache_engine_answers_as_the_dynamic_one(tiny_dense_target, tok):
