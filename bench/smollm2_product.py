@@ -132,6 +132,10 @@ def generate_stage(args, report: dict) -> None:
     from dflash_assets.tokenization.quality import QualityThresholds, publish_samples
     from dflash_assets.tokenization.samples import TokenizeConfig, tokenize_completions
 
+    import logging
+
+    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(message)s")
+    logging.getLogger("dflash_assets.generation.engines").setLevel(logging.INFO)  # each generate call's shape and time
     work = Path(args.work)
     times = report["stage_wall_s"]
     t = time.perf_counter()

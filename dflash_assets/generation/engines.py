@@ -925,6 +925,7 @@ class TransformersEngine(Engine):
         self._batcher: asyncio.Task | None = None
         self.batch_sizes: list[int] = []  # rows of each generate call, in order (for logs and tests)
         self.batch_shapes: list[tuple[int, int]] = []  # (rows, prompt width) each generate call ran at, padding included
+        self.batch_seconds: list[float] = []  # wall time of each generate call (compiling included)
         self.reused_model = False  # whether open() found the model loaded already (by an earlier engine)
 
     @property
@@ -1031,8 +1032,12 @@ class TransformersEngine(Engine):
         self.batch_shapes.append((len(rows), width))
         x = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.model.device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.model.device)
+        t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(input_ids=x, attention_mask=mask, **kwargs)
+        self.batch_seconds.append(time.perf_counter() - t0)
+        _log.info("%s: generate of %d rows (%d padded) x %d prompt tokens, %d steps: %.1f s", self.url, n, len(rows),
+                  width, out.shape[1] - width, self.batch_seconds[-1])
         stops = set(stop_ids)
         results = []
         for new in out[:n, width:].tolist():
