@@ -21,6 +21,8 @@
   flight batched into one call, on a host that has nothing else (a CPU box,
   one GPU without a server). Explicit opt-in only (an endpoint of kind
   ``transformers`` in the fleet config); nothing ever falls back to it.
+  Its engines share one loaded model per process (the next shard's engine
+  reuses the weights and compiled graphs of the last).
 
 Probe (``Engine.server_facts`` and ``Engine.wait_healthy``, both HTTP kinds):
 identity from ``GET /model_info``, then the deprecated ``/get_model_info``,
@@ -835,9 +837,9 @@ class _LoadedModel:
     users: int = 0
 
 
-# (model path, its weights' stamp, device, dtype, cache) -> the loaded model. An engine closing leaves its model loaded while no other
-# model is asked for, so the next shard's engine reuses the weights and the compiled decode graphs (reloading
-# per shard made a static-cache shard 10x slower than one warm batch on an H200, issue 21).
+# (model path, its weights' stamp, device, dtype, cache) -> the loaded model. An engine closing leaves its model
+# loaded while no other model is asked for, so the next shard's engine reuses the weights and the compiled decode
+# graphs (a new model per shard compiled every shape again, issue 21).
 _LOADED: dict[tuple[str, str, str, str, str], _LoadedModel] = {}
 _LOADED_LOCK = threading.Lock()
 
