@@ -796,8 +796,9 @@ class OpenAIEngine(Engine):
 
 
 # The static-cache engine pads each batch to one of these row counts and its prompt width to one of these widths,
-# so the compiled decode step (one graph per shape) sees at most 16 shapes in a process, compiled once each.
-STATIC_ROW_BUCKETS = (64, 256, 1024, 4096)
+# powers of two both, so the compiled decode step (one graph per shape) meets a few shapes in a process, compiled
+# once each, and padding at most doubles a batch's rows.
+STATIC_ROW_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
 STATIC_WIDTH_BUCKETS = (256, 512, 1024, 2048)
 # Prompts longer than this decode on the dynamic cache: a static cache's prefill attends over the whole cache
 # length, and a batch of 64 prompts of 8K tokens ran an H200 out of memory (issue 21). Few prompts are this long.
@@ -885,7 +886,8 @@ class TransformersEngine(Engine):
     """In-process ``model.generate`` on this host, batching the requests in flight.
 
     Requests that arrive while a batch runs wait for the next one; each batch is one
-    left-padded ``generate`` over up to ``max_concurrency`` requests with the same
+    left-padded ``generate`` over up to ``max_batch_rows`` requests (default: ``max_concurrency``,
+    the requests in flight; more in flight than rows lets a batch fill from one width) with the same
     generation settings and similar prompt lengths, at most ``max_batch_tokens``
     padded prompt tokens in all (one long prompt padded across 32 rows would cost
     32 long prompts), so the fleet's concurrent requests become batch rows (see
@@ -909,8 +911,9 @@ class TransformersEngine(Engine):
     kind = "transformers"
 
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str = "auto", tokenizer: Any = None,
-                 max_batch_tokens: int = 8192, cache: str = "dynamic", **kwargs):
+                 max_batch_tokens: int = 8192, cache: str = "dynamic", max_batch_rows: int | None = None, **kwargs):
         super().__init__(f"inprocess://{Path(model_path)}", **kwargs)
+        self.max_batch_rows = max_batch_rows or self.max_concurrency
         if cache not in ("dynamic", "static"):
             raise ValueError(f"cache must be 'dynamic' or 'static', not {cache!r}")
         self.max_batch_tokens = max_batch_tokens
@@ -1028,7 +1031,7 @@ class TransformersEngine(Engine):
             torch.manual_seed(gen.seed)
         n, width = len(rows), max(len(r) for r in rows)
         if self.cache == "static" and width <= STATIC_MAX_WIDTH:
-            padded_rows, width = static_batch_shape(n, width, self.max_concurrency, self.max_batch_tokens)
+            padded_rows, width = static_batch_shape(n, width, self.max_batch_rows, self.max_batch_tokens)
             rows = list(rows) + [rows[0]] * (padded_rows - n)  # copies finish with the row they copy
             kwargs["cache_implementation"] = "static"
         self.batch_shapes.append((len(rows), width))
@@ -1049,18 +1052,18 @@ class TransformersEngine(Engine):
 
     def _next_batch(self) -> list[_BatchedRequest]:
         """The oldest request, and the others with its settings closest to it in length, while the batch
-        stays within `max_concurrency` rows and `max_batch_tokens` padded prompt tokens (a longer one runs alone).
+        stays within `max_batch_rows` rows and `max_batch_tokens` padded prompt tokens (a longer one runs alone).
         On the static cache the padded width is the width bucket's and the rows stop at `static_row_cap`, so a
         batch is padded to a row bucket, never to a row count of its own."""
         anchor = self._pending[0]
         same = sorted((r for r in self._pending if r.key == anchor.key), key=lambda r: abs(len(r.ids) - len(anchor.ids)))
         batch, width = [anchor], len(anchor.ids)
         for r in same[1:]:
-            if len(batch) == self.max_concurrency:
+            if len(batch) == self.max_batch_rows:
                 break
             wider = max(width, len(r.ids))
             if self.cache == "static" and wider <= STATIC_MAX_WIDTH:
-                fits = len(batch) + 1 <= static_row_cap(static_width(wider), self.max_concurrency, self.max_batch_tokens)
+                fits = len(batch) + 1 <= static_row_cap(static_width(wider), self.max_batch_rows, self.max_batch_tokens)
             else:
                 fits = wider * (len(batch) + 1) <= self.max_batch_tokens
             if fits:

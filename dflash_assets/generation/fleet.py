@@ -127,6 +127,9 @@ class EndpointConfig(BaseModel):
                                                 "decode step (a GPU's fast path; see TransformersEngine).")
     max_batch_tokens: int = Field(8192, ge=1, description="transformers kind: padded prompt tokens per generate "
                                   "call (requests are batched by similar length within it).")
+    max_batch_rows: int | None = Field(None, ge=1, description="transformers kind: rows per generate call (None: "
+                                       "max_concurrency). More requests in flight than rows lets each call fill "
+                                       "its rows from prompts of one width.")
 
 
 class EngineFleetConfig(BaseModel):
@@ -304,7 +307,8 @@ def build_engine(ep: EndpointConfig, config: EngineFleetConfig, tokenizer: Any =
                             reasoning_parser=ep.reasoning_parser, tokenizer=tokenizer, **common)
     if ep.kind == "transformers":
         return TransformersEngine(ep.model_path or config.target_model, device=ep.device, tokenizer=tokenizer,
-                                  dtype=ep.dtype, max_batch_tokens=ep.max_batch_tokens, cache=ep.cache, **common)
+                                  dtype=ep.dtype, max_batch_tokens=ep.max_batch_tokens, cache=ep.cache,
+                                  max_batch_rows=ep.max_batch_rows, **common)
     raise ValueError(f"unknown endpoint kind {ep.kind!r}")
 
 
