@@ -304,6 +304,16 @@ class DagsterDev:
             return ""
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     """SIGINT to dagster dev (it shuts its services down), then SIGTERM and SIGKILL to its process group."""
     pgid = proc.pid  # start_new_session=True: the group id is our child's pid
@@ -319,7 +329,9 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
             os.killpg(pgid, sig)  # leftovers: webserver, daemon, code server, run workers
         except ProcessLookupError:
             break
-        time.sleep(wait_s)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and _group_alive(pgid):  # not a fixed sleep: most groups go at once
+            time.sleep(0.1)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
 
