@@ -147,6 +147,7 @@ def generate_stage(args, report: dict) -> None:
     if not store_dir.exists():
         shutil.copytree(args.store, store_dir)
     store = LocalStore(store_dir)
+    report["imported"] = import_completions(args.import_completions or [], store_dir)
     shards = layout.list_raw_prompt_shards(store)
     train_shards = shards[: len(shards) - args.heldout_shards]
     report["shards"] = {"all": shards, "held_out": shards[len(train_shards):]}
@@ -203,6 +204,38 @@ def generate_stage(args, report: dict) -> None:
                                 tokens_per_s=round(tokens / max(wall, 1e-9), 1))
     (work / "trained_shards.json").write_text(json.dumps(done))
     times["generate_and_tokenize"] = round(wall, 1)
+    if args.export_completions:
+        report["exported"] = export_completions(store_dir, done, Path(args.export_completions))
+
+
+def export_completions(store_dir: Path, shards: list[str], out: Path) -> list[str]:
+    """The published completions of `shards`, copied to `out/completions/` (to bring back through the device tool's
+    $OUT): a later session imports them, and the completions stage reuses their rows (same config_hash)."""
+    (out / "completions").mkdir(parents=True, exist_ok=True)
+    copied = []
+    for shard in shards:
+        src = store_dir / "completions" / f"{shard}.parquet"
+        if src.exists():
+            shutil.copyfile(src, out / "completions" / src.name)
+            copied.append(src.name)
+    log(f"exported the completions of {len(copied)} shards to {out}")
+    return copied
+
+
+def import_completions(dirs: list[str], store_dir: Path) -> list[str]:
+    """Completions exported by an earlier session, copied into the work store where the shard has none yet."""
+    copied = []
+    for d in dirs:
+        for src in sorted(Path(d, "completions").glob("shard-*.parquet")):
+            dest = store_dir / "completions" / src.name
+            if not dest.exists():
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dest.with_suffix(".tmp"))
+                os.replace(dest.with_suffix(".tmp"), dest)
+                copied.append(src.name)
+    if copied:
+        log(f"imported the completions of {len(copied)} shards: {', '.join(copied)}")
+    return copied
 
 
 def train_stage(args, report: dict) -> None:
@@ -364,6 +397,10 @@ def main(argv=None) -> int:
     p.add_argument("--gen-cache", default="dynamic", choices=["dynamic", "static"],
                    help="the engine's KV cache: static pads batches to a few shapes and compiles the decode step")
     p.add_argument("--gen-budget-s", type=float, default=420.0, help="no new shard starts after this")
+    p.add_argument("--export-completions", metavar="DIR", help="--stage generate: copy the generated shards' "
+                   "completions to DIR/completions (e.g. $OUT, to keep them past the machine)")
+    p.add_argument("--import-completions", metavar="DIR", nargs="+", help="--stage generate: completions exported "
+                   "by earlier runs (DIR/completions/shard-*.parquet); their rows are reused, not generated again")
     p.add_argument("--recipe", default="smollm2-greedy-v1")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=5)
