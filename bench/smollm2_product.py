@@ -22,7 +22,9 @@ GGUF (SHA-256 checked), converts it (``embedded.smollm2``, the same code as on C
 and generates + tokenizes shard after shard while a shard as long as the last one fits ``--gen-budget-s``
 (the last ``--heldout-shards`` shards are never generated: they are the evaluation's); ``--stage train``
 registers the recipe and trains (``--train-budget-s``); ``--stage eval`` evaluates. Generated samples,
-training states and checkpoints stay in ``--work``'s store: each stage restarts from there. Each stage writes a
+training states and checkpoints stay in ``--work``'s store: each stage restarts from there; ``--export-completions
+$OUT`` brings the generated completions back and ``--import-completions`` reuses them on another machine. Each
+stage writes a
 JSON report (``--out``); ``--charts REPORT`` (here) draws the tau-by-position and learning-curve PNGs from an
 eval report.
 
