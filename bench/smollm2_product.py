@@ -24,9 +24,8 @@ and generates + tokenizes shard after shard while a shard as long as the last on
 registers the recipe and trains (``--train-budget-s``); ``--stage eval`` evaluates. Generated samples,
 training states and checkpoints stay in ``--work``'s store: each stage restarts from there; ``--export-completions
 $OUT`` brings the generated completions back and ``--import-completions`` reuses them on another machine. Each
-stage writes a
-JSON report (``--out``); ``--charts REPORT`` (here) draws the tau-by-position and learning-curve PNGs from an
-eval report.
+stage writes a JSON report (``--out``); ``--charts REPORT`` (here) draws the tau-by-position and learning-curve
+PNGs from an eval report.
 
     python bench/smollm2_product.py --prepare .smollm2_carry                                  # here
     # device run 1 (carry .smollm2_carry/a):
