@@ -72,8 +72,8 @@ log = logging.getLogger("dflash.demo")
 # default); at 2%, 2/23 is evidence enough to fail (Wilson lower bound 2.4%), so its demo gates at 10%: a shard
 # of stubs still fails from a few samples up (tests/dagster_project/test_demo.py).
 TARGET_DEFAULTS = {
-    "smollm2": {"prompts": 48, "shard_size": 16, "max_new_tokens": 64, "engine": "inprocess",
-                "eval_prompts": 8, "eval_new_tokens": 48, "max_empty_ratio": 0.02},
+    "smollm2": {"prompts": 48, "shard_size": 16, "max_new_tokens": 48, "engine": "inprocess",
+                "eval_prompts": 8, "eval_new_tokens": 32, "max_empty_ratio": 0.02},
     "tiny": {"prompts": 48, "shard_size": 24, "max_new_tokens": 96, "engine": "serve",
              "eval_prompts": 4, "eval_new_tokens": 48, "max_empty_ratio": 0.10},
 }
