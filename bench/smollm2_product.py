@@ -148,7 +148,7 @@ def generate_stage(args, report: dict) -> None:
     if not store_dir.exists():
         shutil.copytree(args.store, store_dir)
     store = LocalStore(store_dir)
-    report["imported"] = import_completions(args.import_completions or [], store_dir)
+    report["imported"] = import_completions(args.import_completions or [], store)
     shards = layout.list_raw_prompt_shards(store)
     train_shards = shards[: len(shards) - args.heldout_shards]
     report["shards"] = {"all": shards, "held_out": shards[len(train_shards):]}
@@ -223,16 +223,17 @@ def export_completions(store_dir: Path, shards: list[str], out: Path) -> list[st
     return copied
 
 
-def import_completions(dirs: list[str], store_dir: Path) -> list[str]:
-    """Completions exported by an earlier session, copied into the work store where the shard has none yet."""
+def import_completions(dirs: list[str], store) -> list[str]:
+    """Completions exported by an earlier session, written into the work store (atomically, as every store write)
+    where the shard has none yet."""
+    from dflash_assets.store import layout
+
     copied = []
     for d in dirs:
         for src in sorted(Path(d, "completions").glob("shard-*.parquet")):
-            dest = store_dir / "completions" / src.name
-            if not dest.exists():
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, dest.with_suffix(".tmp"))
-                os.replace(dest.with_suffix(".tmp"), dest)
+            key = layout.completions(src.stem)
+            if not store.exists(key):
+                store.write_bytes(key, src.read_bytes())
                 copied.append(src.name)
     if copied:
         log(f"imported the completions of {len(copied)} shards: {', '.join(copied)}")
