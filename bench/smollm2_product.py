@@ -137,6 +137,8 @@ def generate_stage(args, report: dict) -> None:
 
     logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(message)s")
     logging.getLogger("dflash_assets.generation.engines").setLevel(logging.INFO)  # each generate call's shape and time
+    if args.gen_cache == "continuous":  # transformers says there whether it captured CUDA graphs, and the cache size
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.INFO)
     work = Path(args.work)
     times = report["stage_wall_s"]
     t = time.perf_counter()
@@ -396,8 +398,10 @@ def main(argv=None) -> int:
     p.add_argument("--gen-batch-tokens", type=int, default=262144, help="padded prompt tokens per generate call")
     p.add_argument("--gen-dtype", default="auto", help="the generating engine's weights dtype (auto: float32 "
                    "here); the evaluation stays float32")
-    p.add_argument("--gen-cache", default="dynamic", choices=["dynamic", "static"],
-                   help="the engine's KV cache: static pads batches to a few shapes and compiles the decode step")
+    p.add_argument("--gen-cache", default="dynamic", choices=["dynamic", "static", "continuous"],
+                   help="the engine's KV cache: static pads batches to a few shapes and compiles the decode step; "
+                   "continuous: transformers' continuous batching (1.33K tok/s on an H200 without flash attention, "
+                   "against 4.5-5.1K static; BENCHMARKS.md)")
     p.add_argument("--gen-budget-s", type=float, default=420.0, help="no new shard starts after this")
     p.add_argument("--export-completions", metavar="DIR", help="--stage generate: copy the generated shards' "
                    "completions to DIR/completions (e.g. $OUT, to keep them past the machine)")

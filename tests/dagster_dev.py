@@ -43,6 +43,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,18 +305,38 @@ class DagsterDev:
             return ""
 
 
-def _group_alive(pgid: int) -> bool:
+# Exec the command with SIGINT and SIGTERM at their defaults and unblocked: a non-interactive shell's background job
+# (`.ci/run &`) ignores SIGINT, the ignore is inherited, and a Python started so keeps ignoring it.
+_DEFAULT_SIGNALS_THEN_EXEC = (
+    "import os, signal, sys\n"
+    "for s in (signal.SIGINT, signal.SIGTERM):\n"
+    "    signal.signal(s, signal.SIG_DFL)\n"
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})\n"
+    "os.execv(sys.argv[1], sys.argv[1:])\n")
+
+
+def with_default_signals(argv: Sequence[str]) -> list[str]:
+    """`argv` (argv[0] a path) run with the default SIGINT and SIGTERM, in the same process (exec)."""
+    return [sys.executable, "-c", _DEFAULT_SIGNALS_THEN_EXEC, *argv]
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    """Whether a process of dagster dev's group is left. Reaps dagster dev itself first: its zombie would count."""
+    proc.poll()
     try:
-        os.killpg(pgid, 0)
+        os.killpg(proc.pid, 0)  # start_new_session=True: the group id is dagster dev's pid
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # a member we may not signal: the group is still there
+        pass
     return True
 
 
-def _stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGINT to dagster dev (it shuts its services down), then SIGTERM and SIGKILL to its process group."""
+def _stop_group(proc: subprocess.Popen, log_path: Path | None = None, grace_s: float = 10.0) -> None:
+    """SIGINT to dagster dev (it shuts its services down), then SIGTERM and SIGKILL to its process group.
+
+    A dagster dev that outlives `grace_s` after SIGINT is reported as a warning (pytest's warnings summary, which
+    its output capture does not hide), so a slow teardown in a CI log names its cause."""
     pgid = proc.pid  # start_new_session=True: the group id is our child's pid
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -323,14 +344,16 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            pass
+            tail = log_path.read_text(errors="replace")[-1500:] if log_path and log_path.exists() else ""
+            warnings.warn(f"dagster dev (pid {pgid}) still running {grace_s:.0f} s after SIGINT; SIGTERM to its "
+                          f"group. The end of its log:\n{tail}", RuntimeWarning, stacklevel=2)
     for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
         try:
             os.killpg(pgid, sig)  # leftovers: webserver, daemon, code server, run workers
         except ProcessLookupError:
             break
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and _group_alive(pgid):  # not a fixed sleep: most groups go at once
+        while time.monotonic() < deadline and _group_alive(proc):  # not a fixed sleep: most groups go at once
             time.sleep(0.1)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
@@ -357,14 +380,14 @@ def dagster_dev(
     log_path = home / "dagster-dev.log"
     argv = [sys.executable, "-m", "dagster", "dev", "-w", str(workspace), "-h", "127.0.0.1", "-p", str(port)]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=run_env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(with_default_signals(argv), cwd=REPO_ROOT, env=run_env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     dev = DagsterDev(url=f"http://127.0.0.1:{port}", home=home, log_path=log_path, proc=proc)
     try:
         wait_until_ready(dev, startup_timeout_s, required_daemons)
         yield dev
     finally:
-        _stop_group(proc)
+        _stop_group(proc, log_path)
 
 
 def wait_until_ready(dev: DagsterDev, timeout_s: float = 300.0,

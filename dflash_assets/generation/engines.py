@@ -63,6 +63,7 @@ import abc
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -836,6 +837,14 @@ class _LoadedModel:
     model: Any
     worker: ThreadPoolExecutor
     users: int = 0
+    continuous: Any = None  # transformers' ContinuousBatchingManager (cache="continuous"), while an engine is open
+    continuous_key: str = ""  # the sampling settings it was started with
+
+    def stop_continuous(self) -> None:
+        """Stop the continuous-batching manager (its requests in flight finish first) and free its cache."""
+        if self.continuous is not None:
+            manager, self.continuous, self.continuous_key = self.continuous, None, ""
+            manager.stop(block=True)
 
 
 # (model path, its weights' stamp, device, dtype, cache) -> the loaded model. An engine closing leaves its model
@@ -860,6 +869,7 @@ def release_idle_models(keep: tuple | None = None) -> int:
         idle = [k for k, m in _LOADED.items() if m.users == 0 and k != keep]
         dropped = [_LOADED.pop(k) for k in idle]
     for m in dropped:
+        m.stop_continuous()
         m.worker.shutdown(wait=False)
     if dropped:
         import gc
@@ -871,6 +881,20 @@ def release_idle_models(keep: tuple | None = None) -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return len(dropped)
+
+
+# Sampling settings transformers' continuous batching applies per row; others (min_p, repetition_penalty) it drops.
+CONTINUOUS_SAMPLING = frozenset({"do_sample", "temperature", "top_p", "top_k"})
+# Cache pages of the continuous engine on a CPU, per row of max_batch_rows: 2 x 256 tokens. On a GPU transformers
+# sizes the cache from the free memory (90% of it).
+CONTINUOUS_CPU_PAGES_PER_ROW = 2
+_REQUEST_NUMBERS = itertools.count(1)
+
+
+def _cut_after_stop(new: list[int], stop_ids: Sequence[int]) -> list[int]:
+    """`new` up to and including its first stop id (all of it when there is none)."""
+    stops = set(stop_ids)
+    return new[:next((i + 1 for i, t in enumerate(new) if t in stops), len(new))]
 
 
 @dataclass(eq=False)  # compared by identity: removing a batch from the queue must not compare id lists
@@ -903,6 +927,16 @@ class TransformersEngine(Engine):
     dynamic cache's step costs ~65 ms at any batch size on an H200 for SmolLM2-135M in
     bfloat16; the compiled static one 10 ms at 256 rows (BENCHMARKS.md, issue 21).
 
+    ``cache="continuous"`` hands the requests to transformers' continuous batching
+    (``model.init_continuous_batching``: a paged KV cache; transformers decides on CUDA graphs and the
+    attention kernel): each request joins the running batch as soon as a row is free and leaves it at its
+    stop id, so a batch never runs part-empty until its longest row ends, and a conversation's next turn
+    starts while other rows still decode. Rows per step: ``max_batch_rows``. Sampling: temperature, top_p
+    and top_k only (``min_p`` and ``repetition_penalty`` are refused, not dropped). On an H200 without a
+    flash-attention package it made 1.33K tok/s through the completions stage against static's 4.5-5.1K
+    (BENCHMARKS.md, session 31): SDPA needs a mask there, and transformers then captures no CUDA graphs, so
+    static stays the GPU path on such a host.
+
     The loaded model is shared within the process (``_LOADED``): engines of the same model, device,
     dtype and cache reuse its weights, its compiled graphs and its one worker thread, and it stays
     loaded after they close until another model is asked for (``release_idle_models`` frees it).
@@ -914,8 +948,8 @@ class TransformersEngine(Engine):
                  max_batch_tokens: int = 8192, cache: str = "dynamic", max_batch_rows: int | None = None, **kwargs):
         super().__init__(f"inprocess://{Path(model_path)}", **kwargs)
         self.max_batch_rows = max_batch_rows or self.max_concurrency
-        if cache not in ("dynamic", "static"):
-            raise ValueError(f"cache must be 'dynamic' or 'static', not {cache!r}")
+        if cache not in ("dynamic", "static", "continuous"):
+            raise ValueError(f"cache must be 'dynamic', 'static' or 'continuous', not {cache!r}")
         self.max_batch_tokens = max_batch_tokens
         self.cache = cache
         self.model_path = str(model_path)
@@ -976,6 +1010,11 @@ class TransformersEngine(Engine):
     async def close(self) -> None:
         if self._batcher is not None and not self._batcher.done():
             self._batcher.cancel()
+        loaded = self._loaded
+        if loaded is not None and loaded.continuous is not None and loaded.users == 1:
+            # the last engine of this model: stop the manager's (non-daemon) thread and free its cache; queued on
+            # the worker, so an engine opening meanwhile starts a new manager after this one stopped
+            await asyncio.get_running_loop().run_in_executor(loaded.worker, loaded.stop_continuous)
         self.model = None
         self._release()
 
@@ -1043,12 +1082,67 @@ class TransformersEngine(Engine):
         self.batch_seconds.append(time.perf_counter() - t0)
         _log.info("%s: generate of %d rows (%d padded) x %d prompt tokens, %d steps: %.1f s", self.url, n, len(rows),
                   width, out.shape[1] - width, self.batch_seconds[-1])
-        stops = set(stop_ids)
-        results = []
-        for new in out[:n, width:].tolist():
-            end = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
-            results.append(new[:end])
-        return results
+        return [_cut_after_stop(new, stop_ids) for new in out[:n, width:].tolist()]
+
+    def _continuous_manager(self, gen: GenerationConfig, stop_ids: list[int]) -> Any:
+        """The running continuous-batching manager for `gen`'s sampling settings (on the worker thread): the one
+        already running when its settings match, else a new one (an old one is stopped first: one cache at a
+        time)."""
+        from transformers import GenerationConfig as HFGenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        assert self._loaded is not None
+        settings = hf_generation_settings(gen)
+        unsupported = sorted(set(settings) - CONTINUOUS_SAMPLING)
+        if unsupported:
+            raise EngineError(f"{self.url}: continuous batching applies temperature, top_p and top_k only, not "
+                              f"{', '.join(unsupported)}; use cache='static' or 'dynamic'", endpoint=self.url)
+        key = json.dumps([settings, gen.seed], sort_keys=True)
+        loaded = self._loaded
+        if loaded.continuous is not None and loaded.continuous_key == key and loaded.continuous.is_running():
+            return loaded.continuous
+        loaded.stop_continuous()
+        sampling = dict(settings) if settings["do_sample"] else {"do_sample": False, "temperature": None,
+                                                                 "top_p": None, "top_k": None}
+        hf_gen = HFGenerationConfig(max_new_tokens=gen.max_new_tokens, eos_token_id=stop_ids, **sampling)
+        cpu = str(self.model.device) == "cpu"
+        cb = ContinuousBatchingConfig(
+            max_requests_per_batch=self.max_batch_rows, seed=gen.seed,
+            num_blocks=self.max_batch_rows * CONTINUOUS_CPU_PAGES_PER_ROW if cpu else None)
+        manager = self.model.init_continuous_batching(generation_config=hf_gen, continuous_batching_config=cb)
+        manager.start()
+        loaded.continuous, loaded.continuous_key = manager, key
+        _log.info("%s: continuous batching started (%d rows per step, %s)", self.url, self.max_batch_rows,
+                  "greedy" if not settings["do_sample"] else "sampled")
+        return manager
+
+    async def _continuous_generate(self, ids: list[int], gen: GenerationConfig, stop_ids: list[int]) -> list[int]:
+        """One request through the continuous-batching manager: its new ids, the first stop id included."""
+        from transformers.generation.continuous_batching.requests import RequestStatus
+
+        manager = await self._in_worker(self._continuous_manager, gen, stop_ids)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        request_id = f"dflash-{next(_REQUEST_NUMBERS)}"
+
+        def deliver(output: Any) -> None:  # on this loop (transformers calls it through call_soon_threadsafe)
+            if output.is_finished() and not done.done():
+                done.set_result(output)
+
+        manager.register_result_handler(request_id, deliver)  # before the request: no result reaches the queue
+        if manager.add_request(ids, request_id=request_id, max_new_tokens=gen.max_new_tokens,
+                               eos_token_id=stop_ids) is None:
+            raise EngineError(f"{self.url}: continuous batching refused the request (stopping)", retryable=True,
+                              endpoint=self.url)
+        try:
+            output = await done
+        except asyncio.CancelledError:
+            manager.cancel_request(request_id)
+            raise
+        if output.status == RequestStatus.FAILED or output.error:
+            raise EngineError(f"{self.url}: continuous batching failed the request: {output.error}",
+                              endpoint=self.url)
+        return _cut_after_stop(list(output.generated_tokens), stop_ids)
 
     def _next_batch(self) -> list[_BatchedRequest]:
         """The oldest request, and the others with its settings closest to it in length, while the batch
@@ -1100,12 +1194,15 @@ class TransformersEngine(Engine):
         generation, cut = self.fit_to_context(len(ids), generation)
         stop_ids = sorted(self.tok.stop_ids | set(generation.stop_token_ids))
         t0 = time.perf_counter()
-        request = _BatchedRequest(ids, generation, stop_ids, generation.model_dump_json() + repr(stop_ids),
-                                  asyncio.get_running_loop().create_future())
-        self._pending.append(request)
-        if self._batcher is None or self._batcher.done():
-            self._batcher = asyncio.get_running_loop().create_task(self._run_batches())
-        out = await request.future
+        if self.cache == "continuous":
+            out = await self._continuous_generate(ids, generation, stop_ids)
+        else:
+            request = _BatchedRequest(ids, generation, stop_ids, generation.model_dump_json() + repr(stop_ids),
+                                      asyncio.get_running_loop().create_future())
+            self._pending.append(request)
+            if self._batcher is None or self._batcher.done():
+                self._batcher = asyncio.get_running_loop().create_task(self._run_batches())
+            out = await request.future
         finish = "stop" if out and out[-1] in stop_ids else "length"
         reasoning, content = self.tok.split_output_ids(out, generation.enable_thinking, generation.stop_token_ids)
         return ChatResult(content, reasoning, finish, len(ids), len(out), time.perf_counter() - t0, self.url,

@@ -122,14 +122,16 @@ class EndpointConfig(BaseModel):
     device: str = Field("cpu", description="transformers kind: torch device.")
     dtype: str = Field("auto", description="transformers kind: torch dtype of the weights, e.g. bfloat16 (auto: the "
                        "checkpoint's own).")
-    cache: Literal["dynamic", "static"] = Field("dynamic", description="transformers kind: KV cache of `generate`; "
-                                                "static pads batches to a few shapes and, on CUDA, compiles the "
-                                                "decode step (a GPU's fast path; see TransformersEngine).")
+    cache: Literal["dynamic", "static", "continuous"] = Field(
+        "dynamic", description="transformers kind: KV cache of `generate`; static pads batches to a few shapes and, "
+        "on CUDA, compiles the decode step; continuous hands requests to transformers' continuous batching (paged "
+        "cache: rows join and leave the running batch one by one; on an H200 without flash attention it ran at a "
+        "quarter of static's speed, BENCHMARKS.md; see TransformersEngine).")
     max_batch_tokens: int = Field(8192, ge=1, description="transformers kind: padded prompt tokens per generate "
                                   "call (requests are batched by similar length within it).")
     max_batch_rows: int | None = Field(None, ge=1, description="transformers kind: rows per generate call (None: "
                                        "max_concurrency). More requests in flight than rows lets each call fill "
-                                       "its rows from prompts of one width.")
+                                       "its rows from prompts of one width. continuous: rows per decoding step.")
 
 
 class EngineFleetConfig(BaseModel):

@@ -461,8 +461,45 @@ def test_static_cache_engine_answers_as_the_dynamic_one(tiny_dense_target, tok):
     (long_static, long_shapes), (long_dynamic, _) = run(long("static")), run(long("dynamic"))
     assert long_shapes[0][0] == 1 and long_shapes[0][1] > 2048  # not padded: one row, its own width
     assert long_static.content == long_dynamic.content
-    with pytest.raises(ValueError, match="dynamic' or 'static"):
+    with pytest.raises(ValueError, match="dynamic', 'static' or 'continuous"):
         TransformersEngine(tiny_dense_target, tokenizer=tok, cache="paged")
+
+
+def test_continuous_engine_answers_as_the_dynamic_one_and_stops_its_thread(tiny_dense_target, tok):
+    """cache="continuous" (transformers' continuous batching) gives each request the dynamic cache's greedy answer
+    and finish reason, rows of different lengths in one running batch (max_new_tokens is per request); two engines of the model share one manager;
+    the last one to close stops the manager's thread, so the process can exit."""
+
+    from dflash_assets.generation import engines
+
+    gens = [GenerationConfig(max_new_tokens=n, temperature=0.0, enable_thinking=False) for n in (12, 3, 8, 5)]
+    chats = [[{"role": "user", "content": q}] for q in
+             ("What is 2+2?", "Name a colour.", "Write a long sentence about the sea and the sky.", "Hi")]
+
+    async def go(cache):
+        async with TransformersEngine(tiny_dense_target, tokenizer=tok, max_concurrency=4, cache=cache) as a, \
+                TransformersEngine(tiny_dense_target, tokenizer=tok, max_concurrency=4, cache=cache) as b:
+            out = await asyncio.gather(*(eng.chat(m, g) for eng, m, g in zip([a, b, a, b], chats, gens)))
+            manager = a._loaded.continuous
+            assert manager is b._loaded.continuous and (manager is None) == (cache != "continuous")
+        return out, manager
+
+    continuous, manager = run(go("continuous"))
+    assert not manager.is_running()  # stopped at the last close: its thread would keep the process alive
+    assert [m.continuous for m in engines._LOADED.values()] == [None]  # the model itself stays loaded
+    dynamic, _ = run(go("dynamic"))
+    assert [(r.content, r.completion_tokens, r.finish_reason) for r in continuous] == \
+        [(r.content, r.completion_tokens, r.finish_reason) for r in dynamic]
+    assert [r.completion_tokens for r in continuous] == [12, 3, 8, 5]  # each row's own length, in one manager
+
+    sampled = GenerationConfig(max_new_tokens=4, temperature=0.7, min_p=0.1)
+
+    async def refused():
+        async with TransformersEngine(tiny_dense_target, tokenizer=tok, cache="continuous") as eng:
+            await eng.chat(chats[0], sampled)
+
+    with pytest.raises(EngineError, match="not min_p"):  # refused: transformers would drop it silently
+        run(refused())
 
 
 # -- broken or hostile engines (issue 14 item 4) ----------------------------------------
