@@ -290,7 +290,7 @@ def eval_stage(args, report: dict) -> None:
     report["drafter_eval"] = eval_recipe(store, args.recipe, spec, num_prompts=args.eval_prompts,
                                          max_new_tokens=args.eval_new_tokens, device=device, log=log,
                                          dtype="float32", speed_prompts=args.speed_prompts,
-                                         curve_prompts=args.curve_prompts)
+                                         curve_prompts=args.curve_prompts, workers=args.eval_workers)
     times["evaluate"] = round(time.perf_counter() - t, 1)
     ev = report["drafter_eval"]
     speed = ev.get("decode_speed") or {}
@@ -423,6 +423,8 @@ def main(argv=None) -> int:
     p.add_argument("--eval-new-tokens", type=int, default=128)
     p.add_argument("--speed-prompts", type=int, default=16)
     p.add_argument("--curve-prompts", type=int, default=6)
+    p.add_argument("--eval-workers", type=int, default=1, help="processes that decode the held-out prompts, each "
+                   "with its own target (eval_recipe's workers; the speed measurement runs alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the JSON report here too")
     args = p.parse_args(argv)

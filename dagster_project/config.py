@@ -200,6 +200,10 @@ class DrafterEvalConfig(dg.Config):
                                "speculative, on this many of the prompts (metadata decode_speed).")
     curve_prompts: int = Field(default=_default(eval_recipe, "curve_prompts"), ge=0, description="Also measure tau of the run's learning-curve "
                                "checkpoints on this many prompts (metadata learning_curve).")
+    workers: int = Field(default=_default(eval_recipe, "workers"), ge=1, le=64, json_schema_extra={"output": False},
+                         description="Processes on the GPU host that decode the prompts, each with its own copy of the "
+                         "target (batch-1 decoding leaves the GPU mostly idle): same tau, less wall time. The speed "
+                         "measurement runs alone.")
     promotion_margin: float = Field(default=DEFAULT_MARGIN, ge=0, description="Promotion (check 'promotion'): the run's best "
                                     "checkpoint becomes the family's promoted drafter only if its tau beats the "
                                     "promoted one's and no slice (thinking, tools, prompt length, category) falls "

@@ -25,8 +25,11 @@ from dagster_project.resources import TargetModelResource
 
 
 def _defaults(config_cls: type[dg.Config]) -> dict:
+    """The defaults of the fields that can change the output (a field marked ``json_schema_extra={"output":
+    False}``, such as how many processes share the work, does not mark partitions stale)."""
     return {name: repr(field.get_default(call_default_factory=True))
-            for name, field in sorted(config_cls.model_fields.items())}
+            for name, field in sorted(config_cls.model_fields.items())
+            if (field.json_schema_extra or {}).get("output", True)}
 
 
 def target_fingerprint() -> str:

@@ -345,14 +345,19 @@ def evaluate_drafter(
         rows.append(row)
         if on_prompt is not None:
             on_prompt(i, row)
+    return result_from_rows(rows, lengths, time.perf_counter() - t0)
+
+
+def result_from_rows(rows: list[dict[str, Any]], lengths: Counter, wall_s: float) -> EvalResult:
+    """The result of per-prompt rows (`evaluate_drafter`'s) and the count of verifications by tokens produced."""
     cats = sorted({r["category"] for r in rows})
     mism = sum(1 for r in rows if r.get("lossless") is False)
     return EvalResult(
         tau=_pooled(rows), tau_by_category={c: _pooled([r for r in rows if r["category"] == c]) for c in cats},
         lossless=mism == 0, num_mismatches=mism, num_verifications=sum(r["verifications"] for r in rows),
-        num_new_tokens=sum(r["new_tokens"] for r in rows), per_prompt=rows, wall_s=time.perf_counter() - t0,
+        num_new_tokens=sum(r["new_tokens"] for r in rows), per_prompt=rows, wall_s=wall_s,
         acceptance_length_counts=[lengths[n] for n in range(max(lengths, default=0) + 1)])
 
 
 __all__ = ["EvalPrompt", "EvalResult", "SpecOutput", "SpeculativeDecoder", "TargetRunner", "evaluate_drafter",
-           "greedy_generate", "greedy_mismatch", "load_target", "supports_cache_crop"]
+           "greedy_generate", "greedy_mismatch", "load_target", "result_from_rows", "supports_cache_crop"]

@@ -28,6 +28,7 @@ the training and decoding modules; pyarrow only where Parquet is read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -291,8 +292,8 @@ def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts:
 
 def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, max_new_tokens: int = 128,
                 device: str | None = None, log: Callable[[str], None] = logger.info, dtype: str | None = None,
-                speed_prompts: int = 0, curve_prompts: int = 0, promotion_margin: float | None = None
-                ) -> dict[str, Any]:
+                speed_prompts: int = 0, curve_prompts: int = 0, promotion_margin: float | None = None,
+                workers: int = 1) -> dict[str, Any]:
     """Acceptance length tau of the recipe's checkpoint on held-out prompts, and the lossless check.
 
     ``promotion_margin``: also decide promotion (``drafter.promotion``): the run's checkpoints (the learning-curve
@@ -302,8 +303,13 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
     ``dtype``: the target's (and drafter's) precision (default: float32 on CPU, bfloat16 on GPU; float32 makes
     the lossless check exact). ``speed_prompts``: also time decoding at batch 1 on that many of the prompts,
     target alone against speculative (``decode_speed``). ``curve_prompts``: also measure tau of the training
-    run's learning-curve checkpoints (``train_recipe``) on that many prompts: the learning curve."""
+    run's learning-curve checkpoints (``train_recipe``) on that many prompts: the learning curve.
+
+    ``workers``: decode the prompts in that many processes of this host, each with its own copy of the target
+    (``eval_workers``; batch-1 decoding leaves a GPU mostly idle). Same tau and rows, less wall time; the speed
+    measurement stays in this process, alone."""
     from dflash_assets.drafter.decoding import decode_speed, evaluate_drafter, load_target
+    from dflash_assets.drafter.eval_workers import EvalWorkers
     from dflash_assets.drafter.model import load_drafter
 
     recipe = load_recipe(store, name)
@@ -315,28 +321,40 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
     if missing := [f for f in CHECKPOINT_FILES if f not in files]:
         raise FileNotFoundError(f"recipe {name!r} has no published checkpoint ({', '.join(missing)} missing); "
                                 "materialize drafter_checkpoint first")
-    model = load_target(target.model_path, device, torch_dtype(dtype))
+    # this process's own target: for decoding without workers, and for the speed measurement
+    model = load_target(target.model_path, device, torch_dtype(dtype)) if workers <= 1 or speed_prompts > 0 else None
     speed, curve = None, []
-    with tempfile.TemporaryDirectory(prefix="dflash-eval-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="dflash-eval-"))
+        pool = (stack.enter_context(EvalWorkers(target.model_path, workers, device=device, dtype=dtype))
+                if workers > 1 else None)  # closed before tmp goes: no worker reads a removed checkpoint
+
+        def evaluate(drafter_dir: str, some: list[Any], check_lossless: bool = False) -> Any:
+            if pool is not None:
+                return pool.evaluate(drafter_dir, some, max_new_tokens=max_new_tokens, stop_token_ids=stop,
+                                     check_lossless=check_lossless)
+            return evaluate_drafter(drafter_dir, model, some, max_new_tokens=max_new_tokens, stop_token_ids=stop,
+                                    check_lossless=check_lossless)
+
         for fname in CHECKPOINT_FILES:
             Path(tmp, fname).write_bytes(store.read_bytes(files[fname]))
-        log(f"recipe {name}: speculative decoding of {len(prompts)} prompts, {max_new_tokens} new tokens each")
-        result = evaluate_drafter(tmp, model, prompts, max_new_tokens=max_new_tokens,
-                                  stop_token_ids=stop, check_lossless=True, device=device)
+        log(f"recipe {name}: speculative decoding of {len(prompts)} prompts, {max_new_tokens} new tokens each"
+            + (f", {workers} worker processes" if pool is not None else ""))
+        result = evaluate(tmp, prompts, check_lossless=True)
         log(f"recipe {name}: tau {result.tau:.3f}, lossless {result.lossless}")
-        target_dtype = next(model.parameters()).dtype
         if speed_prompts > 0:
-            drafter = load_drafter(tmp, device=next(model.parameters()).device, dtype=target_dtype)
+            param = next(model.parameters())
+            drafter = load_drafter(tmp, device=param.device, dtype=param.dtype)
             speed = decode_speed(model, drafter, prompts[:speed_prompts], max_new_tokens=max_new_tokens,
                                  stop_token_ids=stop)
             log(f"recipe {name}: batch-1 decode {speed['target_tokens_per_s']:.1f} tok/s target alone, "
                 f"{speed['speculative_tokens_per_s']:.1f} tok/s speculative ({speed['speedup']:.2f}x)")
         if curve_prompts > 0:
-            curve = _learning_curve(store, files, tmp, model, prompts[:curve_prompts], max_new_tokens, stop, log)
+            curve = _learning_curve(store, files, tmp, prompts[:curve_prompts], evaluate, log)
         promotion = None
         if promotion_margin is not None:
-            promotion = _promote(store, recipe, files, tmp, model, prompts, result.per_prompt, curve,
-                                 curve_prompts, max_new_tokens, stop, promotion_margin, log)
+            promotion = _promote(store, recipe, files, prompts, result.per_prompt, curve, curve_prompts,
+                                 promotion_margin, evaluate, log)
     metrics = result.to_metadata()
     store.write_json(layout.drafter_eval(name), {**metrics, "per_prompt": result.per_prompt, "held_out": held_out,
                                                  "decode_speed": speed, "learning_curve": curve})
@@ -349,7 +367,7 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
         "num_new_tokens": int(result.num_new_tokens), "num_prompts": len(prompts), "held_out": held_out,
         # Chart data: share of verifications that accepted block position k (k = 1..B); sums to tau.
         "acceptance_by_position": [round(x, 4) for x in share_at_least(counts)],
-        "wall_s": round(float(result.wall_s), 1),
+        "wall_s": round(float(result.wall_s), 1), "workers": workers,
         **({"decode_speed": speed} if speed is not None else {}),
         # Chart data: [sequence tokens trained, tau on the first curve_prompts prompts] per saved checkpoint.
         **({"learning_curve": [[c["tokens"], c["tau"]] for c in curve]} if curve else {}),
@@ -368,9 +386,9 @@ def _curve_by_slice(curve: list[dict[str, Any]]) -> dict[str, list[list[float]]]
     return out
 
 
-def _promote(store: Any, recipe: DrafterRecipe, files: dict[str, str], checkpoint_dir: str, model: Any,
-             prompts: list[Any], final_rows: list[dict[str, Any]], curve: list[dict[str, Any]], curve_prompts: int,
-             max_new_tokens: int, stop: list[int], margin: float, log: Callable[[str], None]) -> dict[str, Any]:
+def _promote(store: Any, recipe: DrafterRecipe, files: dict[str, str], prompts: list[Any],
+             final_rows: list[dict[str, Any]], curve: list[dict[str, Any]], curve_prompts: int, margin: float,
+             evaluate: Callable[..., Any], log: Callable[[str], None]) -> dict[str, Any]:
     """Decide promotion among the run's checkpoints, all measured on the same prompts; write the promoted
     manifest when one wins. Returns the decision as metadata."""
     from dflash_assets.drafter.promotion import Candidate, decide_promotion, read_promoted, write_promoted
@@ -399,7 +417,7 @@ def _promote(store: Any, recipe: DrafterRecipe, files: dict[str, str], checkpoin
         previous = None
     if previous is not None:  # the promoted checkpoint re-measured on these prompts, when it loads on this target
         try:
-            old = _evaluate_files(store, previous["files"], model, prompts[:n], max_new_tokens, stop)
+            old = _evaluate_files(store, previous["files"], prompts[:n], evaluate)
             previous = {**previous, "tau_recorded": previous["tau"], "tau": round(_pooled_tau(old), 4),
                         "slices": tau_by_slice(old), "remeasured": True}
         except (KeyError, OSError, RuntimeError, ValueError) as e:
@@ -450,39 +468,29 @@ def _pooled_tau(rows: list[dict[str, Any]]) -> float:
     return sum(r["accepted_tokens"] for r in rows) / n if n else 0.0
 
 
-def _evaluate_files(store: Any, files: dict[str, str], model: Any, prompts: list[Any], max_new_tokens: int,
-                    stop: list[int]) -> list[dict[str, Any]]:
+def _evaluate_files(store: Any, files: dict[str, str], prompts: list[Any],
+                    evaluate: Callable[..., Any]) -> list[dict[str, Any]]:
     """Per-prompt rows of the checkpoint whose files (model.safetensors, config.json keys) are given."""
-    from dflash_assets.drafter.decoding import evaluate_drafter
-
     with tempfile.TemporaryDirectory(prefix="dflash-promoted-") as tmp:
         for fname in CHECKPOINT_FILES:
             Path(tmp, fname).write_bytes(store.read_bytes(files[fname]))
-        return evaluate_drafter(tmp, model, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop,
-                                check_lossless=False).per_prompt
+        return evaluate(tmp, prompts).per_prompt
 
 
-def _learning_curve(store: Any, files: dict[str, str], checkpoint_dir: str, model: Any, prompts: list[Any],
-                    max_new_tokens: int, stop: list[int], log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """tau of each learning-curve checkpoint the training run published (``train_recipe``), in step order."""
-    from safetensors.torch import load_file
-
-    from dflash_assets.drafter.decoding import evaluate_drafter
-    from dflash_assets.drafter.model import load_drafter
-
+def _learning_curve(store: Any, files: dict[str, str], checkpoint_dir: str, prompts: list[Any],
+                    evaluate: Callable[..., Any], log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """tau of each learning-curve checkpoint the training run published (``train_recipe``), in step order. Each
+    checkpoint gets a directory of its own beside the final one's: its weights and the final one's config."""
     metrics = json.loads(store.read_bytes(files["train_metrics.json"])) if "train_metrics.json" in files else {}
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
     points = []
     for point in metrics.get("curve", []):
         if point["file"] not in files:
             continue
-        drafter = load_drafter(checkpoint_dir, device=device, dtype=dtype)  # the config; weights replaced below
-        local = Path(checkpoint_dir) / point["file"]
-        local.write_bytes(store.read_bytes(files[point["file"]]))
-        drafter.load_state_dict({k: v.to(dtype) for k, v in load_file(str(local)).items()})
-        result = evaluate_drafter(drafter, model, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop,
-                                  check_lossless=False)
+        local = Path(checkpoint_dir) / "curve" / Path(point["file"]).stem
+        local.mkdir(parents=True)
+        (local / "config.json").write_bytes((Path(checkpoint_dir) / "config.json").read_bytes())
+        (local / "model.safetensors").write_bytes(store.read_bytes(files[point["file"]]))
+        result = evaluate(str(local), prompts)
         points.append({"step": point["step"], "tokens": point["tokens"], "tau": round(float(result.tau), 4),
                        "file": point["file"], "slices": tau_by_slice(result.per_prompt)})
         log(f"learning curve: step {point['step']}, {point['tokens']} tokens: tau {result.tau:.3f}")

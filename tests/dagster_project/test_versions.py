@@ -40,6 +40,21 @@ def test_config_defaults_are_part_of_the_version():
     assert code_version("1", A) != code_version("2", A)
 
 
+def test_a_field_that_does_not_change_the_output_is_not_part_of_the_version():
+    """How many processes share an evaluation changes its wall time, not its result: no partition goes stale."""
+    class A(dg.Config):
+        temperature: float = Field(default=0.6)
+
+    class B(dg.Config):
+        temperature: float = Field(default=0.6)
+        workers: int = Field(default=4, json_schema_extra={"output": False})
+
+    B.__name__ = A.__name__  # the class name is part of the version too
+    assert code_version("1", A) == code_version("1", B)
+    from dagster_project.config import DrafterEvalConfig
+    assert DrafterEvalConfig.model_fields["workers"].json_schema_extra == {"output": False}
+
+
 def test_the_target_part_is_the_spec_fingerprint_of_what_the_settings_name(tmp_path, monkeypatch):
     """The same settings naming a file whose content changed give another version: the spec's fingerprint hashes
     the template (and the model's config), not the variables' values; a layer choice changes it too."""
