@@ -1,9 +1,10 @@
 """Speculative decoding of held-out prompts over several processes of one host, each holding its own target.
 
-Greedy decoding at batch 1 is bound by the host that launches the kernels, not by the device: on an H200 a
-verification of SmolLM2-135M in float32 took ~49 ms (BENCHMARKS.md, session 30), a few of them GPU work, and
-tau on 64 prompts took 225 s of a 415 s evaluation. Workers decode one prompt each at a time, so the device
-serves several of them. Every prompt is still decoded on its own (`SpeculativeDecoder.generate`), so the rows,
+Greedy decoding at batch 1 is bound by the host that launches the kernels rather than by the device: on an H200
+a verification of SmolLM2-135M in float32 took ~49 ms (BENCHMARKS.md, session 30), far more than the arithmetic
+of 16 tokens through a 135M model, and tau on 64 prompts took 225 s of a 415 s evaluation. Workers decode one
+prompt each at a time, so the device serves several of them (how many pays is `bench/eval_workers.py`'s
+question). Every prompt is still decoded on its own (`SpeculativeDecoder.generate`), so the rows,
 tau and the lossless check are those of `decoding.evaluate_drafter`; only the wall time changes.
 
 Reads: the target model directory (each worker loads it once) and drafter checkpoint directories
