@@ -90,12 +90,14 @@ class EvalWorkers:
 
     def __init__(self, target_dir: str | Path, workers: int, *, device: str | None = None,
                  dtype: str | None = None):
-        from dflash_assets.drafter.stages import torch_dtype  # eval_recipe's own rule for its target's dtype
+        import torch
 
         if workers < 1:
             raise ValueError(f"workers must be at least 1, not {workers}")
-        resolved = torch_dtype(dtype)  # refused here, not in every worker
-        dtype = str(resolved).removeprefix("torch.") if resolved is not None else None
+        if dtype is not None:  # refused here, not in every worker
+            dtype = str(dtype).replace("torch.", "")
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"not a torch dtype: {dtype!r}")
         self.workers = workers
         threads = max(1, _host_cpus() // workers)
         # spawn: a forked child of a process that has used CUDA cannot use it
