@@ -59,6 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from smollm2_h200 import reassemble  # noqa: E402  (the GGUF's two halves, joined and checked against its SHA-256)
 
+REPO = Path(__file__).resolve().parents[1]
+KEPT_SHARDS = REPO / "bench" / "data" / "smollm2"  # completions generated on GPU hosts, imported by default
+STABLE_TARGET = "SmolLM2-135M-Instruct"  # the name completions hash the target by (`stable_target_link`)
 WHEELS = ("transformers==5.24.0", "tokenizers==0.23.3", "gguf==0.19.0", "pydantic==2.14.4", "pydantic_core==2.50.5", "annotated_types==0.7.0",
           "typing_inspection==0.4.5", "orjson==3.13.0", "typing_extensions==4.16.0")
 
@@ -78,14 +81,25 @@ def write_report(report: dict, out: str | None) -> None:
 # -- here: what the GPU runs carry --------------------------------------------------------------------------------
 
 
-def prepare(out_dir: Path, num_prompts: int, shard_size: int, split_at: int) -> None:
-    import subprocess
-
-    from dflash_assets.embedded.smollm2 import SMOLLM2_GGUF_SHA256, smollm2_gguf_path
+def build_raw_prompts(store, num_prompts: int, shard_size: int) -> list[str]:
+    """The embedded ShareGPT file ingested into `store` and its ``raw_prompts`` shards written, as the
+    ``prompt_corpus`` and ``raw_prompts`` assets do; the shard keys."""
     from dflash_assets.prompts.config import IngestConfig
     from dflash_assets.prompts.ingest import ingest_prompt_source
     from dflash_assets.prompts.shards import materialize_prompt_shard
     from dflash_assets.prompts.sources import embedded_sharegpt_path
+
+    report = ingest_prompt_source(embedded_sharegpt_path(), store,
+                                  IngestConfig(limit=num_prompts, max_prompts_per_shard=shard_size))
+    for shard in report.shard_keys:
+        materialize_prompt_shard(store, shard)
+    return report.shard_keys
+
+
+def prepare(out_dir: Path, num_prompts: int, shard_size: int, split_at: int) -> None:
+    import subprocess
+
+    from dflash_assets.embedded.smollm2 import SMOLLM2_GGUF_SHA256, smollm2_gguf_path
     from dflash_assets.store.backends import LocalStore
 
     for part in ("t", "a", "b"):
@@ -95,11 +109,7 @@ def prepare(out_dir: Path, num_prompts: int, shard_size: int, split_at: int) -> 
     assert hashlib.sha256(data).hexdigest() == SMOLLM2_GGUF_SHA256
     (out_dir / "a" / "gguf.part-a").write_bytes(data[:split_at])
     (out_dir / "b" / "gguf.part-b").write_bytes(data[split_at:])
-    store = LocalStore(out_dir / "t" / "store")
-    report = ingest_prompt_source(embedded_sharegpt_path(), store,
-                                  IngestConfig(limit=num_prompts, max_prompts_per_shard=shard_size))
-    for shard in report.shard_keys:  # what the raw_prompts asset writes, shard by shard
-        materialize_prompt_shard(store, shard)
+    shard_keys = build_raw_prompts(LocalStore(out_dir / "t" / "store"), num_prompts, shard_size)
     wheels = out_dir / "t" / "wheels"
     wheels.mkdir()
     platforms = [f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")]
@@ -113,10 +123,33 @@ def prepare(out_dir: Path, num_prompts: int, shard_size: int, split_at: int) -> 
         total = sum(p.stat().st_size for p in (out_dir / part).rglob("*") if p.is_file())
         log(f"{part}: {total / 2**20:.1f} MiB, with the checkout's tracked files {(total + checkout) / 2**20:.1f} MiB")
         assert total + checkout < 63 * 2**20, f"{part}: {total + checkout} bytes with the checkout, over one run's 64 MiB"
-    log(json.dumps({"shards": report.shard_keys, "prompts": num_prompts}, indent=2))
+    log(json.dumps({"shards": shard_keys, "prompts": num_prompts}, indent=2))
 
 
 # -- there: the stages ----------------------------------------------------------------------------------------------
+
+
+def stable_target_link(target_dir: Path) -> Path:
+    """A symlink named ``STABLE_TARGET`` beside the converted `target_dir`, which the engine loads and completions
+    hash the target by (``config_hash`` takes the target's basename). The converted directory's own name carries
+    its cache key (the converter's code and torch's version), which differs between this machine and a GPU host and
+    from commit to commit; the GGUF's SHA-256 is checked before conversion, so the stable name stands for the same
+    weights, and rows generated under it stay reusable on the next host (``bench/data/smollm2``)."""
+    link = target_dir.parent / STABLE_TARGET
+    tmp = target_dir.parent / f".{STABLE_TARGET}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(target_dir.name, tmp)
+    os.replace(tmp, link)  # atomic: a concurrent reader sees the old link or the new one
+    return link
+
+
+def generation_config(args, thinking: bool):
+    """The ``GenerationConfig`` of ``--stage generate`` (hashed into every completion row)."""
+    from dflash_assets.generation.engines import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=None, max_turns=args.max_turns, enable_thinking=thinking,
+                            seed=args.seed if args.temperature > 0 else None)
 
 
 def target_spec(target_dir: Path):
@@ -129,7 +162,6 @@ def generate_stage(args, report: dict) -> None:
     """completions + tokenized_samples for every shard but the held-out ones, until the budget is spent."""
     from dflash_assets.embedded.smollm2 import smollm2_target_path
     from dflash_assets.generation.completions import regenerate_shard
-    from dflash_assets.generation.engines import GenerationConfig
     from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
     from dflash_assets.store import layout
     from dflash_assets.store.backends import LocalStore
@@ -148,29 +180,27 @@ def generate_stage(args, report: dict) -> None:
     times = report["stage_wall_s"]
     t = time.perf_counter()
     gguf = reassemble(args.parts, work) if args.parts else Path(args.gguf)
-    target_dir = smollm2_target_path(cache_dir=work / "targets", gguf=gguf, log=log)
+    target_dir = stable_target_link(smollm2_target_path(cache_dir=work / "targets", gguf=gguf, log=log))
     (work / "target_dir").write_text(str(target_dir))
     times["convert"] = round(time.perf_counter() - t, 1)
     store_dir = work / "store"
     if not store_dir.exists():
         shutil.copytree(args.store, store_dir)
     store = LocalStore(store_dir)
-    report["imported"] = import_completions(args.import_completions or [], store)
+    spec = target_spec(target_dir)
+    tok = spec.load_tokenizer()
+    chat = spec.chat_conventions(tok)
+    generation = generation_config(args, spec.thinking())
+    report["imported"] = import_completions(args.import_completions, store, generation.config_hash(str(target_dir)))
     shards = layout.list_raw_prompt_shards(store)
     train_shards = shards[: len(shards) - args.heldout_shards]
     report["shards"] = {"all": shards, "held_out": shards[len(train_shards):]}
 
-    spec = target_spec(target_dir)
-    tok = spec.load_tokenizer()
-    chat = spec.chat_conventions(tok)
     device = "cuda" if args.device == "cuda" else "cpu"
     fleet = EngineFleetConfig(target_model=str(target_dir), endpoints=[EndpointConfig(
         url="inprocess://smollm2", kind="transformers", device=device, max_concurrency=args.gen_concurrency,
         max_batch_rows=args.gen_batch_rows, max_batch_tokens=args.gen_batch_tokens, dtype=args.gen_dtype,
         cache=args.gen_cache)])
-    generation = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  top_p=args.top_p, top_k=None, max_turns=args.max_turns,
-                                  enable_thinking=spec.thinking(), seed=args.seed if args.temperature > 0 else None)
     encoder = build_encoder(tok)
     renderer = ChatRenderer.from_tokenizer(tok, **spec.chat_template_kwargs)
     tokenize_config = TokenizeConfig(supervise=args.supervise, assistant_header=chat.assistant_header,
@@ -230,21 +260,27 @@ def export_completions(store_dir: Path, shards: list[str], out: Path) -> list[st
     return copied
 
 
-def import_completions(dirs: list[str], store) -> list[str]:
+def import_completions(dirs: list[str], store, config_hash: str) -> list[dict]:
     """Completions exported by an earlier session, written into the work store (atomically, as every store write)
-    where the shard has none yet."""
+    where the shard has none yet. The completions stage reuses a row only under this run's `config_hash`: a shard
+    kept under another hash (other generation settings or target name) is said so here, not found out later."""
+    import pyarrow.parquet as pq
+
     from dflash_assets.store import layout
 
-    copied = []
+    imported = []
     for d in dirs:
         for src in sorted(Path(d, "completions").glob("shard-*.parquet")):
             key = layout.completions(src.stem)
-            if not store.exists(key):
-                store.write_bytes(key, src.read_bytes())
-                copied.append(src.name)
-    if copied:
-        log(f"imported the completions of {len(copied)} shards: {', '.join(copied)}")
-    return copied
+            if store.exists(key):
+                continue
+            hashes = sorted(set(pq.read_table(src, columns=["config_hash"]).column("config_hash").to_pylist()))
+            store.write_bytes(key, src.read_bytes())
+            reused = config_hash in hashes
+            imported.append({"shard": src.stem, "config_hashes": hashes, "reused": reused})
+            log(f"imported {src}: " + ("its rows are reused" if reused else
+                f"config_hash {', '.join(hashes)}, this run's is {config_hash}: its rows will be generated again"))
+    return imported
 
 
 def train_stage(args, report: dict) -> None:
@@ -373,7 +409,7 @@ def charts(report_path: Path, out_dir: Path) -> list[Path]:
     return paths
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prepare", metavar="DIR", help="write the carried files into DIR (here) and stop")
     p.add_argument("--charts", metavar="REPORT", help="draw the PNG charts of a train report (here) and stop")
@@ -385,7 +421,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/smollm2-product", help="GGUF, target, store, training state")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--num-prompts", type=int, default=24000, help="--prepare: prompts ingested")
-    p.add_argument("--shard-size", type=int, default=1000, help="--prepare: prompts per shard")
+    p.add_argument("--shard-size", type=int, default=2000, help="--prepare: prompts per shard (the kept shards' size)")
     p.add_argument("--split-at", type=int, default=47 * 2**20, help="--prepare: GGUF bytes in part a (about half)")
     p.add_argument("--heldout-shards", type=int, default=1, help="the last N shards: never generated, evaluated")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -410,8 +446,11 @@ def main(argv=None) -> int:
     p.add_argument("--gen-budget-s", type=float, default=420.0, help="no new shard starts after this")
     p.add_argument("--export-completions", metavar="DIR", help="--stage generate: copy the generated shards' "
                    "completions to DIR/completions (e.g. $OUT, to keep them past the machine)")
-    p.add_argument("--import-completions", metavar="DIR", nargs="+", help="--stage generate: completions exported "
-                   "by earlier runs (DIR/completions/shard-*.parquet); their rows are reused, not generated again")
+    p.add_argument("--import-completions", metavar="DIR", nargs="*",
+                   default=[str(KEPT_SHARDS)] if KEPT_SHARDS.is_dir() else [],
+                   help="--stage generate: completions exported by earlier runs (DIR/completions/shard-*.parquet); "
+                   "rows of the same config_hash are reused, not generated again (default: the shards kept in "
+                   "bench/data/smollm2; give the flag alone to import none)")
     p.add_argument("--recipe", default="smollm2-greedy-v1")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=5)
@@ -432,6 +471,11 @@ def main(argv=None) -> int:
                    "with its own target (eval_recipe's workers; the speed measurement runs alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the JSON report here too")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.prepare:
         prepare(Path(args.prepare), args.num_prompts, args.shard_size, args.split_at)

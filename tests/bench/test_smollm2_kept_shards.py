@@ -1,0 +1,99 @@
+"""The SmolLM2 completions kept in ``bench/data/smollm2`` stay reusable by the next GPU session.
+
+Generating them cost ~15 minutes of an H200; ``bench/smollm2_product.py --stage generate`` imports them by
+default, and the completions stage reuses a row only under the same ``config_hash`` and prompt_id. These tests
+fail when a change would make the next session generate them again without saying so: the bench's generation
+settings or the target's hashed name drifting from the kept hash, or the prompt shards no longer holding their
+prompt ids. Reads the kept Parquet files, the embedded ShareGPT prompts and the converted SmolLM2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_assets.generation.config import normalize_model_id
+
+REPO = Path(__file__).resolve().parents[2]
+KEPT = REPO / "bench" / "data" / "smollm2"
+MANIFEST = json.loads((KEPT / "MANIFEST.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_smollm2_product", REPO / "bench" / "smollm2_product.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def documented_generate_args(bench):
+    """The generation-relevant flags of BENCHMARKS.md's generate command (engine flags change no row)."""
+    return bench.build_parser().parse_args(["--stage", "generate", "--gguf", "unused", "--store", "unused",
+                                            "--gen-dtype", "bfloat16", "--gen-cache", "static", "--max-turns", "2"])
+
+
+def kept_files() -> list[Path]:
+    return sorted((KEPT / "completions").glob("shard-*.parquet"))
+
+
+def test_kept_shards_carry_the_hash_of_the_documented_generate_command(bench):
+    args = documented_generate_args(bench)
+    assert args.import_completions == [str(KEPT)]  # imported unless the user says otherwise
+    generation = bench.generation_config(args, thinking=False)  # SmolLM2's template has no thinking mode
+    assert generation.model_dump(mode="json") == MANIFEST["generation_config"]
+    assert generation.config_hash(bench.STABLE_TARGET) == MANIFEST["config_hash"]
+    assert [f.stem for f in kept_files()] == sorted(MANIFEST["shards"])
+    for f in kept_files():
+        table = pq.read_table(f, columns=["config_hash", "completion_tokens_total"])
+        assert set(table.column("config_hash").to_pylist()) == {MANIFEST["config_hash"]}, f.name
+        assert table.num_rows == MANIFEST["shards"][f.stem]["conversations"], f.name
+        assert sum(table.column("completion_tokens_total").to_pylist()) == \
+            MANIFEST["shards"][f.stem]["completion_tokens"], f.name
+
+
+def test_stable_target_link_names_the_target_whatever_its_cache_key(bench, tmp_path):
+    first, second = tmp_path / "smollm2-135m-instruct-0123456789abcdef", tmp_path / "smollm2-135m-instruct-fedcba"
+    first.mkdir()
+    second.mkdir()
+    link = bench.stable_target_link(first)
+    assert link.resolve() == first.resolve()
+    assert bench.stable_target_link(second) == link and link.resolve() == second.resolve()  # replaced in place
+    assert normalize_model_id(str(link)) == normalize_model_id(bench.STABLE_TARGET) == "smollm2-135m-instruct"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary link left
+
+
+def test_kept_rows_are_reused_by_the_completions_stage(bench, tmp_path):
+    """--prepare's prompt shards hold every kept prompt id, and ``regenerate_shard`` over the imported shard
+    generates nothing (an in-process SmolLM2 engine on the CPU stands ready and is not asked)."""
+    from dflash_assets.embedded.smollm2 import smollm2_target_path
+    from dflash_assets.generation.completions import regenerate_shard
+    from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
+    from dflash_assets.store import layout
+    from dflash_assets.store.backends import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    shards = bench.build_raw_prompts(store, num_prompts=24000, shard_size=2000)
+    for f in kept_files():
+        assert f.stem in shards
+        raw_ids = set(store.read_parquet(layout.raw_prompts(f.stem)).column("prompt_id").to_pylist())
+        kept_ids = pq.read_table(f, columns=["prompt_id"]).column("prompt_id").to_pylist()
+        assert set(kept_ids) <= raw_ids, f"{f.name}: kept prompt ids missing from the prompt shard"
+
+    target = bench.stable_target_link(smollm2_target_path())
+    spec = bench.target_spec(target)
+    generation = bench.generation_config(documented_generate_args(bench), thinking=spec.thinking())
+    imported = bench.import_completions([str(KEPT)], store, generation.config_hash(str(target)))
+    assert [i["shard"] for i in imported] == sorted(MANIFEST["shards"]) and all(i["reused"] for i in imported)
+
+    prompts = store.read_parquet(layout.raw_prompts("shard-00000")).slice(0, 12)
+    fleet = EngineFleetConfig(target_model=str(target), endpoints=[EndpointConfig(
+        url="inprocess://smollm2", kind="transformers", device="cpu", max_concurrency=4)])
+    result = regenerate_shard(prompts, shard="shard-00000", store=store, fleet=fleet, generation=generation,
+                              tokenizer=spec.load_tokenizer())
+    assert result.stats.prompts_resumed_published == 12  # every row taken from the kept shard
+    assert (result.stats.prompts_generated, result.stats.requests, result.stats.completion_tokens) == (0, 0, 0)
