@@ -276,8 +276,10 @@ TOP_LEVEL_TESTS = {
     "test_trust_boundaries.py": "what a run may read and where secrets go, across the Dagster layer and the library",
 }
 # Test folders named other than a package of dflash_assets: `library` holds the tests of dflash_assets' top-level
-# modules (dflash_assets/cache_keys.py -> tests/library/test_cache_keys.py); the Dagster layer mirrors its own tree.
-TEST_FOLDERS_OUTSIDE_THE_STAGES = {"library": PACKAGE, "dagster_project": DAGSTER, "dagster_project/assets": DAGSTER / "assets"}
+# modules (dflash_assets/cache_keys.py -> tests/library/test_cache_keys.py); the Dagster layer mirrors its own tree;
+# `bench` holds tests of what the bench scripts keep (bench/data/smollm2: generated shards a GPU session reuses).
+TEST_FOLDERS_OUTSIDE_THE_STAGES = {"library": PACKAGE, "dagster_project": DAGSTER, "dagster_project/assets": DAGSTER / "assets",
+                                   "bench": PACKAGE.parent / "bench"}
 # Library modules without a tests/<package>/test_<module>.py, and why (the file named exercises it).
 NO_TEST_MODULE = {
     "dflash_assets/chart_data.py": "tested through tests/dagster_project/test_charts.py (chart numbers whose answer is known)",

@@ -42,9 +42,10 @@ def _load_target_in_worker(target_dir: str, device: str | None, dtype: str | Non
     import torch
 
     from dflash_assets.drafter.decoding import load_target
+    from dflash_assets.hidden_states.format import torch_dtype
 
     torch.set_num_threads(threads)  # the host's CPUs shared out, not each worker taking all of them
-    _WORKER["target"] = load_target(target_dir, device, getattr(torch, dtype) if dtype else None)
+    _WORKER["target"] = load_target(target_dir, device, torch_dtype(dtype) if dtype else None)
 
 
 def _drafter_in_worker(drafter_dir: str) -> Any:
@@ -90,14 +91,12 @@ class EvalWorkers:
 
     def __init__(self, target_dir: str | Path, workers: int, *, device: str | None = None,
                  dtype: str | None = None):
-        import torch
+        from dflash_assets.hidden_states.format import torch_dtype
 
         if workers < 1:
             raise ValueError(f"workers must be at least 1, not {workers}")
-        if dtype is not None:  # refused here, not in every worker
-            dtype = str(dtype).replace("torch.", "")
-            if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                raise ValueError(f"not a torch dtype: {dtype!r}")
+        if dtype is not None:  # refused here, not in every worker; the workers get its name
+            dtype = str(torch_dtype(dtype)).removeprefix("torch.")
         self.workers = workers
         threads = max(1, _host_cpus() // workers)
         # spawn: a forked child of a process that has used CUDA cannot use it

@@ -93,15 +93,11 @@ def _training_files(store: Any, recipe: DrafterRecipe, shards: list[str]) -> lis
 
 
 def torch_dtype(name: str | None):
-    """A torch dtype by name ("float32", "bfloat16"); None stays None."""
-    import torch
+    """A torch dtype by name ("float32", "bfloat16", as ``hidden_states.format.torch_dtype`` reads it); None stays
+    None (the loader's default)."""
+    from dflash_assets.hidden_states.format import torch_dtype as by_name
 
-    if name is None:
-        return None
-    dtype = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name!r}")
-    return dtype
+    return None if name is None else by_name(name)
 
 
 def default_work_dir() -> Path:

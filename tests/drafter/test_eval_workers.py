@@ -53,7 +53,7 @@ def test_workers_give_the_rows_of_one_process_in_prompt_order(tmp_path, tiny_den
     assert _without_wall(other.per_prompt) == _without_wall(rewritten.per_prompt)
     with pytest.raises(ValueError, match="at least 1"):
         EvalWorkers(tiny_dense_target, 0)
-    with pytest.raises(ValueError, match="not a torch dtype"):
+    with pytest.raises(ValueError, match="unknown dtype"):
         EvalWorkers(tiny_dense_target, 2, dtype="float33")
 
 
