@@ -70,12 +70,16 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
+def write_atomic(path: Path, text: str) -> None:
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_report(report: dict, out: str | None) -> None:
     """The report so far, written atomically to `out`."""
     if out:
-        tmp = Path(out + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        os.replace(tmp, out)
+        write_atomic(Path(out), json.dumps(report, indent=2, default=str) + "\n")
 
 
 # -- here: what the GPU runs carry --------------------------------------------------------------------------------
@@ -233,29 +237,37 @@ def generate_stage(args, report: dict) -> None:
         log(f"{shard}: {result.stats.completion_tokens} tokens in {gen_s:.0f} s "
             f"({result.stats.completion_tokens / max(gen_s, 1e-9):.0f} tok/s), {stats.samples} samples, "
             f"tokenized in {tok_s:.1f} s")
+        # Shard by shard, so that a machine lost mid-stage keeps what was done, and a `--stage train` started
+        # meanwhile in another process trains on the shards published so far.
+        done = [r["shard"] for r in report["generation"]["shards"]]
+        write_atomic(work / "trained_shards.json", json.dumps(done))
+        if args.export_completions:
+            report.setdefault("exported", []).extend(export_completions(store_dir, [shard],
+                                                                        Path(args.export_completions)))
         write_report(report, args.out)
     done = [r["shard"] for r in report["generation"]["shards"]]
     wall = time.perf_counter() - t_gen
     tokens = sum(r["completions"]["completion_tokens"] for r in report["generation"]["shards"])
     report["generation"].update(trained_shards=done, wall_s=round(wall, 1), completion_tokens=tokens,
                                 tokens_per_s=round(tokens / max(wall, 1e-9), 1))
-    (work / "trained_shards.json").write_text(json.dumps(done))
+    write_atomic(work / "trained_shards.json", json.dumps(done))
     times["generate_and_tokenize"] = round(wall, 1)
-    if args.export_completions:
-        report["exported"] = export_completions(store_dir, done, Path(args.export_completions))
 
 
 def export_completions(store_dir: Path, shards: list[str], out: Path) -> list[str]:
     """The published completions of `shards`, copied to `out/completions/` (to bring back through the device tool's
-    $OUT): a later session imports them, and the completions stage reuses their rows (same config_hash)."""
+    $OUT) as each shard is done: a later session imports them, and the completions stage reuses their rows (same
+    config_hash). Each copy is atomic, so a tar of `out` taken meanwhile holds whole files only."""
     (out / "completions").mkdir(parents=True, exist_ok=True)
     copied = []
     for shard in shards:
         src = store_dir / "completions" / f"{shard}.parquet"
         if src.exists():
-            shutil.copyfile(src, out / "completions" / src.name)
+            dest = out / "completions" / src.name
+            shutil.copyfile(src, f"{dest}.tmp")
+            os.replace(f"{dest}.tmp", dest)
             copied.append(src.name)
-    log(f"exported the completions of {len(copied)} shards to {out}")
+    log(f"exported the completions of {', '.join(copied) or 'no shard'} to {out}")
     return copied
 
 

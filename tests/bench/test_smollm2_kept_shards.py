@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -67,17 +68,30 @@ def test_stable_target_link_names_the_target_whatever_its_cache_key(bench, tmp_p
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary link left
 
 
-def test_kept_rows_are_reused_by_the_completions_stage(bench, tmp_path):
+@pytest.fixture(scope="module")
+def prompt_store(bench, tmp_path_factory) -> Path:
+    """The raw_prompts store ``--prepare`` carries to the GPU host (t/store)."""
+    from dflash_assets.store.backends import LocalStore
+
+    path = tmp_path_factory.mktemp("prepared") / "store"
+    bench.build_raw_prompts(LocalStore(path), num_prompts=24000, shard_size=2000)
+    return path
+
+
+def test_kept_rows_are_reused_by_the_completions_stage(bench, prompt_store, tmp_path):
     """--prepare's prompt shards hold every kept prompt id, and ``regenerate_shard`` over the imported shard
     generates nothing (an in-process SmolLM2 engine on the CPU stands ready and is not asked)."""
+    import shutil
+
     from dflash_assets.embedded.smollm2 import smollm2_target_path
     from dflash_assets.generation.completions import regenerate_shard
     from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
     from dflash_assets.store import layout
     from dflash_assets.store.backends import LocalStore
 
+    shutil.copytree(prompt_store, tmp_path / "store")
     store = LocalStore(tmp_path / "store")
-    shards = bench.build_raw_prompts(store, num_prompts=24000, shard_size=2000)
+    shards = layout.list_raw_prompt_shards(store)
     for f in kept_files():
         assert f.stem in shards
         raw_ids = set(store.read_parquet(layout.raw_prompts(f.stem)).column("prompt_id").to_pylist())
@@ -97,3 +111,36 @@ def test_kept_rows_are_reused_by_the_completions_stage(bench, tmp_path):
                               tokenizer=spec.load_tokenizer())
     assert result.stats.prompts_resumed_published == 12  # every row taken from the kept shard
     assert (result.stats.prompts_generated, result.stats.requests, result.stats.completion_tokens) == (0, 0, 0)
+
+
+def test_generate_stage_publishes_and_exports_shard_by_shard(bench, prompt_store, tmp_path):
+    """``--stage generate`` on the CPU with the kept shards imported: shard-00000's rows all reused (0 tokens),
+    its samples published through the gate, and, before the stage moves on, ``trained_shards.json`` (what a
+    ``--stage train`` started meanwhile reads) and the exported copy (what a machine lost mid-stage leaves)."""
+    from dflash_assets.embedded.smollm2 import smollm2_gguf_path, smollm2_target_path
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "targets").symlink_to(smollm2_target_path().parent)  # the converted SmolLM2, not converted again
+    args = bench.build_parser().parse_args([
+        "--stage", "generate", "--gguf", str(smollm2_gguf_path()), "--store", str(prompt_store), "--work", str(work),
+        "--device", "cpu", "--max-turns", "2", "--gen-budget-s", "1", "--export-completions", str(tmp_path / "exp")])
+    report = {"stage_wall_s": {}}
+    engines_log = logging.getLogger("dflash_assets.generation.engines")
+    level = engines_log.level
+    try:
+        bench.generate_stage(args, report)
+    finally:
+        engines_log.setLevel(level)  # the stage turns the engine's per-call log on for the process
+
+    assert [i["shard"] for i in report["imported"]] == sorted(MANIFEST["shards"])
+    assert all(i["reused"] for i in report["imported"])
+    [row] = report["generation"]["shards"]  # the 1 s budget stops after the first shard
+    assert row["shard"] == "shard-00000" and row["completions"]["completion_tokens"] == 0
+    assert row["samples"]["samples"] > 2000 and all(row["gate"].values())
+    assert json.loads((work / "trained_shards.json").read_text()) == ["shard-00000"]
+    exported = pq.read_table(tmp_path / "exp" / "completions" / "shard-00000.parquet")
+    kept = pq.read_table(KEPT / "completions" / "shard-00000.parquet")
+    assert exported.column("prompt_id").to_pylist() == kept.column("prompt_id").to_pylist()
+    assert exported.column("messages").to_pylist() == kept.column("messages").to_pylist()
+    assert Path((work / "target_dir").read_text()).name == bench.STABLE_TARGET
