@@ -294,6 +294,21 @@ def import_completions(dirs: list[str], store, config_hash: str) -> list[dict]:
     return imported
 
 
+def wait_for_shards(path: Path, at_least: int, timeout_s: float, poll_s: float = 5.0) -> list[str]:
+    """The shards a generate stage has published (`path`: its ``trained_shards.json``), once it lists `at_least`
+    of them: a train stage started beside a running generate stage waits here. 0: read it as it is now."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        shards = json.loads(path.read_text()) if path.exists() else []
+        if len(shards) >= at_least:
+            return shards
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} lists {len(shards)} shards after {timeout_s:.0f} s, not {at_least}: "
+                             "is --stage generate running on this machine (same --work)?")
+        log(f"waiting for {at_least} published shards ({len(shards)} so far)")
+        time.sleep(poll_s)
+
+
 def train_stage(args, report: dict) -> None:
     """drafter_checkpoint and drafter_eval for the recipe over the generated shards."""
     import torch
@@ -304,11 +319,11 @@ def train_stage(args, report: dict) -> None:
 
     work = Path(args.work)
     times = report["stage_wall_s"]
-    store = LocalStore(work / "store")
-    target_dir = Path((work / "target_dir").read_text())
-    shards = json.loads((work / "trained_shards.json").read_text())
+    shards = wait_for_shards(work / "trained_shards.json", args.wait_for_shards, args.wait_timeout_s)
     if not shards:
         raise SystemExit("no generated shard: run --stage generate first on this machine")
+    store = LocalStore(work / "store")
+    target_dir = Path((work / "target_dir").read_text())
     spec = target_spec(target_dir)
     recipe = DrafterRecipe(name=args.recipe, block_size=args.block_size, num_layers=args.drafter_layers,
                            epochs=args.epochs, lr=args.lr, max_length=args.max_length, max_anchors=args.max_anchors,
@@ -473,6 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=80, help="steps between states (learning-curve points)")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--train-budget-s", type=float, default=300.0)
+    p.add_argument("--wait-for-shards", type=int, default=0, help="--stage train beside a running --stage generate: "
+                   "start once it has published this many shards")
+    p.add_argument("--wait-timeout-s", type=float, default=900.0, help="--wait-for-shards: give up after this")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-prompts", type=int, default=64)
     p.add_argument("--eval-new-tokens", type=int, default=128)

@@ -144,3 +144,19 @@ def test_generate_stage_publishes_and_exports_shard_by_shard(bench, prompt_store
     assert exported.column("prompt_id").to_pylist() == kept.column("prompt_id").to_pylist()
     assert exported.column("messages").to_pylist() == kept.column("messages").to_pylist()
     assert Path((work / "target_dir").read_text()).name == bench.STABLE_TARGET
+
+
+def test_a_train_stage_beside_generation_waits_for_the_published_shards(bench, tmp_path):
+    import threading
+
+    path = tmp_path / "trained_shards.json"
+    assert bench.wait_for_shards(path, 0, timeout_s=0) == []  # nothing generated yet, and not asked to wait
+    writer = threading.Timer(0.3, lambda: bench.write_atomic(path, json.dumps(["shard-00000", "shard-00001"])))
+    bench.write_atomic(path, json.dumps(["shard-00000"]))
+    writer.start()
+    try:
+        assert bench.wait_for_shards(path, 2, timeout_s=30, poll_s=0.05) == ["shard-00000", "shard-00001"]
+    finally:
+        writer.join()
+    with pytest.raises(SystemExit, match="lists 2 shards after 0 s, not 3"):
+        bench.wait_for_shards(path, 3, timeout_s=0.2, poll_s=0.05)
