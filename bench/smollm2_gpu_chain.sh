@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One GPU box, one background chain of bench/smollm2_product.py: generate (the kept shards imported, new shards
+# generated and exported), train, evaluate. Start it detached and poll for $RUN_DIR/done, so that a dropped
+# connection or a caller's time limit does not stop it:
+#
+#   setsid nohup bash bench/smollm2_gpu_chain.sh > /tmp/run.log 2>&1 < /dev/null &
+#   while [ ! -e /tmp/run/done ]; do sleep 5; done; cat /tmp/run/status
+#
+# Reads the GGUF halves and the raw_prompts store from SM (default /tmp/sm: --prepare's carries t, a and b) and the
+# settings below from the environment. Writes into RUN_DIR (default /tmp/run): each stage's log and JSON report,
+# `status` (one "stage exit-code" line per stage run), `completions.tgz` (the generated shards' completions, once
+# the generate stage ends) and `done` when the chain ends. A stage that fails stops the chain.
+set -u
+SM=${SM:-/tmp/sm}
+RUN=${RUN_DIR:-/tmp/run}
+RECIPE=${RECIPE:-smollm2-greedy-v6}
+GEN_BUDGET_S=${GEN_BUDGET_S:-700}
+TRAIN_BUDGET_S=${TRAIN_BUDGET_S:-850}
+SAVE_EVERY=${SAVE_EVERY:-700}
+EVAL_PROMPTS=${EVAL_PROMPTS:-64}
+SPEED_PROMPTS=${SPEED_PROMPTS:-16}
+CURVE_PROMPTS=${CURVE_PROMPTS:-4}
+EVAL_WORKERS=${EVAL_WORKERS:-4}
+mkdir -p "$RUN"
+export PYTHONUNBUFFERED=1
+
+stage() {  # stage NAME ARGS...: run one stage of the bench, record its exit code, stop the chain on failure
+    local name=$1; shift
+    python3 bench/smollm2_product.py --stage "$name" "$@" --out "$RUN/$name.json" > "$RUN/$name.log" 2>&1
+    local rc=$?
+    echo "$name $rc" >> "$RUN/status"
+    if [ "$rc" -ne 0 ]; then touch "$RUN/done"; exit "$rc"; fi
+}
+
+stage generate --parts "$SM/gguf.part-a" "$SM/gguf.part-b" --store "$SM/store" --gen-dtype bfloat16 \
+    --max-turns 2 --gen-cache static --gen-concurrency 4096 --gen-batch-rows 1024 --gen-batch-tokens 524288 \
+    --gen-budget-s "$GEN_BUDGET_S" --export-completions "$RUN/exp"
+tar czf "$RUN/completions.tgz.part" -C "$RUN/exp" completions && mv "$RUN/completions.tgz.part" "$RUN/completions.tgz"
+stage train --recipe "$RECIPE" --train-budget-s "$TRAIN_BUDGET_S" --save-every "$SAVE_EVERY"
+stage eval --recipe "$RECIPE" --eval-prompts "$EVAL_PROMPTS" --speed-prompts "$SPEED_PROMPTS" \
+    --curve-prompts "$CURVE_PROMPTS" --eval-workers "$EVAL_WORKERS"
+touch "$RUN/done"
