@@ -1,10 +1,11 @@
 """The SmolLM2 completions kept in ``bench/data/smollm2`` stay reusable by the next GPU session.
 
 Generating them took about 16 minutes of an H200 (shards 0-5 in session 33, 6-7 in session 35);
-``bench/smollm2_product.py --stage generate`` imports them by default, and the completions stage reuses a row only under the same ``config_hash`` and prompt_id. These tests
-fail when a change would make the next session generate them again without saying so: the bench's generation
-settings or the target's hashed name drifting from the kept hash, or the prompt shards no longer holding their
-prompt ids. Reads the kept Parquet files, the embedded ShareGPT prompts and the converted SmolLM2.
+``bench/smollm2_product.py --stage generate`` imports them by default, and the completions stage reuses a row only
+under the same ``config_hash`` and prompt_id. These tests fail when a change would make the next session generate them
+again without saying so: the bench's generation settings or the target's hashed name drifting from the kept hash, or
+the prompt shards no longer holding their prompt ids. Reads the kept Parquet files, the embedded ShareGPT prompts and
+the converted SmolLM2.
 """
 
 from __future__ import annotations
