@@ -10,7 +10,7 @@
 # settings below from the environment. Writes into RUN_DIR (default /tmp/run): each stage's log and JSON report,
 # `status` (one "stage exit-code" line per stage run), `completions.tgz` (the generated shards' completions, once
 # the generate stage ends) and `done` when the chain ends. A stage that fails stops the chain.
-set -u
+set -u  # GEN_EXTRA and TRAIN_EXTRA are split on spaces on purpose
 SM=${SM:-/tmp/sm}
 RUN=${RUN_DIR:-/tmp/run}
 RECIPE=${RECIPE:-smollm2-greedy-v6}
@@ -21,6 +21,9 @@ EVAL_PROMPTS=${EVAL_PROMPTS:-64}
 SPEED_PROMPTS=${SPEED_PROMPTS:-16}
 CURVE_PROMPTS=${CURVE_PROMPTS:-4}
 EVAL_WORKERS=${EVAL_WORKERS:-4}
+GEN_ATTENTION=${GEN_ATTENTION:-sdpa}  # packed_gqa: the engine's decode step without the KV copy per query head
+GEN_EXTRA=${GEN_EXTRA:-}      # more --stage generate flags, e.g. "--max-new-tokens 1024" (a new config_hash)
+TRAIN_EXTRA=${TRAIN_EXTRA:-}  # more --stage train flags, e.g. "--batch-size 64"
 mkdir -p "$RUN"
 export PYTHONUNBUFFERED=1
 
@@ -34,9 +37,9 @@ stage() {  # stage NAME ARGS...: run one stage of the bench, record its exit cod
 
 stage generate --parts "$SM/gguf.part-a" "$SM/gguf.part-b" --store "$SM/store" --gen-dtype bfloat16 \
     --max-turns 2 --gen-cache static --gen-concurrency 4096 --gen-batch-rows 1024 --gen-batch-tokens 524288 \
-    --gen-budget-s "$GEN_BUDGET_S" --export-completions "$RUN/exp"
+    --gen-attention "$GEN_ATTENTION" --gen-budget-s "$GEN_BUDGET_S" --export-completions "$RUN/exp" $GEN_EXTRA
 tar czf "$RUN/completions.tgz.part" -C "$RUN/exp" completions && mv "$RUN/completions.tgz.part" "$RUN/completions.tgz"
-stage train --recipe "$RECIPE" --train-budget-s "$TRAIN_BUDGET_S" --save-every "$SAVE_EVERY"
+stage train --recipe "$RECIPE" --train-budget-s "$TRAIN_BUDGET_S" --save-every "$SAVE_EVERY" $TRAIN_EXTRA
 stage eval --recipe "$RECIPE" --eval-prompts "$EVAL_PROMPTS" --speed-prompts "$SPEED_PROMPTS" \
     --curve-prompts "$CURVE_PROMPTS" --eval-workers "$EVAL_WORKERS"
 touch "$RUN/done"

@@ -203,7 +203,7 @@ def generate_stage(args, report: dict) -> None:
     fleet = EngineFleetConfig(target_model=str(target_dir), endpoints=[EndpointConfig(
         url="inprocess://smollm2", kind="transformers", device=device, max_concurrency=args.gen_concurrency,
         max_batch_rows=args.gen_batch_rows, max_batch_tokens=args.gen_batch_tokens, dtype=args.gen_dtype,
-        cache=args.gen_cache)])
+        cache=args.gen_cache, attention=args.gen_attention)])
     encoder = build_encoder(tok)
     renderer = ChatRenderer.from_tokenizer(tok, **spec.chat_template_kwargs)
     tokenize_config = TokenizeConfig(supervise=args.supervise, assistant_header=chat.assistant_header,
@@ -469,6 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine's KV cache: static pads batches to a few shapes and compiles the decode step; "
                    "continuous: transformers' continuous batching (1.33K tok/s on an H200 without flash attention, "
                    "against 4.5-5.1K static; BENCHMARKS.md)")
+    p.add_argument("--gen-attention", default="sdpa", choices=["sdpa", "packed_gqa"],
+                   help="the engine's attention (packed_gqa: no KV copy per query head in the compiled decode step)")
     p.add_argument("--gen-budget-s", type=float, default=420.0, help="no new shard starts after this")
     p.add_argument("--export-completions", metavar="DIR", help="--stage generate: copy the generated shards' "
                    "completions to DIR/completions (e.g. $OUT, to keep them past the machine)")

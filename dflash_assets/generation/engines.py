@@ -937,21 +937,32 @@ class TransformersEngine(Engine):
     (BENCHMARKS.md, session 31): SDPA needs a mask there, and transformers then captures no CUDA graphs, so
     static stays the GPU path on such a host.
 
+    ``attention="packed_gqa"`` decodes with ``generation.packed_gqa``: the query heads of a KV group share
+    one read of the cache instead of Transformers' SDPA copying it to every head, which it does under
+    ``torch.compile`` (the static decode step); same tokens, measured on CPU only so far (BENCHMARKS.md).
+
     The loaded model is shared within the process (``_LOADED``): engines of the same model, device,
-    dtype and cache reuse its weights, its compiled graphs and its one worker thread, and it stays
+    dtype, cache and attention reuse its weights, its compiled graphs and its one worker thread, and it stays
     loaded after they close until another model is asked for (``release_idle_models`` frees it).
     """
 
     kind = "transformers"
 
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str = "auto", tokenizer: Any = None,
-                 max_batch_tokens: int = 8192, cache: str = "dynamic", max_batch_rows: int | None = None, **kwargs):
+                 max_batch_tokens: int = 8192, cache: str = "dynamic", max_batch_rows: int | None = None,
+                 attention: str = "sdpa", **kwargs):
         super().__init__(f"inprocess://{Path(model_path)}", **kwargs)
         self.max_batch_rows = max_batch_rows or self.max_concurrency
         if cache not in ("dynamic", "static", "continuous"):
             raise ValueError(f"cache must be 'dynamic', 'static' or 'continuous', not {cache!r}")
+        if attention not in ("sdpa", "packed_gqa"):
+            raise ValueError(f"attention must be 'sdpa' or 'packed_gqa', not {attention!r}")
+        if attention != "sdpa" and cache == "continuous":
+            raise ValueError("attention='packed_gqa' is for the dynamic and static caches; continuous batching "
+                             "chooses its own attention kernel")
         self.max_batch_tokens = max_batch_tokens
         self.cache = cache
+        self.attention = attention
         self.model_path = str(model_path)
         self.device = device
         self.dtype = dtype
@@ -968,8 +979,8 @@ class TransformersEngine(Engine):
         self.reused_model = False  # whether open() found the model loaded already (by an earlier engine)
 
     @property
-    def _key(self) -> tuple[str, str, str, str, str]:
-        return (self.model_path, _weights_stamp(self.model_path), self.device, self.dtype, self.cache)
+    def _key(self) -> tuple[str, ...]:
+        return (self.model_path, _weights_stamp(self.model_path), self.device, self.dtype, self.cache, self.attention)
 
     def _in_worker(self, fn, *args) -> asyncio.Future:
         assert self._loaded is not None, "open() the engine first"
@@ -1041,6 +1052,10 @@ class TransformersEngine(Engine):
 
         dtype = "auto" if self.dtype == "auto" else getattr(torch, self.dtype)
         model = load_causal_lm(self.model_path, dtype=dtype).to(self.device).eval()
+        if self.attention == "packed_gqa":
+            from dflash_assets.generation.packed_gqa import register
+
+            model.set_attn_implementation(register())
         if self.cache == "static":
             from dflash_assets.torch_compile import allow_recompiles, apply_inductor_workarounds
 

@@ -127,6 +127,10 @@ class EndpointConfig(BaseModel):
         "on CUDA, compiles the decode step; continuous hands requests to transformers' continuous batching (paged "
         "cache: rows join and leave the running batch one by one; on an H200 without flash attention it ran at a "
         "quarter of static's speed, BENCHMARKS.md; see TransformersEngine).")
+    attention: Literal["sdpa", "packed_gqa"] = Field(
+        "sdpa", description="transformers kind, dynamic or static cache: the attention function. packed_gqa decodes "
+        "without copying the KV cache to every query head (grouped-query models; generation.packed_gqa), which "
+        "Transformers' SDPA does under torch.compile, i.e. in the static cache's compiled decode step.")
     max_batch_tokens: int = Field(8192, ge=1, description="transformers kind: padded prompt tokens per generate "
                                   "call (requests are batched by similar length within it).")
     max_batch_rows: int | None = Field(None, ge=1, description="transformers kind: rows per generate call (None: "
@@ -310,7 +314,7 @@ def build_engine(ep: EndpointConfig, config: EngineFleetConfig, tokenizer: Any =
     if ep.kind == "transformers":
         return TransformersEngine(ep.model_path or config.target_model, device=ep.device, tokenizer=tokenizer,
                                   dtype=ep.dtype, max_batch_tokens=ep.max_batch_tokens, cache=ep.cache,
-                                  max_batch_rows=ep.max_batch_rows, **common)
+                                  max_batch_rows=ep.max_batch_rows, attention=ep.attention, **common)
     raise ValueError(f"unknown endpoint kind {ep.kind!r}")
 
 
