@@ -134,7 +134,8 @@ def main() -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--static-batches", type=int, nargs="+", default=[256, 1024],
                    help="rows of the static cases (the last also padded and profiled)")
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="the loop, profile and static cases run in the last one")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                   help="the loop, profile and static cases run in the last one")
     p.add_argument("--deadline-s", type=float, default=240.0)
     p.add_argument("--out")
     p.add_argument("--static-only", action="store_true", help="skip the hand loop and the dynamic-cache profile")
