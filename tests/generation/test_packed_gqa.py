@@ -43,7 +43,7 @@ def test_one_query_token_attends_as_with_the_cache_copied_to_every_head():
                                                            0.25))  # padding is not attended to
 
 
-def sdpa_key_shapes_when_compiled(fn, *inputs) -> list[tuple[int, ...]]:
+def sdpa_key_shapes_when_compiled(fn, *inputs) -> tuple[list[tuple[int, ...]], torch.Tensor]:
     """The key shapes the compiled graph of `fn` passes to SDPA (read from the traced graph), and its output."""
     shapes = []
 
