@@ -136,8 +136,11 @@ def per_kernel_level(args: argparse.Namespace) -> dict:
         if args.workdir:
             argv += ["--workdir", str(Path(args.workdir) / level)]
         print(f"kernel level {level}: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
-        done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True,
-                              env={**os.environ, "ATEN_CPU_CAPABILITY": level})
+        from dflash_assets.embedded.tiny_targets import cap_onednn_to_kernel_level
+
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": level}
+        cap_onednn_to_kernel_level(env)  # oneDNN at the same level, as on a CPU of that level (AMX: else a crash)
+        done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True, env=env)
         reports[level] = json.loads(done.stdout)
     digests = {level: r["target_weights_sha256"] for level, r in reports.items()}
     return {"kernels": list(reports), "target_weights_sha256": digests,

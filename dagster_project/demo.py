@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the empty_response_ratio gate of tokenized_samples (fails when the 95%% Wilson lower "
                         f"bound of the share of empty answers is above it); default {_per_target('max_empty_ratio')}")
     args = parser.parse_args(argv)
+    from dflash_assets.embedded.tiny_targets import cap_onednn_to_kernel_level
+
+    cap_onednn_to_kernel_level()  # a forced ATEN_CPU_CAPABILITY caps oneDNN too, here and in every child process
     for key, value in TARGET_DEFAULTS[args.target].items():
         if getattr(args, key) is None:
             setattr(args, key, value)

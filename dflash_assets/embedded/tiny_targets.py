@@ -43,8 +43,9 @@ packaged chat template), the architecture and training settings, and the
 torch/transformers/tokenizers/safetensors/jinja2 versions, and the CPU kernel level
 torch dispatches to (`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2, AVX512, ...;
 `ATEN_CPU_CAPABILITY` sets it), because the trained bytes depend on it: one machine built three
-different dense targets under DEFAULT, AVX2 and AVX512. The inputs are
-recorded in the directory's marker under "fingerprint". Any change builds a
+different dense targets under DEFAULT, AVX2 and AVX512. A forced level below AVX-512 also caps oneDNN
+(`cap_onednn_to_kernel_level`: ONEDNN_MAX_CPU_ISA, which then joins the key), as a CPU of that level would.
+The inputs are recorded in the directory's marker under "fingerprint". Any change builds a
 new directory; no version string to bump. A target is built in a temp dir
 beside it and renamed into place, so concurrent processes never see a partial
 directory; builders of one target also take a file lock (`.<name>.lock`
@@ -57,6 +58,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import MutableMapping
 from pathlib import Path
 from dataclasses import asdict
 from typing import Literal
@@ -142,7 +144,31 @@ def target_fingerprint(kind: str) -> Fingerprint:
     settings = {"kind": kind, "seed": TINY_TARGET_SEED, "architecture": TINY_TARGET_SETTINGS[kind],
                 "training": _training_settings(kind), "tokenizer": qwen3_6_build_id(),
                 "cpu_capability": cpu_capability()}
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):  # oneDNN's kernels train it too (unset: none of the keys change)
+        settings["onednn_max_cpu_isa"] = os.environ["ONEDNN_MAX_CPU_ISA"].upper()
     return build_fingerprint(modules=[__name__], files=files, settings=settings, packages=BUILD_PACKAGES)
+
+
+# oneDNN's instruction-set cap for each torch kernel level below AVX-512 (ONEDNN_MAX_CPU_ISA's names).
+ONEDNN_ISA_FOR_KERNEL_LEVEL = {"default": "SSE41", "avx2": "AVX2"}
+
+
+def cap_onednn_to_kernel_level(environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Make `ATEN_CPU_CAPABILITY=avx2|default` emulate such a CPU for oneDNN too (sets ONEDNN_MAX_CPU_ISA unless
+    set already); returns the cap in force, or None.
+
+    On a CPU with AMX (Sapphire Rapids and later), torch 2.13 under a lowered kernel level still has oneDNN ask for
+    VNNI-packed bfloat16 operands, which only the AVX-512 kernels can pack: bfloat16 SDPA fails with "pack_vnni2 is
+    only supported when avx512 is supported" (the tiny target's format check and `transformers serve` both run
+    it). A real AVX2 CPU has no AMX, so capping oneDNN at the same level is what the emulation should be anyway.
+    oneDNN reads the variable once, at the process's first oneDNN call: call this at a process's start, or on the
+    environment of a child process to be started (`environ`).
+    """
+    environ = os.environ if environ is None else environ
+    isa = ONEDNN_ISA_FOR_KERNEL_LEVEL.get(environ.get("ATEN_CPU_CAPABILITY", "").strip().lower())
+    if isa is not None and not environ.get("ONEDNN_MAX_CPU_ISA"):
+        environ["ONEDNN_MAX_CPU_ISA"] = isa
+    return environ.get("ONEDNN_MAX_CPU_ISA")
 
 
 def cpu_capability() -> str:
@@ -223,6 +249,7 @@ def tiny_target_path(kind: TargetKind = "dense", cache_dir: str | Path | None = 
     """
     if kind not in TINY_TARGET_SETTINGS:
         raise ValueError(f"unknown tiny target kind {kind!r}; expected one of {sorted(TINY_TARGET_SETTINGS)}")
+    cap_onednn_to_kernel_level()  # before the build's first bfloat16 attention (a no-op unless a level is forced)
     root = Path(cache_dir) if cache_dir is not None else default_targets_dir()
     fingerprint = target_fingerprint(kind)
     final = root / f"{kind}-{fingerprint.digest}"

@@ -109,15 +109,39 @@ def test_tiny_target_key_names_the_cpu_kernels_that_train_it(tmp_path):
     import sys
 
     code = ("from dflash_assets.embedded import tiny_targets as TT; f = TT.target_fingerprint('dense'); "
-            "print(f.digest, f.inputs['settings']['cpu_capability'])")
+            "print(f.digest, f.inputs['settings']['cpu_capability'], f.inputs['settings'].get('onednn_max_cpu_isa'))")
     keys = {}
-    for level in ("default", "avx2"):  # every x86-64 CPU torch runs on has these two
-        env = {**os.environ, "ATEN_CPU_CAPABILITY": level, "DFLASH_CACHE": str(tmp_path / "cache")}
+    for level, onednn in (("default", "SSE41"), ("avx2", "AVX2"), ("avx2", None)):  # every x86-64 CPU has these
+        env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+        env |= {"ATEN_CPU_CAPABILITY": level, "DFLASH_CACHE": str(tmp_path / "cache")}
+        if onednn:
+            assert TT.cap_onednn_to_kernel_level(env) == onednn
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-        digest, capability = done.stdout.split()
-        keys[level] = digest
-        assert capability == level.upper()
-    assert keys["default"] != keys["avx2"]
+        digest, capability, onednn_key = done.stdout.split()
+        keys[level, onednn] = digest
+        assert capability == level.upper() and onednn_key == str(onednn)  # the oneDNN cap joins the key when set
+    assert len(set(keys.values())) == 3
+
+
+def test_a_forced_kernel_level_caps_onednn_as_a_cpu_of_that_level_would():
+    """ATEN_CPU_CAPABILITY=avx2|default gets ONEDNN_MAX_CPU_ISA at the same level (a value set already is kept),
+    and a process started so runs bfloat16 attention: on a CPU with AMX, torch 2.13 under a lowered level without
+    the cap fails it ("pack_vnni2 is only supported when avx512 is supported")."""
+    import subprocess
+    import sys
+
+    for env, cap in (({"ATEN_CPU_CAPABILITY": "avx2"}, "AVX2"), ({"ATEN_CPU_CAPABILITY": " Default "}, "SSE41"),
+                     ({"ATEN_CPU_CAPABILITY": "avx512"}, None), ({}, None),
+                     ({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, "AVX512_CORE")):
+        assert TT.cap_onednn_to_kernel_level(env) == cap and env.get("ONEDNN_MAX_CPU_ISA") == cap
+    code = ("import torch; q = torch.randn(1, 4, 64, 16, dtype=torch.bfloat16); "
+            "torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True); "
+            "print(torch.backends.cpu.get_cpu_capability())")
+    for level in ("avx2", "default"):
+        env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"} | {"ATEN_CPU_CAPABILITY": level}
+        TT.cap_onednn_to_kernel_level(env)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert done.returncode == 0 and done.stdout.split() == [level.upper()], done.stderr[-2000:]
 
 
 def test_tokenizer_key_changes_with_its_builder_code(package_copy):
