@@ -7,9 +7,10 @@
 #   while [ ! -e /tmp/run/done ]; do sleep 5; done; cat /tmp/run/status
 #
 # Reads the GGUF halves and the raw_prompts store from SM (default /tmp/sm: --prepare's carries t, a and b) and the
-# settings below from the environment. Writes into RUN_DIR (default /tmp/run): each stage's log and JSON report,
+# settings below from the environment (RESAMPLE=NAME adds a second generate stage: the kept shards' prompts again
+# as new partitions, sampled, trained on beside the kept ones). Writes into RUN_DIR (default /tmp/run): each stage's log and JSON report,
 # `status` (one "stage exit-code" line per stage run), `completions.tgz` (the generated shards' completions, once
-# the generate stage ends) and `done` when the chain ends. A stage that fails stops the chain.
+# the generate stage ends) and `done` when the chain ends. A stage that fails stops the chain (but resample).
 set -u  # GEN_EXTRA and TRAIN_EXTRA are split on spaces on purpose
 SM=${SM:-/tmp/sm}
 RUN=${RUN_DIR:-/tmp/run}
@@ -24,22 +25,31 @@ EVAL_WORKERS=${EVAL_WORKERS:-4}
 GEN_ATTENTION=${GEN_ATTENTION:-sdpa}  # packed_gqa: the engine's decode step without the KV copy per query head
 GEN_EXTRA=${GEN_EXTRA:-}      # more --stage generate flags, e.g. "--max-new-tokens 1024" (a new config_hash)
 TRAIN_EXTRA=${TRAIN_EXTRA:-}  # more --stage train flags, e.g. "--batch-size 64"
+RESAMPLE=${RESAMPLE:-}        # NAME: after the kept shards, generate their prompts again as resample-NAME-* ...
+RESAMPLE_EXTRA=${RESAMPLE_EXTRA:-"--temperature 0.7"}  # ... with these flags (another config), for RESAMPLE_BUDGET_S
+RESAMPLE_BUDGET_S=${RESAMPLE_BUDGET_S:-450}
 mkdir -p "$RUN"
 export PYTHONUNBUFFERED=1
 
-stage() {  # stage NAME ARGS...: run one stage of the bench, record its exit code, stop the chain on failure
-    local name=$1; shift
-    python3 bench/smollm2_product.py --stage "$name" "$@" --out "$RUN/$name.json" > "$RUN/$name.log" 2>&1
+stage() {  # stage LABEL STAGE ARGS...: run one stage of the bench, record its exit code, stop the chain on failure
+    local name=$1 which=$2; shift 2
+    python3 bench/smollm2_product.py --stage "$which" "$@" --out "$RUN/$name.json" > "$RUN/$name.log" 2>&1
     local rc=$?
     echo "$name $rc" >> "$RUN/status"
-    if [ "$rc" -ne 0 ]; then touch "$RUN/done"; exit "$rc"; fi
-}
+    if [ "$rc" -ne 0 ] && [ "$name" != resample ]; then touch "$RUN/done"; exit "$rc"; fi
+}  # a failed resample stage stops nothing: the shards it published before failing are trained on with the kept ones
 
-stage generate --parts "$SM/gguf.part-a" "$SM/gguf.part-b" --store "$SM/store" --gen-dtype bfloat16 \
-    --max-turns 2 --gen-cache static --gen-concurrency 4096 --gen-batch-rows 1024 --gen-batch-tokens 524288 \
-    --gen-attention "$GEN_ATTENTION" --gen-budget-s "$GEN_BUDGET_S" --export-completions "$RUN/exp" $GEN_EXTRA
+ENGINE="--gen-dtype bfloat16 --gen-cache static --gen-concurrency 4096 --gen-batch-rows 1024 --gen-batch-tokens 524288"
+stage generate generate --parts "$SM/gguf.part-a" "$SM/gguf.part-b" --store "$SM/store" $ENGINE \
+    --max-turns 2 --gen-attention "$GEN_ATTENTION" --gen-budget-s "$GEN_BUDGET_S" --export-completions "$RUN/exp" \
+    $GEN_EXTRA
+if [ -n "$RESAMPLE" ]; then
+    stage resample generate --parts "$SM/gguf.part-a" "$SM/gguf.part-b" --store "$SM/store" $ENGINE \
+        --max-turns 2 --gen-attention "$GEN_ATTENTION" --gen-budget-s "$RESAMPLE_BUDGET_S" --resample "$RESAMPLE" \
+        --import-completions --export-completions "$RUN/exp" $RESAMPLE_EXTRA
+fi
 tar czf "$RUN/completions.tgz.part" -C "$RUN/exp" completions && mv "$RUN/completions.tgz.part" "$RUN/completions.tgz"
-stage train --recipe "$RECIPE" --train-budget-s "$TRAIN_BUDGET_S" --save-every "$SAVE_EVERY" $TRAIN_EXTRA
-stage eval --recipe "$RECIPE" --eval-prompts "$EVAL_PROMPTS" --speed-prompts "$SPEED_PROMPTS" \
+stage train train --recipe "$RECIPE" --train-budget-s "$TRAIN_BUDGET_S" --save-every "$SAVE_EVERY" $TRAIN_EXTRA
+stage eval eval --recipe "$RECIPE" --eval-prompts "$EVAL_PROMPTS" --speed-prompts "$SPEED_PROMPTS" \
     --curve-prompts "$CURVE_PROMPTS" --eval-workers "$EVAL_WORKERS"
 touch "$RUN/done"

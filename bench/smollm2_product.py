@@ -195,9 +195,11 @@ def generate_stage(args, report: dict) -> None:
     chat = spec.chat_conventions(tok)
     generation = generation_config(args, spec.thinking())
     report["imported"] = import_completions(args.import_completions, store, generation.config_hash(str(target_dir)))
-    shards = layout.list_raw_prompt_shards(store)
+    shards = [s for s in layout.list_raw_prompt_shards(store) if not s.startswith(RESAMPLE_PREFIX)]
     train_shards = shards[: len(shards) - args.heldout_shards]
     report["shards"] = {"all": shards, "held_out": shards[len(train_shards):]}
+    if args.resample:
+        report["shards"]["resampled_as"] = {s: resample_shard_name(s, args.resample) for s in train_shards}
 
     device = "cuda" if args.device == "cuda" else "cpu"
     fleet = EngineFleetConfig(target_model=str(target_dir), endpoints=[EndpointConfig(
@@ -219,6 +221,8 @@ def generate_stage(args, report: dict) -> None:
         if time.perf_counter() - t_gen + 1.2 * last > args.gen_budget_s:
             log(f"generation budget of {args.gen_budget_s:.0f} s: {shard} and later shards not generated")
             break
+        if args.resample:
+            shard = copy_prompt_shard(store, shard, resample_shard_name(shard, args.resample))
         t = time.perf_counter()
         result = regenerate_shard(store.read_parquet(layout.raw_prompts(shard)), shard=shard, store=store,
                                   fleet=fleet, generation=generation, tokenizer=tok,
@@ -239,19 +243,50 @@ def generate_stage(args, report: dict) -> None:
             f"tokenized in {tok_s:.1f} s")
         # Shard by shard, so that a machine lost mid-stage keeps what was done, and a `--stage train` started
         # meanwhile in another process trains on the shards published so far.
-        done = [r["shard"] for r in report["generation"]["shards"]]
+        done = published_shards(work, [r["shard"] for r in report["generation"]["shards"]])
         write_atomic(work / "trained_shards.json", json.dumps(done))
         if args.export_completions:
             report.setdefault("exported", []).extend(export_completions(store_dir, [shard],
                                                                         Path(args.export_completions)))
         write_report(report, args.out)
-    done = [r["shard"] for r in report["generation"]["shards"]]
     wall = time.perf_counter() - t_gen
     tokens = sum(r["completions"]["completion_tokens"] for r in report["generation"]["shards"])
-    report["generation"].update(trained_shards=done, wall_s=round(wall, 1), completion_tokens=tokens,
-                                tokens_per_s=round(tokens / max(wall, 1e-9), 1))
-    write_atomic(work / "trained_shards.json", json.dumps(done))
+    report["generation"].update(trained_shards=published_shards(work, []), wall_s=round(wall, 1),
+                                completion_tokens=tokens, tokens_per_s=round(tokens / max(wall, 1e-9), 1))
     times["generate_and_tokenize"] = round(wall, 1)
+
+
+RESAMPLE_PREFIX = "resample-"
+
+
+def resample_shard_name(shard: str, name: str) -> str:
+    """The partition `--resample NAME` generates `shard`'s prompts under (sorted before the ``shard-*`` ones, so
+    the last shard stays the held-out one)."""
+    return f"{RESAMPLE_PREFIX}{name}-{shard}"
+
+
+def copy_prompt_shard(store, shard: str, copy: str) -> str:
+    """`shard`'s raw_prompts written again as the partition `copy` (its `shard` column renamed), so that one store
+    holds completions of the same prompts under two generation configs (each partition holds one): the kept
+    greedy ones under `shard`, e.g. sampled ones under `copy`. Written just before the copy is generated: a copy
+    never generated would otherwise count as a held-out shard. Returns `copy`."""
+    import pyarrow as pa
+
+    from dflash_assets.store import layout
+
+    table = store.read_parquet(layout.raw_prompts(shard))
+    column = table.schema.get_field_index("shard")
+    table = table.set_column(column, table.schema.field(column), pa.array([copy] * table.num_rows, pa.string()))
+    store.write_parquet(layout.raw_prompts(copy), table)
+    return copy
+
+
+def published_shards(work: Path, done: list[str]) -> list[str]:
+    """The shards the train stage trains on: those an earlier generate stage in `work` published (e.g. the kept
+    greedy shards, before a `--resample` run), then `done`, each once."""
+    path = work / "trained_shards.json"
+    earlier = json.loads(path.read_text()) if path.exists() else []
+    return list(dict.fromkeys([*earlier, *done]))
 
 
 def export_completions(store_dir: Path, shards: list[str], out: Path) -> list[str]:
@@ -471,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "against 4.5-5.1K static; BENCHMARKS.md)")
     p.add_argument("--gen-attention", default="sdpa", choices=["sdpa", "packed_gqa"],
                    help="the engine's attention (packed_gqa: no KV copy per query head in the compiled decode step)")
+    p.add_argument("--resample", metavar="NAME", help="--stage generate: generate each training shard's prompts "
+                   "again as the partition resample-NAME-<shard> (e.g. with --temperature 0.7), beside the shards "
+                   "an earlier generate stage published on this machine; the train stage trains on both")
     p.add_argument("--gen-budget-s", type=float, default=420.0, help="no new shard starts after this")
     p.add_argument("--export-completions", metavar="DIR", help="--stage generate: copy the generated shards' "
                    "completions to DIR/completions (e.g. $OUT, to keep them past the machine)")

@@ -1,0 +1,76 @@
+"""``bench/smollm2_product.py --resample NAME``: the kept shards' prompts generated again as new partitions.
+
+One store keeps one generation config per partition, so sampled answers to the prompts that already have kept greedy
+answers go into copies of their raw_prompts shards (``resample-NAME-<shard>``). These tests check that a copy holds
+the same prompts under its own partition name, that the held-out shard stays the last ``shard-*`` one whatever copies
+exist, that the evaluation's held-out selection still finds it, and that a second generate stage adds its shards to
+those the first published instead of replacing them. Reads and writes a local store of the embedded ShareGPT prompts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_assets.drafter.decontamination import heldout_selection
+from dflash_assets.store import layout
+from dflash_assets.store.backends import LocalStore
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_smollm2_resample", REPO / "bench" / "smollm2_product.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture()
+def store(bench, tmp_path):
+    store = LocalStore(tmp_path / "store")
+    assert bench.build_raw_prompts(store, 12, 4) == ["shard-00000", "shard-00001", "shard-00002"]
+    return store
+
+
+def test_a_copy_holds_the_same_prompts_under_its_own_partition(bench, store):
+    copy = bench.copy_prompt_shard(store, "shard-00000", bench.resample_shard_name("shard-00000", "t07"))
+    assert copy == "resample-t07-shard-00000"
+    original = store.read_parquet(layout.raw_prompts("shard-00000"))
+    copied = store.read_parquet(layout.raw_prompts(copy))
+    assert copied.schema == original.schema
+    assert set(copied.column("shard").to_pylist()) == {copy}
+    assert copied.drop(["shard"]).equals(original.drop(["shard"]))
+
+
+def test_the_held_out_shard_stays_the_last_one_beside_copies(bench, store):
+    for shard in ("shard-00000", "shard-00001"):
+        bench.copy_prompt_shard(store, shard, bench.resample_shard_name(shard, "t07"))
+    listed = layout.list_raw_prompt_shards(store)
+    assert listed[-1] == "shard-00002" and len(listed) == 5
+    # the evaluation holds out what the recipe did not train on: originals and copies trained, the last shard not
+    trained = [s for s in listed if s != "shard-00002"]
+    selection = heldout_selection(store, trained, 4)
+    assert selection.held_out
+    heldout_ids = set(store.read_parquet(layout.raw_prompts("shard-00002")).column("prompt_id").to_pylist())
+    assert selection.ids and selection.ids <= heldout_ids
+
+
+def test_a_second_generate_stage_adds_to_the_published_shards(bench, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    assert bench.published_shards(work, ["shard-00000"]) == ["shard-00000"]  # no earlier stage: its own only
+    (work / "trained_shards.json").write_text(json.dumps(["shard-00000", "shard-00001"]))
+    assert bench.published_shards(work, ["resample-t07-shard-00000", "shard-00001"]) == [
+        "shard-00000", "shard-00001", "resample-t07-shard-00000"]
+
+
+def test_the_flag_reaches_the_generate_stage(bench):
+    args = bench.build_parser().parse_args(["--stage", "generate", "--gguf", "g", "--store", "s",
+                                            "--resample", "t07", "--temperature", "0.7"])
+    assert args.resample == "t07" and args.temperature == 0.7
+    assert bench.build_parser().parse_args(["--stage", "generate"]).resample is None
