@@ -25,7 +25,8 @@ EVAL_WORKERS=${EVAL_WORKERS:-4}
 GEN_ATTENTION=${GEN_ATTENTION:-sdpa}  # packed_gqa: the engine's decode step without the KV copy per query head
 GEN_EXTRA=${GEN_EXTRA:-}      # more --stage generate flags, e.g. "--max-new-tokens 1024" (a new config_hash)
 TRAIN_EXTRA=${TRAIN_EXTRA:-}  # more --stage train flags, e.g. "--batch-size 64"
-RESAMPLE=${RESAMPLE:-}        # NAME: after the kept shards, generate their prompts again as resample-NAME-* ...
+RESAMPLE=${RESAMPLE:-}        # NAME: after the kept shards, generate their prompts again as resample-NAME-* (the
+# sampled ones kept in bench/data/smollm2-sampled imported: t07 with the default flags reuses them) ...
 RESAMPLE_EXTRA=${RESAMPLE_EXTRA:-"--temperature 0.7"}  # ... with these flags (another config), for RESAMPLE_BUDGET_S
 RESAMPLE_BUDGET_S=${RESAMPLE_BUDGET_S:-450}
 mkdir -p "$RUN"
@@ -46,7 +47,7 @@ stage generate generate --parts "$SM/gguf.part-a" "$SM/gguf.part-b" --store "$SM
 if [ -n "$RESAMPLE" ]; then
     stage resample generate --parts "$SM/gguf.part-a" "$SM/gguf.part-b" --store "$SM/store" $ENGINE \
         --max-turns 2 --gen-attention "$GEN_ATTENTION" --gen-budget-s "$RESAMPLE_BUDGET_S" --resample "$RESAMPLE" \
-        --import-completions --export-completions "$RUN/exp" $RESAMPLE_EXTRA
+        --import-completions bench/data/smollm2-sampled --export-completions "$RUN/exp" $RESAMPLE_EXTRA
 fi
 tar czf "$RUN/completions.tgz.part" -C "$RUN/exp" completions && mv "$RUN/completions.tgz.part" "$RUN/completions.tgz"
 stage train train --recipe "$RECIPE" --train-budget-s "$TRAIN_BUDGET_S" --save-every "$SAVE_EVERY" $TRAIN_EXTRA

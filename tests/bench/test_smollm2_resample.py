@@ -74,3 +74,60 @@ def test_the_flag_reaches_the_generate_stage(bench):
                                             "--resample", "t07", "--temperature", "0.7"])
     assert args.resample == "t07" and args.temperature == 0.7
     assert bench.build_parser().parse_args(["--stage", "generate"]).resample is None
+
+
+SAMPLED = REPO / "bench" / "data" / "smollm2-sampled"
+
+
+def documented_resample_args(bench):
+    """The generation-relevant flags of the GPU chain's resample stage (RESAMPLE=t07, its default flags)."""
+    return bench.build_parser().parse_args(["--stage", "generate", "--gguf", "unused", "--store", "unused",
+                                            "--max-turns", "2", "--resample", "t07", "--temperature", "0.7",
+                                            "--import-completions", str(SAMPLED)])
+
+
+def test_the_kept_sampled_shards_carry_the_hash_of_the_chains_resample_stage(bench):
+    import pyarrow.parquet as pq
+
+    manifest = json.loads((SAMPLED / "MANIFEST.json").read_text())
+    generation = bench.generation_config(documented_resample_args(bench), thinking=False)
+    assert generation.model_dump(mode="json") == manifest["generation_config"]
+    # a seed the in-process engine cannot make reproducible is hashed as such (the completions stage probes it)
+    assert generation.config_hash(bench.STABLE_TARGET, seed_honoured=False) == manifest["config_hash"]
+    chain = (REPO / "bench" / "smollm2_gpu_chain.sh").read_text()
+    assert "--import-completions bench/data/smollm2-sampled" in chain and '"--temperature 0.7"' in chain
+    files = sorted((SAMPLED / "completions").glob("*.parquet"))
+    assert [f.stem for f in files] == sorted(manifest["shards"])
+    for f in files:
+        assert f.stem.startswith(f"{bench.RESAMPLE_PREFIX}{manifest['resample']}-shard-")
+        table = pq.read_table(f, columns=["config_hash", "completion_tokens_total"])
+        assert set(table.column("config_hash").to_pylist()) == {manifest["config_hash"]}
+        assert table.num_rows == manifest["shards"][f.stem]["conversations"]
+        assert sum(table.column("completion_tokens_total").to_pylist()) == manifest["shards"][f.stem]["completion_tokens"]
+
+
+def test_the_kept_sampled_rows_are_reused_under_the_copied_partition(bench, tmp_path):
+    """Imported, then generated again through ``--resample``'s copy of shard-00000: every row reused, nothing asked
+    of the in-process SmolLM2 engine (on the CPU), the seed probed as not honoured like on the GPU."""
+    from dflash_assets.embedded.smollm2 import smollm2_target_path
+    from dflash_assets.generation.completions import regenerate_shard
+    from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
+
+    store = LocalStore(tmp_path / "store")
+    bench.build_raw_prompts(store, num_prompts=24000, shard_size=2000)
+    target = bench.stable_target_link(smollm2_target_path())
+    spec = bench.target_spec(target)
+    args = documented_resample_args(bench)
+    generation = bench.generation_config(args, thinking=spec.thinking())
+    imported = bench.import_completions(args.import_completions, store, generation.config_hash(str(target), False))
+    assert [i["shard"] for i in imported] == ["resample-t07-shard-00000"] and imported[0]["reused"]
+
+    copy = bench.copy_prompt_shard(store, "shard-00000", bench.resample_shard_name("shard-00000", args.resample))
+    prompts = store.read_parquet(layout.raw_prompts(copy)).slice(0, 8)
+    fleet = EngineFleetConfig(target_model=str(target), endpoints=[EndpointConfig(
+        url="inprocess://smollm2", kind="transformers", device="cpu", max_concurrency=4)])
+    result = regenerate_shard(prompts, shard=copy, store=store, fleet=fleet, generation=generation,
+                              tokenizer=spec.load_tokenizer())
+    assert result.stats.seed_effect == "ignored"
+    assert result.stats.prompts_resumed_published == 8
+    assert (result.stats.prompts_generated, result.stats.requests, result.stats.completion_tokens) == (0, 0, 0)
