@@ -15,7 +15,10 @@ every row forced to the full `--new-tokens` (`min_new_tokens`), greedy, CUDA syn
   attention="packed_gqa")`), whose compiled decode step reads the KV cache once per KV head instead of copying
   it to every query head; `static-padded` / `static-packed-padded`: both with a quarter of the rows left-padded
   by a quarter of the prompt (the completions stage's batches are padded), and `profile-static*`: a profile of
-  8 compiled decode steps each way at the last `--static-batches` (1,024).
+  8 compiled decode steps each way at the last `--static-batches` (1,024);
+- `--after-wide WIDTH`: `static-after-wide` / `static-packed-after-wide` (and `-again`): the last static case
+  after one call of WIDTH prompt tokens, whose cache length transformers then keeps for every later call
+  (`TransformersEngine(static_cache_len="largest")`, against `-again` above: the call's own length).
 
 Prints one JSON object (also to `--out`). Runs within `--deadline-s`: cases that would start after it are
 skipped and listed.
@@ -139,6 +142,8 @@ def main() -> int:
     p.add_argument("--deadline-s", type=float, default=240.0)
     p.add_argument("--out")
     p.add_argument("--static-only", action="store_true", help="skip the hand loop and the dynamic-cache profile")
+    p.add_argument("--after-wide", type=int, default=0, metavar="WIDTH",
+                   help="also time the last static case after one WIDTH-token call (the cache then sized to it)")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
@@ -169,6 +174,15 @@ def main() -> int:
         rows = args.static_batches[-1]
         case(f"{name}-padded", lambda: run_generate(model, rows, args.prompt_len, args.new_tokens, "static",
                                                     padded=True), dtype=dtype_name, batch=rows)
+        if args.after_wide and time.perf_counter() - t0 < args.deadline_s:
+            # transformers sizes every later static cache to the largest call so far: the same call after one
+            # wide call attends over the wide call's length (the engine's static_cache_len="largest"); the
+            # `-again` case above is the call at its own length ("per_call")
+            run_generate(model, 8, args.after_wide, args.new_tokens, "static")
+            for label in ("after-wide", "after-wide-again"):
+                case(f"{name}-{label}", lambda: run_generate(model, rows, args.prompt_len, args.new_tokens, "static"),
+                     dtype=dtype_name, batch=rows, cache_len=getattr(model, "_previous_max_cache_length", None))
+            model._previous_max_cache_length = -1  # back to the call's own length for what follows
         if time.perf_counter() - t0 < args.deadline_s:
             report[f"profile-{name}"] = profile_steps(model, rows, args.prompt_len, cache="static")
             print(json.dumps(report[f"profile-{name}"]), flush=True)

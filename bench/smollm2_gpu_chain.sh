@@ -23,6 +23,7 @@ SPEED_PROMPTS=${SPEED_PROMPTS:-16}
 CURVE_PROMPTS=${CURVE_PROMPTS:-4}
 EVAL_WORKERS=${EVAL_WORKERS:-4}
 GEN_ATTENTION=${GEN_ATTENTION:-sdpa}  # packed_gqa: the engine's decode step without the KV copy per query head
+GEN_STATIC_CACHE_LEN=${GEN_STATIC_CACHE_LEN:-largest}  # per_call: each call's static cache sized to itself
 GEN_EXTRA=${GEN_EXTRA:-}      # more --stage generate flags, e.g. "--max-new-tokens 1024" (a new config_hash)
 TRAIN_EXTRA=${TRAIN_EXTRA:-}  # more --stage train flags, e.g. "--batch-size 64"
 RESAMPLE=${RESAMPLE:-}        # NAME: after the kept shards, generate their prompts again as resample-NAME-* (the
@@ -40,7 +41,8 @@ stage() {  # stage LABEL STAGE ARGS...: run one stage of the bench, record its e
     if [ "$rc" -ne 0 ] && [ "$name" != resample ]; then touch "$RUN/done"; exit "$rc"; fi
 }  # a failed resample stage stops nothing: the shards it published before failing are trained on with the kept ones
 
-ENGINE="--gen-dtype bfloat16 --gen-cache static --gen-concurrency 4096 --gen-batch-rows 1024 --gen-batch-tokens 524288"
+ENGINE="--gen-dtype bfloat16 --gen-cache static --gen-concurrency 4096 --gen-batch-rows 1024 --gen-batch-tokens 524288
+    --gen-static-cache-len $GEN_STATIC_CACHE_LEN"
 stage generate generate --parts "$SM/gguf.part-a" "$SM/gguf.part-b" --store "$SM/store" $ENGINE \
     --max-turns 2 --gen-attention "$GEN_ATTENTION" --gen-budget-s "$GEN_BUDGET_S" --export-completions "$RUN/exp" \
     $GEN_EXTRA

@@ -209,7 +209,7 @@ def generate_stage(args, report: dict) -> None:
     fleet = EngineFleetConfig(target_model=str(target_dir), endpoints=[EndpointConfig(
         url="inprocess://smollm2", kind="transformers", device=device, max_concurrency=args.gen_concurrency,
         max_batch_rows=args.gen_batch_rows, max_batch_tokens=args.gen_batch_tokens, dtype=args.gen_dtype,
-        cache=args.gen_cache, attention=args.gen_attention)])
+        cache=args.gen_cache, attention=args.gen_attention, static_cache_len=args.gen_static_cache_len)])
     encoder = build_encoder(tok)
     renderer = ChatRenderer.from_tokenizer(tok, **spec.chat_template_kwargs)
     tokenize_config = TokenizeConfig(supervise=args.supervise, assistant_header=chat.assistant_header,
@@ -507,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "against 4.5-5.1K static; BENCHMARKS.md)")
     p.add_argument("--gen-attention", default="sdpa", choices=["sdpa", "packed_gqa"],
                    help="the engine's attention (packed_gqa: no KV copy per query head in the compiled decode step)")
+    p.add_argument("--gen-static-cache-len", default="largest", choices=["largest", "per_call"],
+                   help="the static cache's length: the largest call's so far (transformers' default) or each "
+                   "call's own (every decode step attends over all of it)")
     p.add_argument("--resample", metavar="NAME", help="--stage generate: generate each training shard's prompts "
                    "again as the partition resample-NAME-<shard> (e.g. with --temperature 0.7), beside the shards "
                    "an earlier generate stage published on this machine; the train stage trains on both")

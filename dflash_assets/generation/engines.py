@@ -939,7 +939,14 @@ class TransformersEngine(Engine):
 
     ``attention="packed_gqa"`` decodes with ``generation.packed_gqa``: the query heads of a KV group share
     one read of the cache instead of Transformers' SDPA copying it to every head, which it does under
-    ``torch.compile`` (the static decode step); same tokens, measured on CPU only so far (BENCHMARKS.md).
+    ``torch.compile`` (the static decode step); same tokens, 3.1-3.5x faster per layer on an H200
+    (BENCHMARKS.md), a whole warm ``generate`` not measured yet.
+
+    ``static_cache_len="per_call"`` sizes each call's static cache to that call (its padded prompt width plus
+    ``max_new_tokens``) instead of transformers' default, the largest call the model has run (which spares a
+    recompile): each decode step attends over the whole static cache, so after one 2,048-wide call every
+    256-wide call pays for 2,304 positions. Same tokens (the padding is masked); the cost is a compile or
+    CUDA-graph capture per cache length (at most one per width bucket); not measured on a GPU yet.
 
     The loaded model is shared within the process (``_LOADED``): engines of the same model, device,
     dtype, cache and attention reuse its weights, its compiled graphs and its one worker thread, and it stays
@@ -950,7 +957,7 @@ class TransformersEngine(Engine):
 
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str = "auto", tokenizer: Any = None,
                  max_batch_tokens: int = 8192, cache: str = "dynamic", max_batch_rows: int | None = None,
-                 attention: str = "sdpa", **kwargs):
+                 attention: str = "sdpa", static_cache_len: str = "largest", **kwargs):
         super().__init__(f"inprocess://{Path(model_path)}", **kwargs)
         self.max_batch_rows = max_batch_rows or self.max_concurrency
         if cache not in ("dynamic", "static", "continuous"):
@@ -960,9 +967,12 @@ class TransformersEngine(Engine):
         if attention != "sdpa" and cache == "continuous":
             raise ValueError("attention='packed_gqa' is for the dynamic and static caches; continuous batching "
                              "chooses its own attention kernel")
+        if static_cache_len not in ("largest", "per_call"):
+            raise ValueError(f"static_cache_len must be 'largest' or 'per_call', not {static_cache_len!r}")
         self.max_batch_tokens = max_batch_tokens
         self.cache = cache
         self.attention = attention
+        self.static_cache_len = static_cache_len
         self.model_path = str(model_path)
         self.device = device
         self.dtype = dtype
@@ -1088,6 +1098,10 @@ class TransformersEngine(Engine):
             padded_rows, width = static_batch_shape(n, width, self.max_batch_rows, self.max_batch_tokens)
             rows = list(rows) + [rows[0]] * (padded_rows - n)  # copies finish with the row they copy
             kwargs["cache_implementation"] = "static"
+            if self.static_cache_len == "per_call":  # transformers sizes each new static cache to the largest call
+                # so far (no recompile), and every decode step attends over all of it: a 256-wide call after a
+                # 2,048-wide one would read 4.5x the cache it needs
+                self.model._previous_max_cache_length = -1
         self.batch_shapes.append((len(rows), width))
         x = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.model.device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.model.device)

@@ -131,6 +131,10 @@ class EndpointConfig(BaseModel):
         "sdpa", description="transformers kind, dynamic or static cache: the attention function. packed_gqa decodes "
         "without copying the KV cache to every query head (grouped-query models; generation.packed_gqa), which "
         "Transformers' SDPA does under torch.compile, i.e. in the static cache's compiled decode step.")
+    static_cache_len: Literal["largest", "per_call"] = Field(
+        "largest", description="transformers kind, static cache: 'largest' sizes each call's cache to the largest "
+        "call so far (transformers' default: no recompile); 'per_call' to the call itself (prompt width bucket + "
+        "max_new_tokens), since every decode step attends over the whole cache (see TransformersEngine).")
     max_batch_tokens: int = Field(8192, ge=1, description="transformers kind: padded prompt tokens per generate "
                                   "call (requests are batched by similar length within it).")
     max_batch_rows: int | None = Field(None, ge=1, description="transformers kind: rows per generate call (None: "
@@ -314,7 +318,8 @@ def build_engine(ep: EndpointConfig, config: EngineFleetConfig, tokenizer: Any =
     if ep.kind == "transformers":
         return TransformersEngine(ep.model_path or config.target_model, device=ep.device, tokenizer=tokenizer,
                                   dtype=ep.dtype, max_batch_tokens=ep.max_batch_tokens, cache=ep.cache,
-                                  max_batch_rows=ep.max_batch_rows, attention=ep.attention, **common)
+                                  max_batch_rows=ep.max_batch_rows, attention=ep.attention,
+                                  static_cache_len=ep.static_cache_len, **common)
     raise ValueError(f"unknown endpoint kind {ep.kind!r}")
 
 
