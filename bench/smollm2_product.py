@@ -152,7 +152,8 @@ def generation_config(args, thinking: bool):
 
     return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=None, max_turns=args.max_turns, enable_thinking=thinking,
-                            seed=args.seed if args.temperature > 0 else None)
+                            seed=args.seed if args.temperature > 0 else None,
+                            max_context_tokens=args.max_context_tokens)
 
 
 def target_spec(target_dir: Path):
@@ -488,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-shards", type=int, default=1, help="the last N shards: never generated, evaluated")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--max-context-tokens", type=int, default=None,
+                   help="generate nothing past this position (the train stage's --max-length: training cuts there); "
+                   "a new config_hash, so the kept shards are not reused under it")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the evaluation is greedy)")
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--supervise", default="every_turn", choices=["last_turn", "every_turn"])

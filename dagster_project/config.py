@@ -127,6 +127,11 @@ class GenerationStageConfig(dg.Config):
                                  description="None: not sent (transformers serve rejects it anyway).")
     max_turns: int = Field(default=_default(GenerationConfig, "max_turns"), ge=1, le=64, description="Regenerate at most this many assistant turns per conversation.")
     seed: Optional[int] = Field(default=_default(GenerationConfig, "seed"), ge=0, description="Per-request seed where the engine supports one.")
+    max_context_tokens: Optional[int] = Field(
+        default=_default(GenerationConfig, "max_context_tokens"), ge=1, le=1_048_576,
+        description="Generate nothing past this position of a conversation: set it to the drafter's max_length, "
+        "since training cuts every sample there. A turn is cut to fit, a later turn that does not fit ends its "
+        "conversation, a first turn that does not fit is listed as failed (not counted by max_failed_ratio).")
     max_failed_ratio: float = Field(default=_default(aregenerate_shard, "max_failed_ratio"), ge=0.0, le=1.0,
                                     description="The partition fails (nothing published) when more of its prompts "
                                     "fail than this share; the next run retries only the failed ones.")
@@ -135,6 +140,7 @@ class GenerationStageConfig(dg.Config):
         return GenerationConfig(
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             max_turns=self.max_turns, seed=self.seed, enable_thinking=enable_thinking,
+            max_context_tokens=self.max_context_tokens,
         )
 
 

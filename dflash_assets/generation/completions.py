@@ -10,8 +10,9 @@ shard with too many failed prompts publishes nothing (:class:`TooManyFailedPromp
 With a seed set, the fleet is probed first: ``config_hash`` records whether the
 engines honour the seed. Given the target's fingerprint (``target_fingerprint``), ``config_hash``
 holds it too, so rows of an earlier target of the same name are not resumed. A turn that does not fit the endpoint's context length
-is cut or stopped before it is sent (``generation.engines.Engine.fit_to_context``)
-and counted in :class:`GenerationStats`.
+(or ``GenerationConfig.max_context_tokens``, the data's own limit) is cut or stopped before it is sent
+(``generation.engines.Engine.fit_to_context``) and counted in :class:`GenerationStats`; a prompt whose first turn
+is over ``max_context_tokens`` is listed as failed but not counted against ``max_failed_ratio``.
 
 Reads: the prompt rows handed in, the engines (HTTP or in-process) and, from the
 store, the shard's journal and its published ``completions/<shard>.parquet``.
@@ -173,6 +174,8 @@ class GenerationStats:
     turns_cut_to_context: int = 0
     conversations_stopped_at_context: int = 0
     prompts_failed_context_overflow: int = 0
+    # of those, the prompts over GenerationConfig.max_context_tokens: listed as failed, not counted by the gate
+    prompts_over_max_context_tokens: int = 0
     endpoints: dict[str, dict] = field(default_factory=dict)
 
     def to_metadata(self) -> dict[str, Any]:
@@ -312,15 +315,17 @@ class _Conversation:
         self.turns_cut_to_context = 0
         self.stopped_at_context = False
         self.context_overflow = False
+        self.over_max_context = False  # the first turn did not fit GenerationConfig.max_context_tokens
 
     async def _chat(self, engine: Engine, request: list[dict], **kwargs: Any) -> ChatResult | None:
         """``engine.chat``; None when the request does not fit the context and a turn is already done (the
         conversation ends there); a first turn that does not fit raises ``ContextOverflow`` (the prompt fails)."""
         try:
             res = await engine.chat(request, self.gen, **kwargs)
-        except ContextOverflow:
+        except ContextOverflow as e:
             if not self.results:
                 self.context_overflow = True
+                self.over_max_context = e.by_generation_config
                 raise
             self.stopped_at_context = True
             return None
@@ -664,6 +669,7 @@ async def _regenerate(prompts: Any, shard: str, store: Any, fleet: EngineFleetCo
     stats.prompts_resumed = len(done_rows)
     stats.prompts_resumed_published = len(set(published) - set(journaled))
     failed: dict[str, dict] = {}
+    over_max_context: set[str] = set()  # failed prompts whose first turn is over max_context_tokens
     tasks: list[_Conversation] = []
     for pid in order:
         if pid in done_rows:
@@ -723,6 +729,10 @@ async def _regenerate(prompts: Any, shard: str, store: Any, fleet: EngineFleetCo
                                   "config_hash": config_hash}
         stats.turns_cut_to_context += task.turns_cut_to_context
         stats.prompts_failed_context_overflow += task.context_overflow
+        if task.over_max_context:
+            over_max_context.add(task.prompt_id)
+        else:
+            over_max_context.discard(task.prompt_id)
 
     async def ticker() -> None:
         last = time.monotonic()
@@ -761,8 +771,11 @@ async def _regenerate(prompts: Any, shard: str, store: Any, fleet: EngineFleetCo
     failed_table = pa.Table.from_pylist(failed_rows, schema=failed_schema())
     # The ratio checks' rule (quality_gates): too many only when the 95% Wilson lower bound of the failed share
     # exceeds max_failed_ratio, so one engine hiccup in a small shard does not fail it; no failure never does.
-    failed_gate = ratio_gate(len(failed_rows), max(stats.prompts_total, len(failed_rows)), max_failed_ratio)
-    too_many = bool(failed_rows) and not failed_gate.passed
+    # Prompts longer than the config's max_context_tokens are the data's, not the engines': listed, not counted.
+    stats.prompts_over_max_context_tokens = over = sum(pid in over_max_context for pid in failed)
+    gated = len(failed_rows) - over
+    failed_gate = ratio_gate(gated, max(stats.prompts_total - over, gated), max_failed_ratio)
+    too_many = gated > 0 and not failed_gate.passed
     if too_many:  # not published: the finished rows stay in the journal, earlier published ones where they are
         digest = ""
     else:
@@ -786,8 +799,10 @@ async def _regenerate(prompts: Any, shard: str, store: Any, fleet: EngineFleetCo
                                layout.completions_failed(shard), config_hash, digest)
     if too_many:
         reasons = "; ".join(f"{r['prompt_id']}: {r['reason'][:120]}" for r in failed_rows[:3])
+        counted = (f", {over} of them over max_context_tokens (not counted): {gated} of {stats.prompts_total - over}"
+                   if over else "")
         raise TooManyFailedPrompts(
-            f"[{shard}] {len(failed_rows)} of {stats.prompts_total} prompts failed "
+            f"[{shard}] {len(failed_rows)} of {stats.prompts_total} prompts failed{counted} "
             f"({failed_gate.ratio:.1%}; 95% lower bound {failed_gate.lower:.1%} > max_failed_ratio "
             f"{max_failed_ratio:.1%}); "
             f"nothing published, {len(rows)} finished rows kept for the next run, which retries only the failed. "

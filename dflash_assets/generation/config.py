@@ -44,6 +44,11 @@ class GenerationConfig(BaseModel):
     stop_after_truncated_turn: bool = Field(
         True, description="End a conversation at a turn cut by max_new_tokens (later user turns are dropped)."
     )
+    max_context_tokens: int | None = Field(
+        None, ge=1, description="Generate no token past this position of a conversation, e.g. the drafter's "
+        "max_length (training cuts every sample there): a turn is cut to fit, a later turn that does not fit ends "
+        "its conversation, a first turn that does not fit is listed as failed with its reason but does not count "
+        "against max_failed_ratio. None: the engines' own context only. Hashed only when set.")
 
     def config_hash(self, target_model: str | None = None, seed_honoured: bool | None = None,
                     target_fingerprint: str | None = None) -> str:
@@ -58,7 +63,9 @@ class GenerationConfig(BaseModel):
         alone, and the hash is what it always was. Without a seed likewise; with one, rows generated where the
         seed had no effect never share a hash with rows where it did.
         """
-        payload: dict[str, Any] = {"generation": self.model_dump(mode="json"),
+        # a field added later is hashed only when set, so rows generated before it existed keep their hash
+        unset = {"max_context_tokens"} if self.max_context_tokens is None else set()
+        payload: dict[str, Any] = {"generation": self.model_dump(mode="json", exclude=unset),
                                    "target": normalize_model_id(target_model or "")}
         if target_fingerprint:
             payload["target_fingerprint"] = target_fingerprint

@@ -200,10 +200,12 @@ class EngineError(RuntimeError):
 class ContextOverflow(EngineError):
     """A request whose prompt leaves fewer than the minimum new tokens in the endpoint's context; never sent."""
 
-    def __init__(self, message: str, *, prompt_tokens: int, context_length: int, endpoint: str = ""):
+    def __init__(self, message: str, *, prompt_tokens: int, context_length: int, endpoint: str = "",
+                 by_generation_config: bool = False):
         super().__init__(message, status=None, retryable=False, endpoint=endpoint)
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
+        self.by_generation_config = by_generation_config  # the limit was GenerationConfig.max_context_tokens
 
 
 # ----------------------------------------------------------------------------
@@ -468,11 +470,16 @@ class Engine(abc.ABC):
     def fit_to_context(self, prompt_tokens: int, gen: GenerationConfig) -> tuple[GenerationConfig, int]:
         """``gen`` with ``max_new_tokens`` lowered so that prompt + new tokens fit the context length, and by how
         many tokens it was lowered; ``ContextOverflow`` when fewer than ``context_min_new_tokens`` would remain.
+        The context is the endpoint's, or ``gen.max_context_tokens`` where that is tighter.
 
         SGLang's rule (``managers/tokenizer_manager.py``, ``_validate_one_request``): a prompt of context_len
         tokens or more, or prompt + max_new_tokens above context_len, is refused with 400.
         """
         ctx = self.context_length
+        cap = gen.max_context_tokens  # the data's own limit (e.g. the drafter's max_length), when tighter
+        by_config = bool(cap) and (not ctx or cap < ctx)
+        if by_config:
+            ctx = cap
         if not ctx:
             return gen, 0
         room = ctx - prompt_tokens
@@ -480,9 +487,11 @@ class Engine(abc.ABC):
             return gen, 0
         if room >= max(1, self.context_min_new_tokens):
             return gen.model_copy(update={"max_new_tokens": room}), gen.max_new_tokens - room
-        raise ContextOverflow(f"{self.url}: prompt of {prompt_tokens} tokens leaves {max(room, 0)} of the context "
-                              f"length {ctx} (at least {self.context_min_new_tokens} new tokens wanted); not sent",
-                              prompt_tokens=prompt_tokens, context_length=ctx, endpoint=self.url)
+        limit = f"the generation config's max_context_tokens {ctx}" if by_config else f"the context length {ctx}"
+        raise ContextOverflow(f"{self.url}: prompt of {prompt_tokens} tokens leaves {max(room, 0)} of {limit} "
+                              f"(at least {self.context_min_new_tokens} new tokens wanted); not sent",
+                              prompt_tokens=prompt_tokens, context_length=ctx, endpoint=self.url,
+                              by_generation_config=by_config)
 
     @contextlib.contextmanager
     def _reply_shape(self, path: str, reply: Any):

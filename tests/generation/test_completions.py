@@ -390,3 +390,38 @@ def test_agentic_step_that_does_not_fit_the_context_stops_the_conversation(tok, 
     assert [m["role"] for m in out["messages"]] == ["user", "assistant", "tool"]
     assert out["agentic_stop"] == "context_length" and res.stats.conversations_stopped_at_context == 1
     assert res.stats.prompts_failed == 0
+
+
+def test_max_context_tokens_keeps_generation_within_what_training_keeps(tok, local_store):
+    """GenerationConfig.max_context_tokens (the drafter's max_length): the same cut-or-stop rule as an endpoint's
+    context, from the config, on a server with a far larger context; prompts over it are listed as failed with
+    their reason but do not fail the shard (3 of 9 here, over the default 1%), while an engine failure still
+    counts; and the cap is part of config_hash only when set."""
+    long = " ".join(["word"] * 80)
+    rows = prompts(6) + [{"prompt_id": f"long-{i}", "system": None, "user_turns": [long]} for i in range(3)]
+    gen = GenerationConfig(max_new_tokens=128, max_context_tokens=100)
+    cfg = EngineFleetConfig(target_model=TARGET, backoff_initial_s=0.01, context_min_new_tokens=77,
+                            endpoints=[EndpointConfig(url="http://x")])
+    with LoopbackServer(model_path=TARGET, context_length=32768) as srv:
+        cfg = cfg.model_copy(update={"endpoints": [EndpointConfig(url=srv.url, max_concurrency=4)]})
+        res = regenerate_shard(rows, shard="cap", store=local_store, fleet=cfg, generation=gen, tokenizer=tok)
+        requests = srv.stats.generate_requests
+        sent = srv.stats.last_body["sampling_params"]["max_new_tokens"]
+    s = res.stats
+    assert res.sha256 and local_store.read_parquet(layout.completions("cap")).num_rows == 6  # published
+    assert requests == 6 and 77 <= sent <= 100 - 13 and s.turns_cut_to_context == 6
+    assert s.conversations_stopped_at_context == 4 and res.table["num_turns"].to_pylist() == [1] * 6
+    assert s.prompts_failed_context_overflow == s.prompts_over_max_context_tokens == 3
+    assert sorted(res.failed["prompt_id"].to_pylist()) == ["long-0", "long-1", "long-2"]
+    assert all("max_context_tokens 100" in r for r in res.failed["reason"].to_pylist())
+    assert s.to_metadata()["prompts_over_max_context_tokens"] == 3
+    # an engine's failures are still counted: 1 HTTP 400 in the 6 that fit, over 1% (lower bound 3.0%)
+    with LoopbackServer(model_path=TARGET, fail_every=6, fail_status=400) as bad:
+        cfg = cfg.model_copy(update={"endpoints": [EndpointConfig(url=bad.url, max_concurrency=1)]})
+        with pytest.raises(TooManyFailedPrompts, match=r"4 of 9 prompts failed, 3 of them over max_context_tokens "
+                           r"\(not counted\): 1 of 6 \(16.7%; 95% lower bound 3.0%") as info:
+            regenerate_shard(rows, shard="cap2", store=local_store, fleet=cfg, generation=gen, tokenizer=tok)
+    assert info.value.result.stats.prompts_over_max_context_tokens == 3
+    # hashed only when set: rows generated before the field existed keep their hash
+    assert gen.config_hash(TARGET) != gen.model_copy(update={"max_context_tokens": None}).config_hash(TARGET)
+    assert GenerationConfig(max_context_tokens=None).config_hash(TARGET) == GenerationConfig().config_hash(TARGET)

@@ -117,3 +117,33 @@ def test_generation_plan_takes_turns_and_lengths_from_the_completions(tmp_path, 
     assert meta["output_tokens_source"] == "completions" and meta["turns_source"] == "completions"
     assert meta["burst_prompts"] == "completions"  # real requests, history included
     assert meta["total_output_tokens"] == int(6 * (turns / 6) * (tokens / turns))
+
+
+def test_completions_run_config_caps_the_context_at_the_drafters_max_length(tmp_path, tiny_dense_target):
+    """``max_context_tokens`` in the completions' run config: the prompt over it is listed as failed with its reason
+    and counted in the metadata, the partition still materializes (1 of 4 is over the default 1% gate)."""
+    import json
+
+    from dflash_assets.store import layout
+    from dflash_assets.store.backends import LocalStore
+
+    source = tmp_path / "chats.jsonl"
+    texts = [f"Question {i}" for i in range(3)] + [" ".join(["word"] * 400)]
+    source.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in texts))
+    with LoopbackServer(model_path=str(tiny_dense_target)) as engine:
+        resources = {**defs.resources, "store": StoreResource(uri=str(tmp_path / "store")),
+                     "engines": EngineFleetResource(endpoints=[f"sglang:{engine.url}"], max_concurrency=2)}
+        with dg.instance_for_test() as instance:
+            dg.materialize(defs.assets, selection=["prompt_corpus"], instance=instance, resources=resources,
+                           run_config={"ops": {"prompt_corpus": {"config": {"source_uri": str(source)}}}})
+            (shard,) = instance.get_dynamic_partitions("prompt_shards")
+            result = dg.materialize(defs.assets, selection=["raw_prompts", "completions"], partition_key=shard,
+                                    instance=instance, resources=resources, run_config={"ops": {"completions": {
+                                        "config": {"max_new_tokens": 32, "max_context_tokens": 256}}}})
+    assert result.success
+    meta = {k: v.value for k, v in result.asset_materializations_for_node("completions")[0].metadata.items()}
+    assert meta["prompts_over_max_context_tokens"] == 1 and meta["prompts_failed"] == 1
+    store = LocalStore(tmp_path / "store")
+    assert store.read_parquet(layout.completions(shard)).num_rows == 3
+    [reason] = store.read_parquet(layout.completions_failed(shard))["reason"].to_pylist()
+    assert "max_context_tokens 256" in reason
