@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # dflash_assets from the checkout (torch and
 # transformers are all that generation.packed_gqa needs)
+
+from bench.machine import print_report  # noqa: E402  (stdlib only)
 
 
 def smollm2_shaped(dtype, device):
@@ -206,13 +207,7 @@ def main() -> int:
         del model
         torch.cuda.empty_cache() if device == "cuda" else None
     report["wall_s"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, args.out)
+    print_report(report, args.out)
     return 0
 
 

@@ -6,17 +6,19 @@ of the named packages (absent ones are reported as None). Benchmarks put it
 under the "machine" key of the JSON they print. `gpu_info()` gives the torch
 and CUDA versions and the visible GPUs' name and count (under "gpu"); it
 imports torch only when called, so this module imports on a GPU host that has
-only torch (and on one without it). Writes nothing.
+only torch (and on one without it). `print_report(report, out)` prints a
+benchmark's JSON and writes it to `out` atomically (the only write here).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["machine_info", "cpu_model", "gpu_info"]
+__all__ = ["machine_info", "cpu_model", "gpu_info", "print_report"]
 
 
 def cpu_model() -> str:
@@ -65,3 +67,15 @@ def gpu_info() -> dict:
         "gpu": torch.cuda.get_device_name(0) if available else None,
         "gpus_visible": torch.cuda.device_count() if available else 0,
     }
+
+
+def print_report(report: dict, out: str | None = None) -> None:
+    """Print `report` as indented JSON and, given `out`, write the same text there atomically (a temporary file
+    beside it, then a rename: a killed run leaves the old report or the new one)."""
+    text = json.dumps(report, indent=1, default=str)
+    print(text, flush=True)
+    if out:
+        tmp = f"{out}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, out)

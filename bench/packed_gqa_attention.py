@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # dflash_assets from the checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # machine.py (stdlib only)
+
+from machine import print_report  # noqa: E402
 
 
 def main() -> int:
@@ -84,13 +85,7 @@ def main() -> int:
                 "max_abs_diff": float((out.float() - expected.float()).abs().max())}
         report["cases"].append(case)
         print(json.dumps(case), flush=True)
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, args.out)
+    print_report(report, args.out)
     return 0
 
 
