@@ -10,7 +10,6 @@ the converted SmolLM2.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -23,14 +22,6 @@ from dflash_assets.generation.config import normalize_model_id
 REPO = Path(__file__).resolve().parents[2]
 KEPT = REPO / "bench" / "data" / "smollm2"
 MANIFEST = json.loads((KEPT / "MANIFEST.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_smollm2_product", REPO / "bench" / "smollm2_product.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def documented_generate_args(bench):

@@ -9,7 +9,6 @@ those the first published instead of replacing them. Reads and writes a local st
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,14 +19,6 @@ from dflash_assets.store import layout
 from dflash_assets.store.backends import LocalStore
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_smollm2_resample", REPO / "bench" / "smollm2_product.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture()
