@@ -10,7 +10,8 @@
 # settings below from the environment (RESAMPLE=NAME adds a second generate stage: the kept shards' prompts again
 # as new partitions, sampled, trained on beside the kept ones). Writes into RUN_DIR (default /tmp/run): each stage's log and JSON report,
 # `status` (one "stage exit-code" line per stage run), `completions.tgz` (the generated shards' completions, once
-# the generate stage ends) and `done` when the chain ends. A stage that fails stops the chain (but resample).
+# the generate stage ends), `drafter/` (the trained drafter, bfloat16 in parts of at most 15 MiB: the next
+# session's INIT_DRAFTER) and `done` when the chain ends. A stage that fails stops the chain (but resample).
 set -u  # GEN_EXTRA and TRAIN_EXTRA are split on spaces on purpose
 SM=${SM:-/tmp/sm}
 RUN=${RUN_DIR:-/tmp/run}
@@ -30,6 +31,7 @@ RESAMPLE=${RESAMPLE:-}        # NAME: after the kept shards, generate their prom
 # sampled ones kept in bench/data/smollm2-sampled imported: t07 with the default flags reuses them) ...
 RESAMPLE_EXTRA=${RESAMPLE_EXTRA:-"--temperature 0.7"}  # ... with these flags (another config), for RESAMPLE_BUDGET_S
 RESAMPLE_BUDGET_S=${RESAMPLE_BUDGET_S:-450}
+INIT_DRAFTER=${INIT_DRAFTER:-}  # DIR: an earlier session's exported drafter (drafter.json + parts): train continues it
 mkdir -p "$RUN"
 export PYTHONUNBUFFERED=1
 
@@ -52,7 +54,8 @@ if [ -n "$RESAMPLE" ]; then
         --import-completions bench/data/smollm2-sampled --export-completions "$RUN/exp" $RESAMPLE_EXTRA
 fi
 tar czf "$RUN/completions.tgz.part" -C "$RUN/exp" completions && mv "$RUN/completions.tgz.part" "$RUN/completions.tgz"
-stage train train --recipe "$RECIPE" --train-budget-s "$TRAIN_BUDGET_S" --save-every "$SAVE_EVERY" $TRAIN_EXTRA
+stage train train --recipe "$RECIPE" --train-budget-s "$TRAIN_BUDGET_S" --save-every "$SAVE_EVERY" \
+    ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} $TRAIN_EXTRA
 stage eval eval --recipe "$RECIPE" --eval-prompts "$EVAL_PROMPTS" --speed-prompts "$SPEED_PROMPTS" \
-    --curve-prompts "$CURVE_PROMPTS" --eval-workers "$EVAL_WORKERS"
+    --curve-prompts "$CURVE_PROMPTS" --eval-workers "$EVAL_WORKERS" --export-drafter "$RUN/drafter"
 touch "$RUN/done"

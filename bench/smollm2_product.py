@@ -70,10 +70,14 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(text)
+def write_atomic_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    write_atomic_bytes(path, text.encode())
 
 
 def write_report(report: dict, out: str | None) -> None:
@@ -331,6 +335,68 @@ def import_completions(dirs: list[str], store, config_hash: str) -> list[dict]:
     return imported
 
 
+DRAFTER_PART_BYTES = 15 * 2**20  # a device run brings back files of at most 16 MiB
+DRAFTER_DOC = "drafter.json"
+
+
+def export_drafter(store, recipe, out: Path, *, tau: float | None = None, warm_start: dict | None = None,
+                   part_bytes: int = DRAFTER_PART_BYTES) -> dict:
+    """The recipe's published drafter, to carry to the next session's GPU host: its weights as bfloat16
+    safetensors (what a warm start loads; half the float32 checkpoint) cut into parts of at most `part_bytes`,
+    and `drafter.json`: the SHA-256 of the whole, the parts in order, the sequence tokens trained since random
+    init (this run's plus, after a warm start, those of the drafter it started from: `warm_start`, the imported
+    drafter.json) and the chain of recipes that trained it. Each file is written atomically, drafter.json last."""
+    import torch
+    from safetensors.torch import load_file, save
+
+    from dflash_assets.drafter.provenance import PROVENANCE_FILE
+    from dflash_assets.store import layout
+
+    files = layout.drafter_checkpoint_files(store, recipe.name)
+    weights = load_file(str(store.local_path(files["model.safetensors"])))
+    data = save({k: v.to(torch.bfloat16).contiguous() for k, v in sorted(weights.items())},
+                metadata={"recipe": recipe.name, "dtype": "bfloat16"})
+    tokens = int(store.read_json(files[PROVENANCE_FILE])["training"]["sequence_tokens"])
+    out.mkdir(parents=True, exist_ok=True)
+    parts = []
+    for i in range(0, len(data), part_bytes):
+        name = f"drafter.safetensors.part-{i // part_bytes:02d}"
+        write_atomic_bytes(out / name, data[i:i + part_bytes])
+        parts.append(name)
+    before = warm_start or {}
+    doc = {"recipe": recipe.name, "recipe_fingerprint": recipe.fingerprint(), "dtype": "bfloat16",
+           "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "parts": parts,
+           "sequence_tokens": tokens, "sequence_tokens_total": tokens + int(before.get("sequence_tokens_total", 0)),
+           "tau": tau, "lineage": [*before.get("lineage", []), recipe.name]}
+    write_atomic(out / DRAFTER_DOC, json.dumps(doc, indent=1))
+    log(f"exported drafter {recipe.name} ({len(data) / 2**20:.1f} MiB bfloat16, {len(parts)} parts, "
+        f"{doc['sequence_tokens_total'] / 1e6:.1f}M sequence tokens since random init) to {out}")
+    return doc
+
+
+def import_drafter(src: Path, store, family: str) -> dict:
+    """A drafter exported by `export_drafter` (an earlier session), made the `family`'s promoted drafter in the
+    work store (`promotion.write_promoted`, as `drafter_eval` promotes one), so that a recipe of that family with
+    `init_from: promoted` starts from its weights (`train_recipe`'s refresh path). The parts are joined and
+    checked against the SHA-256 drafter.json names; returns drafter.json."""
+    from dflash_assets.drafter.promotion import Candidate, write_promoted
+
+    doc = json.loads((src / DRAFTER_DOC).read_text())
+    data = b"".join((src / part).read_bytes() for part in doc["parts"])
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != doc["sha256"] or len(data) != doc["bytes"]:
+        raise SystemExit(f"{src}: the drafter's parts join to {len(data)} bytes with SHA-256 {digest}, "
+                         f"drafter.json says {doc['bytes']} bytes, {doc['sha256']}: a part is missing or damaged")
+    key = f"imports/drafter/{digest[:16]}/model.safetensors"
+    store.write_bytes(key, data)
+    write_promoted(store, family, doc["recipe"],
+                   Candidate(f"imported {doc['recipe']}", int(doc["sequence_tokens_total"]), doc.get("tau") or 0.0,
+                             {}, {"model.safetensors": key}))
+    log(f"imported drafter {doc['recipe']} ({doc['sequence_tokens_total'] / 1e6:.1f}M sequence tokens, tau "
+        f"{doc.get('tau')}) as the promoted drafter of family {family}")
+    return doc
+
+
 def wait_for_shards(path: Path, at_least: int, timeout_s: float, poll_s: float = 5.0) -> list[str]:
     """The shards a generate stage has published (`path`: its ``trained_shards.json``), once it lists `at_least`
     of them: a train stage started beside a running generate stage waits here. 0: read it as it is now."""
@@ -365,7 +431,10 @@ def train_stage(args, report: dict) -> None:
     recipe = DrafterRecipe(name=args.recipe, block_size=args.block_size, num_layers=args.drafter_layers,
                            epochs=args.epochs, lr=args.lr, max_length=args.max_length, max_anchors=args.max_anchors,
                            batch_size=args.batch_size, partitions=tuple(shards), online=True,
-                           save_every=args.save_every, compile=args.compile, checkpoint_dtype="float32")
+                           save_every=args.save_every, compile=args.compile, checkpoint_dtype="float32",
+                           init_from="promoted" if args.init_drafter else None)
+    if args.init_drafter:  # an earlier session's drafter: this run continues its training (the refresh path)
+        report["init_drafter"] = import_drafter(Path(args.init_drafter), store, recipe.family_name)
     save_recipe(store, recipe)
     report["recipe"] = recipe.to_dict()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -375,6 +444,11 @@ def train_stage(args, report: dict) -> None:
     times["train"] = round(time.perf_counter() - t, 1)
     report["drafter_checkpoint"] = train
     report["training_mfu"] = training_mfu(recipe, target_dir, train, device)
+    started_from = work / f"{recipe.name}.init_drafter.json"  # what --export-drafter adds this run's tokens to
+    if args.init_drafter and "skipped" not in train.get("warm_start", {"skipped": "none promoted"}):
+        write_atomic(started_from, json.dumps(report["init_drafter"], indent=1))
+    elif started_from.exists():
+        started_from.unlink()
 
 
 def eval_stage(args, report: dict) -> None:
@@ -382,7 +456,7 @@ def eval_stage(args, report: dict) -> None:
     checked), batch-1 decode speed, and tau at the learning-curve checkpoints."""
     import torch
 
-    from dflash_assets.drafter.stages import eval_recipe
+    from dflash_assets.drafter.stages import eval_recipe, load_recipe
     from dflash_assets.store.backends import LocalStore
 
     work = Path(args.work)
@@ -397,6 +471,16 @@ def eval_stage(args, report: dict) -> None:
                                          curve_prompts=args.curve_prompts, workers=args.eval_workers)
     times["evaluate"] = round(time.perf_counter() - t, 1)
     ev = report["drafter_eval"]
+    if args.export_drafter:  # the next session's --init-drafter
+        recipe = load_recipe(store, args.recipe)
+        init = work / f"{recipe.name}.init_drafter.json"
+        warm_start = json.loads(init.read_text()) if init.exists() else None
+        try:  # the evaluation's report is written whatever happens here
+            report["exported_drafter"] = export_drafter(store, recipe, Path(args.export_drafter), tau=ev["tau"],
+                                                        warm_start=warm_start)
+        except Exception as e:  # noqa: BLE001
+            log(f"exporting the drafter failed: {e!r}")
+            report["exported_drafter"] = {"error": repr(e)}
     speed = ev.get("decode_speed") or {}
     report["goal"] = {"tau": ">= 3.0 on >= 64 held-out prompts, lossless", "speedup": ">= 2.0 at batch 1"}
     report["goal_met"] = {"tau": bool(ev["tau"] >= 3.0 and ev["lossless"] and ev["num_prompts"] >= 64
@@ -538,6 +622,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=80, help="steps between states (learning-curve points)")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--train-budget-s", type=float, default=300.0)
+    p.add_argument("--init-drafter", metavar="DIR", help="--stage train: continue from the drafter an earlier "
+                   "session's --export-drafter wrote (made the recipe family's promoted drafter; init_from promoted)")
+    p.add_argument("--export-drafter", metavar="DIR", help="--stage eval: write the trained drafter (bfloat16, in "
+                   "parts of at most 15 MiB) and drafter.json into DIR, for a later --init-drafter")
     p.add_argument("--wait-for-shards", type=int, default=0, help="--stage train beside a running --stage generate: "
                    "start once it has published this many shards")
     p.add_argument("--wait-timeout-s", type=float, default=900.0, help="--wait-for-shards: give up after this")

@@ -1,0 +1,132 @@
+"""``bench/smollm2_product.py --export-drafter`` / ``--init-drafter``: training continued across GPU sessions.
+
+A session's GPU time fits about 12 minutes of training; the drafter it trains goes back through the device tool's
+$OUT (files of at most 16 MiB) and the next session continues it. These tests train a drafter through the product's
+``train_recipe`` on a tiny target, export it in parts, import it into a fresh store as the family's promoted
+drafter, and train the next recipe with ``init_from: promoted`` from it: the weights arrive as exported (bfloat16),
+the continued run starts from a lower loss and reports the warm start, its export counts the tokens of both runs
+and names both recipes, and a damaged part is refused before anything is promoted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.drafter.test_model import greedy_sequences, write_cache
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_dense_target):
+    """A store holding one hidden-state shard of the tiny target and the recipe tiny-v1 trained on it."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_assets.drafter.recipe import DrafterRecipe
+    from dflash_assets.drafter.stages import save_recipe, train_recipe
+    from dflash_assets.store import layout
+    from dflash_assets.store.backends import LocalStore
+    from dflash_assets.store.manifest import publish_files
+    from dflash_assets.target_model.spec import TargetModelSpec
+
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("carry")
+    store = LocalStore(tmp / "store")
+    spec = TargetModelSpec(model_path=str(tiny_dense_target), dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(tiny_dense_target, dtype=torch.float32).eval()
+    seqs = greedy_sequences(model, n=8, prompt_len=8, new_tokens=24, seed=0, vocab_hi=200)
+    cache = write_cache(tmp / "cache.safetensors", model, seqs, layer_ids=[1])
+    publish_files(store, layout.hidden_state_manifest("shard-00000"), layout.hidden_state_versions("shard-00000"),
+                  {"shard-00000.safetensors": cache})
+    base = dict(partitions=("shard-00000",), num_layers=1, block_size=8, epochs=2, batch_size=2, max_anchors=8,
+                lr=3e-3, save_every=2, compile=False, checkpoint_dtype="float32")
+    recipe = DrafterRecipe(name="tiny-v1", **base)
+    save_recipe(store, recipe)
+    first = train_recipe(store, "tiny-v1", spec, work_dir=str(tmp / "work"), device="cpu")
+    return {"tmp": tmp, "store": store, "spec": spec, "cache": cache, "base": base, "recipe": recipe, "first": first}
+
+
+def fresh_store(trained, name: str):
+    """Another machine's store: the same hidden-state shard, no drafter."""
+    from dflash_assets.store import layout
+    from dflash_assets.store.backends import LocalStore
+    from dflash_assets.store.manifest import publish_files
+
+    store = LocalStore(trained["tmp"] / name)
+    publish_files(store, layout.hidden_state_manifest("shard-00000"), layout.hidden_state_versions("shard-00000"),
+                  {"shard-00000.safetensors": trained["cache"]})
+    return store
+
+
+@pytest.mark.slow
+def test_an_exported_drafter_continues_training_in_another_store(bench, trained):
+    from safetensors.torch import load_file
+
+    from dflash_assets.drafter.promotion import read_promoted
+    from dflash_assets.drafter.recipe import DrafterRecipe
+    from dflash_assets.drafter.stages import save_recipe, train_recipe
+    from dflash_assets.store import layout
+
+    out = trained["tmp"] / "exported"
+    doc = bench.export_drafter(trained["store"], trained["recipe"], out, tau=1.25, part_bytes=4096)
+    assert len(doc["parts"]) >= 2 and all((out / p).stat().st_size <= 4096 for p in doc["parts"])
+    assert doc["sequence_tokens"] == doc["sequence_tokens_total"] == trained["first"]["sequence_tokens"] > 0
+    assert doc["lineage"] == ["tiny-v1"] and doc["tau"] == 1.25
+    assert json.loads((out / "drafter.json").read_text()) == doc
+
+    store = fresh_store(trained, "store-next")
+    imported = bench.import_drafter(out, store, "tiny")
+    assert imported == doc
+    promoted = read_promoted(store, "tiny")
+    assert promoted["tokens"] == doc["sequence_tokens_total"] and promoted["recipe"] == "tiny-v1"
+    # the promoted weights are the trained ones, rounded to bfloat16 on the way
+    original = load_file(str(trained["store"].local_path(
+        layout.drafter_checkpoint_files(trained["store"], "tiny-v1")["model.safetensors"])))
+    carried = load_file(str(store.local_path(promoted["files"]["model.safetensors"])))
+    assert sorted(carried) == sorted(original)
+    for k, v in original.items():
+        assert carried[k].dtype == torch.bfloat16 and torch.equal(carried[k], v.to(torch.bfloat16)), k
+
+    recipe = DrafterRecipe(name="tiny-v2", init_from="promoted", **trained["base"])
+    save_recipe(store, recipe)
+    second = train_recipe(store, "tiny-v2", trained["spec"], work_dir=str(trained["tmp"] / "work-next"),
+                          device="cpu")
+    assert second["warm_start"]["recipe"] == "tiny-v1" and "skipped" not in second["warm_start"]
+    assert second["first_loss"] < 0.9 * trained["first"]["first_loss"], (second["first_loss"],
+                                                                         trained["first"]["first_loss"])
+    again = bench.export_drafter(store, recipe, trained["tmp"] / "exported-next", warm_start=imported)
+    assert again["lineage"] == ["tiny-v1", "tiny-v2"]
+    assert again["sequence_tokens"] == second["sequence_tokens"]
+    assert again["sequence_tokens_total"] == doc["sequence_tokens_total"] + second["sequence_tokens"]
+
+
+@pytest.mark.slow
+def test_a_damaged_or_missing_part_is_refused_before_anything_is_promoted(bench, trained):
+    from dflash_assets.drafter.promotion import read_promoted
+
+    out = trained["tmp"] / "exported-damaged"
+    doc = bench.export_drafter(trained["store"], trained["recipe"], out, part_bytes=4096)
+    part = out / doc["parts"][1]
+    data = bytearray(part.read_bytes())
+    data[100] ^= 0xFF
+    part.write_bytes(bytes(data))
+    store = fresh_store(trained, "store-damaged")
+    with pytest.raises(SystemExit, match="damaged"):
+        bench.import_drafter(out, store, "tiny")
+    part.unlink()
+    with pytest.raises(FileNotFoundError):
+        bench.import_drafter(out, store, "tiny")
+    assert read_promoted(store, "tiny") is None
+
+
+def test_the_flags_reach_the_stages_and_the_chain_passes_them(bench):
+    args = bench.build_parser().parse_args(["--stage", "train", "--init-drafter", "/tmp/d"])
+    assert args.init_drafter == "/tmp/d" and args.export_drafter is None
+    args = bench.build_parser().parse_args(["--stage", "eval", "--export-drafter", "/tmp/e"])
+    assert args.export_drafter == "/tmp/e" and args.init_drafter is None
+    chain = (Path(__file__).resolve().parents[2] / "bench" / "smollm2_gpu_chain.sh").read_text()
+    assert '${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"}' in chain
+    assert '--export-drafter "$RUN/drafter"' in chain
+    assert bench.DRAFTER_PART_BYTES <= 16 * 2**20  # what a device run brings back per file
