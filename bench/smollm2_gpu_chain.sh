@@ -4,14 +4,15 @@
 # connection or a caller's time limit does not stop it:
 #
 #   setsid nohup bash bench/smollm2_gpu_chain.sh > /tmp/run.log 2>&1 < /dev/null &
-#   while [ ! -e /tmp/run/done ]; do sleep 5; done; cat /tmp/run/status
+#   bash bench/smollm2_gpu_poll.sh 540   # one device run each, the next within 30 s, until it prints "done"
 #
 # Reads the GGUF halves and the raw_prompts store from SM (default /tmp/sm: --prepare's carries t, a and b) and the
 # settings below from the environment (RESAMPLE=NAME adds a second generate stage: the kept shards' prompts again
 # as new partitions, sampled, trained on beside the kept ones). Writes into RUN_DIR (default /tmp/run): each stage's log and JSON report,
 # `status` (one "stage exit-code" line per stage run), `completions.tgz` (the generated shards' completions, once
-# the generate stage ends), `drafter/` (the trained drafter, bfloat16 in parts of at most 15 MiB: the next
-# session's INIT_DRAFTER) and `done` when the chain ends. A stage that fails stops the chain (but resample).
+# the generate stage ends), `drafter/` (the drafter, bfloat16 in parts of at most 15 MiB: each learning-curve
+# checkpoint as training saves it, then the trained one, then with its tau: the next session's INIT_DRAFTER) and
+# `done` when the chain ends. bench/smollm2_gpu_poll.sh is the poll: it brings all of it back, each time. A stage that fails stops the chain (but resample).
 set -u  # GEN_EXTRA and TRAIN_EXTRA are split on spaces on purpose
 SM=${SM:-/tmp/sm}
 RUN=${RUN_DIR:-/tmp/run}
@@ -55,7 +56,7 @@ if [ -n "$RESAMPLE" ]; then
 fi
 tar czf "$RUN/completions.tgz.part" -C "$RUN/exp" completions && mv "$RUN/completions.tgz.part" "$RUN/completions.tgz"
 stage train train --recipe "$RECIPE" --train-budget-s "$TRAIN_BUDGET_S" --save-every "$SAVE_EVERY" \
-    ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} $TRAIN_EXTRA
+    ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} --export-drafter "$RUN/drafter" $TRAIN_EXTRA
 stage eval eval --recipe "$RECIPE" --eval-prompts "$EVAL_PROMPTS" --speed-prompts "$SPEED_PROMPTS" \
     --curve-prompts "$CURVE_PROMPTS" --eval-workers "$EVAL_WORKERS" --export-drafter "$RUN/drafter"
 touch "$RUN/done"

@@ -51,6 +51,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -339,39 +340,94 @@ DRAFTER_PART_BYTES = 15 * 2**20  # a device run brings back files of at most 16 
 DRAFTER_DOC = "drafter.json"
 
 
+def write_drafter_parts(weights: dict, out: Path, fields: dict, part_bytes: int = DRAFTER_PART_BYTES) -> dict:
+    """`weights` as bfloat16 safetensors (what a warm start loads; half a float32 checkpoint) cut into parts of at
+    most `part_bytes` named by the content's hash, then `drafter.json` (`fields`, the SHA-256 of the whole, the
+    parts in order), then the parts of earlier exports deleted. Each file is written atomically and drafter.json
+    after its parts, so a copy taken meanwhile has the parts drafter.json names, or an import says one is missing."""
+    import torch
+    from safetensors.torch import save
+
+    data = save({k: v.to(torch.bfloat16).contiguous() for k, v in sorted(weights.items())},
+                metadata={"recipe": fields["recipe"], "dtype": "bfloat16"})
+    digest = hashlib.sha256(data).hexdigest()
+    out.mkdir(parents=True, exist_ok=True)
+    parts = []
+    for i in range(0, len(data), part_bytes):
+        name = f"drafter-{digest[:12]}.safetensors.part-{i // part_bytes:02d}"
+        if not (out / name).exists():
+            write_atomic_bytes(out / name, data[i:i + part_bytes])
+        parts.append(name)
+    doc = {**fields, "dtype": "bfloat16", "sha256": digest, "bytes": len(data), "parts": parts}
+    write_atomic(out / DRAFTER_DOC, json.dumps(doc, indent=1))
+    for old in out.glob("drafter-*.safetensors.part-*"):
+        if old.name not in parts:
+            old.unlink()
+    return doc
+
+
+def drafter_fields(recipe, *, step: int, tokens: int, final: bool, tau: float | None, warm_start: dict | None) -> dict:
+    """drafter.json's account of a drafter: the sequence tokens trained since random init (this run's plus, after a
+    warm start, those of the drafter it started from: `warm_start`, the imported drafter.json) and the chain of
+    recipes that trained it."""
+    before = warm_start or {}
+    return {"recipe": recipe.name, "recipe_fingerprint": recipe.fingerprint(), "step": step, "final": final,
+            "sequence_tokens": tokens, "sequence_tokens_total": tokens + int(before.get("sequence_tokens_total", 0)),
+            "tau": tau, "lineage": [*before.get("lineage", []), recipe.name]}
+
+
 def export_drafter(store, recipe, out: Path, *, tau: float | None = None, warm_start: dict | None = None,
                    part_bytes: int = DRAFTER_PART_BYTES) -> dict:
-    """The recipe's published drafter, to carry to the next session's GPU host: its weights as bfloat16
-    safetensors (what a warm start loads; half the float32 checkpoint) cut into parts of at most `part_bytes`,
-    and `drafter.json`: the SHA-256 of the whole, the parts in order, the sequence tokens trained since random
-    init (this run's plus, after a warm start, those of the drafter it started from: `warm_start`, the imported
-    drafter.json) and the chain of recipes that trained it. Each file is written atomically, drafter.json last."""
-    import torch
-    from safetensors.torch import load_file, save
+    """The recipe's published drafter, to carry to the next session's GPU host (`write_drafter_parts`); `tau`: its
+    evaluation, when there was one."""
+    from safetensors.torch import load_file
 
     from dflash_assets.drafter.provenance import PROVENANCE_FILE
     from dflash_assets.store import layout
 
     files = layout.drafter_checkpoint_files(store, recipe.name)
-    weights = load_file(str(store.local_path(files["model.safetensors"])))
-    data = save({k: v.to(torch.bfloat16).contiguous() for k, v in sorted(weights.items())},
-                metadata={"recipe": recipe.name, "dtype": "bfloat16"})
-    tokens = int(store.read_json(files[PROVENANCE_FILE])["training"]["sequence_tokens"])
-    out.mkdir(parents=True, exist_ok=True)
-    parts = []
-    for i in range(0, len(data), part_bytes):
-        name = f"drafter.safetensors.part-{i // part_bytes:02d}"
-        write_atomic_bytes(out / name, data[i:i + part_bytes])
-        parts.append(name)
-    before = warm_start or {}
-    doc = {"recipe": recipe.name, "recipe_fingerprint": recipe.fingerprint(), "dtype": "bfloat16",
-           "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "parts": parts,
-           "sequence_tokens": tokens, "sequence_tokens_total": tokens + int(before.get("sequence_tokens_total", 0)),
-           "tau": tau, "lineage": [*before.get("lineage", []), recipe.name]}
-    write_atomic(out / DRAFTER_DOC, json.dumps(doc, indent=1))
-    log(f"exported drafter {recipe.name} ({len(data) / 2**20:.1f} MiB bfloat16, {len(parts)} parts, "
+    training = store.read_json(files[PROVENANCE_FILE])["training"]
+    fields = drafter_fields(recipe, step=int(training["steps"]), tokens=int(training["sequence_tokens"]), final=True,
+                            tau=tau, warm_start=warm_start)
+    doc = write_drafter_parts(load_file(str(store.local_path(files["model.safetensors"]))), out, fields, part_bytes)
+    log(f"exported drafter {recipe.name} ({doc['bytes'] / 2**20:.1f} MiB bfloat16, {len(doc['parts'])} parts, "
         f"{doc['sequence_tokens_total'] / 1e6:.1f}M sequence tokens since random init) to {out}")
     return doc
+
+
+def export_latest_curve_checkpoint(train_dir: Path, recipe, out: Path, after_step: int, *,
+                                   warm_start: dict | None = None, part_bytes: int = DRAFTER_PART_BYTES) -> int:
+    """The newest learning-curve checkpoint `train_recipe` saved for `recipe` under `train_dir` (one per
+    `save_every` steps), exported as `write_drafter_parts` does, if it is newer than `after_step`; returns the step
+    exported (or `after_step`). What a GPU host lost mid-training still hands back: the last of these."""
+    from safetensors.torch import load_file
+
+    points = [json.loads(p.read_text())
+              for p in train_dir.glob(f"{recipe.name}-{recipe.fingerprint()}-*/curve/curve-step-*.json")]
+    if not points:
+        return after_step
+    newest = max(points, key=lambda c: c["step"])
+    if newest["step"] <= after_step:
+        return after_step
+    paths = list(train_dir.glob(f"{recipe.name}-{recipe.fingerprint()}-*/curve/{newest['file']}"))
+    fields = drafter_fields(recipe, step=newest["step"], tokens=int(newest["tokens"]), final=False, tau=None,
+                            warm_start=warm_start)
+    doc = write_drafter_parts(load_file(str(paths[0])), out, fields, part_bytes)
+    log(f"exported the step-{newest['step']} checkpoint of {recipe.name} "
+        f"({doc['sequence_tokens_total'] / 1e6:.1f}M sequence tokens since random init) to {out}")
+    return newest["step"]
+
+
+def watch_curve_checkpoints(train_dir: Path, recipe, out: Path, stop, *, warm_start: dict | None = None,
+                            poll_s: float = 10.0) -> None:
+    """A thread's loop beside `train_recipe`: each new learning-curve checkpoint exported as it is saved, until
+    `stop` is set. An error here is logged, never raised into the training."""
+    step = -1
+    while not stop.wait(poll_s):
+        try:
+            step = export_latest_curve_checkpoint(train_dir, recipe, out, step, warm_start=warm_start)
+        except Exception as e:  # noqa: BLE001  (the next save tries again)
+            log(f"exporting the newest learning-curve checkpoint failed: {e!r}")
 
 
 def import_drafter(src: Path, store, family: str) -> dict:
@@ -438,17 +494,31 @@ def train_stage(args, report: dict) -> None:
     save_recipe(store, recipe)
     report["recipe"] = recipe.to_dict()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    stop_watching = threading.Event()
+    if args.export_drafter:  # each learning-curve checkpoint exported as it is saved: a lost host hands back the last
+        watcher = threading.Thread(target=watch_curve_checkpoints, daemon=True, kwargs=dict(
+            train_dir=work / "train", recipe=recipe, out=Path(args.export_drafter), stop=stop_watching,
+            warm_start=report.get("init_drafter")))
+        watcher.start()
     t = time.perf_counter()
-    train = train_recipe(store, recipe.name, spec, work_dir=str(work / "train"), device=device, log=log,
-                         log_every=args.log_every, time_budget_s=args.train_budget_s)
+    try:
+        train = train_recipe(store, recipe.name, spec, work_dir=str(work / "train"), device=device, log=log,
+                             log_every=args.log_every, time_budget_s=args.train_budget_s)
+    finally:
+        stop_watching.set()
     times["train"] = round(time.perf_counter() - t, 1)
     report["drafter_checkpoint"] = train
     report["training_mfu"] = training_mfu(recipe, target_dir, train, device)
     started_from = work / f"{recipe.name}.init_drafter.json"  # what --export-drafter adds this run's tokens to
+    warm_start = None
     if args.init_drafter and "skipped" not in train.get("warm_start", {"skipped": "none promoted"}):
-        write_atomic(started_from, json.dumps(report["init_drafter"], indent=1))
+        warm_start = report["init_drafter"]
+        write_atomic(started_from, json.dumps(warm_start, indent=1))
     elif started_from.exists():
         started_from.unlink()
+    if args.export_drafter:  # the trained drafter, before an evaluation that a lost host would not finish
+        watcher.join()
+        report["exported_drafter"] = export_drafter(store, recipe, Path(args.export_drafter), warm_start=warm_start)
 
 
 def eval_stage(args, report: dict) -> None:
@@ -624,8 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-budget-s", type=float, default=300.0)
     p.add_argument("--init-drafter", metavar="DIR", help="--stage train: continue from the drafter an earlier "
                    "session's --export-drafter wrote (made the recipe family's promoted drafter; init_from promoted)")
-    p.add_argument("--export-drafter", metavar="DIR", help="--stage eval: write the trained drafter (bfloat16, in "
-                   "parts of at most 15 MiB) and drafter.json into DIR, for a later --init-drafter")
+    p.add_argument("--export-drafter", metavar="DIR", help="--stage train / eval: write the drafter (bfloat16, in "
+                   "parts of at most 15 MiB) and drafter.json into DIR, for a later --init-drafter: train, each "
+                   "learning-curve checkpoint as it is saved, then the trained one; eval, the trained one with its tau")
     p.add_argument("--wait-for-shards", type=int, default=0, help="--stage train beside a running --stage generate: "
                    "start once it has published this many shards")
     p.add_argument("--wait-timeout-s", type=float, default=900.0, help="--wait-for-shards: give up after this")

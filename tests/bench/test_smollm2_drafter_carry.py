@@ -5,18 +5,26 @@ $OUT (files of at most 16 MiB) and the next session continues it. These tests tr
 ``train_recipe`` on a tiny target, export it in parts, import it into a fresh store as the family's promoted
 drafter, and train the next recipe with ``init_from: promoted`` from it: the weights arrive as exported (bfloat16),
 the continued run starts from a lower loss and reports the warm start, its export counts the tokens of both runs
-and names both recipes, and a damaged part is refused before anything is promoted.
+and names both recipes, and a damaged part is refused before anything is promoted. A GPU host can be lost
+mid-training (the device tool gives an idle machine back), so the train stage also exports each learning-curve
+checkpoint as it is saved, and ``bench/smollm2_gpu_poll.sh`` brings the newest export back at every poll: tested
+here on a chain's run directory, without a GPU.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.drafter.test_model import greedy_sequences, write_cache
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +81,8 @@ def test_an_exported_drafter_continues_training_in_another_store(bench, trained)
     doc = bench.export_drafter(trained["store"], trained["recipe"], out, tau=1.25, part_bytes=4096)
     assert len(doc["parts"]) >= 2 and all((out / p).stat().st_size <= 4096 for p in doc["parts"])
     assert doc["sequence_tokens"] == doc["sequence_tokens_total"] == trained["first"]["sequence_tokens"] > 0
-    assert doc["lineage"] == ["tiny-v1"] and doc["tau"] == 1.25
+    assert doc["lineage"] == ["tiny-v1"] and doc["tau"] == 1.25 and doc["final"]
+    assert doc["step"] == trained["first"]["steps"]
     assert json.loads((out / "drafter.json").read_text()) == doc
 
     store = fresh_store(trained, "store-next")
@@ -126,7 +135,85 @@ def test_the_flags_reach_the_stages_and_the_chain_passes_them(bench):
     assert args.init_drafter == "/tmp/d" and args.export_drafter is None
     args = bench.build_parser().parse_args(["--stage", "eval", "--export-drafter", "/tmp/e"])
     assert args.export_drafter == "/tmp/e" and args.init_drafter is None
-    chain = (Path(__file__).resolve().parents[2] / "bench" / "smollm2_gpu_chain.sh").read_text()
-    assert '${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"}' in chain
-    assert '--export-drafter "$RUN/drafter"' in chain
+    chain = (REPO / "bench" / "smollm2_gpu_chain.sh").read_text()
+    assert '${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} --export-drafter "$RUN/drafter"' in chain  # train
+    assert '--eval-workers "$EVAL_WORKERS" --export-drafter "$RUN/drafter"' in chain  # eval
     assert bench.DRAFTER_PART_BYTES <= 16 * 2**20  # what a device run brings back per file
+
+
+@pytest.mark.slow
+def test_the_newest_learning_curve_checkpoint_is_exported_once(bench, trained):
+    """What the train stage's watcher thread does at each save: the newest curve checkpoint of the recipe, as
+    bfloat16 parts, not final; nothing new while no newer one is saved; the parts of an older export deleted."""
+    from safetensors.torch import load_file
+
+    out = trained["tmp"] / "exported-curve"
+    curve = trained["first"]["curve_checkpoints"]
+    assert len(curve) >= 2  # save_every 2
+    stale = out / "drafter-000000000000.safetensors.part-00"
+    out.mkdir()
+    stale.write_bytes(b"an older export")
+    step = bench.export_latest_curve_checkpoint(trained["tmp"] / "work", trained["recipe"], out, -1,
+                                                part_bytes=4096)
+    newest_step, newest_tokens = max(curve)
+    assert step == newest_step
+    doc = json.loads((out / "drafter.json").read_text())
+    assert doc["step"] == newest_step and doc["sequence_tokens"] == newest_tokens and not doc["final"]
+    assert doc["tau"] is None and doc["lineage"] == ["tiny-v1"]
+    assert not stale.exists() and sorted(p.name for p in out.glob("drafter-*")) == sorted(doc["parts"])
+    mtime = (out / "drafter.json").stat().st_mtime_ns
+    assert bench.export_latest_curve_checkpoint(trained["tmp"] / "work", trained["recipe"], out, step) == step
+    assert (out / "drafter.json").stat().st_mtime_ns == mtime
+    # the parts join to the curve checkpoint's weights in bfloat16
+    store = fresh_store(trained, "store-curve")
+    bench.import_drafter(out, store, "tiny")
+    from dflash_assets.drafter.promotion import read_promoted
+
+    carried = load_file(str(store.local_path(read_promoted(store, "tiny")["files"]["model.safetensors"])))
+    saved = load_file(str(next((trained["tmp"] / "work").glob(f"tiny-v1-*/curve/curve-step-{newest_step:08d}"
+                                                               ".safetensors"))))
+    assert all(torch.equal(carried[k], v.to(torch.bfloat16)) for k, v in saved.items())
+
+
+def run_poll(run: Path, out: Path) -> str:
+    out.mkdir()
+    done = subprocess.run(["bash", str(REPO / "bench" / "smollm2_gpu_poll.sh"), "0"], capture_output=True, text=True,
+                          env={**os.environ, "RUN_DIR": str(run), "OUT": str(out)}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_every_poll_brings_back_the_reports_and_a_changed_drafter(bench, tmp_path):
+    from dflash_assets.drafter.recipe import DrafterRecipe
+
+    run = tmp_path / "run"
+    (run / "exp").mkdir(parents=True)
+    (run / "status").write_text("generate 0\n")
+    (run / "train.log").write_text("step 600: loss 3.1\n")
+    (run / "completions.tgz").write_bytes(b"completions")
+    recipe = DrafterRecipe(name="tiny-v1", partitions=("shard-00000",))
+    fields = bench.drafter_fields(recipe, step=600, tokens=1000, final=False, tau=None, warm_start=None)
+    weights = {"w": torch.arange(6000, dtype=torch.float32)}
+    doc = bench.write_drafter_parts(weights, run / "drafter", fields, part_bytes=4096)
+
+    printed = run_poll(run, tmp_path / "out1")
+    assert "step 600: loss 3.1" in printed and "drafter back: tiny-v1 step 600 (training)" in printed
+    assert printed.rstrip().endswith("poll again within 30 s")
+    with tarfile.open(tmp_path / "out1" / "results.tgz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {"status", "train.log"} <= names and "completions.tgz" not in names and "drafter.json" not in names
+    back = sorted(p.name for p in (tmp_path / "out1" / "drafter").iterdir())
+    assert back == sorted(["drafter.json", *doc["parts"]])
+
+    assert "drafter back" not in run_poll(run, tmp_path / "out2")  # unchanged: the earlier copy is back already
+    assert not (tmp_path / "out2" / "drafter").exists()
+
+    weights["w"] += 1  # training saved a newer checkpoint, then the chain ended
+    newer = bench.write_drafter_parts(weights, run / "drafter", {**fields, "step": 1200}, part_bytes=4096)
+    (run / "done").touch()
+    printed = run_poll(run, tmp_path / "out3")
+    assert "drafter back: tiny-v1 step 1200" in printed and printed.rstrip().endswith("done")
+    assert sorted(p.name for p in (tmp_path / "out3" / "drafter").iterdir()) == sorted(["drafter.json",
+                                                                                        *newer["parts"]])
+    with tarfile.open(tmp_path / "out3" / "results.tgz") as tar:
+        assert "completions.tgz" in {Path(n).name for n in tar.getnames()}

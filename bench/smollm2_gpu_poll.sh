@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The poll of bench/smollm2_gpu_chain.sh, one device run each:
+#
+#   bash bench/smollm2_gpu_poll.sh [WAIT_S]
+#
+# waits until the chain is done or WAIT_S seconds (default 540) have passed, prints where it stands, and brings
+# back into $OUT all that a later session needs, every time: a device machine left idle for 30 s is given back
+# with everything on it (session 37 lost a 1,100 s training run so, between two polls). Into $OUT: results.tgz
+# (the stages' JSON reports, logs and status; completions.tgz with it once the chain is done) and drafter/ (the
+# newest drafter the chain exported, drafter.json and the parts it names, when it changed since the last poll:
+# earlier polls' copies are already back). Reads RUN_DIR (default /tmp/run).
+set -u
+WAIT_S=${1:-540}
+RUN=${RUN_DIR:-/tmp/run}
+: "${OUT:?run through the device tool: \$OUT is where files come back}"
+start=$SECONDS
+while [ ! -e "$RUN/done" ] && [ $((SECONDS - start)) -lt "$WAIT_S" ]; do sleep 5; done
+
+cat "$RUN/status" 2>/dev/null
+for log in "$RUN"/*.log; do
+    [ -e "$log" ] && { echo "== $(basename "$log")"; tail -n 3 "$log"; }
+done
+skip=(--exclude=./drafter --exclude=./exp --exclude=./.polled-drafter.json --exclude='./*.part')
+[ -e "$RUN/done" ] || skip+=(--exclude=./completions.tgz)
+tar czf "$OUT/results.tgz" -C "$RUN" "${skip[@]}" . 2>/dev/null
+
+# drafter.json first: it names the parts; the exporter writes the parts before it and deletes older ones after
+# it, so a part missing here means a newer export came meanwhile: the next poll brings that one.
+doc="$RUN/drafter/drafter.json"
+if [ -e "$doc" ] && ! cmp -s "$doc" "$RUN/.polled-drafter.json"; then
+    mkdir -p "$OUT/drafter"
+    cp "$doc" "$OUT/drafter/drafter.json.tmp"
+    ok=1
+    for part in $(python3 -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1]))["parts"]))' \
+                  "$OUT/drafter/drafter.json.tmp"); do
+        cp "$RUN/drafter/$part" "$OUT/drafter/" || ok=0
+    done
+    if [ "$ok" = 1 ]; then
+        mv "$OUT/drafter/drafter.json.tmp" "$OUT/drafter/drafter.json"
+        cp "$OUT/drafter/drafter.json" "$RUN/.polled-drafter.json"
+        python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); print("drafter back:", d["recipe"],
+              "step", d["step"], "final" if d["final"] else "(training)", d["sequence_tokens_total"], "tokens",
+              "tau", d["tau"])' "$OUT/drafter/drafter.json"
+    else
+        rm -rf "$OUT/drafter"
+    fi
+fi
+if [ -e "$RUN/done" ]; then echo "done"; else echo "running: poll again within 30 s"; fi
