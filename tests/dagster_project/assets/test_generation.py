@@ -1,5 +1,6 @@
 """The generation stage through Dagster: the plan asset measures the fleet; no engine fails at once."""
 
+import json
 import re
 
 import dagster as dg
@@ -10,20 +11,29 @@ from dagster_project.resources import EngineFleetResource, StoreResource
 from dflash_assets.testing.sglang_loopback import LoopbackServer
 
 
-def _ingest(instance, resources, tmp_path, n):
+def _resources(tmp_path, *endpoints, max_concurrency=2):
+    """The project's resources over a local store in tmp_path and these engine endpoints."""
+    return {**defs.resources, "store": StoreResource(uri=str(tmp_path / "store")),
+            "engines": EngineFleetResource(endpoints=list(endpoints), max_concurrency=max_concurrency)}
+
+
+def _ingest(instance, resources, tmp_path, conversations):
+    """prompt_corpus over a JSONL source of ``conversations`` (message lists; an int n: n one-turn prompts
+    "Prompt i"); returns the prompt shards it registered."""
+    if isinstance(conversations, int):
+        conversations = [[{"role": "user", "content": f"Prompt {i}"}] for i in range(conversations)]
     source = tmp_path / "prompts.jsonl"
-    source.write_text("".join(f'{{"messages": [{{"role": "user", "content": "Prompt {i}"}}]}}\n' for i in range(n)))
+    source.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
     dg.materialize(defs.assets, selection=["prompt_corpus"], instance=instance, resources=resources,
                    run_config={"ops": {"prompt_corpus": {"config": {"source_uri": str(source)}}}})
+    return instance.get_dynamic_partitions("prompt_shards")
 
 
 def test_generation_plan_estimates_from_a_measured_burst(tmp_path, tiny_dense_target):
     # 5 ms per generated token per request: throughput is bounded by that latency and the concurrency.
     with LoopbackServer(model_path=str(tiny_dense_target), per_token_s=0.005) as a, \
          LoopbackServer(model_path=str(tiny_dense_target), per_token_s=0.005) as b:
-        resources = {**defs.resources, "store": StoreResource(uri=str(tmp_path / "store")),
-                     "engines": EngineFleetResource(endpoints=[f"sglang:{a.url}", f"sglang:{b.url}"],
-                                                    max_concurrency=4)}
+        resources = _resources(tmp_path, f"sglang:{a.url}", f"sglang:{b.url}", max_concurrency=4)
         with dg.instance_for_test() as instance:
             _ingest(instance, resources, tmp_path, 300)
             result = dg.materialize(defs.assets, selection=["generation_plan"], instance=instance,
@@ -41,11 +51,9 @@ def test_generation_plan_estimates_from_a_measured_burst(tmp_path, tiny_dense_ta
 
 
 def test_completions_without_any_engine_fail_at_once_with_the_probe_table(tmp_path):
-    resources = {**defs.resources, "store": StoreResource(uri=str(tmp_path / "store")),
-                 "engines": EngineFleetResource(endpoints=["sglang:http://127.0.0.1:9"], max_concurrency=1)}
+    resources = _resources(tmp_path, "sglang:http://127.0.0.1:9", max_concurrency=1)
     with dg.instance_for_test() as instance:
-        _ingest(instance, resources, tmp_path, 3)
-        (shard,) = instance.get_dynamic_partitions("prompt_shards")
+        (shard,) = _ingest(instance, resources, tmp_path, 3)
         result = dg.materialize(defs.assets, selection=["raw_prompts", "completions"], partition_key=shard,
                                 instance=instance, resources=resources, raise_on_error=False)
     assert not result.success
@@ -56,11 +64,9 @@ def test_completions_without_any_engine_fail_at_once_with_the_probe_table(tmp_pa
 
 def test_completions_probe_each_endpoint_once_and_log_the_table(tmp_path, tiny_dense_target):
     with LoopbackServer(model_path=str(tiny_dense_target)) as engine:
-        resources = {**defs.resources, "store": StoreResource(uri=str(tmp_path / "store")),
-                     "engines": EngineFleetResource(endpoints=[f"sglang:{engine.url}"], max_concurrency=2)}
+        resources = _resources(tmp_path, f"sglang:{engine.url}")
         with dg.instance_for_test() as instance:
-            _ingest(instance, resources, tmp_path, 4)
-            (shard,) = instance.get_dynamic_partitions("prompt_shards")
+            (shard,) = _ingest(instance, resources, tmp_path, 4)
             result = dg.materialize(defs.assets, selection=["raw_prompts", "completions"], partition_key=shard,
                                     instance=instance, resources=resources,
                                     run_config={"ops": {"completions": {"config": {"max_new_tokens": 16}}}})
@@ -76,23 +82,16 @@ def test_completions_probe_each_endpoint_once_and_log_the_table(tmp_path, tiny_d
 
 def test_generation_plan_takes_turns_and_lengths_from_the_completions(tmp_path, tiny_dense_target):
     """Turns per prompt from the completions' num_turns (not 1.0), output length measured, burst on real prompts."""
-    import json
-
     from dagster_project.config import GenerationStageConfig
     from dflash_assets.store import layout
     from dflash_assets.store.backends import LocalStore
 
-    source = tmp_path / "chats.jsonl"
-    source.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"Question {i}"}, {"role": "assistant", "content": "A"},
-        {"role": "user", "content": f"Follow-up {i}"}]}) + "\n" for i in range(6)))
+    chats = [[{"role": "user", "content": f"Question {i}"}, {"role": "assistant", "content": "A"},
+              {"role": "user", "content": f"Follow-up {i}"}] for i in range(6)]
     with LoopbackServer(model_path=str(tiny_dense_target)) as engine:
-        resources = {**defs.resources, "store": StoreResource(uri=str(tmp_path / "store")),
-                     "engines": EngineFleetResource(endpoints=[f"sglang:{engine.url}"], max_concurrency=2)}
+        resources = _resources(tmp_path, f"sglang:{engine.url}")
         with dg.instance_for_test() as instance:
-            dg.materialize(defs.assets, selection=["prompt_corpus"], instance=instance, resources=resources,
-                           run_config={"ops": {"prompt_corpus": {"config": {"source_uri": str(source)}}}})
-            (shard,) = instance.get_dynamic_partitions("prompt_shards")
+            (shard,) = _ingest(instance, resources, tmp_path, chats)
             empty = dg.materialize(defs.assets, selection=["generation_plan"], instance=instance, resources=resources,
                                    run_config={"ops": {"generation_plan": {"config": {
                                        "probe_max_new_tokens": 8, "probe_requests": 4}}}})
@@ -122,21 +121,14 @@ def test_generation_plan_takes_turns_and_lengths_from_the_completions(tmp_path, 
 def test_completions_run_config_caps_the_context_at_the_drafters_max_length(tmp_path, tiny_dense_target):
     """``max_context_tokens`` in the completions' run config: the prompt over it is listed as failed with its reason
     and counted in the metadata, the partition still materializes (1 of 4 is over the default 1% gate)."""
-    import json
-
     from dflash_assets.store import layout
     from dflash_assets.store.backends import LocalStore
 
-    source = tmp_path / "chats.jsonl"
     texts = [f"Question {i}" for i in range(3)] + [" ".join(["word"] * 400)]
-    source.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in texts))
     with LoopbackServer(model_path=str(tiny_dense_target)) as engine:
-        resources = {**defs.resources, "store": StoreResource(uri=str(tmp_path / "store")),
-                     "engines": EngineFleetResource(endpoints=[f"sglang:{engine.url}"], max_concurrency=2)}
+        resources = _resources(tmp_path, f"sglang:{engine.url}")
         with dg.instance_for_test() as instance:
-            dg.materialize(defs.assets, selection=["prompt_corpus"], instance=instance, resources=resources,
-                           run_config={"ops": {"prompt_corpus": {"config": {"source_uri": str(source)}}}})
-            (shard,) = instance.get_dynamic_partitions("prompt_shards")
+            (shard,) = _ingest(instance, resources, tmp_path, [[{"role": "user", "content": t}] for t in texts])
             result = dg.materialize(defs.assets, selection=["raw_prompts", "completions"], partition_key=shard,
                                     instance=instance, resources=resources, run_config={"ops": {"completions": {
                                         "config": {"max_new_tokens": 32, "max_context_tokens": 256}}}})
