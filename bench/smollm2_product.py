@@ -25,8 +25,10 @@ and generates + tokenizes shard after shard until ``--gen-budget-s`` has passed 
 (the last ``--heldout-shards`` shards are never generated: they are the evaluation's); ``--stage train``
 registers the recipe and trains (``--train-budget-s``); ``--stage eval`` evaluates. Generated samples,
 training states and checkpoints stay in ``--work``'s store: each stage restarts from there; ``--export-completions
-$OUT`` brings the generated completions back and ``--import-completions`` reuses them on another machine. Each
-stage writes a JSON report (``--out``); ``--charts REPORT`` (here) draws the tau-by-position and learning-curve
+$OUT`` brings the generated completions back and ``--import-completions`` reuses them on another machine;
+likewise ``--export-drafter DIR`` (train: each learning-curve checkpoint as it is saved, then the trained drafter;
+eval: that one with its tau) and ``--init-drafter DIR`` (train: continue from it, through ``init_from: promoted``).
+Each stage writes a JSON report (``--out``); ``--charts REPORT`` (here) draws the tau-by-position and learning-curve
 PNGs from an eval report.
 
     python bench/smollm2_product.py --prepare .smollm2_carry --shard-size 2000                # here
@@ -395,6 +397,15 @@ def export_drafter(store, recipe, out: Path, *, tau: float | None = None, warm_s
     return doc
 
 
+def export_or_error(store, recipe, out: Path, **kwargs) -> dict:
+    """`export_drafter`, or the error it raised: the stage's report is written whatever happens here."""
+    try:
+        return export_drafter(store, recipe, out, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        log(f"exporting the drafter failed: {e!r}")
+        return {"error": repr(e)}
+
+
 def export_latest_curve_checkpoint(train_dir: Path, recipe, out: Path, after_step: int, *,
                                    warm_start: dict | None = None, part_bytes: int = DRAFTER_PART_BYTES) -> int:
     """The newest learning-curve checkpoint `train_recipe` saved for `recipe` under `train_dir` (one per
@@ -518,7 +529,7 @@ def train_stage(args, report: dict) -> None:
         started_from.unlink()
     if args.export_drafter:  # the trained drafter, before an evaluation that a lost host would not finish
         watcher.join()
-        report["exported_drafter"] = export_drafter(store, recipe, Path(args.export_drafter), warm_start=warm_start)
+        report["exported_drafter"] = export_or_error(store, recipe, Path(args.export_drafter), warm_start=warm_start)
 
 
 def eval_stage(args, report: dict) -> None:
@@ -545,12 +556,8 @@ def eval_stage(args, report: dict) -> None:
         recipe = load_recipe(store, args.recipe)
         init = work / f"{recipe.name}.init_drafter.json"
         warm_start = json.loads(init.read_text()) if init.exists() else None
-        try:  # the evaluation's report is written whatever happens here
-            report["exported_drafter"] = export_drafter(store, recipe, Path(args.export_drafter), tau=ev["tau"],
-                                                        warm_start=warm_start)
-        except Exception as e:  # noqa: BLE001
-            log(f"exporting the drafter failed: {e!r}")
-            report["exported_drafter"] = {"error": repr(e)}
+        report["exported_drafter"] = export_or_error(store, recipe, Path(args.export_drafter), tau=ev["tau"],
+                                                     warm_start=warm_start)
     speed = ev.get("decode_speed") or {}
     report["goal"] = {"tau": ">= 3.0 on >= 64 held-out prompts, lossless", "speedup": ">= 2.0 at batch 1"}
     report["goal_met"] = {"tau": bool(ev["tau"] >= 3.0 and ev["lossless"] and ev["num_prompts"] >= 64
