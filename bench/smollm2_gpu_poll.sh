@@ -8,7 +8,9 @@
 # with everything on it (session 37 lost a 1,100 s training run so, between two polls). Into $OUT: results.tgz
 # (the stages' JSON reports, logs and status; completions.tgz with it once the chain is done) and drafter/ (the
 # newest drafter the chain exported, drafter.json and the parts it names, when it changed since the last poll:
-# earlier polls' copies are already back). Reads RUN_DIR (default /tmp/run).
+# earlier polls' copies are already back). Reads RUN_DIR (default /tmp/run). Polls repeated within one device run
+# (`for i in 1 2 3; do bash bench/smollm2_gpu_poll.sh 60; done`) keep $OUT current, so that a run stopped at its
+# time limit, whose $OUT still comes back, brings the newest drafter.
 set -u
 WAIT_S=${1:-540}
 RUN=${RUN_DIR:-/tmp/run}
@@ -25,24 +27,25 @@ skip=(--exclude=./drafter --exclude=./exp --exclude=./.polled-drafter.json --exc
 tar czf "$OUT/results.tgz" -C "$RUN" "${skip[@]}" . 2>/dev/null
 
 # drafter.json first: it names the parts; the exporter writes the parts before it and deletes older ones after
-# it, so a part missing here means a newer export came meanwhile: the next poll brings that one.
+# it, so a part missing here means a newer export came meanwhile: the next poll brings that one. The copy goes to
+# drafter.tmp/ and replaces drafter/ whole, so polls repeated in one device run leave one drafter in $OUT.
 doc="$RUN/drafter/drafter.json"
 if [ -e "$doc" ] && ! cmp -s "$doc" "$RUN/.polled-drafter.json"; then
-    mkdir -p "$OUT/drafter"
-    cp "$doc" "$OUT/drafter/drafter.json.tmp"
+    rm -rf "$OUT/drafter.tmp" && mkdir -p "$OUT/drafter.tmp"
+    cp "$doc" "$OUT/drafter.tmp/drafter.json"
     ok=1
     for part in $(python3 -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1]))["parts"]))' \
-                  "$OUT/drafter/drafter.json.tmp"); do
-        cp "$RUN/drafter/$part" "$OUT/drafter/" || ok=0
+                  "$OUT/drafter.tmp/drafter.json"); do
+        cp "$RUN/drafter/$part" "$OUT/drafter.tmp/" || ok=0
     done
     if [ "$ok" = 1 ]; then
-        mv "$OUT/drafter/drafter.json.tmp" "$OUT/drafter/drafter.json"
+        rm -rf "$OUT/drafter" && mv "$OUT/drafter.tmp" "$OUT/drafter"
         cp "$OUT/drafter/drafter.json" "$RUN/.polled-drafter.json"
         python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); print("drafter back:", d["recipe"],
               "step", d["step"], "final" if d["final"] else "(training)", d["sequence_tokens_total"], "tokens",
               "tau", d["tau"])' "$OUT/drafter/drafter.json"
     else
-        rm -rf "$OUT/drafter"
+        rm -rf "$OUT/drafter.tmp"
     fi
 fi
 if [ -e "$RUN/done" ]; then echo "done"; else echo "running: poll again within 30 s"; fi

@@ -176,7 +176,7 @@ def test_the_newest_learning_curve_checkpoint_is_exported_once(bench, trained):
 
 
 def run_poll(run: Path, out: Path) -> str:
-    out.mkdir()
+    out.mkdir(exist_ok=True)
     done = subprocess.run(["bash", str(REPO / "bench" / "smollm2_gpu_poll.sh"), "0"], capture_output=True, text=True,
                           env={**os.environ, "RUN_DIR": str(run), "OUT": str(out)}, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -217,3 +217,10 @@ def test_every_poll_brings_back_the_reports_and_a_changed_drafter(bench, tmp_pat
                                                                                         *newer["parts"]])
     with tarfile.open(tmp_path / "out3" / "results.tgz") as tar:
         assert "completions.tgz" in {Path(n).name for n in tar.getnames()}
+
+    # polls repeated in one device run write into the same $OUT: one drafter there, the newest
+    (run / ".polled-drafter.json").unlink()
+    run_poll(run, tmp_path / "out1")
+    assert sorted(p.name for p in (tmp_path / "out1").iterdir()) == ["drafter", "results.tgz"]
+    assert sorted(p.name for p in (tmp_path / "out1" / "drafter").iterdir()) == sorted(["drafter.json",
+                                                                                        *newer["parts"]])
