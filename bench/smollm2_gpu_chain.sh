@@ -12,7 +12,8 @@
 # `status` (one "stage exit-code" line per stage run), `completions.tgz` (the generated shards' completions, once
 # the generate stage ends), `drafter/` (the drafter, bfloat16 in parts of at most 15 MiB: each learning-curve
 # checkpoint as training saves it, then the trained one, then with its tau: the next session's INIT_DRAFTER) and
-# `done` when the chain ends. bench/smollm2_gpu_poll.sh is the poll: it brings all of it back, each time. A stage that fails stops the chain (but resample).
+# `done` when the chain ends. bench/smollm2_gpu_poll.sh is the poll: it brings all of it back, each time. A stage
+# that fails stops the chain (but resample).
 set -u  # GEN_EXTRA and TRAIN_EXTRA are split on spaces on purpose
 SM=${SM:-/tmp/sm}
 RUN=${RUN_DIR:-/tmp/run}
