@@ -24,7 +24,8 @@ for log in "$RUN"/*.log; do
 done
 skip=(--exclude=./drafter --exclude=./exp --exclude=./.polled-drafter.json --exclude='./*.part')
 [ -e "$RUN/done" ] || skip+=(--exclude=./completions.tgz)
-tar czf "$OUT/results.tgz" -C "$RUN" "${skip[@]}" . 2>/dev/null
+tar czf "$OUT/results.tgz.tmp" -C "$RUN" "${skip[@]}" . 2>/dev/null  # a run stopped meanwhile keeps the last one
+mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
 
 # drafter.json first: it names the parts; the exporter writes the parts before it and deletes older ones after
 # it, so a part missing here means a newer export came meanwhile: the next poll brings that one. The copy goes to
