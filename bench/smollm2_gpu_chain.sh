@@ -8,7 +8,8 @@
 #
 # Reads the GGUF halves and the raw_prompts store from SM (default /tmp/sm: --prepare's carries t, a and b) and the
 # settings below from the environment (RESAMPLE=NAME adds a second generate stage: the kept shards' prompts again
-# as new partitions, sampled, trained on beside the kept ones). Writes into RUN_DIR (default /tmp/run): each stage's log and JSON report,
+# as new partitions, sampled, trained on beside the kept ones; with RESAMPLE_BESIDE_TRAIN=N it runs beside
+# training, for a later session). Writes into RUN_DIR (default /tmp/run): each stage's log and JSON report,
 # `status` (one "stage exit-code" line per stage run), `completions.tgz` (the generated shards' completions, once
 # the generate stage ends), `drafter/` (the drafter, bfloat16 in parts of at most 15 MiB: each learning-curve
 # checkpoint as training saves it, then the trained one, then with its tau: the next session's INIT_DRAFTER) and
@@ -17,6 +18,7 @@
 set -u  # GEN_EXTRA and TRAIN_EXTRA are split on spaces on purpose
 SM=${SM:-/tmp/sm}
 RUN=${RUN_DIR:-/tmp/run}
+WORK=${WORK:-/tmp/smollm2-product}  # the stages' --work: GGUF, target, store, training state
 RECIPE=${RECIPE:-smollm2-greedy-v6}
 GEN_BUDGET_S=${GEN_BUDGET_S:-700}
 TRAIN_BUDGET_S=${TRAIN_BUDGET_S:-850}
@@ -33,13 +35,16 @@ RESAMPLE=${RESAMPLE:-}        # NAME: after the kept shards, generate their prom
 # sampled ones kept in bench/data/smollm2-sampled imported: t07 with the default flags reuses them) ...
 RESAMPLE_EXTRA=${RESAMPLE_EXTRA:-"--temperature 0.7"}  # ... with these flags (another config), for RESAMPLE_BUDGET_S
 RESAMPLE_BUDGET_S=${RESAMPLE_BUDGET_S:-450}
+RESAMPLE_BESIDE_TRAIN=${RESAMPLE_BESIDE_TRAIN:-}  # N: the resample stage runs beside training instead of before it;
+# training starts once N shards are published (9: the 8 kept greedy ones and the kept sampled one) and trains on
+# those; the shards generated meanwhile come back in completions.tgz, for a later session to keep and train on
 INIT_DRAFTER=${INIT_DRAFTER:-}  # DIR: an earlier session's exported drafter (drafter.json + parts): train continues it
 mkdir -p "$RUN"
 export PYTHONUNBUFFERED=1
 
 stage() {  # stage LABEL STAGE ARGS...: run one stage of the bench, record its exit code, stop the chain on failure
     local name=$1 which=$2; shift 2
-    python3 bench/smollm2_product.py --stage "$which" "$@" --out "$RUN/$name.json" > "$RUN/$name.log" 2>&1
+    python3 bench/smollm2_product.py --stage "$which" --work "$WORK" "$@" --out "$RUN/$name.json" > "$RUN/$name.log" 2>&1
     local rc=$?
     echo "$name $rc" >> "$RUN/status"
     if [ "$rc" -ne 0 ] && [ "$name" != resample ]; then touch "$RUN/done"; exit "$rc"; fi
@@ -50,14 +55,26 @@ ENGINE="--gen-dtype bfloat16 --gen-cache static --gen-concurrency 4096 --gen-bat
 stage generate generate --parts "$SM/gguf.part-a" "$SM/gguf.part-b" --store "$SM/store" $ENGINE \
     --max-turns 2 --gen-attention "$GEN_ATTENTION" --gen-budget-s "$GEN_BUDGET_S" --export-completions "$RUN/exp" \
     $GEN_EXTRA
-if [ -n "$RESAMPLE" ]; then
+resample() {
     stage resample generate --parts "$SM/gguf.part-a" "$SM/gguf.part-b" --store "$SM/store" $ENGINE \
         --max-turns 2 --gen-attention "$GEN_ATTENTION" --gen-budget-s "$RESAMPLE_BUDGET_S" --resample "$RESAMPLE" \
         --import-completions bench/data/smollm2-sampled --export-completions "$RUN/exp" $RESAMPLE_EXTRA
+}
+pack_completions() {
+    tar czf "$RUN/completions.tgz.part" -C "$RUN/exp" completions && mv "$RUN/completions.tgz.part" "$RUN/completions.tgz"
+}
+WAIT_FOR_SHARDS=0
+if [ -n "$RESAMPLE" ] && [ -n "$RESAMPLE_BESIDE_TRAIN" ]; then
+    resample &  # the generate stage publishes shard by shard; the train stage below waits for the first N
+    WAIT_FOR_SHARDS=$RESAMPLE_BESIDE_TRAIN
+elif [ -n "$RESAMPLE" ]; then
+    resample
 fi
-tar czf "$RUN/completions.tgz.part" -C "$RUN/exp" completions && mv "$RUN/completions.tgz.part" "$RUN/completions.tgz"
+[ "$WAIT_FOR_SHARDS" -gt 0 ] || pack_completions
 stage train train --recipe "$RECIPE" --train-budget-s "$TRAIN_BUDGET_S" --save-every "$SAVE_EVERY" \
-    ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} --export-drafter "$RUN/drafter" $TRAIN_EXTRA
+    --wait-for-shards "$WAIT_FOR_SHARDS" ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} \
+    --export-drafter "$RUN/drafter" $TRAIN_EXTRA
 stage eval eval --recipe "$RECIPE" --eval-prompts "$EVAL_PROMPTS" --speed-prompts "$SPEED_PROMPTS" \
     --curve-prompts "$CURVE_PROMPTS" --eval-workers "$EVAL_WORKERS" --export-drafter "$RUN/drafter"
+if [ "$WAIT_FOR_SHARDS" -gt 0 ]; then wait; pack_completions; fi  # the resample beside training ends first
 touch "$RUN/done"
