@@ -44,7 +44,8 @@ export PYTHONUNBUFFERED=1
 
 stage() {  # stage LABEL STAGE ARGS...: run one stage of the bench, record its exit code, stop the chain on failure
     local name=$1 which=$2; shift 2
-    python3 bench/smollm2_product.py --stage "$which" --work "$WORK" "$@" --out "$RUN/$name.json" > "$RUN/$name.log" 2>&1
+    python3 bench/smollm2_product.py --stage "$which" --work "$WORK" "$@" --out "$RUN/$name.json" \
+        > "$RUN/$name.log" 2>&1
     local rc=$?
     echo "$name $rc" >> "$RUN/status"
     if [ "$rc" -ne 0 ] && [ "$name" != resample ]; then touch "$RUN/done"; exit "$rc"; fi
@@ -61,7 +62,8 @@ resample() {
         --import-completions bench/data/smollm2-sampled --export-completions "$RUN/exp" $RESAMPLE_EXTRA
 }
 pack_completions() {
-    tar czf "$RUN/completions.tgz.part" -C "$RUN/exp" completions && mv "$RUN/completions.tgz.part" "$RUN/completions.tgz"
+    tar czf "$RUN/completions.tgz.part" -C "$RUN/exp" completions &&
+        mv "$RUN/completions.tgz.part" "$RUN/completions.tgz"
 }
 WAIT_FOR_SHARDS=0
 if [ -n "$RESAMPLE" ] && [ -n "$RESAMPLE_BESIDE_TRAIN" ]; then
@@ -72,8 +74,8 @@ elif [ -n "$RESAMPLE" ]; then
 fi
 [ "$WAIT_FOR_SHARDS" -gt 0 ] || pack_completions
 stage train train --recipe "$RECIPE" --train-budget-s "$TRAIN_BUDGET_S" --save-every "$SAVE_EVERY" \
-    --wait-for-shards "$WAIT_FOR_SHARDS" ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} \
-    --export-drafter "$RUN/drafter" $TRAIN_EXTRA
+    --wait-for-shards "$WAIT_FOR_SHARDS" \
+    ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} --export-drafter "$RUN/drafter" $TRAIN_EXTRA
 stage eval eval --recipe "$RECIPE" --eval-prompts "$EVAL_PROMPTS" --speed-prompts "$SPEED_PROMPTS" \
     --curve-prompts "$CURVE_PROMPTS" --eval-workers "$EVAL_WORKERS" --export-drafter "$RUN/drafter"
 if [ "$WAIT_FOR_SHARDS" -gt 0 ]; then wait; pack_completions; fi  # the resample beside training ends first

@@ -29,7 +29,8 @@ $OUT`` brings the generated completions back and ``--import-completions`` reuses
 likewise ``--export-drafter DIR`` (train: each learning-curve checkpoint as it is saved, then the trained drafter;
 eval: that one with its tau) and ``--init-drafter DIR`` (train: continue from it, through ``init_from: promoted``).
 Each stage writes a JSON report (``--out``); ``--charts REPORT`` (here) draws the tau-by-position and learning-curve
-PNGs from an eval report.
+PNGs from an eval report. ``--stage generalization --init-drafter DIR --store STORE`` (here or there) decodes an
+exported drafter on prompts it trained on and on the held-out ones, the same way: memorized or mis-decoded?
 
     python bench/smollm2_product.py --prepare .smollm2_carry --shard-size 2000                # here
     # device run 1 (carry .smollm2_carry/t), then each next run at once (same warm machine):
@@ -375,7 +376,8 @@ def drafter_fields(recipe, *, step: int, tokens: int, final: bool, tau: float | 
     before = warm_start or {}
     return {"recipe": recipe.name, "recipe_fingerprint": recipe.fingerprint(), "step": step, "final": final,
             "sequence_tokens": tokens, "sequence_tokens_total": tokens + int(before.get("sequence_tokens_total", 0)),
-            "tau": tau, "lineage": [*before.get("lineage", []), recipe.name]}
+            "tau": tau, "lineage": [*before.get("lineage", []), recipe.name],
+            "block_size": recipe.block_size, "num_layers": recipe.num_layers}
 
 
 def export_drafter(store, recipe, out: Path, *, tau: float | None = None, warm_start: dict | None = None,
@@ -441,6 +443,18 @@ def watch_curve_checkpoints(train_dir: Path, recipe, out: Path, stop, *, warm_st
             log(f"exporting the newest learning-curve checkpoint failed: {e!r}")
 
 
+def read_drafter_parts(src: Path) -> tuple[dict, bytes]:
+    """drafter.json of an export (`write_drafter_parts`) and its safetensors bytes, the parts joined and checked
+    against the SHA-256 it names."""
+    doc = json.loads((src / DRAFTER_DOC).read_text())
+    data = b"".join((src / part).read_bytes() for part in doc["parts"])
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != doc["sha256"] or len(data) != doc["bytes"]:
+        raise SystemExit(f"{src}: the drafter's parts join to {len(data)} bytes with SHA-256 {digest}, "
+                         f"drafter.json says {doc['bytes']} bytes, {doc['sha256']}: a part is missing or damaged")
+    return doc, data
+
+
 def import_drafter(src: Path, store, family: str) -> dict:
     """A drafter exported by `export_drafter` (an earlier session), made the `family`'s promoted drafter in the
     work store (`promotion.write_promoted`, as `drafter_eval` promotes one), so that a recipe of that family with
@@ -448,13 +462,8 @@ def import_drafter(src: Path, store, family: str) -> dict:
     checked against the SHA-256 drafter.json names; returns drafter.json."""
     from dflash_assets.drafter.promotion import Candidate, write_promoted
 
-    doc = json.loads((src / DRAFTER_DOC).read_text())
-    data = b"".join((src / part).read_bytes() for part in doc["parts"])
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != doc["sha256"] or len(data) != doc["bytes"]:
-        raise SystemExit(f"{src}: the drafter's parts join to {len(data)} bytes with SHA-256 {digest}, "
-                         f"drafter.json says {doc['bytes']} bytes, {doc['sha256']}: a part is missing or damaged")
-    key = f"imports/drafter/{digest[:16]}/model.safetensors"
+    doc, data = read_drafter_parts(src)
+    key = f"imports/drafter/{doc['sha256'][:16]}/model.safetensors"
     store.write_bytes(key, data)
     write_promoted(store, family, doc["recipe"],
                    Candidate(f"imported {doc['recipe']}", int(doc["sequence_tokens_total"]), doc.get("tau") or 0.0,
@@ -565,6 +574,79 @@ def eval_stage(args, report: dict) -> None:
                           "speedup": bool(speed.get("speedup", 0) >= 2.0 and speed.get("num_prompts", 0) >= 16)}
 
 
+def generalization_stage(args, report: dict) -> None:
+    """tau of an exported drafter (`--init-drafter DIR`) on prompts it trained on against held-out ones, decoded the
+    same way: is the gap between training accuracy and held-out acceptance the drafter's (it fits the trained
+    prompts' answers better) or the decoding's (both sets low)? The held-out set is the one `drafter_eval` decodes
+    (`heldout_prompts`, the last `--heldout-shards` shards, decontaminated); the trained set is the first
+    `--eval-prompts` first turns of shard-00000 that repeat no other shard's turn, chosen by the same function.
+    Decoding is the product's `evaluate_drafter` (float32, greedy, lossless checked), in `--eval-workers`
+    processes (`EvalWorkers`) like `eval_recipe`. Reads the carried raw_prompts store (`--store`) and the target
+    the generate stage converted (`--work`), else this venv's SmolLM2."""
+    import functools
+    import tempfile
+
+    import torch
+    from safetensors.torch import load
+
+    from dflash_assets.chart_data import share_at_least
+    from dflash_assets.drafter.decoding import evaluate_drafter, load_target
+    from dflash_assets.drafter.eval_workers import EvalWorkers
+    from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, load_target_config, save_drafter
+    from dflash_assets.drafter.recipe import DrafterRecipe
+    from dflash_assets.drafter.stages import heldout_prompts
+    from dflash_assets.embedded.smollm2 import smollm2_target_path
+    from dflash_assets.store import layout
+    from dflash_assets.store.backends import LocalStore
+    from dflash_assets.target_model.conventions import mask_token_id_in_dir
+
+    work = Path(args.work)
+    target_dir = Path((work / "target_dir").read_text()) if (work / "target_dir").exists() else smollm2_target_path()
+    spec = target_spec(target_dir)
+    doc, data = read_drafter_parts(Path(args.init_drafter))
+    block_size, num_layers = doc.get("block_size", args.block_size), doc.get("num_layers", args.drafter_layers)
+    config = DrafterConfig.from_target_config(load_target_config(target_dir), num_layers=num_layers,
+                                              block_size=block_size, mask_token_id=mask_token_id_in_dir(target_dir))
+    drafter = DFlashDrafter(config)
+    drafter.load_state_dict({k: v.float() for k, v in load(data).items()}, strict=True)
+    store = LocalStore(Path(args.store))
+    shards = layout.list_raw_prompt_shards(store)
+    trained = shards[:len(shards) - args.heldout_shards]
+    sets = {"held_out": DrafterRecipe(name="held-out", partitions=tuple(trained)),
+            "trained": DrafterRecipe(name="trained", partitions=tuple(s for s in shards if s != trained[0]))}
+    stop = sorted(spec.chat().stop_ids)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    report["drafter"] = doc
+    report["sets"] = {}
+    with tempfile.TemporaryDirectory(prefix="dflash-generalization-") as tmp:
+        save_drafter(drafter, tmp, dtype=torch.float32)
+        pool = (EvalWorkers(target_dir, args.eval_workers, device=device, dtype="float32")
+                if args.eval_workers > 1 else None)
+        model = None if pool else load_target(target_dir, device, torch.float32)
+        try:
+            for name, recipe in sets.items():
+                prompts, _ = heldout_prompts(store, recipe, spec, args.eval_prompts)
+                t = time.perf_counter()
+                decode = (functools.partial(pool.evaluate, tmp) if pool
+                          else functools.partial(evaluate_drafter, tmp, model))
+                result = decode(prompts, max_new_tokens=args.eval_new_tokens, stop_token_ids=stop, check_lossless=True,
+                                on_prompt=lambda i, row, name=name, n=len(prompts): log(
+                                    f"{name}: prompt {i + 1} of {n} done, tau {row['tau']:.2f}"))
+                counts = result.acceptance_length_counts
+                by_pos = share_at_least(counts + [0] * (block_size + 1 - len(counts)))
+                report["sets"][name] = {"shards": [s for s in shards if s not in recipe.partitions],
+                                        "num_prompts": len(prompts), "tau": round(result.tau, 4),
+                                        "lossless": result.lossless, "num_verifications": result.num_verifications,
+                                        "acceptance_by_position": [round(x, 4) for x in by_pos],
+                                        "wall_s": round(time.perf_counter() - t, 1)}
+                log(f"{name}: tau {result.tau:.3f} over {len(prompts)} prompts, acceptance by position "
+                    + ", ".join(f"{x:.3f}" for x in by_pos[:6]) + f" ... (lossless {result.lossless})")
+        finally:
+            if pool is not None:
+                pool.close()
+    report["stage_wall_s"]["generalization"] = round(sum(v["wall_s"] for v in report["sets"].values()), 1)
+
+
 def training_mfu(recipe, target_dir: Path, train: dict, device: str) -> dict:
     """Model FLOPs of the drafter's training per sequence token (forward + backward = 3x forward; the target's
     forward for online features counted apart), at the measured tokens/s, against the H200's measured bf16 peak
@@ -638,7 +720,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prepare", metavar="DIR", help="write the carried files into DIR (here) and stop")
     p.add_argument("--charts", metavar="REPORT", help="draw the PNG charts of a train report (here) and stop")
     p.add_argument("--chart-dir", default="docs/charts")
-    p.add_argument("--stage", choices=["generate", "train", "eval"])
+    p.add_argument("--stage", choices=["generate", "train", "eval", "generalization"],
+                   help="generalization: tau of --init-drafter's drafter on trained against held-out prompts")
     p.add_argument("--parts", nargs="+", help="the GGUF's parts, in order (reassembled and checked)")
     p.add_argument("--gguf", help="the GGUF itself (instead of --parts)")
     p.add_argument("--store", help="the carried store with the raw_prompts shards (--prepare's b/store)")
@@ -738,7 +821,10 @@ def main(argv=None) -> int:
                     "machine": machine_info("torch", "transformers", "safetensors", "numpy", "pyarrow", "pydantic"),
                     "gpu": gpu_info(), "args": vars(args), "stage_wall_s": {}}
     t0 = time.perf_counter()
-    {"generate": generate_stage, "train": train_stage, "eval": eval_stage}[args.stage](args, report)
+    if args.stage == "generalization" and not (args.init_drafter and args.store):
+        p.error("--stage generalization needs --init-drafter (an exported drafter) and --store (raw_prompts)")
+    {"generate": generate_stage, "train": train_stage, "eval": eval_stage,
+     "generalization": generalization_stage}[args.stage](args, report)
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     write_report(report, args.out)
     print(json.dumps({k: v for k, v in report.items() if k not in ("machine",)}, indent=1, default=str)[-6000:])

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.drafter.test_model import greedy_sequences, write_cache
+from tests.drafter.test_model import publish_cache, publish_tiny_cache
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,24 +30,16 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_dense_target):
     """A store holding one hidden-state shard of the tiny target and the recipe tiny-v1 trained on it."""
-    from transformers import AutoModelForCausalLM
-
     from dflash_assets.drafter.recipe import DrafterRecipe
     from dflash_assets.drafter.stages import save_recipe, train_recipe
-    from dflash_assets.store import layout
     from dflash_assets.store.backends import LocalStore
-    from dflash_assets.store.manifest import publish_files
     from dflash_assets.target_model.spec import TargetModelSpec
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("carry")
     store = LocalStore(tmp / "store")
     spec = TargetModelSpec(model_path=str(tiny_dense_target), dtype="float32")
-    model = AutoModelForCausalLM.from_pretrained(tiny_dense_target, dtype=torch.float32).eval()
-    seqs = greedy_sequences(model, n=8, prompt_len=8, new_tokens=24, seed=0, vocab_hi=200)
-    cache = write_cache(tmp / "cache.safetensors", model, seqs, layer_ids=[1])
-    publish_files(store, layout.hidden_state_manifest("shard-00000"), layout.hidden_state_versions("shard-00000"),
-                  {"shard-00000.safetensors": cache})
+    _, cache = publish_tiny_cache(store, tmp, tiny_dense_target)
     base = dict(partitions=("shard-00000",), num_layers=1, block_size=8, epochs=2, batch_size=2, max_anchors=8,
                 lr=3e-3, save_every=2, compile=False, checkpoint_dtype="float32")
     recipe = DrafterRecipe(name="tiny-v1", **base)
@@ -58,13 +50,10 @@ def trained(tmp_path_factory, tiny_dense_target):
 
 def fresh_store(trained, name: str):
     """Another machine's store: the same hidden-state shard, no drafter."""
-    from dflash_assets.store import layout
     from dflash_assets.store.backends import LocalStore
-    from dflash_assets.store.manifest import publish_files
 
     store = LocalStore(trained["tmp"] / name)
-    publish_files(store, layout.hidden_state_manifest("shard-00000"), layout.hidden_state_versions("shard-00000"),
-                  {"shard-00000.safetensors": trained["cache"]})
+    publish_cache(store, trained["cache"])
     return store
 
 

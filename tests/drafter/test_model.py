@@ -92,6 +92,27 @@ def write_cache(path: Path, target, seqs, layer_ids, dtype=torch.float32) -> Pat
     return path
 
 
+def publish_cache(store, cache: Path, shard: str = "shard-00000") -> None:
+    """`cache` (a `write_cache` file) published in `store` as `shard`'s hidden-state partition."""
+    from dflash_assets.store import layout
+    from dflash_assets.store.manifest import publish_files
+
+    publish_files(store, layout.hidden_state_manifest(shard), layout.hidden_state_versions(shard),
+                  {f"{shard}.safetensors": cache})
+
+
+def publish_tiny_cache(store, tmp: Path, target_dir) -> tuple[object, Path]:
+    """The tiny target's greedy continuations of 8 random prompts as one published hidden-state shard
+    (shard-00000, layer 1): what a drafter test trains on. Returns (the loaded target, the cache file)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    seqs = greedy_sequences(model, n=8, prompt_len=8, new_tokens=24, seed=0, vocab_hi=200)
+    cache = write_cache(tmp / "cache.safetensors", model, seqs, layer_ids=[1])
+    publish_cache(store, cache)
+    return model, cache
+
+
 def small_config(**kw) -> DrafterConfig:
     d = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
              vocab_size=64, target_layer_ids=[1, 3], num_target_layers=6, mask_token_id=63, num_hidden_layers=2,

@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from dflash_assets.drafter.training import train_drafter
-from tests.drafter.test_model import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, write_cache  # noqa: F401
+from tests.drafter.test_model import (MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target,  # noqa: F401
+                                      publish_tiny_cache, write_cache)
 from tests.drafter.test_training import mini_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,24 +130,17 @@ def test_a_recipe_with_init_from_promoted_trains_from_the_promoted_checkpoint_in
                                                                                         tiny_dense_target):
     """train_recipe through the store: the family's promoted manifest names the first recipe's published
     checkpoint; the next recipe (init_from promoted) downloads it, starts from a lower loss, and says so."""
-    from transformers import AutoModelForCausalLM
-
     from dflash_assets.drafter.promotion import Candidate, write_promoted
     from dflash_assets.drafter.recipe import DrafterRecipe
     from dflash_assets.drafter.stages import save_recipe, train_recipe
     from dflash_assets.store import layout
     from dflash_assets.store.backends import LocalStore
-    from dflash_assets.store.manifest import publish_files
     from dflash_assets.target_model.spec import TargetModelSpec
 
     torch.set_num_threads(1)
     store = LocalStore(tmp_path / "store")
     spec = TargetModelSpec(model_path=str(tiny_dense_target), dtype="float32")
-    model = AutoModelForCausalLM.from_pretrained(tiny_dense_target, dtype=torch.float32).eval()
-    seqs = greedy_sequences(model, n=8, prompt_len=8, new_tokens=24, seed=0, vocab_hi=200)
-    cache = write_cache(tmp_path / "cache.safetensors", model, seqs, layer_ids=[1])
-    publish_files(store, layout.hidden_state_manifest("shard-00000"), layout.hidden_state_versions("shard-00000"),
-                  {"shard-00000.safetensors": cache})
+    publish_tiny_cache(store, tmp_path, tiny_dense_target)
     base = dict(partitions=("shard-00000",), num_layers=1, block_size=8, epochs=2, batch_size=2, max_anchors=8,
                 lr=3e-3, save_every=2, compile=False)
     save_recipe(store, DrafterRecipe(name="tiny-v1", **base))
