@@ -506,7 +506,8 @@ def train_stage(args, report: dict) -> None:
     spec = target_spec(target_dir)
     recipe = DrafterRecipe(name=args.recipe, block_size=args.block_size, num_layers=args.drafter_layers,
                            epochs=args.epochs, lr=args.lr, max_length=args.max_length, max_anchors=args.max_anchors,
-                           batch_size=args.batch_size, partitions=tuple(shards), online=True,
+                           batch_size=args.batch_size, weight_decay=args.weight_decay, partitions=tuple(shards),
+                           online=True,
                            save_every=args.save_every, compile=args.compile, checkpoint_dtype="float32",
                            init_from="promoted" if args.init_drafter else None)
     if args.init_drafter:  # an earlier session's drafter: this run continues its training (the refresh path)
@@ -776,6 +777,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-layers", type=int, default=5)
     p.add_argument("--epochs", type=int, default=30, help="an upper bound: --train-budget-s cuts the steps")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0, help="the recipe's AdamW weight decay (a new "
+                   "recipe fingerprint when set)")
     p.add_argument("--batch-size", type=int, default=48, help="sequences per step")
     p.add_argument("--max-anchors", type=int, default=512)
     p.add_argument("--max-length", type=int, default=2048)

@@ -40,7 +40,7 @@ def test_the_chain_resamples_beside_training_and_brings_every_shard_back(bench, 
            "SM": str(sm), "RUN_DIR": str(run), "WORK": str(tmp_path / "work"), "RECIPE": "chain-beside",
            "GEN_EXTRA": SMALL, "RESAMPLE": "t07", "RESAMPLE_EXTRA": SMALL + " --temperature 0.7",
            "RESAMPLE_BUDGET_S": "600", "RESAMPLE_BESIDE_TRAIN": "3", "TRAIN_BUDGET_S": "10", "SAVE_EVERY": "5",
-           "TRAIN_EXTRA": "--no-compile --batch-size 2 --drafter-layers 1 --block-size 4",
+           "TRAIN_EXTRA": "--no-compile --batch-size 2 --drafter-layers 1 --block-size 4 --weight-decay 0.05",
            "EVAL_PROMPTS": "2", "SPEED_PROMPTS": "0", "CURVE_PROMPTS": "0", "EVAL_WORKERS": "1"}
     done = subprocess.run(["bash", str(REPO / "bench" / "smollm2_gpu_chain.sh")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1200)
@@ -51,8 +51,9 @@ def test_the_chain_resamples_beside_training_and_brings_every_shard_back(bench, 
     assert status == {"generate": "0", "resample": "0", "train": "0", "eval": "0"}, logs
 
     assert "waiting for 3 published shards (2 so far)" in (run / "train.log").read_text()
-    partitions = json.loads((run / "train.json").read_text())["recipe"]["partitions"]
-    assert partitions[:3] == ["shard-00000", "shard-00001", "resample-t07-shard-00000"]
+    recipe = json.loads((run / "train.json").read_text())["recipe"]
+    assert recipe["partitions"][:3] == ["shard-00000", "shard-00001", "resample-t07-shard-00000"]
+    assert recipe["weight_decay"] == 0.05 and recipe["block_size"] == 4  # TRAIN_EXTRA reaches the recipe
 
     with tarfile.open(run / "completions.tgz") as tar:
         names = sorted(Path(n).name for n in tar.getnames() if n.endswith(".parquet"))
