@@ -575,6 +575,60 @@ def eval_stage(args, report: dict) -> None:
                           "speedup": bool(speed.get("speedup", 0) >= 2.0 and speed.get("num_prompts", 0) >= 16)}
 
 
+def teacher_forced(target, drafter, prompts, *, max_new_tokens: int, stop_token_ids: list[int]) -> dict:
+    """The drafter on the target's own greedy continuation of each prompt (the text a lossless decode writes), in
+    the training layout: one forward with a block at every anchor of the continuation (`loss.block_layout`,
+    `loss.dflash_dense_mask`, the target's features from `LayerCapture` as training takes them online). Returns
+    the accuracy by block position over all anchors (what training reports) and the tau a decode would reach with
+    these predictions (a verification starts at the last accepted token's bonus, as `SpeculativeDecoder` does);
+    when that tau equals the decoded one, decoding and training agree, and accuracy against acceptance is the
+    text's and the anchors' doing."""
+    import torch
+
+    from dflash_assets.drafter.decoding import greedy_generate
+    from dflash_assets.drafter.loss import block_layout, dflash_dense_mask
+    from dflash_assets.drafter.model import TargetHead
+    from dflash_assets.target_model.layer_capture import LayerCapture
+
+    cfg = drafter.config
+    B = cfg.block_size
+    head = TargetHead(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
+    correct, counts, rounds, tokens = torch.zeros(B - 1), torch.zeros(B - 1), 0, 0
+    dev = next(target.parameters()).device
+    with torch.no_grad():
+        for p in prompts:
+            cont = greedy_generate(target, p.input_ids, max_new_tokens, stop_token_ids)
+            seq, P = torch.tensor([list(p.input_ids) + cont], device=dev), len(p.input_ids)
+            S = seq.shape[1]
+            if len(cont) < 2:
+                continue
+            with LayerCapture(target, cfg.target_layer_ids, cut=False) as capture:
+                target(input_ids=seq, use_cache=False)
+                feats = capture.features()  # (1, S, n*H)
+            anchors = torch.arange(P, S - 1, device=dev)[None]  # every continuation token but the last
+            keep = torch.ones_like(anchors, dtype=torch.bool)
+            noise, positions = block_layout(seq, anchors, keep, B, cfg.mask_token_id)
+            h = drafter(head.embed(noise).to(feats.dtype), feats, torch.cat([torch.arange(S, device=dev)[None],
+                                                                             positions], 1),
+                        dflash_dense_mask(anchors, keep, S, B))[0].view(-1, B, cfg.hidden_size)[:, 1:]
+            preds = torch.cat([head.logits(c).argmax(-1) for c in h.split(64)])  # (N, B-1)
+            target_pos = anchors[0, :, None] + torch.arange(1, B, device=dev)  # (N, B-1)
+            valid = target_pos < S
+            right = (preds == seq[0, target_pos.clamp(max=S - 1)]) & valid
+            correct += right.sum(0).float().cpu()
+            counts += valid.sum(0).float().cpu()
+            done = 1  # the prefill's token; then rounds as SpeculativeDecoder.generate runs them
+            while done < len(cont):
+                row = right[done - 1].tolist()  # the block anchored at the last token written
+                accepted = next((k for k, ok in enumerate(row) if not ok), B - 1)
+                gained = min(accepted + 1, len(cont) - done)
+                done += gained
+                rounds += 1
+                tokens += gained
+    return {"accuracy_by_position": [round(float(c / n), 4) if n else None for c, n in zip(correct, counts)],
+            "anchors": int(counts[0]), "simulated_tau": round(tokens / rounds, 4) if rounds else None}
+
+
 def generalization_stage(args, report: dict) -> None:
     """tau of an exported drafter (`--init-drafter DIR`) on prompts it trained on against held-out ones, decoded the
     same way: is the gap between training accuracy and held-out acceptance the drafter's (it fits the trained
@@ -623,7 +677,8 @@ def generalization_stage(args, report: dict) -> None:
         save_drafter(drafter, tmp, dtype=torch.float32)
         pool = (EvalWorkers(target_dir, args.eval_workers, device=device, dtype="float32")
                 if args.eval_workers > 1 else None)
-        model = None if pool else load_target(target_dir, device, torch.float32)
+        model = load_target(target_dir, device, torch.float32)  # decodes without workers; teacher-forces
+        drafter = drafter.to(next(model.parameters()).device).eval()
         try:
             for name, recipe in sets.items():
                 prompts, _ = heldout_prompts(store, recipe, spec, args.eval_prompts)
@@ -642,6 +697,13 @@ def generalization_stage(args, report: dict) -> None:
                                         "wall_s": round(time.perf_counter() - t, 1)}
                 log(f"{name}: tau {result.tau:.3f} over {len(prompts)} prompts, acceptance by position "
                     + ", ".join(f"{x:.3f}" for x in by_pos[:6]) + f" ... (lossless {result.lossless})")
+                t = time.perf_counter()  # the same continuations, teacher-forced in the training layout
+                forced = teacher_forced(model, drafter, prompts, max_new_tokens=args.eval_new_tokens,
+                                        stop_token_ids=stop)
+                report["sets"][name]["teacher_forced"] = {**forced, "wall_s": round(time.perf_counter() - t, 1)}
+                log(f"{name}: teacher-forced accuracy by position "
+                    + ", ".join(f"{x:.3f}" for x in forced["accuracy_by_position"][:5])
+                    + f" ..., simulated tau {forced['simulated_tau']}")
         finally:
             if pool is not None:
                 pool.close()

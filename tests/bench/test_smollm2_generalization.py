@@ -5,7 +5,9 @@ Issue 21's drafter is right at block position 1 on 80% of training positions and
 this stage says whether the drafter or the decoding makes that gap. Here, on the tiny target with a 1-layer
 drafter exported through ``write_drafter_parts``, over 12 real ShareGPT prompts in shards of 4: the held-out set
 comes from the last shard (what ``drafter_eval`` decodes), the trained set from the first, both decoded by
-``evaluate_drafter`` (lossless checked) with acceptance by block position; a damaged part stops it first.
+``evaluate_drafter`` (lossless checked) with acceptance by block position; a damaged part stops it first. The
+stage also teacher-forces each set's greedy continuations in the training layout (``teacher_forced``): on a
+drafter trained on the tiny target, the tau that walk simulates is the decoded one.
 """
 
 from __future__ import annotations
@@ -62,3 +64,43 @@ def test_a_damaged_part_stops_it_before_decoding(bench, exported):
     part.write_bytes(bytes(data))
     with pytest.raises(SystemExit, match="missing or damaged"):
         run(bench, exported)
+
+
+def test_the_teacher_forced_walk_reproduces_the_decoded_tau(bench, tmp_path, tiny_dense_target):
+    """A drafter trained on the tiny target's greedy continuations of 8 prompts, on those prompts: the training
+    layout's predictions, walked as SpeculativeDecoder verifies, give the decoded tau exactly, and accuracy by
+    block position near what training reported. So a gap between the two in a report is the text's, not a
+    mismatch between decoding and training."""
+    from dflash_assets.drafter.decoding import EvalPrompt, evaluate_drafter
+    from dflash_assets.drafter.model import load_drafter
+    from dflash_assets.drafter.recipe import DrafterRecipe
+    from dflash_assets.drafter.stages import save_recipe, train_recipe
+    from dflash_assets.store import layout
+    from dflash_assets.store.backends import LocalStore
+    from dflash_assets.target_model.spec import TargetModelSpec
+    from tests.drafter.test_model import greedy_sequences, publish_tiny_cache
+
+    torch.set_num_threads(1)
+    store = LocalStore(tmp_path / "store")
+    model, _ = publish_tiny_cache(store, tmp_path, tiny_dense_target)
+    save_recipe(store, DrafterRecipe(name="tiny-v1", partitions=("shard-00000",), num_layers=1, block_size=4,
+                                     epochs=4, batch_size=2, max_anchors=8, lr=3e-3, compile=False,
+                                     checkpoint_dtype="float32"))
+    trained = train_recipe(store, "tiny-v1", TargetModelSpec(model_path=str(tiny_dense_target), dtype="float32"),
+                           work_dir=str(tmp_path / "work"), device="cpu")
+    files = layout.drafter_checkpoint_files(store, "tiny-v1")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for name in ("model.safetensors", "config.json"):
+        (ckpt / name).write_bytes(store.read_bytes(files[name]))
+    seqs = greedy_sequences(model, n=8, prompt_len=8, new_tokens=24, seed=0, vocab_hi=200)  # publish_tiny_cache's
+    prompts = [EvalPrompt(tuple(ids[:8]), "unknown", f"p{i}", ()) for i, (ids, _) in enumerate(seqs)]
+
+    decoded = evaluate_drafter(str(ckpt), model, prompts, max_new_tokens=24)
+    forced = bench.teacher_forced(model, load_drafter(ckpt, dtype=torch.float32), prompts, max_new_tokens=24,
+                                  stop_token_ids=[])
+    assert decoded.lossless and decoded.tau > 1.5, decoded.tau  # the drafter learned these continuations
+    assert forced["simulated_tau"] == pytest.approx(decoded.tau, abs=1e-3)
+    assert forced["anchors"] == 8 * 23
+    for acc, seen in zip(forced["accuracy_by_position"], trained["accuracy_by_position"]):
+        assert abs(acc - seen) < 0.15, (forced, trained["accuracy_by_position"])
