@@ -636,8 +636,9 @@ def generalization_stage(args, report: dict) -> None:
     (`heldout_prompts`, the last `--heldout-shards` shards, decontaminated); the trained set is the first
     `--eval-prompts` first turns of shard-00000 that repeat no other shard's turn, chosen by the same function.
     Decoding is the product's `evaluate_drafter` (float32, greedy, lossless checked), in `--eval-workers`
-    processes (`EvalWorkers`) like `eval_recipe`. Reads the carried raw_prompts store (`--store`) and the target
-    the generate stage converted (`--work`), else this venv's SmolLM2."""
+    processes (`EvalWorkers`) like `eval_recipe`; then each set's greedy continuations teacher-forced in the
+    training layout (`teacher_forced`). Reads the carried raw_prompts store (`--store`) and the target the generate
+    stage converted (`--work`), else this venv's SmolLM2."""
     import functools
     import tempfile
 
