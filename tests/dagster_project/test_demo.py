@@ -46,6 +46,7 @@ def second_kernel_level() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1700)  # above run_demo_command's own 1500 s: the second level builds its tiny target first
 @pytest.mark.parametrize("kernels", ["native", "second"])
 def test_demo_passes_every_check_with_a_short_console(tmp_path, tiny_dense_target, kernels):
     home = tmp_path / "home"
