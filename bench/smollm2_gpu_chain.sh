@@ -76,7 +76,9 @@ fi
 stage train train --recipe "$RECIPE" --train-budget-s "$TRAIN_BUDGET_S" --save-every "$SAVE_EVERY" \
     --wait-for-shards "$WAIT_FOR_SHARDS" \
     ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} --export-drafter "$RUN/drafter" $TRAIN_EXTRA
+# beside training, the resample's last shard ends before the evaluation starts: the batch-1 speed is timed on an
+# otherwise idle GPU (RESAMPLE_BUDGET_S is a start deadline: set it so that the last shard ends near training's end)
+if [ "$WAIT_FOR_SHARDS" -gt 0 ]; then wait; pack_completions; fi
 stage eval eval --recipe "$RECIPE" --eval-prompts "$EVAL_PROMPTS" --speed-prompts "$SPEED_PROMPTS" \
     --curve-prompts "$CURVE_PROMPTS" --eval-workers "$EVAL_WORKERS" --export-drafter "$RUN/drafter"
-if [ "$WAIT_FOR_SHARDS" -gt 0 ]; then wait; pack_completions; fi  # the resample beside training ends first
 touch "$RUN/done"

@@ -6,7 +6,8 @@
 # waits until the chain is done or WAIT_S seconds (default 540) have passed, prints where it stands, and brings
 # back into $OUT all that a later session needs, every time: a device machine left idle for 30 s is given back
 # with everything on it (session 37 lost a 1,100 s training run so, between two polls). Into $OUT: results.tgz
-# (the stages' JSON reports, logs and status; completions.tgz with it once the chain is done) and drafter/ (the
+# (the stages' JSON reports, logs and status; completions.tgz with them once the chain has packed it: its write is
+# atomic, and the generated shards are the session's most costly product) and drafter/ (the
 # newest drafter the chain exported, drafter.json and the parts it names, when it changed since the last poll:
 # earlier polls' copies are already back). Reads RUN_DIR (default /tmp/run). Polls repeated within one device run
 # (`for i in 1 2 3; do bash bench/smollm2_gpu_poll.sh 60; done`) keep $OUT current, so that a run stopped at its
@@ -23,7 +24,6 @@ for log in "$RUN"/*.log; do
     [ -e "$log" ] && { echo "== $(basename "$log")"; tail -n 3 "$log"; }
 done
 skip=(--exclude=./drafter --exclude=./exp --exclude=./.polled-drafter.json --exclude='./*.part')
-[ -e "$RUN/done" ] || skip+=(--exclude=./completions.tgz)
 tar czf "$OUT/results.tgz.tmp" -C "$RUN" "${skip[@]}" . 2>/dev/null  # a run stopped meanwhile keeps the last one
 mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
 

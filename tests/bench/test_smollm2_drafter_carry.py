@@ -179,7 +179,8 @@ def test_every_poll_brings_back_the_reports_and_a_changed_drafter(bench, tmp_pat
     (run / "exp").mkdir(parents=True)
     (run / "status").write_text("generate 0\n")
     (run / "train.log").write_text("step 600: loss 3.1\n")
-    (run / "completions.tgz").write_bytes(b"completions")
+    (run / "completions.tgz").write_bytes(b"completions")  # packed (atomically) before training: back at once
+    (run / "completions.tgz.part").write_bytes(b"compl")  # a later pack still being written: left there
     recipe = DrafterRecipe(name="tiny-v1", partitions=("shard-00000",))
     fields = bench.drafter_fields(recipe, step=600, tokens=1000, final=False, tau=None, warm_start=None)
     weights = {"w": torch.arange(6000, dtype=torch.float32)}
@@ -190,7 +191,8 @@ def test_every_poll_brings_back_the_reports_and_a_changed_drafter(bench, tmp_pat
     assert printed.rstrip().endswith("poll again within 30 s")
     with tarfile.open(tmp_path / "out1" / "results.tgz") as tar:
         names = {Path(n).name for n in tar.getnames()}
-    assert {"status", "train.log"} <= names and "completions.tgz" not in names and "drafter.json" not in names
+    assert {"status", "train.log", "completions.tgz"} <= names and "drafter.json" not in names
+    assert "completions.tgz.part" not in names
     back = sorted(p.name for p in (tmp_path / "out1" / "drafter").iterdir())
     assert back == sorted(["drafter.json", *doc["parts"]])
 
