@@ -10,8 +10,8 @@
 # settings below from the environment (RESAMPLE=NAME adds a second generate stage: the kept shards' prompts again
 # as new partitions, sampled, trained on beside the kept ones; with RESAMPLE_BESIDE_TRAIN=N it runs beside
 # training, for a later session). Writes into RUN_DIR (default /tmp/run): each stage's log and JSON report,
-# `status` (one "stage exit-code" line per stage run), `completions.tgz` (the generated shards' completions, once
-# the generate stage ends), `drafter/` (the drafter, bfloat16 in parts of at most 15 MiB: each learning-curve
+# `status` (one "stage exit-code" line per stage run), `exp/completions/` (each shard generated here, not the
+# imported ones, written atomically as the shard is published), `drafter/` (the drafter, bfloat16 in parts of at most 15 MiB: each learning-curve
 # checkpoint as training saves it, then the trained one, then with its tau: the next session's INIT_DRAFTER) and
 # `done` when the chain ends. bench/smollm2_gpu_poll.sh is the poll: it brings all of it back, each time. A stage
 # that fails stops the chain (but resample).
@@ -37,7 +37,7 @@ RESAMPLE_EXTRA=${RESAMPLE_EXTRA:-"--temperature 0.7"}  # ... with these flags (a
 RESAMPLE_BUDGET_S=${RESAMPLE_BUDGET_S:-450}
 RESAMPLE_BESIDE_TRAIN=${RESAMPLE_BESIDE_TRAIN:-}  # N: the resample stage runs beside training instead of before it;
 # training starts once N shards are published (9: the 8 kept greedy ones and the kept sampled one) and trains on
-# those; the shards generated meanwhile come back in completions.tgz, for a later session to keep and train on
+# those; the shards generated meanwhile come back with each poll, for a later session to keep and train on
 INIT_DRAFTER=${INIT_DRAFTER:-}  # DIR: an earlier session's exported drafter (drafter.json + parts): train continues it
 mkdir -p "$RUN"
 export PYTHONUNBUFFERED=1
@@ -61,10 +61,6 @@ resample() {
         --max-turns 2 --gen-attention "$GEN_ATTENTION" --gen-budget-s "$RESAMPLE_BUDGET_S" --resample "$RESAMPLE" \
         --import-completions bench/data/smollm2-sampled --export-completions "$RUN/exp" $RESAMPLE_EXTRA
 }
-pack_completions() {
-    tar czf "$RUN/completions.tgz.part" -C "$RUN/exp" completions &&
-        mv "$RUN/completions.tgz.part" "$RUN/completions.tgz"
-}
 WAIT_FOR_SHARDS=0
 if [ -n "$RESAMPLE" ] && [ -n "$RESAMPLE_BESIDE_TRAIN" ]; then
     resample &  # the generate stage publishes shard by shard; the train stage below waits for the first N
@@ -72,13 +68,12 @@ if [ -n "$RESAMPLE" ] && [ -n "$RESAMPLE_BESIDE_TRAIN" ]; then
 elif [ -n "$RESAMPLE" ]; then
     resample
 fi
-[ "$WAIT_FOR_SHARDS" -gt 0 ] || pack_completions
 stage train train --recipe "$RECIPE" --train-budget-s "$TRAIN_BUDGET_S" --save-every "$SAVE_EVERY" \
     --wait-for-shards "$WAIT_FOR_SHARDS" \
     ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} --export-drafter "$RUN/drafter" $TRAIN_EXTRA
 # beside training, the resample's last shard ends before the evaluation starts: the batch-1 speed is timed on an
 # otherwise idle GPU (RESAMPLE_BUDGET_S is a start deadline: set it so that the last shard ends near training's end)
-if [ "$WAIT_FOR_SHARDS" -gt 0 ]; then wait; pack_completions; fi
+if [ "$WAIT_FOR_SHARDS" -gt 0 ]; then wait; fi
 stage eval eval --recipe "$RECIPE" --eval-prompts "$EVAL_PROMPTS" --speed-prompts "$SPEED_PROMPTS" \
     --curve-prompts "$CURVE_PROMPTS" --eval-workers "$EVAL_WORKERS" --export-drafter "$RUN/drafter"
 touch "$RUN/done"

@@ -6,8 +6,8 @@
 # waits until the chain is done or WAIT_S seconds (default 540) have passed, prints where it stands, and brings
 # back into $OUT all that a later session needs, every time: a device machine left idle for 30 s is given back
 # with everything on it (session 37 lost a 1,100 s training run so, between two polls). Into $OUT: results.tgz
-# (the stages' JSON reports, logs and status; completions.tgz with them once the chain has packed it: its write is
-# atomic, and the generated shards are the session's most costly product) and drafter/ (the
+# (the stages' JSON reports, logs and status, and exp/completions/: every shard generated so far, the session's
+# costliest product; session 39 lost six shards that were to be packed after training) and drafter/ (the
 # newest drafter the chain exported, drafter.json and the parts it names, when it changed since the last poll:
 # earlier polls' copies are already back). Reads RUN_DIR (default /tmp/run). Polls repeated within one device run
 # (`for i in 1 2 3; do bash bench/smollm2_gpu_poll.sh 60; done`) keep $OUT current, so that a run stopped at its
@@ -16,6 +16,10 @@ set -u
 WAIT_S=${1:-540}
 RUN=${RUN_DIR:-/tmp/run}
 : "${OUT:?run through the device tool: \$OUT is where files come back}"
+if [ ! -d "$RUN" ]; then  # the chain makes RUN_DIR first: without it, this is a fresh machine, not the chain's
+    echo "no chain on this machine ($RUN is missing): the one that ran it was given back; nothing to bring back"
+    exit 3
+fi
 start=$SECONDS
 while [ ! -e "$RUN/done" ] && [ $((SECONDS - start)) -lt "$WAIT_S" ]; do sleep 5; done
 
@@ -23,7 +27,7 @@ cat "$RUN/status" 2>/dev/null
 for log in "$RUN"/*.log; do
     [ -e "$log" ] && { echo "== $(basename "$log")"; tail -n 3 "$log"; }
 done
-skip=(--exclude=./drafter --exclude=./exp --exclude=./.polled-drafter.json --exclude='./*.part')
+skip=(--exclude=./drafter --exclude=./.polled-drafter.json --exclude='*.part' --exclude='*.tmp')  # tmp: a copy
 tar czf "$OUT/results.tgz.tmp" -C "$RUN" "${skip[@]}" . 2>/dev/null  # a run stopped meanwhile keeps the last one
 mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
 

@@ -255,7 +255,7 @@ def generate_stage(args, report: dict) -> None:
         # meanwhile in another process trains on the shards published so far.
         done = published_shards(work, [r["shard"] for r in report["generation"]["shards"]])
         write_atomic(work / "trained_shards.json", json.dumps(done))
-        if args.export_completions:
+        if args.export_completions and result.stats.prompts_generated:  # an imported shard is kept already
             report.setdefault("exported", []).extend(export_completions(store_dir, [shard],
                                                                         Path(args.export_completions)))
         write_report(report, args.out)

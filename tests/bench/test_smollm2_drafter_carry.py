@@ -179,8 +179,9 @@ def test_every_poll_brings_back_the_reports_and_a_changed_drafter(bench, tmp_pat
     (run / "exp").mkdir(parents=True)
     (run / "status").write_text("generate 0\n")
     (run / "train.log").write_text("step 600: loss 3.1\n")
-    (run / "completions.tgz").write_bytes(b"completions")  # packed (atomically) before training: back at once
-    (run / "completions.tgz.part").write_bytes(b"compl")  # a later pack still being written: left there
+    (run / "exp" / "completions").mkdir()
+    (run / "exp" / "completions" / "shard-00008.parquet").write_bytes(b"generated")  # each shard as exported
+    (run / "exp" / "completions" / "shard-00009.parquet.tmp").write_bytes(b"gene")  # one being copied: left there
     recipe = DrafterRecipe(name="tiny-v1", partitions=("shard-00000",))
     fields = bench.drafter_fields(recipe, step=600, tokens=1000, final=False, tau=None, warm_start=None)
     weights = {"w": torch.arange(6000, dtype=torch.float32)}
@@ -191,8 +192,8 @@ def test_every_poll_brings_back_the_reports_and_a_changed_drafter(bench, tmp_pat
     assert printed.rstrip().endswith("poll again within 30 s")
     with tarfile.open(tmp_path / "out1" / "results.tgz") as tar:
         names = {Path(n).name for n in tar.getnames()}
-    assert {"status", "train.log", "completions.tgz"} <= names and "drafter.json" not in names
-    assert "completions.tgz.part" not in names
+    assert {"status", "train.log", "shard-00008.parquet"} <= names and "drafter.json" not in names
+    assert "shard-00009.parquet.tmp" not in names
     back = sorted(p.name for p in (tmp_path / "out1" / "drafter").iterdir())
     assert back == sorted(["drafter.json", *doc["parts"]])
 
@@ -207,7 +208,7 @@ def test_every_poll_brings_back_the_reports_and_a_changed_drafter(bench, tmp_pat
     assert sorted(p.name for p in (tmp_path / "out3" / "drafter").iterdir()) == sorted(["drafter.json",
                                                                                         *newer["parts"]])
     with tarfile.open(tmp_path / "out3" / "results.tgz") as tar:
-        assert "completions.tgz" in {Path(n).name for n in tar.getnames()}
+        assert "shard-00008.parquet" in {Path(n).name for n in tar.getnames()}
 
     # polls repeated in one device run write into the same $OUT: one drafter there, the newest
     (run / ".polled-drafter.json").unlink()
@@ -215,3 +216,14 @@ def test_every_poll_brings_back_the_reports_and_a_changed_drafter(bench, tmp_pat
     assert sorted(p.name for p in (tmp_path / "out1").iterdir()) == ["drafter", "results.tgz"]
     assert sorted(p.name for p in (tmp_path / "out1" / "drafter").iterdir()) == sorted(["drafter.json",
                                                                                         *newer["parts"]])
+
+
+def test_a_poll_on_a_fresh_machine_says_so_at_once(tmp_path):
+    """The device tool gives an idle machine back after ~30 s; a poll that lands on the fresh one that follows
+    says that the chain is gone and stops, instead of waiting out its WAIT_S on nothing (session 39)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run(["bash", str(REPO / "bench" / "smollm2_gpu_poll.sh"), "540"], capture_output=True,
+                          text=True, env={**os.environ, "RUN_DIR": str(tmp_path / "run"), "OUT": str(out)}, timeout=30)
+    assert done.returncode == 3 and "no chain on this machine" in done.stdout, done
+    assert list(out.iterdir()) == []

