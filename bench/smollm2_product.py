@@ -670,6 +670,7 @@ def generalization_stage(args, report: dict) -> None:
     trained = shards[:len(shards) - args.heldout_shards]
     sets = {"held_out": DrafterRecipe(name="held-out", partitions=tuple(trained)),
             "trained": DrafterRecipe(name="trained", partitions=tuple(s for s in shards if s != trained[0]))}
+    sets = {name: recipe for name, recipe in sets.items() if name in args.sets}
     stop = sorted(spec.chat().stop_ids)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report["drafter"] = doc
@@ -698,6 +699,8 @@ def generalization_stage(args, report: dict) -> None:
                                         "wall_s": round(time.perf_counter() - t, 1)}
                 log(f"{name}: tau {result.tau:.3f} over {len(prompts)} prompts, acceptance by position "
                     + ", ".join(f"{x:.3f}" for x in by_pos[:6]) + f" ... (lossless {result.lossless})")
+                if not args.teacher_forced:
+                    continue
                 t = time.perf_counter()  # the same continuations, teacher-forced in the training layout
                 forced = teacher_forced(model, drafter, prompts, max_new_tokens=args.eval_new_tokens,
                                         stop_token_ids=stop)
@@ -863,6 +866,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-prompts", type=int, default=6)
     p.add_argument("--eval-workers", type=int, default=1, help="processes that decode the held-out prompts, each "
                    "with its own target (eval_recipe's workers; the speed measurement runs alone)")
+    p.add_argument("--sets", nargs="+", choices=["held_out", "trained"], default=["held_out", "trained"],
+                   help="--stage generalization: the prompt sets decoded")
+    p.add_argument("--no-teacher-forced", dest="teacher_forced", action="store_false",
+                   help="--stage generalization: decode only (teacher-forcing doubles the time on a CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the JSON report here too")
     return p

@@ -38,11 +38,11 @@ def exported(bench, tmp_path, tiny_dense_target):
     return tmp_path
 
 
-def run(bench, tmp_path):
+def run(bench, tmp_path, *extra):
     out = tmp_path / "generalization.json"
     assert bench.main(["--stage", "generalization", "--init-drafter", str(tmp_path / "drafter"), "--store",
                        str(tmp_path / "store"), "--work", str(tmp_path / "work"), "--eval-prompts", "2",
-                       "--eval-new-tokens", "8", "--eval-workers", "1", "--out", str(out)]) == 0
+                       "--eval-new-tokens", "8", "--eval-workers", "1", "--out", str(out), *extra]) == 0
     return json.loads(out.read_text())
 
 
@@ -55,6 +55,12 @@ def test_trained_and_held_out_prompts_are_decoded_alike(bench, exported):
         assert s["num_prompts"] == 2 and s["lossless"] is True and s["num_verifications"] >= 2
         assert len(s["acceptance_by_position"]) == 4 and s["acceptance_by_position"][0] == 1.0
         assert s["tau"] == pytest.approx(sum(s["acceptance_by_position"]), abs=1e-3)
+
+
+def test_one_set_decoded_only_when_asked(bench, exported):
+    report = run(bench, exported, "--sets", "held_out", "--no-teacher-forced")
+    assert list(report["sets"]) == ["held_out"] and "teacher_forced" not in report["sets"]["held_out"]
+    assert report["sets"]["held_out"]["shards"] == ["shard-00002"] and report["sets"]["held_out"]["lossless"]
 
 
 def test_a_damaged_part_stops_it_before_decoding(bench, exported):
