@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         target = AutoModelForCausalLM.from_config(tcfg, dtype=dtype, attn_implementation="sdpa").eval()
     target.requires_grad_(False)
     log(f"target built in {time.perf_counter() - t0:.1f}s: {sum(x.numel() for x in target.parameters()) / 1e9:.2f}B params")
-    head = TargetHead(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
+    head = TargetHead.from_model(target)
     dcfg = DrafterConfig(vocab_size=tcfg.vocab_size, hidden_size=H, intermediate_size=tcfg.intermediate_size,
                          num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
                          head_dim=tcfg.head_dim, target_layer_ids=layer_ids, num_target_layers=L,

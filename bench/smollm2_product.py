@@ -592,16 +592,16 @@ def teacher_forced(target, drafter, prompts, *, max_new_tokens: int, stop_token_
 
     cfg = drafter.config
     B = cfg.block_size
-    head = TargetHead(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
+    head = TargetHead.from_model(target)
     correct, counts, rounds, tokens = torch.zeros(B - 1), torch.zeros(B - 1), 0, 0
     dev = next(target.parameters()).device
     with torch.no_grad():
         for p in prompts:
             cont = greedy_generate(target, p.input_ids, max_new_tokens, stop_token_ids)
+            if len(cont) < 2:  # no anchor with a token after it
+                continue
             seq, P = torch.tensor([list(p.input_ids) + cont], device=dev), len(p.input_ids)
             S = seq.shape[1]
-            if len(cont) < 2:
-                continue
             with LayerCapture(target, cfg.target_layer_ids, cut=False) as capture:
                 target(input_ids=seq, use_cache=False)
                 feats = capture.features()  # (1, S, n*H)

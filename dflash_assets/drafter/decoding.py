@@ -112,8 +112,7 @@ class SpeculativeDecoder:
         self.target, self.drafter = target, drafter.eval()
         cfg = drafter.config
         self.block_size, self.mask_token_id, self.layer_ids = cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids
-        self.head = head or TargetHead(target.get_input_embeddings().weight.detach(),
-                                       target.get_output_embeddings().weight.detach())
+        self.head = head or TargetHead.from_model(target)
         self.use_cache = use_cache
 
     @torch.no_grad()

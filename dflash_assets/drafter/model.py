@@ -443,6 +443,11 @@ class TargetHead(nn.Module):
         dtype = dtype or embed.dtype
         return cls(embed.to(device=device, dtype=dtype), head.to(device=device, dtype=dtype))
 
+    @classmethod
+    def from_model(cls, target: nn.Module) -> "TargetHead":
+        """The head of a loaded target (a Transformers causal LM), sharing its tensors, on its device and dtype."""
+        return cls(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)
 
