@@ -209,11 +209,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # casts only where the dtype changes: at batch 1 every operator costs the host a dispatch (decode_op_counts)
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = _cast(x, torch.float32)
+        x = _cast(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps), dtype)
         # (cast back: under autocast an fp32 weight would otherwise promote the stream to fp32)
-        return (self.weight * x.to(dtype)).to(dtype)
+        return _cast(self.weight * x, dtype)
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)` without dispatching an operator when `x` has that dtype already."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class MLP(nn.Module):
@@ -249,7 +255,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x (b, nh, T, hd); cos, sin (b, T, hd)
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    cos, sin = _cast(cos[:, None], x.dtype), _cast(sin[:, None], x.dtype)
     return x * cos + rotate_half(x) * sin
 
 
@@ -325,7 +331,7 @@ class DFlashAttention(nn.Module):
         v = v.transpose(1, 2)  # (b, nkv, tc+tq, hd)
         q = apply_rope(q, cos[:, tc:], sin[:, tc:])  # queries sit at the block positions
         k = apply_rope(k, cos, sin)
-        q, k = q.to(v.dtype), k.to(v.dtype)  # one dtype for the attention kernel (autocast)
+        q, k = _cast(q, v.dtype), _cast(k, v.dtype)  # one dtype for the attention kernel (autocast)
         if cache is not None:
             k_ctx, v_ctx = cache.extend(self.layer_idx, k[:, :, :tc], v[:, :, :tc])
             k = torch.cat([k_ctx, k[:, :, tc:]], dim=2)  # (b, nkv, all ctx + tq, hd)
