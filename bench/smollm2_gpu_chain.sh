@@ -11,10 +11,10 @@
 # as new partitions, sampled, trained on beside the kept ones; with RESAMPLE_BESIDE_TRAIN=N it runs beside
 # training, for a later session). Writes into RUN_DIR (default /tmp/run): each stage's log and JSON report,
 # `status` (one "stage exit-code" line per stage run), `exp/completions/` (each shard generated here, not the
-# imported ones, written atomically as the shard is published), `drafter/` (the drafter, bfloat16 in parts of at most 15 MiB: each learning-curve
-# checkpoint as training saves it, then the trained one, then with its tau: the next session's INIT_DRAFTER) and
-# `done` when the chain ends. bench/smollm2_gpu_poll.sh is the poll: it brings all of it back, each time. A stage
-# that fails stops the chain (but resample).
+# imported ones, written atomically as the shard is published), `drafter/` (the drafter, bfloat16 in parts of at
+# most 15 MiB: each learning-curve checkpoint as training saves it, then the trained one, then with its tau: the
+# next session's INIT_DRAFTER) and `done` when the chain ends. bench/smollm2_gpu_poll.sh is the poll: it brings all
+# of it back, each time. A stage that fails stops the chain (but resample).
 set -u  # GEN_EXTRA and TRAIN_EXTRA are split on spaces on purpose
 SM=${SM:-/tmp/sm}
 RUN=${RUN_DIR:-/tmp/run}
