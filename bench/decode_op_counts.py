@@ -32,10 +32,13 @@ REGIONS = ("drafter", "target_prefill", "target_verify")
 
 def labelled(module, name_of) -> None:
     """`module`'s forward run inside a profiler region named `name_of(args, kwargs)`."""
+    import functools
+
     from torch.profiler import record_function
 
     forward = module.forward
 
+    @functools.wraps(forward)  # its signature stays the forward's: the decoder reads the cache argument's name there
     def forward_in_region(*args, **kwargs):
         with record_function(name_of(args, kwargs)):
             return forward(*args, **kwargs)
