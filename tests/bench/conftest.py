@@ -10,9 +10,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_smollm2_product", REPO / "bench" / "smollm2_product.py")
+def load_bench_script(name: str):
+    """``bench/<name>.py`` loaded as a module named ``bench_<name>``."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench_script("smollm2_product")

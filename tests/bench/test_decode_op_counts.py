@@ -7,21 +7,16 @@ to the target's, and the prediction is tau x (operators per target token / opera
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.conftest import load_bench_script
 
 
 @pytest.fixture(scope="module")
 def op_counts():
-    spec = importlib.util.spec_from_file_location("bench_decode_op_counts", REPO / "bench" / "decode_op_counts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("decode_op_counts")
 
 
 def run(op_counts, target, tmp_path, layers: int) -> dict:
