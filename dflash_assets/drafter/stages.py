@@ -151,8 +151,8 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
 
     def on_step(m: dict[str, Any]) -> None:
         if m.get("budget"):
-            log(f"step {m['step']}: {m['step_s'] * 1000:.0f} ms/step after warm-up: {m['total_steps']} steps "
-                f"fit the time budget")
+            log(f"step {m['step']}: {m['step_s'] * 1000:.0f} ms/step after warm-up (the last "
+                f"{m['window_step_s'] * 1000:.0f}): {m['total_steps']} steps fit the time budget")
         elif m["step"] % log_every == 0 or m["step"] == 1:
             log(f"step {m['step']}: loss {m['loss']:.4f}, lr {m['lr']:.2e}, {m.get('tokens_per_s', 0):.0f} tok/s")
 

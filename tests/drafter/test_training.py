@@ -300,6 +300,46 @@ def test_budget_steps():
     assert budget_steps(20, 0.5, -3.0, 1000) == 20  # never before what is done
 
 
+def test_budget_pace_is_the_median_of_the_latest_windows():
+    from dflash_assets.drafter.training import BUDGET_PACE_WINDOWS, budget_pace
+
+    assert BUDGET_PACE_WINDOWS == 3
+    assert budget_pace([1.26]) == 1.26  # the first cut: one window
+    assert budget_pace([1.26, 0.6]) == pytest.approx(0.93)
+    assert budget_pace([1.26, 0.6, 0.6]) == 0.6  # the slow start forgotten after two windows
+    assert budget_pace([0.3, 0.31, 1.05]) == 0.31  # one slow window (a recompilation) moves nothing
+    assert budget_pace([0.3, 0.31, 1.05, 0.3]) == 0.31
+    assert budget_pace([0.3, 0.31, 0.6, 0.61]) == 0.6  # a lasting change of pace within two windows
+
+
+def test_one_slow_window_does_not_cut_a_time_budgeted_run(mini, tmp_path, monkeypatch):
+    """A window of slow steps in mid-run (on an H200: 1,050 ms/step among ~305) is not taken for the pace: the
+    cut after it plans at the median of the latest windows, so the plan and the cosine schedule barely move."""
+    import time as _time
+
+    from dflash_assets.drafter import training
+    from dflash_assets.drafter.training import BUDGET_MEASURE_STEPS, BUDGET_WARMUP_STEPS
+
+    monkeypatch.setattr(training, "BUDGET_REPLAN_EVERY", 5)
+    first_cut = BUDGET_WARMUP_STEPS + BUDGET_MEASURE_STEPS
+    slow = range(first_cut + 10, first_cut + 15)  # the fourth timed window: after three fast ones
+    r = mini_recipe(epochs=400, save_every=1000)
+    cuts = []
+
+    def log(m):
+        if m.get("budget"):
+            cuts.append(m)
+        elif m["step"] in slow:
+            _time.sleep(0.3)
+
+    train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "o", log=log, time_budget_s=8.0)
+    at = next(c for c in cuts if c["step"] == first_cut + 15)  # the cut just after the slow window
+    assert at["window_step_s"] > 0.3  # the slow window was seen ...
+    assert at["step_s"] < 0.5 * at["window_step_s"]  # ... and not planned with
+    # the median of the latest three windows: the slower of the two fast ones before the slow one
+    assert at["step_s"] == max(c["window_step_s"] for c in cuts if c["step"] in (first_cut + 5, first_cut + 10))
+
+
 def test_a_slow_start_does_not_shorten_a_time_budgeted_run(mini, tmp_path, monkeypatch):
     """Steps that meet new batch widths early are slower than later ones (an H200 run measured 1.26 s/step
     over steps 5-20 and cut its plan to a third of its budget). Here steps 5-20 are slowed on purpose: the
@@ -325,6 +365,7 @@ def test_a_slow_start_does_not_shorten_a_time_budgeted_run(mini, tmp_path, monke
     assert cuts[0]["step"] == first_cut and cuts[0]["step_s"] > 0.2
     assert cuts[1]["step"] == first_cut + 5 and cuts[1]["step_s"] < cuts[0]["step_s"]
     assert cuts[1]["total_steps"] > cuts[0]["total_steps"]  # lengthened at the faster recent pace
+    assert cuts[2]["step_s"] < 0.5 * cuts[0]["step_s"]  # the slow start out of the median after two windows
     assert res.steps == cuts[-1]["total_steps"] > cuts[0]["total_steps"]
     assert _time.perf_counter() - t0 < 8.0 + 10.0  # and the budget still holds (a step or two over, no more)
 
