@@ -152,11 +152,11 @@ def train_drafter(
     log: called on every rank-0 step with {"step", "loss", "lr", "tokens_per_s", "acc_by_pos", ...}.
     time_budget_s: the steps are cut to what fits this many seconds of training, at the step time measured
     after warm-up (steps `BUDGET_WARMUP_STEPS` to `BUDGET_WARMUP_STEPS + BUDGET_MEASURE_STEPS`: the first steps
-    compile and allocate), and cut again every `BUDGET_REPLAN_EVERY` steps at the recent pace (`budget_pace`: the median of
-    the latest windows' step times; never past the recipe's plan): early steps that meet new batch widths are slower than later ones (measured
-    on an H200: 1.26 s/step over steps 5-20 against 0.6 s/step on average), so one early measurement spends a
-    third of the budget. The cosine schedule follows the latest cut and ends at the last; the run ends with a
-    checkpoint.
+    compile and allocate), and cut again every `BUDGET_REPLAN_EVERY` steps at the recent pace (`budget_pace`: the
+    median of the latest windows' step times; never past the recipe's plan): early steps that meet new batch
+    widths are slower than later ones (measured on an H200: 1.26 s/step over steps 5-20 against 0.6 s/step on
+    average), so one early measurement spends a third of the budget. The cosine schedule follows the latest cut
+    and ends at the last; the run ends with a checkpoint.
     on_save: called on rank 0 at every saved state with (step, sequence tokens trained so far, the drafter).
     init_weights: a drafter ``model.safetensors`` to start from (a warm start) instead of random weights; its
     tensors must have the new drafter's names and shapes (else ValueError). A resumed state overrides it.
