@@ -1,4 +1,4 @@
-"""The fixture the bench tests share: ``bench/smollm2_product.py`` loaded as a module (bench/ is not a package)."""
+"""The fixtures the bench tests share: bench scripts loaded as modules (bench/ is not a package)."""
 
 from __future__ import annotations
 
@@ -21,3 +21,8 @@ def load_bench_script(name: str):
 @pytest.fixture(scope="module")
 def bench():
     return load_bench_script("smollm2_product")
+
+
+@pytest.fixture(scope="module")
+def op_counts():
+    return load_bench_script("decode_op_counts")

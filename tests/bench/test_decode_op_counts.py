@@ -11,12 +11,6 @@ import json
 
 import pytest
 
-from tests.bench.conftest import load_bench_script
-
-
-@pytest.fixture(scope="module")
-def op_counts():
-    return load_bench_script("decode_op_counts")
 
 
 def run(op_counts, target, tmp_path, layers: int) -> dict:
