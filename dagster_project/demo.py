@@ -285,7 +285,7 @@ class DemoSummary:
     def ok(self) -> bool:
         return not self.failures
 
-    def __getitem__(self, key: str) -> Any:  # summary["tau"], as callers of the dict it used to be write
+    def __getitem__(self, key: str) -> Any:  # summary["tau"] reads a field, as on a dict
         return getattr(self, key)
 
     def to_dict(self) -> dict[str, Any]:

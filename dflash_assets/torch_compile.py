@@ -15,7 +15,7 @@ def needs_coalesce_tiling_workaround(torch_version: str) -> bool:
     """Whether this torch's inductor needs ``triton.coalesce_tiling_analysis = False`` to compile the drafter.
 
     torch 2.11's inductor asserts in ``tiling_utils.get_pw_red_splits`` while compiling the small drafter
-    layers (pytorch issue 197077; seen on the H200, 2026-12-01); turning the coalescing analysis off avoided
+    layers (pytorch/pytorch#197077); turning the coalescing analysis off avoids
     it. Only 2.11.x is known to need it: other versions keep inductor's default."""
     parts = torch_version.split("+")[0].split(".")
     try:

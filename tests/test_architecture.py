@@ -138,7 +138,7 @@ def test_floors_are_at_most_the_stages_plus_two():
         return depth[unit]
 
     floors = max(floor(u) for u in units)
-    # The issue's bound is the stages plus two; the recorded count ratchets it, so a new floor fails here
+    # The bound is the stages plus two; the recorded count ratchets it, so a new floor fails here
     # until it is looked at (and MEASURED_FLOORS and README's count are updated on purpose).
     bound = min(len(STAGES) + 2, MEASURED_FLOORS)
     assert floors <= bound, (
@@ -277,7 +277,7 @@ TOP_LEVEL_TESTS = {
 }
 # Test folders named other than a package of dflash_assets: `library` holds the tests of dflash_assets' top-level
 # modules (dflash_assets/cache_keys.py -> tests/library/test_cache_keys.py); the Dagster layer mirrors its own tree;
-# `bench` holds tests of what the bench scripts keep (bench/data/smollm2: generated shards a GPU session reuses).
+# `bench` holds the tests of the bench scripts.
 TEST_FOLDERS_OUTSIDE_THE_STAGES = {"library": PACKAGE, "dagster_project": DAGSTER, "dagster_project/assets": DAGSTER / "assets",
                                    "bench": PACKAGE.parent / "bench"}
 # Library modules without a tests/<package>/test_<module>.py, and why (the file named exercises it).

@@ -1,9 +1,9 @@
-"""What a run may change (issue 14, items 1 and 5): deployment resources are not run config, a run's paths and
+"""What a run may change: deployment resources are not run config, a run's paths and
 sampling stay within limits, and no value of the stage's environment reaches a command line or the event log.
 
-Each test reproduces an attack that worked on the earlier code, where every resource was a ``ConfigurableResource``
-that the launchpad could override (a run with ``command_prefix: ["sh", "-c", "id > file"]`` ran as the
-orchestrator's user) and variables without a secret-looking name went on the ssh command line.
+Each test mounts an attack that would work if a resource were a ``ConfigurableResource`` the launchpad could
+override (a run with ``command_prefix: ["sh", "-c", "id > file"]`` would run as the orchestrator's user) or if
+variables without a secret-looking name went on the ssh command line.
 """
 
 import json
@@ -281,7 +281,7 @@ def test_each_endpoint_can_have_its_own_api_key_named_in_the_environment(monkeyp
 
 
 def test_the_target_is_set_by_the_environment(monkeypatch, tmp_path):
-    """What the launchpad used to set on the target now comes from DFLASH_TARGET_* where the code location runs."""
+    """The target comes from DFLASH_TARGET_* where the code location runs, not from the launchpad."""
     from dagster_project.deployment import DeploymentConfigError, target_for_profile
 
     template = tmp_path / "chat.jinja"

@@ -7,7 +7,7 @@ public DFlash inference loads. ``drafter_eval`` decodes held-out prompts
 speculatively and reports tau; its ``lossless`` check fails if the output
 ever differs from the target's own greedy output.
 
-``drafter_checkpoint`` carries two blocking checks (issue 25):
+``drafter_checkpoint`` carries two blocking checks:
 
 - ``decontamination`` runs in the asset body before the GPU run is launched (a check on the recipe that
   must decide before GPU hours are spent; a check that ran after the asset would only stop drafter_eval):

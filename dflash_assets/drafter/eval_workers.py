@@ -1,8 +1,8 @@
 """Speculative decoding of held-out prompts over several processes of one host, each holding its own target.
 
 Greedy decoding at batch 1 is bound by the host that launches the kernels rather than by the device: on an H200
-a verification of SmolLM2-135M in float32 took ~49 ms (BENCHMARKS.md, session 30), far more than the arithmetic
-of 16 tokens through a 135M model, and tau on 64 prompts took 225 s of a 415 s evaluation. Workers decode one
+a verification of SmolLM2-135M in float32 takes ~49 ms (BENCHMARKS.md), far more than the arithmetic
+of 16 tokens through a 135M model, and tau on 64 prompts is 225 s of a 415 s evaluation. Workers decode one
 prompt each at a time, so the device serves several of them (how many pays is `bench/eval_workers.py`'s
 question). Every prompt is still decoded on its own (`SpeculativeDecoder.generate`), so the rows,
 tau and the lossless check are those of `decoding.evaluate_drafter`; only the wall time changes.

@@ -82,7 +82,8 @@ class DrafterRecipe:
     def fingerprint(self) -> str:
         """Hash of the fields that change the run (not save_every / compile / attention)."""
         d = {k: v for k, v in self.to_dict().items() if k not in ("save_every", "compile", "attention")}
-        for unset in ("cache_limit_gb", "family", "init_from"):  # unset: the fingerprint from before the field
+        # unset: left out, so a recipe without the field keeps its fingerprint
+        for unset in ("cache_limit_gb", "family", "init_from"):
             if d.get(unset) is None:
                 d.pop(unset, None)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]

@@ -1,4 +1,4 @@
-"""A refresh when the target changes: what is stale, what to run next, which recipe retrains (issue 25 item 3).
+"""A refresh when the target changes: what is stale, what to run next, which recipe retrains.
 
 The policy behind ``target_refresh_sensor`` (``dagster_project/sensors.py``), on plain values so it needs no
 Dagster: the sensor reads the instance (the code version and time of each shard's latest materialization, the

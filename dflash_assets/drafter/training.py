@@ -103,9 +103,9 @@ def budget_steps(step: int, step_s: float, seconds_left: float, planned: int) ->
 def budget_pace(window_step_s: list[float]) -> float:
     """The step time a cut plans with: the median of the latest `BUDGET_PACE_WINDOWS` windows' step times. One
     slow window (a recompilation for a new batch width, a checkpoint written) moves it not at all, a lasting
-    change of pace within two windows; the cosine schedule, which follows each cut, stays smooth (an H200 run
-    planned with one window's 1,050 ms/step among ~305 ms ones cut its plan from 1,137 to 447 steps and its
-    learning rate from 2.85e-4 to 1.31e-4 for 50 steps, then back)."""
+    change of pace within two windows; the cosine schedule, which follows each cut, stays smooth (planned with
+    the latest window alone, one window of 1,050 ms/step among ~305 ms ones on an H200 would cut a plan of 1,137
+    steps to 447 and the learning rate from 2.85e-4 to 1.31e-4 for 50 steps, then back)."""
     return float(np.median(window_step_s[-BUDGET_PACE_WINDOWS:]))
 
 

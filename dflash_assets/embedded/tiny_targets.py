@@ -117,7 +117,7 @@ TINY_TARGET_SETTINGS: dict[str, dict] = {
 
 # How each target is taught the chat format after its random init (`teach_until_well_formed`); None: left random.
 # The hybrid stays random: Transformers' PyTorch fallback for its linear-attention layers makes training it
-# ~2.5x slower than the dense (~100 s for the same steps on one core; 80 steps, ~50 s, were not enough), and
+# ~2.5x slower than the dense (~100 s for the same steps on one core; 80 steps, ~50 s, are not enough), and
 # it serves only hidden-state capture tests, where random weights do.
 TINY_TARGET_TRAINING: dict[str, ChatFormatTraining | None] = {
     "dense": ChatFormatTraining(seed=TINY_TARGET_SEED),

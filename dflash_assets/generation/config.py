@@ -60,10 +60,10 @@ class GenerationConfig(BaseModel):
         config, tokenizer and template files and a sample of its weights), so a fine-tune written in place, or
         ``/models/v2/X`` after ``/models/v1/X``, never shares a hash with the old target's rows. Without one (a
         remote engine serving a hub id, no local directory known) the target is named by its normalized id
-        alone, and the hash is what it always was. Without a seed likewise; with one, rows generated where the
+        alone, and no fingerprint enters the hash. Without a seed likewise; with one, rows generated where the
         seed had no effect never share a hash with rows where it did.
         """
-        # a field added later is hashed only when set, so rows generated before it existed keep their hash
+        # hashed only when set, so rows generated without the field keep the hash they were written with
         unset = {"max_context_tokens"} if self.max_context_tokens is None else set()
         payload: dict[str, Any] = {"generation": self.model_dump(mode="json", exclude=unset),
                                    "target": normalize_model_id(target_model or "")}

@@ -811,7 +811,7 @@ class OpenAIEngine(Engine):
 STATIC_ROW_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
 STATIC_WIDTH_BUCKETS = (256, 512, 1024, 2048)
 # Prompts longer than this decode on the dynamic cache: a static cache's prefill attends over the whole cache
-# length, and a batch of 64 prompts of 8K tokens ran an H200 out of memory (issue 21). Few prompts are this long.
+# length, and a batch of 64 prompts of 8K tokens runs an H200 out of memory. Few prompts are this long.
 STATIC_MAX_WIDTH = STATIC_WIDTH_BUCKETS[-1]
 
 
@@ -858,7 +858,7 @@ class _LoadedModel:
 
 # (model path, its weights' stamp, device, dtype, cache) -> the loaded model. An engine closing leaves its model
 # loaded while no other model is asked for, so the next shard's engine reuses the weights and the compiled decode
-# graphs (a new model per shard compiled every shape again, issue 21).
+# graphs (a new model per shard would compile every shape again).
 _LOADED: dict[tuple[str, str, str, str, str], _LoadedModel] = {}
 _LOADED_LOCK = threading.Lock()
 
@@ -934,7 +934,7 @@ class TransformersEngine(Engine):
     (``static_batch_shape``: rows to a bucket with copies of its first row, the prompt width
     to a power of two from 256 to 2,048 with left padding), so compiles are few and then reused. The
     dynamic cache's step costs ~65 ms at any batch size on an H200 for SmolLM2-135M in
-    bfloat16; the compiled static one 10 ms at 256 rows (BENCHMARKS.md, issue 21).
+    bfloat16; the compiled static one 10 ms at 256 rows (BENCHMARKS.md).
 
     ``cache="continuous"`` hands the requests to transformers' continuous batching
     (``model.init_continuous_batching``: a paged KV cache; transformers decides on CUDA graphs and the
@@ -942,20 +942,20 @@ class TransformersEngine(Engine):
     stop id, so a batch never runs part-empty until its longest row ends, and a conversation's next turn
     starts while other rows still decode. Rows per step: ``max_batch_rows``. Sampling: temperature, top_p
     and top_k only (``min_p`` and ``repetition_penalty`` are refused, not dropped). On an H200 without a
-    flash-attention package it made 1.33K tok/s through the completions stage against static's 4.5-5.1K
-    (BENCHMARKS.md, session 31): SDPA needs a mask there, and transformers then captures no CUDA graphs, so
+    flash-attention package it makes 1.33K tok/s through the completions stage against static's 4.5-5.1K
+    (BENCHMARKS.md): SDPA needs a mask there, and transformers then captures no CUDA graphs, so
     static stays the GPU path on such a host.
 
     ``attention="packed_gqa"`` decodes with ``generation.packed_gqa``: the query heads of a KV group share
     one read of the cache instead of Transformers' SDPA copying it to every head, which it does under
     ``torch.compile`` (the static decode step); same tokens, 3.1-3.5x faster per layer on an H200
-    (BENCHMARKS.md), a whole warm ``generate`` not measured yet.
+    (BENCHMARKS.md); a whole warm ``generate`` is not measured.
 
     ``static_cache_len="per_call"`` sizes each call's static cache to that call (its padded prompt width plus
     ``max_new_tokens``) instead of transformers' default, the largest call the model has run (which spares a
     recompile): each decode step attends over the whole static cache, so after one 2,048-wide call every
     256-wide call pays for 2,304 positions. Same tokens (the padding is masked); the cost is a compile or
-    CUDA-graph capture per cache length (at most one per width bucket); not measured on a GPU yet.
+    CUDA-graph capture per cache length (at most one per width bucket); not measured on a GPU.
 
     The loaded model is shared within the process (``_LOADED``): engines of the same model, device,
     dtype, cache and attention reuse its weights, its compiled graphs and its one worker thread, and it stays

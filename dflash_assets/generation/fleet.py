@@ -125,7 +125,7 @@ class EndpointConfig(BaseModel):
     cache: Literal["dynamic", "static", "continuous"] = Field(
         "dynamic", description="transformers kind: KV cache of `generate`; static pads batches to a few shapes and, "
         "on CUDA, compiles the decode step; continuous hands requests to transformers' continuous batching (paged "
-        "cache: rows join and leave the running batch one by one; on an H200 without flash attention it ran at a "
+        "cache: rows join and leave the running batch one by one; on an H200 without flash attention it runs at a "
         "quarter of static's speed, BENCHMARKS.md; see TransformersEngine).")
     attention: Literal["sdpa", "packed_gqa"] = Field(
         "sdpa", description="transformers kind, dynamic or static cache: the attention function. packed_gqa decodes "

@@ -1,7 +1,7 @@
 """Tool calls in the target's output: parse them, compare them with recorded ones.
 
 Reads text and call objects in memory; writes nothing. Used by the completions
-stage to regenerate agentic conversations (issue 17).
+stage to regenerate agentic conversations.
 
 - :func:`parse_qwen_tool_calls` reads the Qwen3.5/3.6 format that the
   packaged template renders and the models emit::

@@ -50,10 +50,8 @@ from dflash_assets.prompts.shards import ShardBuilder
 from dflash_assets.prompts.sources import SourceItem, read_source, source_label
 from dflash_assets.store import layout
 
-# Still importable from here for callers that other engineers were editing while issue 23 split this module:
-# IngestConfig (dagster_project/config.py and the two bench/smollm2*.py; the driver uses it anyway) and
-# materialize_prompt_shard (bench/smollm2_h200.py, bench/smollm2_product.py). New code imports them from
-# dflash_assets.prompts.config and dflash_assets.prompts.shards.
+# Re-exported for callers that import it from here (tests/planning/test_costs.py). Its home is
+# dflash_assets.prompts.shards, as IngestConfig's (which the driver uses) is dflash_assets.prompts.config.
 from dflash_assets.prompts.shards import materialize_prompt_shard  # noqa: F401,E402
 
 __all__ = ["IngestReport", "NoValidPromptsError", "ingest_prompt_source"]

@@ -497,7 +497,7 @@ def normalize_agentic_record(record: dict, config: IngestConfig | None = None, *
     A call step must be followed by all its results before the next turn
     (``missing_tool_result``), except at the end of the conversation.
 
-    Agentic records (issue 17) carry tool definitions (``tools`` or
+    Agentic records carry tool definitions (``tools`` or
     ``functions``: a list, or its JSON text, of OpenAI ``{"type": "function",
     "function": {...}}`` or bare ``{"name", "parameters"}`` objects), assistant
     tool calls (OpenAI ``tool_calls``, legacy ``function_call``; ShareGPT
@@ -515,11 +515,11 @@ def normalize_agentic_record(record: dict, config: IngestConfig | None = None, *
     covers the system prompt, the tools and the turns (call ids left out), so it
     never equals a plain chat's. Malformed ones are quarantined: ``bad_tools``,
     ``bad_tool_call``, ``orphan_tool_result``, ``missing_tool_result``. A shard
-    without an agentic prompt is written exactly as before (``PROMPT_SCHEMA``);
+    without an agentic prompt is written with ``PROMPT_SCHEMA`` alone;
     one with an agentic prompt has the two extra columns
     (``AGENTIC_PROMPT_SCHEMA``, null for its plain chats).
 
-    Checked before anything is kept (issue 22 item 4, issue 24 item 5):
+    Checked before anything is kept:
     nesting deeper than ``config.max_json_depth`` anywhere in the record or
     in a JSON text it holds (``tools``, call ``arguments``, a ShareGPT call
     value), or than ``config.max_tool_schema_depth`` in one tool's

@@ -1,7 +1,7 @@
 """A loopback HTTP server that answers as SGLang 0.5.23 does, for the routes the project uses.
 
 For tests and benchmarks of the generation client where SGLang itself cannot
-be installed (it needs CUDA). Each behaviour below was read in the 0.5.23
+be installed (it needs CUDA). Each behaviour below follows the 0.5.23
 wheel (``pip download --no-deps sglang==0.5.23``; paths under ``sglang/srt/``)
 and is cited where it is implemented. Routes:
 

@@ -29,7 +29,7 @@ def test_a_group_deaf_to_sigint_is_warned_about_and_terminated_without_waiting(t
     with pytest.warns(RuntimeWarning, match=r"still running 1 s after SIGINT(.|\n)*the last line of the log"):
         _stop_group(proc, log, grace_s=1.0)
     assert proc.returncode == -15  # SIGTERM
-    assert time.monotonic() - t0 < 3.0  # not the 5 s a zombie leader used to keep the group "alive" for
+    assert time.monotonic() - t0 < 3.0  # not the 5 s a zombie leader would keep the group "alive" for
 
 
 def test_what_the_harness_starts_gets_the_default_sigint(tmp_path):

@@ -90,7 +90,7 @@ def test_stop_tokens_and_length_budget(dense, tiny_dense_target):
 
 def test_drafter_fitted_to_the_targets_greedy_continuations_accepts_most_of_each_block(tmp_path):
     """Train on the hidden states of the target's own greedy continuations, then decode those prompts through
-    SpeculativeDecoder: tau must reach 0.8 x the block size (issue 21: training and decoding agree; an
+    SpeculativeDecoder: tau must reach 0.8 x the block size (training and decoding agree; an
     alignment regression - positions, masks, context, labels off by one - leaves tau near 1 and fails here)."""
     B = 4
     tdir = mini_target(tmp_path / "target")
@@ -130,9 +130,9 @@ def test_decode_speed_times_both_decoders_on_the_same_prompts(dense, tiny_dense_
 
 
 def test_evaluation_costs_one_target_forward_per_verification(dense, tiny_dense_target):
-    """Issue 16 item 4: the H200 evaluation ran out of time because the lossless check decoded every prompt a
-    second time token by token (one target forward per new token). Now: prefill + one forward per
-    verification + one teacher-forced check per prompt, and the verify forwards take only the block (KV cache)."""
+    """Prefill + one forward per verification + one teacher-forced check per prompt, and the verify forwards take
+    only the block (KV cache): the lossless check does not decode every prompt a second time token by token (one
+    target forward per new token)."""
     ps = prompts(2, 40, seed=5, hi=248000)
     calls: list[int] = []
     h = dense.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[1]), with_kwargs=True)

@@ -1,4 +1,4 @@
-"""Decontamination (issue 25 item 5): evaluation prompts never appear in the shards a recipe trains on.
+"""Decontamination: evaluation prompts never appear in the shards a recipe trains on.
 
 Prompts go through the real ingest (`ingest_prompt_source`, `materialize_prompt_shard`) into a local store;
 the held-out shard holds a planted exact duplicate (case, spacing and punctuation changed) and a planted near

@@ -1,4 +1,4 @@
-"""Promotion by tau per slice (issue 25 item 2).
+"""Promotion by tau per slice.
 
 The decision rule of ``dflash_assets.drafter.promotion`` on measured candidates (best tau wins; a slice that
 falls more than the margin below the promoted checkpoint's blocks it, and the reason names the slice with its
@@ -119,7 +119,7 @@ def test_promoted_manifest_round_trips_in_the_store(local_store):
 def test_recipe_family_and_init_from():
     assert DrafterRecipe(name="demo-v3").family_name == "demo"
     assert DrafterRecipe(name="x", family="qwen3").family_name == "qwen3"
-    # unset fields keep the fingerprint of recipes written before them
+    # unset fields keep the fingerprint of recipes written without them
     assert DrafterRecipe(name="demo-v1").fingerprint() == DrafterRecipe.from_dict(
         {k: v for k, v in DrafterRecipe(name="demo-v1").to_dict().items() if k not in ("family", "init_from")}
     ).fingerprint()
@@ -191,7 +191,7 @@ def test_eval_recipe_promotes_the_first_checkpoint_and_not_one_that_does_not_bea
     assert again["promotion"]["remeasured_previous"] is True
     assert again["promotion"]["promoted"] is False and read_promoted(store, "demo")["recipe"] == "demo-v1"
 
-    # A store from before the copies: the promoted manifest names checkpoint keys a re-run deleted. The next
+    # A promoted manifest that names the checkpoint's own keys (not copies), which a re-run deleted: the next
     # evaluation replaces the ghost instead of failing against its recorded tau.
     ghost = {**read_promoted(store, "demo"), "files": dict(promoted["source_files"])}
     store.write_json(layout.drafter_promoted_manifest("demo"), ghost)

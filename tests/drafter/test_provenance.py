@@ -1,4 +1,4 @@
-"""Provenance in every checkpoint (issue 25 item 1) and `dflash inspect`.
+"""Provenance in every checkpoint and `dflash inspect`.
 
 `build_provenance` on a store filled by the real ingest, with completions Parquet in the real schema whose
 `config_hash` comes from `GenerationConfig.config_hash`; then the whole demo graph (tiny target, in-process

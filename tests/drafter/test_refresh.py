@@ -1,4 +1,4 @@
-"""The one action of a refresh after the target changed: ``target_refresh_sensor`` (issue 25 item 3).
+"""The one action of a refresh after the target changed: ``target_refresh_sensor``.
 
 1. The policy (``dflash_assets.drafter.refresh``) on plain values: which shard stages are stale, the order, when
    the family's next recipe is registered and trained, when it is done.

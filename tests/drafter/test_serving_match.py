@@ -1,4 +1,4 @@
-"""The train/serve match check (issue 25 item 4): a real checkpoint saved by the trainer's `save_drafter` for the
+"""The train/serve match check: a real checkpoint saved by the trainer's `save_drafter` for the
 tiny dense target passes; each wrong field SGLang 0.5.23's DFlash loader reads (or silently ignores) fails with
 what differs; the served target's chat template and thinking mode are compared with the provenance's."""
 

@@ -1,4 +1,4 @@
-"""A refresh when the target changes (issue 25 item 3).
+"""A refresh when the target changes.
 
 1. The target's identity is in the code version of completions and everything downstream: the asset modules
    imported (in fresh interpreters) under two targets that differ, the tiny dense target against the same

@@ -197,7 +197,8 @@ def test_loss_mask_spans_the_answer_through_im_end(smollm2_spec):
     thinking = outcomes["thinking_ratio"]
     assert thinking.passed and thinking.metadata["applicable"] is False and "not applicable" in thinking.description
     assert outcomes["empty_response_ratio"].passed and outcomes["schema"].passed
-    # The Qwen3.6 header (the old hard-coded default) finds no span in SmolLM2's rendering: every sample dropped.
+    # The Qwen3.6 header (TokenizeConfig's default, not the target's) finds no span in SmolLM2's rendering:
+    # every sample dropped.
     _, old = tokenize_completions(table, build_encoder(tok), TokenizeConfig(), template=renderer)
     assert old.samples == 0 and sum(old.dropped.values()) == 2
 

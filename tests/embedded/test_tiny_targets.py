@@ -191,7 +191,7 @@ def test_im_end_stops_generation_and_trained_rows_dominate(dense_model_and_token
 
     # The lm_head rows training touched (~4K of 248,320) carry nearly all the probability along the greedy
     # answers to PROMPTS, through <|im_end|>. Measured on a fresh build (DFLASH_CACHE=$(mktemp -d), torch 2.13
-    # CPU, 2026-12-01; 323 positions): at temperature 1 min 0.787, 1st percentile 0.810, mean 0.901; at the
+    # CPU; 323 positions): at temperature 1 min 0.787, 1st percentile 0.810, mean 0.901; at the
     # pipeline's temperature 0.6 min 0.9979, mean 0.9998. The thresholds sit below them by 0.14 / 0.10 (T=1,
     # min / mean) and 0.008 / 0.005 (T=0.6). The same rows of the same architecture untrained (seeded random
     # init) hold 0.016 everywhere (their share of the vocabulary, 4K/248K): the property fails on a random
@@ -199,8 +199,8 @@ def test_im_end_stops_generation_and_trained_rows_dominate(dense_model_and_token
     trained = _trained_rows()
     num_output_ids = json.loads((Path(model.name_or_path) / TT.COMPLETE_MARKER).read_text())["training"]["num_output_ids"]
     assert len(trained) == num_output_ids  # the rows recomputed here are the rows the build trained
-    # temperature: (lowest, mean). At 1.0: 0.65 / 0.80 were measured on a build that passed its format check at
-    # once; a build that needed an extra round (ATEN_CPU_CAPABILITY=default) measured 0.60 / 0.79.
+    # temperature: (lowest, mean). At 1.0: a build that passes its format check at once measures 0.65 / 0.80;
+    # a build that needs an extra round (ATEN_CPU_CAPABILITY=default) 0.60 / 0.79.
     bounds = {1.0: (0.55, 0.75), 0.6: (0.99, 0.995)}
     for temperature, (lowest, mean) in bounds.items():
         mass = _row_mass(model, out, mask, n, trained, temperature, ends)

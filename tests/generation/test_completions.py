@@ -308,7 +308,7 @@ def test_kill_9_then_resume_regenerates_only_the_missing(tok, tiny_dense_target,
 
 
 def test_seeded_run_records_whether_the_engines_honour_the_seed(tok, local_store):
-    """SGLang uses a seed only when started with --enable-deterministic-inference (issue 24 item 3): the hash and
+    """SGLang uses a seed only when started with --enable-deterministic-inference: the hash and
     the metadata say which, read from the servers' /server_info in the run's one probe."""
     rows = prompts(4)
     seeded = GenerationConfig(max_new_tokens=64, seed=5)
@@ -337,7 +337,7 @@ def test_seeded_run_records_whether_the_engines_honour_the_seed(tok, local_store
 
 
 def test_turns_that_do_not_fit_the_context_are_cut_or_stopped_before_sending(tok, local_store):
-    """Issue 24 item 4: with a 100-token context and at least 77 new tokens wanted, every first turn (13 to 22
+    """With a 100-token context and at least 77 new tokens wanted, every first turn (13 to 22
     prompt tokens) is sent with max_new_tokens lowered to what fits, a second turn (its prompt longer by the
     answer and the next user turn) is not sent and its conversation ends at the first, and a prompt too long
     for any answer fails without a round trip."""
@@ -422,6 +422,6 @@ def test_max_context_tokens_keeps_generation_within_what_training_keeps(tok, loc
                            r"\(not counted\): 1 of 6 \(16.7%; 95% lower bound 3.0%") as info:
             regenerate_shard(rows, shard="cap2", store=local_store, fleet=cfg, generation=gen, tokenizer=tok)
     assert info.value.result.stats.prompts_over_max_context_tokens == 3
-    # hashed only when set: rows generated before the field existed keep their hash
+    # hashed only when set: rows generated without the field keep their hash
     assert gen.config_hash(TARGET) != gen.model_copy(update={"max_context_tokens": None}).config_hash(TARGET)
     assert GenerationConfig(max_context_tokens=None).config_hash(TARGET) == GenerationConfig().config_hash(TARGET)

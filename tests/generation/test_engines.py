@@ -502,7 +502,7 @@ def test_continuous_engine_answers_as_the_dynamic_one_and_stops_its_thread(tiny_
         run(refused())
 
 
-# -- broken or hostile engines (issue 14 item 4) ----------------------------------------
+# -- broken or hostile engines ----------------------------------------------------------
 
 
 def _engine(kind: str, url: str, tok, **kwargs):
@@ -601,7 +601,7 @@ def test_api_key_is_sent_as_bearer_and_kept_out_of_reprs_and_errors(tok, kind):
     assert "sk-wrong" not in str(info.value) and info.value.status == 401 and not info.value.retryable
 
 
-# -- true to SGLang 0.5.23 (issue 24) ---------------------------------------------------------
+# -- true to SGLang 0.5.23 --------------------------------------------------------------------
 # Replies below are built as SGLang 0.5.23 builds them (srt/entrypoints/openai/serving_chat.py: `content=text if
 # text else ""`, `reasoning_content=reasoning_text if reasoning_text else None`), and the loopback answers so.
 

@@ -233,7 +233,7 @@ def test_in_process_transformers_endpoint_is_explicit_and_works(tiny_dense_targe
     assert set(res.table["endpoint"].to_pylist()) == {f"inprocess://{tiny_dense_target}"}
 
 
-# -- broken or hostile engines in a run (issue 14 item 4) ---------------------------------
+# -- broken or hostile engines in a run ---------------------------------------------------
 
 
 def test_replies_of_the_wrong_shape_are_retried_not_failed(tok, local_store):
@@ -293,7 +293,7 @@ def test_api_key_per_endpoint_from_config_environment_or_file_never_shown(tok, l
         probe_fleet(cfg, tok)
 
 
-# -- the plan's inputs, read with bounded memory (issue 15 item 5) ---------------------------
+# -- the plan's inputs, read with bounded memory ---------------------------------------------
 
 
 class _ColumnRecordingStore(LocalStore):
@@ -396,7 +396,7 @@ def test_pilot_on_real_prompts_predicts_the_run(tok, tmp_path):
 
 
 def test_sglang_command_carries_the_flags_the_probe_reads():
-    """Issue 24: the tool-call parser and deterministic inference (seeds hold only then) are start flags."""
+    """The tool-call parser and deterministic inference (seeds hold only then) are start flags."""
     from dflash_assets.generation.server import engine_server_command
 
     argv = engine_server_command("sglang", "/models/Qwen3.6-27B", port=30000, tool_call_parser="qwen3_coder",

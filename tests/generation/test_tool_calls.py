@@ -1,4 +1,4 @@
-"""Agentic conversations through ingest -> raw_prompts -> completions -> tokenized_samples (issue 17 items 1-2).
+"""Agentic conversations through ingest -> raw_prompts -> completions -> tokenized_samples.
 
 The corpus (tests/data/agentic_corpus.jsonl, written for this project) mixes OpenAI-style records (``tools``,
 ``tool_calls``, role ``tool``; legacy ``functions``/``function_call``/role ``function``) and ShareGPT-style ones as
@@ -116,8 +116,8 @@ def test_agentic_id_covers_tools_and_tool_turns():
 
 
 def test_plain_chats_keep_their_raw_prompts(tmp_path):
-    """First 2,000 embedded ShareGPT records: the same schema, prompt ids, shards and rows as before issue 17
-    (digests taken from the code before it; its shard files were byte-identical too)."""
+    """First 2,000 embedded ShareGPT records: the plain-chat schema, and prompt ids, shards and rows equal to the
+    recorded digests of a plain-chat ingest (agentic support changes nothing for plain chats)."""
     from dflash_assets.store.backends import LocalStore
 
     src = tmp_path / "sharegpt2000.json"
@@ -154,7 +154,7 @@ def test_a_plain_shard_that_gains_an_agentic_prompt_keeps_its_rows(tmp_path, loc
     assert after.column("agentic_turns").null_count == 3
 
 
-# -- ingest never aborts on one record (issue 22 item 4), tool schemas (issue 24 item 5) ---------------------
+# -- ingest never aborts on one record, tool schemas ---------------------------------------------------------
 
 
 def _copy(record: dict) -> dict:
@@ -189,7 +189,8 @@ def _ingest_mixed(tmp_path, local_store, bad: dict[str, dict | str], fmt: str = 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "json"])
 def test_nesting_at_any_depth_in_any_field_is_quarantined(tmp_path, local_store, fmt):
-    """The issue's record (arguments as JSON text nested thousands deep) aborted the ingest with RecursionError."""
+    """A record whose arguments are JSON text nested thousands deep is quarantined; the ingest does not abort with
+    RecursionError."""
     lyon = source_ids()["oa-weather-lyon"]
     bad: dict[str, dict | str] = {}
 

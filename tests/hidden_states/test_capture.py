@@ -413,15 +413,15 @@ def test_benchmark_quick_runs_every_section(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# One reader: files written before it, tiling, the drafter's training view
+# One reader: files of the v1 layout, tiling, the drafter's training view
 # ---------------------------------------------------------------------------
 
 FIXTURE = ROOT / "tests" / "data" / "hidden_state_cache_v1"
 
 
 def test_files_written_by_the_previous_layout_read_through_the_one_reader():
-    """Two parts of one partition written by the code as of commit 229f6a8 (before the readers were merged):
-    lengths 5, 3, 4; hidden = arange, input_ids = 100 + token index, loss_mask = token index % 2."""
+    """Two parts of one partition in the v1 file layout (``tests/data/hidden_state_cache_v1``), read through the
+    one reader: lengths 5, 3, 4; hidden = arange, input_ids = 100 + token index, loss_mask = token index % 2."""
     from dflash_assets.drafter.data import CacheSamples
 
     parts = sorted(str(p) for p in FIXTURE.glob("*.safetensors"))

@@ -1,4 +1,4 @@
-"""Training through a bounded local cache of store parts, and online samples streamed by row group (issue 15 items 1, 4).
+"""Training through a bounded local cache of store parts, and online samples streamed by row group.
 
 Parts live in a real S3 endpoint (moto's ThreadedMotoServer on 127.0.0.1); the
 cache limit is smaller than two parts, so training must evict and fetch again.

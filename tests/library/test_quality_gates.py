@@ -1,4 +1,4 @@
-"""The ratio checks decide on evidence (issue 22 item 3): the rule itself, then the real checks on real samples.
+"""The ratio checks decide on evidence: the rule itself, then the real checks on real samples.
 
 The rule (`dflash_assets.quality_gates`): a ceiling check fails when the lower
 bound of the 95% Wilson score interval of count/n exceeds its threshold, a
@@ -62,7 +62,7 @@ def test_wilson_interval_refuses_impossible_counts(count, n):
 
 
 def test_one_empty_answer_in_23_passes_and_two_fail():
-    """The demo's failure (issue 22): 1 of 23 (4.35%) against 2% is not evidence of a rate over 2%."""
+    """1 of 23 (4.35%) against 2% is not evidence of a rate over 2%."""
     one = ratio_gate(1, 23, 0.02, CEILING)
     assert one.passed and one.ratio > 0.02 and one.bound < 0.02
     two = ratio_gate(2, 23, 0.02, CEILING)

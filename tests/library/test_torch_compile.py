@@ -1,4 +1,4 @@
-"""The shared compile settings: the inductor workaround only where the torch version needs it (issue 21), and
+"""The shared compile settings: the inductor workaround only where the torch version needs it, and
 the recompile limit the compiled paths raise."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""The cost plan's arithmetic (issue 15 item 5): seed numbers, FLOP scaling, the offline/online switch, the CLI."""
+"""The cost plan's arithmetic: seed numbers, FLOP scaling, the offline/online switch, the CLI."""
 
 import json
 

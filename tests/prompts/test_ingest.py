@@ -133,7 +133,7 @@ def test_category_from_the_record():
     (conv(("system", "shared from ChatHub")), "no_user_turn", "system-only"),
     (conv(("system", "s"), ("human", " \n"), ("gpt", "a")), "no_user_turn", "user turns are empty"),
     (conv(("human", "q"), ("narrator", "{}")), "unknown_role", "'narrator'"),
-    # tool results are agentic turns now (issue 17); without a call before them they are orphans
+    # tool results are agentic turns; without a call before them they are orphans
     (conv(("human", "q"), ("tool", "{}")), "orphan_tool_result", "no tool call before it"),
     (msgs(("user", "q"), ("function", "f")), "orphan_tool_result", "no tool call before it"),
     (conv(("human", "q"), ("gpt", None)), "non_string_content", "NoneType"),
@@ -253,7 +253,7 @@ def test_truncated_json_array_is_reported(tmp_path, store):
     assert report.truncated and report.truncated_at_byte == data.rindex(b"\n {", 0, cut) + 2  # the record, not its turn
 
 
-# Issue 14 item 6: shapes of a source that lost records silently or killed the ingest.
+# Shapes of a source that must neither lose records silently nor kill the ingest.
 
 
 def test_trailing_data_after_a_json_array_is_quarantined(tmp_path, store):
@@ -304,7 +304,7 @@ def test_deeply_nested_record_is_quarantined_not_fatal(tmp_path, store, kind):
 
 @pytest.mark.parametrize("kind", ["json", "jsonl", "json.gz"])
 def test_megabytes_of_blank_space_before_the_records_are_read_past(tmp_path, store, kind):
-    """Issue 22 item 4: a valid JSON array after ~2 MB of whitespace was reported as an empty file."""
+    """A valid JSON array after ~2 MB of whitespace is read, not reported as an empty file."""
     blank = b"\n" * (2 * 1024 * 1024)
     body = json.dumps(GOOD).encode() if kind.startswith("json.") or kind == "json" else _jsonl(GOOD)
     data = blank + body
@@ -341,7 +341,7 @@ def test_limit_takes_the_first_valid_prompts(tmp_path, store):
 
 
 def test_quarantine_is_streamed_not_held_in_memory(tmp_path, store):
-    """Issue 15: the quarantine goes to its Parquet file a row group at a time; memory does not grow with it."""
+    """The quarantine goes to its Parquet file a row group at a time; memory does not grow with it."""
     import tracemalloc
 
     bad = [conv(("robot", f"{k} " + "z" * 6000), id=f"r{k}") for k in range(3000)]
@@ -354,7 +354,7 @@ def test_quarantine_is_streamed_not_held_in_memory(tmp_path, store):
     finally:
         tracemalloc.stop()
     assert report.quarantined == {"unknown_role": 3000} and report.valid == 1
-    # 3000 rows x 4 KiB of raw text is 12 MiB (13.3 MiB peak when it was all kept); 200 rows of it is 0.8 MiB
+    # 3000 rows x 4 KiB of raw text is 12 MiB (13.3 MiB peak if it were all kept); 200 rows of it is 0.8 MiB
     assert peak < 6 * 2**20, f"peak traced memory {peak / 2**20:.1f} MiB"
     q = pq.ParquetFile(store.local_path(report.quarantine_key))
     assert q.metadata.num_row_groups == 15 and q.metadata.num_rows == 3000
@@ -466,7 +466,7 @@ def test_materialize_checks_its_input(tmp_path, store):
     assert not store.exists("raw_prompts/shard-00001.parquet")
 
 
-# --- two ingests at once (issue 14 item 3) ------------------------------------------------------
+# --- two ingests at once ------------------------------------------------------------------------
 
 
 class _GatedSource(io.RawIOBase):
@@ -538,9 +538,9 @@ def _check_corpus(store, expected_ids: set[str]) -> None:
 def test_two_ingests_at_once_leave_an_intact_corpus(tmp_path, request, how, backend):
     """B stages shards, A ingests and commits meanwhile, B goes on: B fails clearly, A's corpus is whole.
 
-    Before: staged keys were gen-<N>/<shard> for both runs (A overwrote B's and B
-    A's), the index was last-writer-wins and A's garbage collection deleted B's
-    staged objects, so the committed shards failed their sha256.
+    Staged keys carry each run's id, so neither run overwrites the other's; with
+    shared keys, a last-writer-wins index and a garbage collection that deleted
+    the other run's staged objects, the committed shards would fail their sha256.
     """
     import subprocess
     import sys

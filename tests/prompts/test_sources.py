@@ -67,7 +67,7 @@ def test_embedded_path_is_the_package_file():
 
 
 def test_sharegpt_records_are_the_ingest_readers_records():
-    """One ShareGPT reader (issue 13): the tokenization package no longer carries its own."""
+    """One ShareGPT reader: the tokenization package has none of its own."""
     import dflash_assets.tokenization.samples as samples
 
     assert not hasattr(samples, "sharegpt_records") and not hasattr(samples, "sharegpt_completions")
@@ -120,7 +120,7 @@ def test_utf8_bom_and_leading_blank_space(tmp_path):
 @pytest.mark.parametrize("compression", ["none", "gzip"])
 @pytest.mark.parametrize("fmt", ["json", "jsonl"])
 def test_megabytes_of_leading_blank_space_are_read_past(tmp_path, fmt, compression):
-    """Issue 22 item 4: ~2 MB of blank space before a valid array was reported as an empty file."""
+    """~2 MB of blank space before a valid array is read past, not reported as an empty file."""
     blank = b" \n\t\r" * (512 * 1024)  # 2 MiB
     body = (_json_array(RECORDS, indent=None)[:-1] + b', {"broken": }]' if fmt == "json"
             else _jsonl(RECORDS) + b'{"broken": }\n')

@@ -80,7 +80,7 @@ def test_bad_keys_are_refused(tmp_path):
 
 @pytest.mark.parametrize("bad", ["..", "../", "a/..", "a/../..", "/", "/etc", "/tmp/x", "a/./b", "a\\..\\b", "a\x00b"])
 def test_keys_and_prefixes_cannot_leave_the_root(store, bad):
-    """Issue 14 item 7: every method refuses a key or listing prefix that could name something outside the root."""
+    """Every method refuses a key or listing prefix that could name something outside the root."""
     store.write_bytes("inside/obj.bin", b"1")
     calls = [
         lambda: store.list(bad), lambda: store.write_bytes(bad, b"x"), lambda: store.read_bytes(bad),
@@ -94,7 +94,8 @@ def test_keys_and_prefixes_cannot_leave_the_root(store, bad):
 
 
 def test_local_list_of_parent_does_not_list_outside(tmp_path):
-    """LocalStore.list("..") used to list every file beside the root; a symlink out of the root is no object."""
+    """LocalStore.list("..") is refused, not a listing of every file beside the root; a symlink out of the root is
+    no object."""
     (tmp_path / "outside.txt").write_text("secret")
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "secret.txt").write_text("secret")
@@ -149,7 +150,7 @@ def _dead_pid() -> int:
 
 @pytest.mark.parametrize("method", ["write_bytes", "create"])
 def test_temp_file_of_a_killed_write_is_removed_at_the_next_start(tmp_path, method):
-    """Issue 14 item 7: a writer SIGKILLed mid-write leaves its temp file; the next store's write removes it
+    """A writer SIGKILLed mid-write leaves its temp file; the next store's write removes it
     (its pid is dead) and leaves a live writer's temp file (this test's own pid) alone."""
     root = tmp_path / "root"
     LocalStore(root).write_bytes("d/obj.bin", b"old")

@@ -1,4 +1,4 @@
-"""Multi-file outputs publish as one (issue 14 item 7): a kill between files leaves readers the old complete set.
+"""Multi-file outputs publish as one: a kill between files leaves readers the old complete set.
 
 Cache parts and drafter checkpoints go under a fresh version prefix, a manifest
 written last names them, readers trust only the manifest, and stale files and

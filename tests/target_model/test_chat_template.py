@@ -109,7 +109,7 @@ def test_load_chat_template_override(tmp_path, tok):
         load_chat_template(tmp_path / "empty.jinja")
 
 
-# -- one renderer, one reasoning splitter (issue 13) -------------------------------------------
+# -- one renderer, one reasoning splitter ------------------------------------------------------
 
 # A ChatML template of the classic shape (no think block): reads `message.content` as is, so a None
 # that apply_chat_template drops would render as "None" through a renderer that skips its normalization.
@@ -194,10 +194,10 @@ def test_one_reasoning_splitter_for_generated_text_and_messages(text, thinking, 
     assert split_reasoning({"role": "assistant", "content": "C", "reasoning_content": "R"}) == ("R", "C")
 
 
-# -- the published Qwen3.6 template's behaviour (issue 17) ------------------------------------------
+# -- the published Qwen3.6 template's behaviour -----------------------------------------------------
 # Expected strings follow the template published with the Qwen3.6 models (chat_template.jinja): the packaged
-# template was written to render the same strings (compared on 1,152 renders of tool, system, multi-step,
-# whitespace and media cases on 2026-12-01; the published file is not in this repository).
+# template renders the same strings (compared on 1,152 renders of tool, system, multi-step, whitespace and
+# media cases; the published file is not in this repository).
 
 TOOLS_PREAMBLE_END = (
     "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"

@@ -7,14 +7,14 @@ Qwen3.6 tokenizer. The blocking `empty_response_ratio` check fails,
 `hidden_state_cache` does not run in that run, and a later run of
 `hidden_state_cache` alone is refused by the quality gate on the GPU host.
 
-The gate names the samples it checked (issue 14 item 2). Reproduced there: a
-good run wrote a passing gate, completions were regenerated with 87% stubs,
-the tokenization step was killed right after the samples were written, and a
-later GPU run cached the stubs under the old passing gate. Now the gate names
-the sha256 of the samples' bytes, is pending while they are written, and the
-GPU stages read samples only through a check of that hash.
+The gate names the samples it checked. The scenario: a good run writes a
+passing gate, completions are regenerated with 87% stubs, the tokenization
+step is killed right after the samples are written, and a later GPU run must
+not cache the stubs under the old passing gate. The gate names the sha256 of
+the samples' bytes, is pending while they are written, and the GPU stages
+read samples only through a check of that hash.
 
-The ratio checks decide on evidence (issue 22 item 3): through the real
+The ratio checks decide on evidence: through the real
 `tokenized_samples` asset, 1 stub in 23 samples passes the blocking check
 (its 95% Wilson lower bound is under 2%) and 4 stubs in 5 fail it.
 """
@@ -96,7 +96,7 @@ def test_stub_completions_fail_the_blocking_check_and_never_reach_the_gpu(stub_e
         assert materialized("hidden_state_cache") is None
 
 
-# -- the gate names the samples it checked (issue 14 item 2) ---------------------------------------------
+# -- the gate names the samples it checked ---------------------------------------------------------------
 
 SHARD = "shard-00000"
 REASONING = "Let me think about this step by step, carefully, and check the numbers twice before answering."
@@ -157,7 +157,7 @@ def test_gate_names_the_sha256_of_the_samples_it_checked(enc, request, store_fix
 
 
 def test_samples_replaced_after_a_passing_gate_are_refused_by_the_gpu_stage(enc, local_store, tiny_dense_target):
-    """The issue's scenario: passing gate, then 87% stubs written over the samples with no new gate."""
+    """Passing gate, then 87% stubs written over the samples with no new gate."""
     from dflash_assets.hidden_states.stage import cache_partition_for_shard
     from dflash_assets.target_model.spec import TargetModelSpec
 
@@ -185,7 +185,7 @@ def test_a_kill_between_samples_and_gate_leaves_a_gate_that_blocks(enc, local_st
         require_quality_gate(local_store, SHARD)
     with pytest.raises(QualityGateFailed, match="pending"):
         read_verified_samples(local_store, SHARD)
-    # the next complete run checks the stubs and fails them: still blocked, now for the right reason
+    # the next complete run checks the stubs and fails them: still blocked, by the check that names them
     publish_samples(local_store, SHARD, samples(enc, stubs=87))
     with pytest.raises(QualityGateFailed, match="empty_response_ratio"):
         read_verified_samples(local_store, SHARD)
@@ -205,7 +205,7 @@ def test_gates_that_name_no_samples_block(enc, local_store):
         verified_samples_path(local_store, SHARD)
 
 
-# -- ratio checks decide on evidence, through the real asset (issue 22 item 3) ---------------------------------
+# -- ratio checks decide on evidence, through the real asset ---------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def qwen_tokenizer_target(tmp_path_factory):
 
 @pytest.mark.parametrize("n,stubs,passes", [(23, 1, True), (5, 4, False)])
 def test_tokenized_samples_decides_its_ratio_checks_on_evidence(qwen_tokenizer_target, tmp_path, n, stubs, passes):
-    """The demo's shard of issue 22 (1 stub in 23, 4.35% against 2%) passes the blocking check and its gate lets
+    """A demo-sized shard with 1 stub in 23 (4.35% against 2%) passes the blocking check and its gate lets
     the samples through; 87% stubs in a handful of samples (4 of 5) still fail it and are refused."""
     shard = "shard-00001"
     store = LocalStore(tmp_path / "store")

@@ -375,7 +375,7 @@ def test_schema_check_on_sliced_and_null_tables(healthy):
     assert "null values" in schema_check(with_null).description
 
 
-# -- agentic conversations: every step after the last user query (issue 17) -------------------------------
+# -- agentic conversations: every step after the last user query ------------------------------------------
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                                  "parameters": {"type": "object",
