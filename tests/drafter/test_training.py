@@ -269,7 +269,7 @@ def test_last_layer_features_are_equal_online_offline_and_at_decode_time(tiny_de
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 21: compile on torch 2.11, bucketed widths, a time budget measured after warm-up
+# Compile on torch 2.11, bucketed widths, a time budget measured after warm-up
 
 
 def test_bucketed_widths_are_few_and_waste_at_most_half():
@@ -341,8 +341,8 @@ def test_one_slow_window_does_not_cut_a_time_budgeted_run(mini, tmp_path, monkey
 
 
 def test_a_slow_start_does_not_shorten_a_time_budgeted_run(mini, tmp_path, monkeypatch):
-    """Steps that meet new batch widths early are slower than later ones (an H200 run measured 1.26 s/step
-    over steps 5-20 and cut its plan to a third of its budget). Here steps 5-20 are slowed on purpose: the
+    """Steps that meet new batch widths early are slower than later ones (1.26 s/step over steps 5-20 on an
+    H200; a plan at that pace alone would use a third of the budget). Here steps 5-20 are slowed on purpose: the
     first cut is short, the next re-plan at the recent pace lengthens it again."""
     import time as _time
 
