@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Every package of `.[dev]`, resolved once and pinned with ==: installs never backtrack. `make lock` rewrites it.
 LOCK := constraints.txt
 
-.PHONY: install lock demo test test-fast ui ui-tiny bench clean smollm2 demo-tiny
+.PHONY: install lock demo test test-fast ui ui-tiny clean smollm2 demo-tiny gpu-study
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,14 @@ ui: $(SMOLLM2_STAMP)
 
 ui-tiny: $(STAMP)
 	exec $(BIN)/python deploy/local/ui.py --target tiny
+
+# The SmolLM2 drafter study on one CUDA GPU (bench/smollm2_study.py; docs/gpu-study.md): generate, train, evaluate,
+# speed-up, within BUDGET; run it again to resume from STUDY_DIR.
+DFLASH_CACHE ?= $(HOME)/.cache/dflash-assets
+STUDY_DIR ?= $(DFLASH_CACHE)/study
+BUDGET ?= 25m
+gpu-study: $(SMOLLM2_STAMP)
+	$(BIN)/python bench/smollm2_study.py --out $(STUDY_DIR) --budget $(BUDGET)
 
 clean:
 	rm -rf .dflash .dagster_home .pytest_cache

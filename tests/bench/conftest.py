@@ -19,8 +19,8 @@ def load_bench_script(name: str):
 
 
 @pytest.fixture(scope="module")
-def bench():
-    return load_bench_script("smollm2_product")
+def study():
+    return load_bench_script("smollm2_study")
 
 
 @pytest.fixture(scope="module")

