@@ -336,7 +336,7 @@ def test_settings_table_covers_every_variable_read():
     assert {"DFLASH_STORE", "DFLASH_TARGET_MODEL", "DFLASH_ENGINE_URLS"} <= read  # the scan finds them
     read -= {"DFLASH_TARGET"}  # read by the CLI only to refuse the old name with a pointer to DFLASH_TARGET_MODEL
     assert read <= set(deployment.SETTINGS)
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "deployment.md").read_text()
     assert [name for name in sorted(set(deployment.SETTINGS) | read) if f"| `{name}`" not in readme] == []
 
 
