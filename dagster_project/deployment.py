@@ -4,7 +4,7 @@ The store, the target, the engine fleet and the GPU launcher all come from
 here, built from the environment when the definitions load, and are bound
 with ``deployment_resource``: a run cannot change them through run config
 (its validation refuses any ``resources:`` config). ``SETTINGS`` lists every
-variable, once; the README's table is checked against it (both live in
+variable, once; docs/deployment.md's table is checked against it (both live in
 ``profile.py``, which reads and parses the environment; this module builds
 the resources from it).
 

@@ -1,7 +1,7 @@
 """The deployment profile and its settings: which profile runs, every environment variable a profile reads, parsed.
 
 ``DFLASH_PROFILE`` (``local`` or ``cluster``) and the ``DFLASH_*`` variables
-listed once in ``SETTINGS`` (the README's table is checked against it). This
+listed once in ``SETTINGS`` (docs/deployment.md's table is checked against it). This
 module only reads and parses them; ``deployment.py`` builds the resources
 from what it returns, ``resources.py`` asks it which profile runs (whether a
 step may start the embedded engine), ``config.py`` which prompt sources a run
@@ -44,7 +44,7 @@ PROFILE_ENV = "DFLASH_PROFILE"
 DEFAULT_STAGE_TIMEOUT_S = 48 * 3600.0  # a GPU stage that runs longer is stopped: raise it for long trainings
 DEFAULT_GPU_LAUNCH = "ssh -o BatchMode=yes -o ServerAliveInterval=30 -o ServerAliveCountMax=4 {host}"
 
-# Every setting a profile reads, with what it is for (the README table is built from this).
+# Every setting a profile reads, with what it is for (docs/deployment.md's table is checked against it).
 SETTINGS: dict[str, str] = {
     "DFLASH_PROFILE": "local (default) or cluster",
     "DFLASH_STORE": "store root: a directory, or s3://bucket/prefix (required for cluster)",

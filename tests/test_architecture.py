@@ -32,7 +32,7 @@ FLOORS = {
 # The stages in data-flow order (the target_model package serves them all, the embedded default sits on top).
 STAGES = ["prompts", "target_model", "generation", "tokenization", "hidden_states", "drafter", "embedded"]
 # Floors of the unit-level import graph, measured by test_floors_are_at_most_the_stages_plus_two (cli and
-# pipes_worker on floor 6); README's architecture section says the same number.
+# pipes_worker on floor 6); docs/development.md says the same number.
 MEASURED_FLOORS = 6
 
 
@@ -47,7 +47,7 @@ DAGSTER_FLOORS = {
     "demo": 5,  # `make demo`: drives the code location's assets (its library parts are dflash_assets.demo)
 }
 # Floors of the Dagster layer's unit-level import graph, measured by test_dagster_layer_has_at_most_six_floors;
-# README's architecture section says the same number.
+# docs/development.md says the same number.
 DAGSTER_MEASURED_FLOORS = 6
 
 
@@ -139,7 +139,7 @@ def test_floors_are_at_most_the_stages_plus_two():
 
     floors = max(floor(u) for u in units)
     # The bound is the stages plus two; the recorded count ratchets it, so a new floor fails here
-    # until it is looked at (and MEASURED_FLOORS and README's count are updated on purpose).
+    # until it is looked at (and MEASURED_FLOORS and docs/development.md's count are updated on purpose).
     bound = min(len(STAGES) + 2, MEASURED_FLOORS)
     assert floors <= bound, (
         f"{floors} floors of imports measured (recorded {MEASURED_FLOORS}, at most {len(STAGES) + 2} "

@@ -17,7 +17,7 @@ versions of the libraries that shape the output. Built in a temp dir beside it a
 place under a file lock, so readers never see a partial directory. Use it like any local target:
 `DFLASH_TARGET_MODEL=$(python -m dflash_assets.embedded.smollm2)`.
 
-What kind of target it is (README, "Walk-through: SmolLM2-135M-Instruct"): `llama`, 30 layers, hidden 576,
+What kind of target it is (docs/targets.md): `llama`, 30 layers, hidden 576,
 vocab 49,152 (= embedding rows: no free row for a new `<|MASK|>`), tied embeddings; a ChatML
 template with a default system prompt and no thinking mode. Its tokenizer declares the unused
 special token `<empty_output>` (id 16) as its mask token (`tokenizer_config.json` `mask_token`),

@@ -10,7 +10,7 @@ columns are ignored) and returns a samples table (`SAMPLES_SCHEMA`) plus
 the store.
 
 How a sample is built (SpecForge's ``qwen3.5`` loss-mask convention, so the data is interchangeable with
-SpecForge's; README, "Tokenized samples"):
+SpecForge's; docs/tokenization.md):
 
 1. Pick the supervised assistant turn(s): ``last_turn`` (default) -> one
    sample per conversation, its final assistant turn; ``every_turn`` -> one

@@ -327,7 +327,7 @@ def test_cluster_file_is_a_valid_instance_config(tmp_path, monkeypatch):
 
 
 def test_settings_table_covers_every_variable_read():
-    """One list of settings: every DFLASH_* variable the code reads is in deployment.SETTINGS and the README."""
+    """One list of settings: every DFLASH_* variable the code reads is in deployment.SETTINGS and docs/deployment.md."""
     sources = [*(REPO / "dflash_assets").rglob("*.py"), *(REPO / "dagster_project").rglob("*.py")]
     read = set()
     for path in sources:

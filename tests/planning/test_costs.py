@@ -234,7 +234,7 @@ def test_generation_plan_asset_shows_the_whole_cost_plan_from_a_pilot(tmp_path, 
 
 
 def test_the_stage_functions_run_prompts_plan_completions_and_samples_without_dagster(tmp_path, tiny_dense_target):
-    """The README's Python API as plain calls over one store. Before any completions the plan's figures fall back
+    """The Python API (docs/python-api.md) as plain calls over one store. Before any completions the plan's figures fall back
     to the raw prompts (turns, the burst's requests) and max_new_tokens (output per turn); after one partition is
     regenerated they come from its completions."""
     from dflash_assets.generation.config import GenerationConfig
