@@ -1,4 +1,4 @@
-"""Benchmark: drafter training through the bounded part cache against the same run from local disk (issue 15 item 4).
+"""Benchmark: drafter training through the bounded part cache against the same run from local disk.
 
 Writes a synthetic hidden-state cache at Qwen3-8B shapes (5 layers x 4096, bf16: 40,960 B per token) as
 ``--parts`` one-part partitions totalling ``--parts-gb`` into a "remote" directory store, then trains the same

@@ -1,4 +1,4 @@
-"""The operators one speculative verification issues against one token of the target alone (issue 21's speed-up).
+"""The operators one speculative verification issues against one token of the target alone: the batch-1 speed-up.
 
 At batch 1 a small target on a GPU is bound by the host: each operator costs about the same few microseconds to
 dispatch and launch, whatever its size (SmolLM2-135M in float32 on an H200: ~28 ms a token for ~1,700 operators).
@@ -7,11 +7,13 @@ verification: the drafter's forward, the target's forward over the block, the lo
 `torch.profiler` on the product's own `SpeculativeDecoder` and `greedy_generate` (top-level ATen calls, each
 region's by the module whose forward issued it), on this machine's CPU: the counts are the same on any device.
 
-Reads the converted SmolLM2 (`make smollm2`, or `--target DIR`), a drafter exported by `bench/smollm2_product.py`
-(`--drafter DIR`: drafter.json + parts; its tau is the one the prediction uses unless `--tau`) or an untrained one
-(`--layers`, `--block-size`). Writes nothing; prints one JSON object (also to `--out`).
+Reads the converted SmolLM2 (`make smollm2`, or `--target DIR`) and a trained drafter checkpoint (`--drafter DIR`:
+`model.safetensors` + `config.json`, as `drafter_checkpoint` publishes it; the prediction uses `--tau`, else the tau
+measured here) or an untrained one (`--layers`, `--block-size`). Writes nothing; prints one JSON object (also to
+`--out`).
 
-    .venv/bin/python bench/decode_op_counts.py --drafter .smollm2_carry/drafter
+    .venv/bin/python bench/decode_op_counts.py --tau 2.19
+    .venv/bin/python bench/decode_op_counts.py --drafter STUDY_DIR/store/drafter_checkpoint/smollm2-study/<version>
 """
 
 from __future__ import annotations
@@ -103,17 +105,16 @@ def count_ops(target, drafter, prompt: list[int], new_tokens: int, stop: list[in
 
 def main(argv=None) -> int:
     import torch
-    from safetensors.torch import load
-
     from dflash_assets.drafter.decoding import load_target
-    from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, load_target_config
+    from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, load_drafter, load_target_config
     from dflash_assets.embedded.smollm2 import smollm2_target_path
     from dflash_assets.target_model.conventions import mask_token_id_in_dir
     from machine import machine_info
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="a target directory (default: the converted SmolLM2)")
-    p.add_argument("--drafter", metavar="DIR", help="an exported drafter (drafter.json + parts); else untrained")
+    p.add_argument("--drafter", metavar="DIR", help="a drafter checkpoint (model.safetensors + config.json); "
+                   "else an untrained one")
     p.add_argument("--layers", type=int, default=5, help="an untrained drafter's layers")
     p.add_argument("--block-size", type=int, default=16, help="an untrained drafter's block size")
     p.add_argument("--tau", type=float, help="the tau the prediction uses (default: the drafter's, else measured)")
@@ -125,32 +126,27 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
 
     target_dir = Path(args.target) if args.target else smollm2_target_path()
-    doc = {}
-    layers, block = args.layers, args.block_size
     if args.drafter:
-        from smollm2_product import read_drafter_parts
-
-        doc, data = read_drafter_parts(Path(args.drafter))
-        layers, block = doc.get("num_layers", layers), doc.get("block_size", block)
-    config = DrafterConfig.from_target_config(load_target_config(target_dir), num_layers=layers, block_size=block,
-                                              mask_token_id=mask_token_id_in_dir(target_dir))
-    drafter = DFlashDrafter(config)
-    if args.drafter:
-        drafter.load_state_dict({k: v.float() for k, v in load(data).items()}, strict=True)
+        drafter = load_drafter(args.drafter, dtype=torch.float32)
+    else:
+        drafter = DFlashDrafter(DrafterConfig.from_target_config(
+            load_target_config(target_dir), num_layers=args.layers, block_size=args.block_size,
+            mask_token_id=mask_token_id_in_dir(target_dir)))
     drafter = drafter.float().eval()
+    layers, block = drafter.config.num_hidden_layers, drafter.config.block_size
     target = load_target(target_dir, "cpu", torch.float32)
     vocab = int(target.config.vocab_size)
     prompt = torch.randint(100, min(vocab, 20000), (args.prompt_tokens,)).tolist()
     counts = count_ops(target, drafter, prompt, args.new_tokens, stop=[])
 
-    tau = args.tau or doc.get("tau") or counts["tau"]
+    tau = args.tau or counts["tau"]
     ratio = counts["ops_per_target_token"] / counts["ops_per_verification_total"]
     report = {"bench": "decode_op_counts", "machine": machine_info(), "torch": torch.__version__,
-              "target": target_dir.name, "drafter": {"layers": layers, "block_size": block,
-                                                     "recipe": doc.get("recipe"), "sha256": doc.get("sha256")},
+              "target": target_dir.name,
+              "drafter": {"layers": layers, "block_size": block, "checkpoint": args.drafter},
               **counts,
               "ops_ratio": round(ratio, 3),  # target ops per token / ops per verification
-              "tau_used": tau, "tau_from": "--tau" if args.tau else ("drafter.json" if doc.get("tau") else "measured"),
+              "tau_used": tau, "tau_from": "--tau" if args.tau else "measured",
               "predicted_host_bound_speedup": round(tau * ratio, 3),
               "tau_for_2x": round(2.0 / ratio, 2)}
     print_report(report, args.out)

@@ -1,11 +1,11 @@
-"""Where the in-process engine's generation time goes on a GPU (issue 21: 2K tok/s is what bounds the data).
+"""Where the in-process engine's generation time goes on a GPU: the step cost of each cache mode.
 
 `TransformersEngine._generate` is one left-padded `model.generate` per batch. This measures that call alone
 for a model of SmolLM2-135M's shape (LlamaForCausalLM: hidden 576, 30 layers, 9 heads / 3 KV heads, MLP 1536,
-vocab 49,152; weights random: throughput does not depend on their values, and no checkpoint needs carrying),
+vocab 49,152; weights random: throughput does not depend on their values, and no checkpoint is needed),
 every row forced to the full `--new-tokens` (`min_new_tokens`), greedy, CUDA synchronized:
 
-- `generate`: batch x dtype, the dynamic cache (what the engine runs today);
+- `generate`: batch x dtype, the dynamic cache (the engine's `cache="dynamic"`);
 - `static`: the same with `cache_implementation="static"` (transformers compiles the decode step);
 - `loop`: a hand loop of `model(...)` + argmax over the same dynamic cache, to separate `generate`'s own
   per-step work from the model's;
@@ -23,7 +23,7 @@ every row forced to the full `--new-tokens` (`min_new_tokens`), greedy, CUDA syn
 Prints one JSON object (also to `--out`). Runs within `--deadline-s`: cases that would start after it are
 skipped and listed.
 
-    python3 bench/generate_throughput.py --out $OUT/throughput.json      # on the GPU machine (device tool)
+    python bench/generate_throughput.py --out throughput.json      # on a CUDA GPU
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Three measurements in the same run, per batch size (1, 2, 4 sequences of 3,072 t
 - training alone: ``drafter.loss.train_step`` (5-layer drafter, block 16, 512 anchors) on resident features;
 - online: both in one loop, the captured features passed straight to the step (no copy, no host round trip).
 
-Goal (issue 15): online tokens/s >= 0.9 x 1/(1/capture + 1/train), i.e. nothing lost to the joining. The
+Goal: online tokens/s >= 0.9 x 1/(1/capture + 1/train), i.e. nothing lost to the joining. The
 frozen head and embeddings of the drafter are the target's own (as in real training). Needs only torch,
 transformers, numpy (+ triton on GPU). Prints one JSON object on stdout; progress on stderr.
 

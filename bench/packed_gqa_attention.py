@@ -1,4 +1,4 @@
-"""One decode step's attention, compiled: Transformers' SDPA path against `generation.packed_gqa` (issue 21).
+"""One decode step's attention, compiled: Transformers' SDPA path against `generation.packed_gqa`.
 
 The in-process engine's static cache decodes with a compiled step, and under torch.compile Transformers' SDPA
 path copies the KV cache to every query head (`repeat_kv`) before attending. This times that attention alone,

@@ -1,5 +1,5 @@
 """docs/promotion-check.png, docs/learning-curve-by-slice.png and docs/target-refresh-sensor.png: a drafter's
-lifecycle in the Dagster UI (issue 25).
+lifecycle in the Dagster UI.
 
 A real `dagster dev` (tests/dagster_dev.py) whose deployment names target B (a copy of the tiny dense target
 with one weight changed: a fine-tune) while this process, on the same Dagster instance and store, runs the

@@ -36,3 +36,23 @@ def test_a_drafter_layer_costs_the_drafter_and_the_prediction_follows(op_counts,
     d1, d2 = one["ops_per_verification"]["drafter"], two["ops_per_verification"]["drafter"]
     assert 1.6 * d1 < d2 < 2.4 * d1  # the layers dominate the drafter's forward
     assert two["ops_per_target_token"] == one["ops_per_target_token"]  # the target alone does not change
+
+
+def test_a_published_checkpoint_is_counted_with_its_own_layers(op_counts, tiny_dense_target, tmp_path):
+    """``--drafter DIR`` loads a checkpoint as ``drafter_checkpoint`` publishes it (``save_drafter``): its layers
+    and block size come from its config.json, not from the flags."""
+    import torch
+
+    from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, load_target_config, save_drafter
+    from dflash_assets.target_model.conventions import mask_token_id_in_dir
+
+    config = DrafterConfig.from_target_config(load_target_config(tiny_dense_target), num_layers=2, block_size=4,
+                                              mask_token_id=mask_token_id_in_dir(tiny_dense_target))
+    save_drafter(DFlashDrafter(config), tmp_path / "ckpt", dtype=torch.float32)
+    out = tmp_path / "ops.json"
+    assert op_counts.main(["--target", str(tiny_dense_target), "--drafter", str(tmp_path / "ckpt"), "--layers", "1",
+                           "--block-size", "8", "--prompt-tokens", "24", "--new-tokens", "12",
+                           "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["drafter"]["layers"] == 2 and report["drafter"]["block_size"] == 4
+    assert report["tau_from"] == "measured" and report["tau_used"] >= 1.0
