@@ -28,6 +28,10 @@ capture and training GPU-hours, offline or online, e.g. ``dflash plan
 (``dflash_assets.drafter.provenance``): a checkpoint directory, or ``dflash inspect STORE_URI --recipe
 NAME`` for the recipe's published checkpoint (``--json``: the raw record). Reads only.
 
+``dflash bundle SRC OUT [--part-size 1G]`` and ``dflash unbundle BUNDLE DEST``: a file or directory (a model,
+a checkpoint, a store) as checksummed parts and a manifest, for a host with no network
+(``dflash_assets.bundle``).
+
 Adding a subcommand: write ``_add_<name>(subparsers)`` that sets
 ``func=<callable(args) -> int>`` and append it to ``SUBCOMMANDS``.
 """
@@ -167,7 +171,51 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_engine, _add_plan, _add_inspect]
+def _add_bundle(sub: argparse._SubParsersAction) -> None:
+    from dflash_assets import bundle
+
+    p = sub.add_parser("bundle", help="write a file or directory as checksummed parts and a manifest",
+                       description=bundle.__doc__.split("\n\n")[0])
+    p.add_argument("src", help="the file or directory to ship (a model directory, a checkpoint, a store)")
+    p.add_argument("out", help="an empty (or new) directory for the parts and manifest.json")
+    p.add_argument("--part-size", default="1G", type=bundle.parse_size,
+                   help="the largest part (default 1G; e.g. 40M for a transfer capped at 50 MB a file)")
+    p.set_defaults(func=_bundle)
+    p = sub.add_parser("unbundle", help="check a bundle's parts and extract it",
+                       description="Check every part of a bundle against its manifest, extract it beside DEST, "
+                       "check every file, then move it into DEST/<name>.")
+    p.add_argument("bundle", help="the directory holding manifest.json and the parts")
+    p.add_argument("dest", help="where the bundled file or directory goes (as DEST/<its name>)")
+    p.set_defaults(func=_unbundle)
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    from dflash_assets.bundle import BundleError, bundle_path
+
+    try:
+        manifest = bundle_path(args.src, args.out, args.part_size)
+    except (BundleError, FileNotFoundError, ValueError) as e:
+        print(f"dflash bundle: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"bundle": args.out, "files": len(manifest["files"]), "parts": len(manifest["parts"]),
+                      "bytes": manifest["bytes"]}))
+    return 0
+
+
+def _unbundle(args: argparse.Namespace) -> int:
+    from dflash_assets.bundle import BundleError, unbundle
+
+    try:
+        path = unbundle(args.bundle, args.dest)
+    except (BundleError, FileExistsError) as e:
+        print(f"dflash unbundle: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"unbundled": str(path)}))
+    return 0
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_engine, _add_plan, _add_inspect,
+                                                                    _add_bundle]
 
 
 def build_parser() -> argparse.ArgumentParser:

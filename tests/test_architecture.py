@@ -17,6 +17,7 @@ DAGSTER = PACKAGE.parent / "dagster_project"
 # Each top-level unit of the library and its floor: a unit may import only units on its floor or below.
 FLOORS = {
     "store": 0, "cache_keys": 0, "torch_compile": 0, "chart_data": 0, "stage_io": 0, "quality_gates": 0,  # foundations
+    "bundle": 0,
     "prompts": 1,
     "target_model": 2,
     "generation": 3,
