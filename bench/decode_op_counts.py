@@ -117,7 +117,7 @@ def main(argv=None) -> int:
                    "else an untrained one")
     p.add_argument("--layers", type=int, default=5, help="an untrained drafter's layers")
     p.add_argument("--block-size", type=int, default=16, help="an untrained drafter's block size")
-    p.add_argument("--tau", type=float, help="the tau the prediction uses (default: the drafter's, else measured)")
+    p.add_argument("--tau", type=float, help="the tau the prediction uses (default: the one measured here)")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--out")

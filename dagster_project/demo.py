@@ -66,7 +66,7 @@ __all__ = ["main", "run_demo", "DemoSummary", "StageRun", "PER_SHARD_ASSETS", "D
 log = logging.getLogger("dflash.demo")
 
 # Per target: what the demo materializes unless told otherwise. SmolLM2's size is chosen to finish cold in
-# under 10 minutes on 2 CPU cores (BENCHMARKS.md, "make demo on three CPU kernel levels").
+# under 10 minutes on 2 CPU cores (BENCHMARKS.md, "make demo and the test suite on three CPU kernel levels").
 # max_empty_ratio: SmolLM2 gets the product's gate (2%). The tiny target is a toy trained for seconds whose
 # empty answers depend on the CPU kernels that built it (first shard of 23: 1 under avx512, 0 under avx2, 2 under
 # default); at 2%, 2/23 is evidence enough to fail (Wilson lower bound 2.4%), so its demo gates at 10%: a shard

@@ -5,8 +5,8 @@ Bulk tokenization of rendered conversations is the CPU cost of the
 target encodes ~0.3M tokens/s on one core; tiktoken with the same BPE ranks
 and pre-tokenizer pattern encodes ~3M tokens/s (measured for this project on
 one CPU core over 2,000 NFC-normalized ShareGPT conversations, ids identical on
-all 2,000; the stage's own figures are in BENCHMARKS.md, "Tokenization
-throughput"). This module gives one encoder object with two backends:
+all 2,000; the stage's own figures are in BENCHMARKS.md,
+"Tokenization"). This module gives one encoder object with two backends:
 
 - ``tiktoken``: a ``tiktoken.Encoding`` built from byte-level BPE ranks, the
   pre-tokenizer regex and the special tokens. The parts come from
