@@ -6,10 +6,20 @@ spooled to a temporary file, because Parquet needs random access).
 
 - Compression is found from magic bytes, not the name: gzip (``1f 8b``) and
   zstd (``28 b5 2f fd``) are decompressed as a stream. A compressed stream
-  that is cut off (or fails its gzip CRC) ends the read like a truncated
-  file: ``truncated`` is set and ``parse_error`` names the decompressor's
-  complaint, even when the cut falls between two records. (Network errors
-  while reading from S3 are raised: a retry should not see a partial source.)
+  that is cut off, or corrupt (a byte its decoder refuses, a failed gzip
+  CRC-32 or zstd checksum), ends the read like a truncated file, even when
+  the cut falls between two records: every record decoded before it is
+  yielded, ``truncated`` is set, ``damage`` says ``cut`` or ``corrupt``,
+  ``stopped_at_compressed_byte`` where reading stopped in the file's own
+  bytes, and ``parse_error`` names the source, the codec and the decoder's
+  complaint. When nothing could be decoded before it (a cut inside the
+  magic number or the first frame header, a corrupt first block) or the
+  source is Parquet (which needs its end), ``read_source`` raises
+  :class:`SourceFormatError` with the same words: a damaged source is never
+  reported as empty. A Parquet page that cannot be decoded ends the read
+  the same way (``damage`` ``corrupt``, at the start of its row group).
+  (Network errors while reading from S3 are raised: a retry should not see
+  a partial source.)
 - Format is found from the first bytes after decompression: ``PAR1`` is
   Parquet, ``[`` a JSON array, ``{`` JSONL (one object per line). A UTF-8
   BOM and blank space of any length before the ``[`` or ``{`` are read past
@@ -78,6 +88,7 @@ UTF8_BOM = b"\xef\xbb\xbf"
 DEFAULT_MAX_RAW_RECORD_CHARS = 32 * 1024 * 1024
 _CHUNK = 4 * 1024 * 1024  # bytes read per refill of the JSON-array window
 _RAW_SNIPPET = 4096  # chars of raw text kept on a problem item
+_COMPRESSED_READ = 16 * 1024  # compressed bytes handed to a decoder at a time (bounds how far past a fault it reads)
 
 
 class SourceFormatError(ValueError):
@@ -109,8 +120,10 @@ class SourceSummary:
     truncated: bool = False  # the source ended inside a record or before the closing ']'
     truncated_at_byte: int | None = None  # where the incomplete record starts (decompressed bytes)
     truncated_tail_bytes: int = 0  # bytes of the incomplete record
-    parse_error: str | None = None  # a syntax error or trailing data that stopped a JSON array early
+    parse_error: str | None = None  # why reading stopped early: a syntax error, trailing data, a cut or corrupt file
     json_arrays: int = 0  # top-level JSON arrays read one after another (1 for a plain array file)
+    damage: str | None = None  # cut | corrupt: the compressed stream (or Parquet file) ends early or fails a check
+    stopped_at_compressed_byte: int | None = None  # with damage: where reading stopped, in the file's own bytes
 
 
 def embedded_sharegpt_path() -> Path:
@@ -179,83 +192,174 @@ class _Prefixed(io.RawIOBase):
         return n
 
 
-class _ZstdReader(io.RawIOBase):
-    """zstd frames, one after another, decompressed; knows when the input stops mid-frame.
+class _DecodeError(Exception):
+    """A decoder refused its input; ``partial`` is what it decoded from that input before it did."""
 
-    (``ZstdDecompressor.stream_reader`` returns a cut-off stream's data as if it were complete.)
+    def __init__(self, message: str, partial: bytes = b""):
+        super().__init__(message)
+        self.partial = partial
+
+
+class _Decompressor(io.RawIOBase):
+    """A compressed stream, decoded; a cut or a fault ends it with ``damage`` set instead of raising.
+
+    ``damage`` is ``"cut"`` (the input ends inside a frame or member) or ``"corrupt"`` (the decoder refused a
+    byte, a checksum or a length); ``error`` says which, and ``stopped_at`` is how far into the compressed
+    input the decoder had read: its whole length for a cut; for a fault, the byte after the one the decoder
+    refused (gzip), or the end of the ``_COMPRESSED_READ``-byte piece it refused (zstd, which checks a block,
+    or a frame's checksum, once it has all of it). What it decoded before the fault is handed out first.
     """
 
-    def __init__(self, f: Any):
-        import zstandard
+    codec = ""
 
+    def __init__(self, f: Any):
         self._f = f
-        self._dctx = zstandard.ZstdDecompressor()
-        self._obj = self._dctx.decompressobj()
         self._out = memoryview(b"")
-        self._in_frame = False
+        self._done = False
+        self.consumed = 0  # compressed bytes handed to the decoder
+        self.damage: str | None = None
+        self.stopped_at: int | None = None
         self.error: str | None = None
 
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b: Any) -> int:
-        import zstandard
+    def _decode(self, data: bytes) -> bytes:
+        """Decode the next piece of input; raises :class:`_DecodeError` on a fault."""
+        raise NotImplementedError
 
+    def _cut(self) -> str | None:
+        """Why the input ending here is a cut (it stops inside a frame or member), or None."""
+        raise NotImplementedError
+
+    def _stop(self, damage: str, why: str) -> None:
+        self._done = True
+        self.damage, self.stopped_at = damage, self.consumed
+        self.error = f"{self.codec} stream {damage} at compressed byte {self.consumed}: {why}"
+
+    def readinto(self, b: Any) -> int:
         while not len(self._out):
-            data = self._f.read(1 << 20)
-            if not data:
-                if self._in_frame:
-                    self.error = "zstd stream ends inside a frame"
+            if self._done:
                 return 0
-            out = []
+            data = self._f.read(_COMPRESSED_READ)
+            if not data:
+                self._done = True
+                why = self._cut()
+                if why is not None:
+                    self._stop("cut", why)
+                return 0
+            self.consumed += len(data)
             try:
-                while data:
-                    self._in_frame = True
-                    out.append(self._obj.decompress(data))
-                    data = b""
-                    if self._obj.eof:  # frame done: the rest starts the next one
-                        data = self._obj.unused_data
-                        self._obj = self._dctx.decompressobj()
-                        self._in_frame = False
-            except zstandard.ZstdError as e:
-                self.error = f"zstd: {e}"
-                self._out = memoryview(b"".join(out))
-                self._f = io.BytesIO()
-                if not len(self._out):
-                    return 0
-                break
-            self._out = memoryview(b"".join(out))
+                out = self._decode(data)
+            except _DecodeError as e:
+                self._stop("corrupt", str(e))
+                out = e.partial
+            self._out = memoryview(out)
         n = min(len(b), len(self._out))
         b[:n] = self._out[:n]
         self._out = self._out[n:]
         return n
 
 
-class _GzipReader(io.RawIOBase):
-    """gzip members decompressed; a cut-off or corrupt stream ends early with ``error`` set."""
+class _ZstdReader(_Decompressor):
+    """zstd frames, one after another (``ZstdDecompressor.stream_reader`` hands out a cut stream as if whole)."""
+
+    codec = "zstd"
 
     def __init__(self, f: Any):
-        self._g = gzip.GzipFile(fileobj=f, mode="rb")
-        self.error: str | None = None
+        import zstandard
 
-    def readable(self) -> bool:
-        return True
+        super().__init__(f)
+        self._error_type = zstandard.ZstdError
+        self._dctx = zstandard.ZstdDecompressor()
+        self._obj = self._dctx.decompressobj()
+        self._frame_start = 0  # compressed offset where the current frame starts
+        self._in_frame = False  # the current frame has begun and not ended
 
-    def readinto(self, b: Any) -> int:
-        if self.error:
-            return 0
+    def _decode(self, data: bytes) -> bytes:
+        out = []
+        start = self.consumed - len(data)  # offset of data[0]
         try:
-            data = self._g.read1(len(b))  # read1: a cut-off stream still hands out what it has
-        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-            self.error = f"gzip: {e}"
-            return 0
-        n = len(data)
-        b[:n] = data
-        return n
+            while data:
+                if not self._in_frame:
+                    self._in_frame, self._frame_start = True, start
+                out.append(self._obj.decompress(data))
+                data = b""
+                if self._obj.eof:  # frame done: the rest starts the next one
+                    data = self._obj.unused_data
+                    start = self.consumed - len(data)
+                    self._obj = self._dctx.decompressobj()
+                    self._in_frame = False
+        except self._error_type as e:
+            raise _DecodeError(f"{e} (in the frame that starts at compressed byte {self._frame_start})",
+                               b"".join(out)) from None
+        return b"".join(out)
 
-    def close(self) -> None:
-        self._g.close()
-        super().close()
+    def _cut(self) -> str | None:
+        if not self._in_frame:
+            return None
+        return (f"the input ends {self.consumed - self._frame_start} bytes into the frame that starts at "
+                f"compressed byte {self._frame_start}")
+
+
+class _GzipReader(_Decompressor):
+    """gzip members, one after another, with zero padding between or after them skipped (as ``gzip`` does);
+    each member's CRC-32 and length are checked. A fault is found to the byte: the piece of input it is in is
+    decoded again, a byte at a time, from a copy of the decoder taken before it."""
+
+    codec = "gzip"
+
+    def __init__(self, f: Any):
+        super().__init__(f)
+        self._obj: Any = None  # the current member's decoder; None between members
+        self._member_start = 0
+
+    def _decode(self, data: bytes) -> bytes:
+        base = self.consumed - len(data)  # offset of data[0]
+        saved = (self._obj.copy() if self._obj is not None else None, self._member_start)
+        try:
+            return self._feed(data, base)
+        except zlib.error:
+            pass
+        self._obj, self._member_start = saved
+        out = []
+        for i in range(len(data)):
+            try:
+                out.append(self._feed(data[i : i + 1], base + i))
+            except zlib.error as e:
+                self.consumed = base + i + 1  # the decoder read up to and including this byte
+                why = str(e)
+                if "incorrect data check" in why:
+                    why += " (the member's CRC-32 does not match its data)"
+                raise _DecodeError(f"{why} (in the member that starts at compressed byte {self._member_start})",
+                                   b"".join(out)) from None
+        raise AssertionError("gzip: a piece failed as a whole but not byte by byte")  # zlib is deterministic
+
+    def _feed(self, data: bytes, start: int) -> bytes:
+        """Decode ``data`` (which starts at compressed byte ``start``); raises ``zlib.error``."""
+        out = []
+        while data:
+            if self._obj is None:
+                rest = data.lstrip(b"\0")
+                start += len(data) - len(rest)
+                data = rest
+                if not data:
+                    break
+                self._obj, self._member_start = zlib.decompressobj(16 + zlib.MAX_WBITS), start
+            out.append(self._obj.decompress(data))
+            if self._obj.eof:
+                start += len(data) - len(self._obj.unused_data)
+                data = self._obj.unused_data
+                self._obj = None
+            else:
+                data = b""
+        return b"".join(out)
+
+    def _cut(self) -> str | None:
+        if self._obj is None:
+            return None
+        return (f"the input ends {self.consumed - self._member_start} bytes into the member that starts at "
+                f"compressed byte {self._member_start}")
 
 
 def _read_upto(f: Any, n: int) -> bytes:
@@ -408,8 +512,14 @@ class SourceReader:
     def _sniff(self, raw: Any, local: Path | None) -> None:
         """Find compression and format; set up the stream the format reader consumes."""
         head = _read_upto(raw, 4)
+        self._decompressor: _Decompressor | None = None
+        for codec, magic in (("gzip", GZIP_MAGIC), ("zstd", ZSTD_MAGIC)):
+            if 0 < len(head) < len(magic) and magic.startswith(head):  # the whole source is shorter than 4 bytes
+                s = self.summary
+                s.compression, s.damage, s.stopped_at_compressed_byte = codec, "cut", len(head)
+                raise SourceFormatError(f"source {s.uri}: {codec} stream cut at compressed byte {len(head)}: the "
+                                        f"input ends inside the {codec} magic number; nothing could be read")
         stream: Any = _put_back(head, raw)
-        self._decompressor: _GzipReader | _ZstdReader | None = None
         if head.startswith(GZIP_MAGIC):
             self.summary.compression = "gzip"
             self._decompressor = _GzipReader(stream)
@@ -429,6 +539,7 @@ class SourceReader:
                 tmp.write(head)
                 shutil.copyfileobj(stream, tmp, 1 << 20)
                 self._stream_bytes = tmp.tell()
+                self._raise_if_damaged("a Parquet file needs its footer, at its end; nothing could be read")
                 tmp.seek(0)
                 self._closers.append(tmp)
                 self._parquet_src = tmp
@@ -440,9 +551,11 @@ class SourceReader:
         elif head.startswith(b"{"):
             self.summary.format = "jsonl"
         elif not head:
+            self._raise_if_damaged("nothing could be read")
             raise SourceFormatError(f"source {self.summary.uri} is empty (or only blank space: "
                                     f"{self._leading_bytes} bytes)")
         else:
+            self._raise_if_damaged(f"the {self._leading_bytes + len(head)} bytes decoded before it are no known format")
             raise SourceFormatError(
                 f"source {self.summary.uri}: unknown format (starts with {head[:16]!r} after "
                 f"{self._leading_bytes} bytes of BOM/blank space; expected a JSON array '[', JSONL '{{' or "
@@ -498,16 +611,26 @@ class SourceReader:
         finally:
             self.close()
 
-    def _note_stream_error(self) -> None:
-        """A compressed stream that ended early is a truncated source, even at a record boundary."""
-        error = self._decompressor.error if self._decompressor is not None else None
-        if error is None:
-            return
+    def _note_stream_error(self) -> bool:
+        """A compressed stream that is cut or corrupt is a truncated source, even at a record boundary:
+        ``damage``, the compressed offset and ``parse_error`` (naming the source) are set. True if it was."""
+        d = self._decompressor
+        if d is None or d.damage is None:
+            return False
         s = self.summary
         if not s.truncated:
             s.truncated = True
             s.truncated_at_byte = self._stream_bytes
-        s.parse_error = f"{error} (after {self._stream_bytes} decompressed bytes)"
+        s.damage, s.stopped_at_compressed_byte = d.damage, d.stopped_at
+        s.parse_error = f"{s.uri}: {d.error}; reading stopped after {self._stream_bytes} decompressed bytes"
+        return True
+
+    def _raise_if_damaged(self, consequence: str) -> None:
+        """Raise :class:`SourceFormatError` when the compressed stream is cut or corrupt (where its format
+        cannot be known, or a Parquet file cannot be read without its end)."""
+        if self._note_stream_error():
+            d = self._decompressor
+            raise SourceFormatError(f"source {self.summary.uri}: {d.error}; {consequence}")
 
     # JSON array: a sliding window of decoded text, parsed one element at a time.
     # Arrays one after another ("[...][...]", or one array per line) are read as one
@@ -699,28 +822,63 @@ class SourceReader:
         try:
             pf = pq.ParquetFile(self._parquet_src)
         except (pa.ArrowException, OSError) as e:
-            raise SourceFormatError(f"source {self.summary.uri}: unreadable Parquet: {e}") from e
+            src = self._parquet_src
+            size = src.stat().st_size if isinstance(src, Path) else self._stream_bytes
+            raise SourceFormatError(f"source {self.summary.uri}: unreadable Parquet, cut or corrupt (its footer, "
+                                    f"at the end of its {size} bytes, cannot be read; nothing could be read): "
+                                    f"{e}") from e
         index = 0
-        for batch in pf.iter_batches(batch_size=2048):
-            try:
-                rows = batch.to_pylist()
-            except (UnicodeDecodeError, pa.ArrowException):
-                rows = None
-            if rows is not None:
-                for row in rows:
-                    yield SourceItem(index, record=row)
-                    index += 1
-                continue
-            for i in range(batch.num_rows):  # find the bad rows one by one
-                one = batch.slice(i, 1)
+        for group in range(pf.num_row_groups):
+            batches = pf.iter_batches(batch_size=2048, row_groups=[group])
+            while True:
                 try:
-                    (row,) = one.to_pylist()
-                    yield SourceItem(index, record=row)
-                except (UnicodeDecodeError, pa.ArrowException) as e:
-                    raw = _parquet_row_repr(one)
-                    yield SourceItem(index, problem="invalid_utf8", detail=f"row unreadable: {e}"[:500],
-                                     raw=_snippet(raw), raw_chars=len(raw))
+                    batch = next(batches, None)
+                except (pa.ArrowException, OSError) as e:  # a page that cannot be decoded
+                    self._note_parquet_damage(pf, group, e)
+                    return
+                if batch is None:
+                    break
+                yield from self._parquet_batch(batch, index)
+                index += batch.num_rows
+
+    def _note_parquet_damage(self, pf: Any, group: int, error: Exception) -> None:
+        """Reading stopped at row group ``group``: a truncated, corrupt source; the rows before it were read."""
+        rg = pf.metadata.row_group(group)
+        cols = [rg.column(c) for c in range(rg.num_columns)]
+        start = min([c.data_page_offset for c in cols]
+                    + [c.dictionary_page_offset for c in cols if c.has_dictionary_page and c.dictionary_page_offset])
+        s = self.summary
+        s.truncated, s.truncated_at_byte, s.damage = True, start, "corrupt"
+        where = f"byte {start} of the decompressed Parquet file"
+        if s.compression == "none":  # the Parquet file is the source's own bytes
+            s.stopped_at_compressed_byte = start
+            where = f"compressed byte {start}"
+        s.parse_error = (f"{s.uri}: Parquet corrupt at {where}: row group {group} of {pf.num_row_groups} "
+                         f"cannot be decoded ({str(error)[:300]}); reading stopped there")
+
+    def _parquet_batch(self, batch: Any, index: int) -> Iterator[SourceItem]:
+        """The rows of one batch from ``index`` on; a row whose strings are not UTF-8 is an ``invalid_utf8`` item."""
+        import pyarrow as pa
+
+        try:
+            rows = batch.to_pylist()
+        except (UnicodeDecodeError, pa.ArrowException):
+            rows = None
+        if rows is not None:
+            for row in rows:
+                yield SourceItem(index, record=row)
                 index += 1
+            return
+        for i in range(batch.num_rows):  # find the bad rows one by one
+            one = batch.slice(i, 1)
+            try:
+                (row,) = one.to_pylist()
+                yield SourceItem(index, record=row)
+            except (UnicodeDecodeError, pa.ArrowException) as e:
+                raw = _parquet_row_repr(one)
+                yield SourceItem(index, problem="invalid_utf8", detail=f"row unreadable: {e}"[:500],
+                                 raw=_snippet(raw), raw_chars=len(raw))
+            index += 1
 
 
 def _as_binary_type(t: Any) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -328,3 +329,148 @@ def test_corrupt_gzip_stops_without_raising():
     data[-6] ^= 0xFF  # the CRC trailer
     items, summary = _read_all(bytes(data))
     assert len(items) == 150 and summary.truncated and "CRC" in summary.parse_error
+
+
+# --- cut and corrupt compressed files: named as such, with the file and the compressed offset ---------------
+
+
+def _varied_jsonl(n: int = 3000) -> tuple[list[dict], bytes]:
+    """Records of seeded random words: text that compresses ~3x, so a file spans many decoder reads."""
+    rng = random.Random(7)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(4000)]
+    records = [{"id": str(k), "conversations": [{"from": "human", "value": " ".join(rng.choices(words, k=20))}]}
+               for k in range(n)]
+    return records, _jsonl(records)
+
+
+def _zstd(data: bytes) -> bytes:
+    return zstandard.ZstdCompressor(write_checksum=True).compress(data)  # a checksum, as the zstd CLI writes
+
+
+def _flip(data: bytes, pos: int) -> bytes:
+    out = bytearray(data)
+    out[pos] ^= 0xFF
+    return bytes(out)
+
+
+def test_zstd_cut_inside_the_frame_header_is_a_cut_not_an_empty_source(tmp_path):
+    _, data = _varied_jsonl(50)
+    z = _zstd(data)
+    header = zstandard.frame_header_size(z)
+    assert header >= 6
+    path = tmp_path / "prompts.jsonl.zst"
+    for cut in range(1, header + 1):  # inside the magic number, then inside the rest of the header
+        path.write_bytes(z[:cut])
+        with pytest.raises(SourceFormatError) as e:
+            read_source(path)
+        message = str(e.value)
+        assert f"zstd stream cut at compressed byte {cut}" in message and str(path) in message
+        assert "nothing could be read" in message and "empty" not in message
+
+
+def test_zstd_cut_mid_frame_keeps_the_records_before_the_cut(tmp_path):
+    records, data = _varied_jsonl()
+    z = _zstd(data)
+    cut = len(z) // 2
+    path = tmp_path / "prompts.jsonl.zst"
+    path.write_bytes(z[:cut])
+    items, summary = _read_all(path)
+    assert 0 < len(items) < len(records)
+    assert [i.record for i in items] == records[: len(items)]  # a prefix, none of it garbled
+    assert summary.truncated and summary.damage == "cut" and summary.stopped_at_compressed_byte == cut
+    assert summary.parse_error.startswith(f"{path}: zstd stream cut at compressed byte {cut}")
+
+
+def test_zstd_flipped_byte_is_corrupt_and_reading_stops_after_it(tmp_path):
+    records, data = _varied_jsonl()
+    z = _zstd(data)
+    path = tmp_path / "prompts.jsonl.zst"
+    for flip in (len(z) // 3, len(z) - 2):  # inside a block; inside the frame's checksum
+        path.write_bytes(_flip(z, flip))
+        items, summary = _read_all(path)
+        assert summary.truncated and summary.damage == "corrupt"
+        assert flip < summary.stopped_at_compressed_byte <= len(z)
+        assert "zstd stream corrupt at compressed byte" in summary.parse_error and str(path) in summary.parse_error
+        assert len(items) < len(records) and items[0].record == records[0]
+
+
+def test_gzip_cut_in_the_header_and_mid_member(tmp_path):
+    records, data = _varied_jsonl()
+    g = gzip.compress(data)
+    path = tmp_path / "prompts.jsonl.gz"
+    for cut in (1, 2, 5, 10):  # inside the magic number, then inside the 10-byte header
+        path.write_bytes(g[:cut])
+        with pytest.raises(SourceFormatError, match=f"gzip stream cut at compressed byte {cut}\\b") as e:
+            read_source(path)
+        assert str(path) in str(e.value) and "empty" not in str(e.value)
+    cut = len(g) // 2
+    path.write_bytes(g[:cut])
+    items, summary = _read_all(path)
+    assert 0 < len(items) < len(records) and [i.record for i in items] == records[: len(items)]
+    assert summary.damage == "cut" and summary.stopped_at_compressed_byte == cut and summary.truncated
+    assert f"{path}: gzip stream cut at compressed byte {cut}" in summary.parse_error
+
+
+def test_gzip_flipped_byte_is_corrupt_at_the_byte_the_decoder_refused(tmp_path):
+    records, data = _varied_jsonl()
+    g = gzip.compress(data)
+    path = tmp_path / "prompts.jsonl.gz"
+    path.write_bytes(_flip(g, 2))  # the compression method: refused in the header, before any data
+    with pytest.raises(SourceFormatError, match="gzip stream corrupt at compressed byte [0-9]\\b.*unknown compression"):
+        read_source(path)
+    path.write_bytes(_flip(g, len(g) - 6))  # the CRC-32 trailer: every record decodes, then the check fails
+    items, summary = _read_all(path)
+    assert [i.record for i in items] == records
+    assert summary.damage == "corrupt" and summary.stopped_at_compressed_byte == len(g) - 4
+    assert "CRC-32" in summary.parse_error and str(path) in summary.parse_error
+    flip = len(g) // 2  # inside the deflate data
+    path.write_bytes(_flip(g, flip))
+    items, summary = _read_all(path)
+    assert summary.damage == "corrupt" and flip < summary.stopped_at_compressed_byte <= len(g)
+    assert len(items) > 0 and items[0].record == records[0]
+
+
+@pytest.mark.parametrize("kind", ["gzip", "zstd"])
+def test_empty_compressed_file_is_empty_and_padding_or_more_members_are_whole(kind):
+    compress = gzip.compress if kind == "gzip" else _zstd
+    with pytest.raises(SourceFormatError, match="empty") as e:
+        read_source(compress(b""))  # a valid frame or member of zero bytes
+    assert "cut" not in str(e.value) and "corrupt" not in str(e.value)
+    one = compress(_jsonl(RECORDS))
+    whole = [(one + one, 2), (one + compress(b"") + one, 2)]
+    if kind == "gzip":  # zero padding between and after members, as gzip reads it
+        whole += [(one + b"\0" * 7 + one, 2), (one + b"\0" * 3, 1)]
+    for data, copies in whole:
+        items, summary = _read_all(data)
+        assert [i.record for i in items] == RECORDS * copies and summary.damage is None and not summary.truncated
+
+
+def test_cut_compressed_parquet_is_named_cut(tmp_path):
+    z = _zstd(_parquet(_varied_jsonl()[0]))
+    path = tmp_path / "prompts.parquet.zst"
+    path.write_bytes(z[: len(z) // 2])  # blocks before the cut decode: the Parquet head is found, its end is not
+    with pytest.raises(SourceFormatError, match=f"zstd stream cut at compressed byte {len(z) // 2}:.*footer") as e:
+        read_source(path)
+    assert str(path) in str(e.value)
+
+
+def test_parquet_cut_or_with_a_corrupt_page(tmp_path):
+    rows = _varied_jsonl(3000)[0]
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf, row_group_size=1000, compression="snappy")
+    data = buf.getvalue()
+    path = tmp_path / "prompts.parquet"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(SourceFormatError, match="unreadable Parquet, cut or corrupt") as e:
+        _read_all(path)  # Parquet is opened when reading starts
+    assert str(path) in str(e.value) and f"its {len(data) // 2} bytes" in str(e.value)
+
+    group = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(1)
+    text = group.column(1)  # conversations' text, snappy-compressed pages
+    start = min(group.column(c).dictionary_page_offset or group.column(c).data_page_offset
+                for c in range(group.num_columns))
+    path.write_bytes(_flip(data, text.data_page_offset + text.total_compressed_size // 2))
+    items, summary = _read_all(path)
+    assert [i.record for i in items] == rows[:1000]  # row group 0, whole; nothing after the bad page
+    assert summary.damage == "corrupt" and summary.truncated and summary.stopped_at_compressed_byte == start
+    assert "row group 1 of 3" in summary.parse_error and str(path) in summary.parse_error
