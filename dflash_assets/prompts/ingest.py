@@ -27,7 +27,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -74,7 +74,7 @@ class IngestReport:
     quarantined: dict[str, int]  # reason -> count; records_read == valid + duplicates + sum(quarantined)
     truncated: bool
     truncated_at_byte: int | None
-    parse_error: str | None
+    parse_error: str | None  # why reading stopped early (a cut or corrupt file: the file, codec and offset)
     json_arrays: int  # top-level JSON arrays read one after another (1 for a plain array file, 0 for JSONL/Parquet)
     limit_reached: bool
     new_prompts: int
@@ -90,6 +90,11 @@ class IngestReport:
     quarantine_key: str
     seconds: float
     agentic_prompts: int = 0  # valid prompts with tools, tool calls or tool results
+    damage: str | None = None  # cut | corrupt: the compressed file (or Parquet file) ends early or fails a check
+    stopped_at_compressed_byte: int | None = None  # with damage: where reading stopped, in the file's own bytes
+    # field -> records normalized into a prompt (duplicates too) that held it non-null but whose prompt does not
+    # keep it: "model" (a record field), "conversations[].weight" (a turn field)
+    unknown_fields: dict[str, int] = field(default_factory=dict)
 
     @property
     def quarantined_total(self) -> int:
@@ -117,6 +122,8 @@ class IngestReport:
             "new_shards": len(self.new_shards), "changed_shards": ", ".join(self.changed_shards) or "none",
             "notes": self.notes, "roles": self.roles, "quarantine_key": self.quarantine_key,
             "seconds": self.seconds, "agentic_prompts": self.agentic_prompts,
+            "source_damage": self.damage or "none", "stopped_at_compressed_byte": self.stopped_at_compressed_byte,
+            "unknown_fields": self.unknown_fields,
         }
         return out
 
@@ -174,6 +181,15 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
     and the report are written after the commit (the quarantine alone when
     nothing is valid); counts per reason are in the report. Old objects go by
     :func:`~dflash_assets.prompts.corpus.collect_garbage`.
+
+    Damaged sources: a cut or corrupt compressed file (gzip, zstd) or a
+    Parquet page that cannot be decoded keeps every record read before the
+    damage; the report has ``truncated``, ``damage`` (``cut`` or ``corrupt``),
+    ``stopped_at_compressed_byte`` and a ``parse_error`` naming the file. When
+    nothing could be read, :class:`~dflash_assets.prompts.sources.SourceFormatError`
+    is raised with the same words (such a source is never taken for an empty
+    one). Fields a record holds that no prompt keeps are counted by name in
+    ``unknown_fields``.
 
     Sharding: a prompt keeps its shard forever. New prompts, in source order,
     fill the highest-numbered shard up to ``max_prompts_per_shard``, then open
@@ -250,6 +266,7 @@ def _ingest(source_uri: Any, store: Any, config: IngestConfig, s3_client: Any, s
     seen: set[str] = set()
     notes: Counter[str] = Counter()
     roles: Counter[str] = Counter()
+    unknown_fields: Counter[str] = Counter()
     records = valid = duplicates = existing = agentic = 0
     limit_reached = False
 
@@ -271,6 +288,7 @@ def _ingest(source_uri: Any, store: Any, config: IngestConfig, s3_client: Any, s
             if isinstance(p, Rejection):
                 quarantine.add(item.index, p.reason, p.detail, record=item.record, byte_offset=item.byte_offset)
                 continue
+            unknown_fields.update(p.unknown_fields)
             if p.prompt_id in seen:
                 duplicates += 1
                 continue
@@ -357,6 +375,9 @@ def _ingest(source_uri: Any, store: Any, config: IngestConfig, s3_client: Any, s
         quarantine_key=quarantine_key,
         seconds=round(seconds, 3),
         agentic_prompts=agentic,
+        damage=summary.damage,
+        stopped_at_compressed_byte=summary.stopped_at_compressed_byte,
+        unknown_fields=dict(sorted(unknown_fields.items())),
     )
     store.write_json(layout.corpus_report(source), report.as_dict())
     collect_garbage(store, new_index, index)

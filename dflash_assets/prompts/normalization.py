@@ -7,7 +7,11 @@ with one turn parser (:func:`_parse_turns`) and the one role table
 (:data:`ROLE_MAP`, plus :data:`AGENTIC_ROLE_MAP` for agentic records). A
 prompt's id is a content hash (:func:`prompt_id`, :func:`agentic_prompt_id`);
 a rejection carries a reason code of
-:data:`dflash_assets.prompts.quarantine.QUARANTINE_REASONS`.
+:data:`dflash_assets.prompts.quarantine.QUARANTINE_REASONS`. Every field that
+carries conversation content (:data:`RECORD_FIELDS`, :data:`TURN_FIELDS`) is
+kept in the prompt, or the record is rejected (``unkept_content`` when the
+prompt has no place for it); other non-null fields are named in
+``Prompt.unknown_fields`` for the ingest to count.
 
 Reads the record it is given (and, for tool schemas, the ``jsonschema``
 package); writes nothing.
@@ -38,6 +42,8 @@ __all__ = [
     "prompt_id",
     "agentic_prompt_id",
     "record_id_text",
+    "RECORD_FIELDS",
+    "TURN_FIELDS",
 ]
 
 
@@ -62,6 +68,7 @@ class Prompt:
     notes: tuple[str, ...] = ()  # what normalization changed, e.g. "user_turns_merged"
     tools: str | None = None  # agentic: JSON text of the tool definitions (OpenAI form)
     agentic_turns: str | None = None  # agentic: JSON text of user turns, recorded tool calls and tool results
+    unknown_fields: tuple[str, ...] = ()  # non-null fields not read, e.g. "model", "conversations[].weight"
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,39 @@ class Rejection:
 # --- normalization -------------------------------------------------------------
 
 _MISSING = object()
+
+# The fields content is read from (with IngestConfig.category_field); any other non-null field of a record or
+# of a turn is not kept and is named in Prompt.unknown_fields ("model", "conversations[].weight").
+RECORD_FIELDS = frozenset({"conversations", "messages", "system", "tools", "functions", "id"})
+TURN_FIELDS = frozenset({"from", "value", "role", "content", "tool_calls", "function_call", "tool_call_id", "name"})
+_NOT_ON_USER_TURNS = ("name", "tool_calls", "function_call", "tool_call_id")  # nowhere to keep them in a prompt
+
+
+def _carries(value: Any) -> bool:
+    """Does a field's value hold anything (not null, not an empty string, list or object)?"""
+    return value is not None and value != "" and value != [] and value != {}
+
+
+def _tools_given(value: Any) -> bool:
+    """Does a ``tools``/``functions`` value define anything (an empty list, or its JSON text, does not)?"""
+    return value is not None and value != [] and not (isinstance(value, str) and value.strip() in ("", "[]"))
+
+
+def _read_record_fields(record: dict, config: IngestConfig) -> tuple[str | None, frozenset[str]] | Rejection:
+    """(the top-level ``system`` text or None, names of the record's unknown non-null fields), or a
+    :class:`Rejection` when the record holds content a prompt cannot keep whole: two conversation lists, two
+    tool lists (``unkept_content``), a ``system`` field that is not text (``non_string_content``)."""
+    if _carries(record.get("conversations")) and _carries(record.get("messages")):
+        return Rejection("unkept_content", "the record has both 'conversations' and 'messages'; a prompt keeps one")
+    if _tools_given(record.get("tools")) and _tools_given(record.get("functions")):
+        return Rejection("unkept_content", "the record has both 'tools' and 'functions'; a prompt keeps one")
+    system = record.get("system")
+    if system is not None:
+        system = _content_text(system)
+        if system is None:
+            return Rejection("non_string_content", f"the record's 'system' field is a {type(record['system']).__name__}")
+    unknown = frozenset(k for k in record.keys() - RECORD_FIELDS if k != config.category_field and record[k] is not None)
+    return system, unknown
 
 
 _normalize = unicodedata.normalize
@@ -96,20 +136,30 @@ def _content_text(content: Any) -> str | None:
     return None
 
 
-def _parse_turns(turns: list, role_map: dict[str, str]) -> Iterator[tuple[int, dict, str, str, Any] | Rejection]:
+def _parse_turns(turns: list, role_map: dict[str, str], where: str,
+                 unknown: set[str]) -> Iterator[tuple[int, dict, str, str, Any] | Rejection]:
     """The turns of a conversation, each as ``(i, turn, kind, role name, content)``, or a :class:`Rejection`
     for the first malformed one (the caller returns it): the one turn parser of both normalizers.
 
     A turn is ShareGPT (``from``/``value``) or OpenAI (``role``/``content``), the other content key accepted
     too; ``content`` is ``_MISSING`` when the turn has none (each normalizer decides what that means). The
     role is looked up in ``role_map`` as written, else stripped and lower-cased (the name given is then the
-    lower-cased role; the map's keys are lower-case); a role in neither form is ``unknown_role``. A generator,
-    not a call per turn: normalization is the ingest's hot loop.
+    lower-cased role; the map's keys are lower-case); a role in neither form is ``unknown_role``. A turn with
+    two roles or two contents that differ, or a user or system turn carrying ``name``, tool calls or a tool
+    call id, is ``unkept_content``. Non-null fields outside :data:`TURN_FIELDS` are added to ``unknown`` as
+    ``<where>[].<field>`` (``where``: the record's list, ``conversations`` or ``messages``). A generator, not a
+    call per turn: normalization is the ingest's hot loop.
     """
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             yield Rejection("bad_turn", f"turn {i} is a {type(turn).__name__}")
             return
+        if len(turn) > 2 and (why := _two_of_a_kind(turn)) is not None:
+            yield Rejection("unkept_content", f"turn {i} has {why}")
+            return
+        for key in turn.keys() - TURN_FIELDS:
+            if turn[key] is not None:
+                unknown.add(f"{where}[].{key}")
         if "from" in turn:
             role = turn["from"]
             content = turn["value"] if "value" in turn else turn.get("content", _MISSING)
@@ -130,7 +180,22 @@ def _parse_turns(turns: list, role_map: dict[str, str]) -> Iterator[tuple[int, d
             if kind is None:
                 yield Rejection("unknown_role", f"turn {i} role {role[:40]!r}")
                 return
+        if kind == USER or kind == SYSTEM or kind == TOOL:
+            kept = ("tool_call_id", "name") if kind == TOOL else ()
+            for key in _NOT_ON_USER_TURNS:
+                if key not in kept and _carries(turn.get(key)):
+                    yield Rejection("unkept_content", f"turn {i} ({name}) carries {key!r}, which a prompt has "
+                                                      f"no place for on a {kind} turn")
+                    return
         yield i, turn, kind, name, content
+
+
+def _two_of_a_kind(turn: dict) -> str | None:
+    """Two roles (``from`` and ``role``) or two contents (``value`` and ``content``) that differ, or None."""
+    for a, b in (("from", "role"), ("value", "content")):
+        if turn.get(a) is not None and turn.get(b) is not None and turn[a] != turn[b]:
+            return f"both {a!r} and {b!r}, and they differ (a prompt keeps one)"
+    return None
 
 
 def record_id_text(value: Any) -> str | None:
@@ -176,8 +241,16 @@ def normalize_record(record: Any, config: IngestConfig | None = None, *, index: 
       gpt/chatgpt/bing/bard/assistant -> assistant; system -> system. A record
       with tools, tool calls or tool results goes to :func:`normalize_agentic_record`.
     - Assistant turns are dropped (the target regenerates every completion).
-      What is kept: the system prompt (if any) and the user turns in order;
-      the regenerator answers after each user turn.
+      What is kept: the system prompt (a top-level ``system`` field, text or
+      text parts, then leading system turns; none when neither is there) and
+      the user turns in order; the regenerator answers after each user turn.
+    - Content a prompt cannot keep whole is quarantined as ``unkept_content``
+      (both ``conversations`` and ``messages``, both ``tools`` and
+      ``functions``, a turn with two roles or two contents that differ, a user
+      or system turn carrying ``name``, tool calls or a tool call id); a
+      ``system`` field that is not text is ``non_string_content``. Any other
+      non-null field (outside :data:`RECORD_FIELDS`, ``config.category_field``
+      and :data:`TURN_FIELDS`) is not kept and is named in ``unknown_fields``.
     - Text is NFC-normalized and stripped. Empty user turns are dropped; user
       turns with no assistant turn between them are merged with a blank line;
       leading system turns are merged. Each of these is counted in ``notes``.
@@ -196,10 +269,8 @@ def normalize_record(record: Any, config: IngestConfig | None = None, *, index: 
     config = config or _DEFAULT_CONFIG
     if not isinstance(record, dict):
         return Rejection("not_an_object", f"record is a JSON {type(record).__name__}")
-    turns = record.get("conversations", _MISSING)
-    if turns is _MISSING or turns is None:
-        turns = record.get("messages", _MISSING)
-    if turns is _MISSING or turns is None:
+    where, turns = _conversation(record)
+    if turns is None:
         return Rejection("missing_conversation", "no 'conversations' or 'messages' field")
     if not isinstance(turns, list):
         return Rejection("missing_conversation", f"conversation is a {type(turns).__name__}, not a list")
@@ -207,15 +278,20 @@ def normalize_record(record: Any, config: IngestConfig | None = None, *, index: 
         return Rejection("empty_conversation", "0 turns")
     if _is_agentic(record, turns):
         return normalize_agentic_record(record, config, index=index)
+    fields = _read_record_fields(record, config)
+    if fields.__class__ is Rejection:
+        return fields
+    top_system, record_unknown = fields
+    unknown: set[str] = set(record_unknown)
 
-    systems: list[str] = []
+    systems: list[str] = [] if top_system is None else [top_system]
     runs: list[list[str]] = []  # user turns; a run has no assistant turn inside
     run: list[str] | None = None
     roles: list[str] = []
     started = False  # a non-system turn was seen
     leading_assistant = 0
     empty_user = 0
-    for parsed in _parse_turns(turns, ROLE_MAP):
+    for parsed in _parse_turns(turns, ROLE_MAP, where, unknown):
         if parsed.__class__ is Rejection:
             return parsed
         i, turn, kind, name, content = parsed
@@ -285,7 +361,17 @@ def normalize_record(record: Any, config: IngestConfig | None = None, *, index: 
         prompt_chars=chars,
         roles=tuple(roles),
         notes=tuple(notes),
+        unknown_fields=tuple(sorted(unknown)),
     )
+
+
+def _conversation(record: dict) -> tuple[str, Any]:
+    """(name of the record's turn list, the list): ``conversations``, else ``messages`` (also when
+    ``conversations`` is an empty list and ``messages`` is not); the list is None when there is neither."""
+    turns = record.get("conversations")
+    if turns is not None and not (turns == [] and _carries(record.get("messages"))):
+        return "conversations", turns
+    return "messages", record.get("messages")
 
 
 _DEFAULT_CONFIG = IngestConfig()
@@ -305,8 +391,7 @@ TOOLS_FIELDS = ("tools", "functions")  # where a record keeps its tool definitio
 def _is_agentic(record: dict, turns: list) -> bool:
     """Tool definitions, a tool call or a tool result anywhere in the record."""
     for name in TOOLS_FIELDS:
-        value = record.get(name)
-        if value is not None and value != [] and not (isinstance(value, str) and value.strip() in ("", "[]")):
+        if _tools_given(record.get(name)):
             return True
     for turn in turns:
         if isinstance(turn, dict):
@@ -388,7 +473,7 @@ def _parse_tools(record: dict, config: IngestConfig) -> tuple[list[dict] | None,
 
     Raises :class:`_NestedTooDeep` for tools (as JSON text) or a parameters schema nested too deep.
     """
-    name = next((f for f in TOOLS_FIELDS if record.get(f) is not None), None)
+    name = next((f for f in TOOLS_FIELDS if _tools_given(record.get(f))), None)
     if name is None:
         return None, None
     value = record[name]
@@ -540,19 +625,17 @@ def normalize_agentic_record(record: dict, config: IngestConfig | None = None, *
 
 def _normalize_agentic_record(record: dict, config: IngestConfig, index: int) -> Prompt | Rejection:
     """:func:`normalize_agentic_record` once the record's own depth is checked; raises :class:`_NestedTooDeep`."""
-    turns = record.get("conversations")
-    if turns is None:
-        turns = record.get("messages")
+    where, turns = _conversation(record)
+    fields = _read_record_fields(record, config)
+    if fields.__class__ is Rejection:
+        return fields
+    top_system, record_unknown = fields
+    unknown: set[str] = set(record_unknown)
     tools, why = _parse_tools(record, config)
     if why is not None:
         return Rejection("bad_tools", why)
     declared = {t["function"]["name"] for t in tools} if tools else set()
-    systems: list[str] = []
-    top = record.get("system")
-    if top is not None:
-        if not isinstance(top, str):
-            return Rejection("non_string_content", f"the record's 'system' field is a {type(top).__name__}")
-        systems.append(top)
+    systems: list[str] = [] if top_system is None else [top_system]
     events: list[dict] = []
     roles: list[str] = []
     started = has_user = False
@@ -560,7 +643,7 @@ def _normalize_agentic_record(record: dict, config: IngestConfig, index: int) ->
     merged = False
     last: str | None = None  # user | calls | tool | answer
     open_calls = 0  # calls of the last call step still without a result
-    for parsed in _parse_turns(turns, _AGENTIC_ROLES):
+    for parsed in _parse_turns(turns, _AGENTIC_ROLES, where, unknown):
         if parsed.__class__ is Rejection:
             return parsed
         i, turn, kind, name, content = parsed
@@ -693,4 +776,5 @@ def _normalize_agentic_record(record: dict, config: IngestConfig, index: int) ->
         notes=tuple(notes),
         tools=tools_json,
         agentic_turns=turns_json,
+        unknown_fields=tuple(sorted(unknown)),
     )

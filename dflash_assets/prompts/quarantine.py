@@ -38,8 +38,12 @@ QUARANTINE_REASONS = {
     "empty_conversation": "the conversation has no turns",
     "bad_turn": "a turn that is not an object, or has no role or no content",
     "unknown_role": "a role outside human/user/gpt/chatgpt/bing/bard/assistant/system",
-    "non_string_content": "a turn's content is not a string (or a list of text parts)",
+    "non_string_content": "a turn's content, or the record's 'system' field, is not a string (or a list of text parts)",
     "late_system_turn": "a system turn after the conversation started",
+    "unkept_content": "content a prompt has no place for, so the record cannot be kept whole: both 'conversations' "
+                      "and 'messages', both 'tools' and 'functions', a turn with two roles (from/role) or two "
+                      "contents (value/content) that differ, a user or system turn carrying 'name', tool calls or "
+                      "a tool call id (a tool result carrying tool calls)",
     "no_user_turn": "no non-empty user turn (assistant-only, system-only, blank user turns)",
     "assistant_first": "starts with an assistant turn (only with leading_assistant='quarantine')",
     "bad_tools": "tool definitions that are not a list of named function objects (or its JSON text), "
