@@ -102,17 +102,25 @@ def _read_record_fields(record: dict, config: IngestConfig) -> tuple[str | None,
     """(the top-level ``system`` text or None, names of the record's unknown non-null fields), or a
     :class:`Rejection` when the record holds content a prompt cannot keep whole: two conversation lists, two
     tool lists (``unkept_content``), a ``system`` field that is not text (``non_string_content``)."""
-    if _carries(record.get("conversations")) and _carries(record.get("messages")):
+    if "messages" in record and "conversations" in record and _carries(record["conversations"]) and _carries(
+            record["messages"]):
         return Rejection("unkept_content", "the record has both 'conversations' and 'messages'; a prompt keeps one")
-    if _tools_given(record.get("tools")) and _tools_given(record.get("functions")):
+    if "functions" in record and "tools" in record and _tools_given(record["tools"]) and _tools_given(
+            record["functions"]):
         return Rejection("unkept_content", "the record has both 'tools' and 'functions'; a prompt keeps one")
     system = record.get("system")
     if system is not None:
         system = _content_text(system)
         if system is None:
-            return Rejection("non_string_content", f"the record's 'system' field is a {type(record['system']).__name__}")
-    unknown = frozenset(k for k in record.keys() - RECORD_FIELDS if k != config.category_field and record[k] is not None)
-    return system, unknown
+            return Rejection("non_string_content",
+                             f"the record's 'system' field is a {type(record['system']).__name__}")
+    extra = record.keys() - RECORD_FIELDS
+    if not extra:
+        return system, _NONE
+    return system, frozenset(k for k in extra if k != config.category_field and record[k] is not None)
+
+
+_NONE: frozenset[str] = frozenset()
 
 
 _normalize = unicodedata.normalize
@@ -142,7 +150,8 @@ def _parse_turns(turns: list, role_map: dict[str, str], where: str,
     for the first malformed one (the caller returns it): the one turn parser of both normalizers.
 
     A turn is ShareGPT (``from``/``value``) or OpenAI (``role``/``content``), the other content key accepted
-    too; ``content`` is ``_MISSING`` when the turn has none (each normalizer decides what that means). The
+    too, a null role or content read as absent when the other key has one (a Parquet row of mixed shapes holds
+    both, one null); ``content`` is ``_MISSING`` when the turn has none (each normalizer decides what that means). The
     role is looked up in ``role_map`` as written, else stripped and lower-cased (the name given is then the
     lower-cased role; the map's keys are lower-case); a role in neither form is ``unknown_role``. A turn with
     two roles or two contents that differ, or a user or system turn carrying ``name``, tool calls or a tool
@@ -154,21 +163,27 @@ def _parse_turns(turns: list, role_map: dict[str, str], where: str,
         if not isinstance(turn, dict):
             yield Rejection("bad_turn", f"turn {i} is a {type(turn).__name__}")
             return
-        if len(turn) > 2 and (why := _two_of_a_kind(turn)) is not None:
-            yield Rejection("unkept_content", f"turn {i} has {why}")
-            return
-        for key in turn.keys() - TURN_FIELDS:
-            if turn[key] is not None:
-                unknown.add(f"{where}[].{key}")
-        if "from" in turn:
-            role = turn["from"]
-            content = turn["value"] if "value" in turn else turn.get("content", _MISSING)
+        # A role and a content and nothing else (nearly every turn) needs no look at other fields.
+        plain = len(turn) == 2 and (("from" in turn and "value" in turn) or ("role" in turn and "content" in turn))
+        if not plain:
+            if (why := _two_of_a_kind(turn)) is not None:
+                yield Rejection("unkept_content", f"turn {i} has {why}")
+                return
+            for key in turn.keys() - TURN_FIELDS:
+                if turn[key] is not None:
+                    unknown.add(f"{where}[].{key}")
+        if "from" in turn and (turn["from"] is not None or turn.get("role") is None):
+            role, first, second = turn["from"], "value", "content"
         elif "role" in turn:
-            role = turn["role"]
-            content = turn["content"] if "content" in turn else turn.get("value", _MISSING)
+            role, first, second = turn["role"], "content", "value"
         else:
             yield Rejection("bad_turn", f"turn {i} has no 'from' or 'role'")
             return
+        content = turn.get(first, _MISSING)
+        if content is None or content is _MISSING:  # a null field is no content: the other key, if it has one
+            other = turn.get(second, _MISSING)
+            if other is not _MISSING and (other is not None or content is _MISSING):
+                content = other
         if not isinstance(role, str):
             yield Rejection("bad_turn", f"turn {i} role is a {type(role).__name__}")
             return
@@ -180,7 +195,7 @@ def _parse_turns(turns: list, role_map: dict[str, str], where: str,
             if kind is None:
                 yield Rejection("unknown_role", f"turn {i} role {role[:40]!r}")
                 return
-        if kind == USER or kind == SYSTEM or kind == TOOL:
+        if not plain and (kind == USER or kind == SYSTEM or kind == TOOL):
             kept = ("tool_call_id", "name") if kind == TOOL else ()
             for key in _NOT_ON_USER_TURNS:
                 if key not in kept and _carries(turn.get(key)):
@@ -391,7 +406,8 @@ TOOLS_FIELDS = ("tools", "functions")  # where a record keeps its tool definitio
 def _is_agentic(record: dict, turns: list) -> bool:
     """Tool definitions, a tool call or a tool result anywhere in the record."""
     for name in TOOLS_FIELDS:
-        if _tools_given(record.get(name)):
+        value = record.get(name)
+        if value is not None and _tools_given(value):
             return True
     for turn in turns:
         if isinstance(turn, dict):
