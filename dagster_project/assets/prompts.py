@@ -51,6 +51,8 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: IngestConfig, store
         context.log.warning(f"source is truncated at byte {report.truncated_at_byte}: every complete record was kept")
     if report.parse_error:
         context.log.warning(f"source read stopped early: {report.parse_error} (see {report.quarantine_key})")
+    if report.unknown_fields:
+        context.log.warning(f"fields no prompt keeps (records holding each): {report.unknown_fields}")
     if report.json_arrays > 1:
         context.log.warning(f"source holds {report.json_arrays} JSON arrays one after another: all were read")
     shard_sizes = dg.MetadataValue.md(markdown_counts(report.shard_sizes, "shard", "prompts"))

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from dflash_assets.prompts.sources import embedded_sharegpt_path, read_source
+from dflash_assets.prompts.sources import SourceFormatError, embedded_sharegpt_path, read_source
 from dflash_assets.store import layout
 from dflash_assets.prompts.config import IngestConfig
 from dflash_assets.prompts.corpus import list_shard_keys
@@ -251,6 +251,37 @@ def test_truncated_json_array_is_reported(tmp_path, store):
     report = ingest_prompt_source(tmp_path / "cut.json", store, CONFIG)
     assert report.records_read == 4 and report.valid == 4 and report.quarantined == {}
     assert report.truncated and report.truncated_at_byte == data.rindex(b"\n {", 0, cut) + 2  # the record, not its turn
+
+
+@pytest.mark.parametrize("kind", ["zstd", "gzip"])
+def test_cut_compressed_source_is_reported_cut_with_file_and_offset(tmp_path, store, kind):
+    records = [conv(("human", f"question {k} " + "word " * (k % 40)), id=f"r{k}") for k in range(2000)]
+    data = _jsonl(records)
+    packed = zstandard.ZstdCompressor().compress(data) if kind == "zstd" else gzip.compress(data)
+    path = tmp_path / f"cut.jsonl.{'zst' if kind == 'zstd' else 'gz'}"
+    cut = len(packed) * 2 // 3
+    path.write_bytes(packed[:cut])
+    report = ingest_prompt_source(path, store)
+    assert 0 < report.valid < len(records) and report.records_read == report.valid
+    assert report.truncated and report.damage == "cut" and report.stopped_at_compressed_byte == cut
+    assert report.parse_error.startswith(f"{path}: {kind} stream cut at compressed byte {cut}")
+    meta = report.to_metadata()
+    assert (meta["source_damage"], meta["stopped_at_compressed_byte"]) == ("cut", cut)
+    stored = store.read_json(layout.corpus_report("cut"))
+    assert (stored["damage"], stored["stopped_at_compressed_byte"]) == ("cut", cut)
+    (tmp_path / "whole.jsonl").write_bytes(data)
+    whole = ingest_prompt_source(tmp_path / "whole.jsonl", LocalStore(tmp_path / "other"))
+    assert whole.valid == len(records) and whole.damage is None and whole.to_metadata()["source_damage"] == "none"
+
+
+def test_source_cut_inside_its_first_frame_header_fails_the_ingest_as_cut(tmp_path, store):
+    packed = zstandard.ZstdCompressor().compress(_jsonl(GOOD))
+    path = tmp_path / "prompts.jsonl.zst"
+    path.write_bytes(packed[:6])  # magic number, frame header descriptor, part of the header
+    with pytest.raises(SourceFormatError, match="zstd stream cut at compressed byte 6") as e:
+        ingest_prompt_source(path, store, CONFIG)
+    assert str(path) in str(e.value) and "empty" not in str(e.value)
+    assert not store.exists(layout.corpus_index())  # nothing committed
 
 
 # Shapes of a source that must neither lose records silently nor kill the ingest.

@@ -1,7 +1,10 @@
 """The prompt stage through Dagster: the whole embedded ShareGPT file, partitions, metadata."""
 
+import json
+
 import dagster as dg
 import pytest
+import zstandard
 
 from dagster_project.assets.prompts import prompt_corpus, raw_prompts
 from dagster_project.resources import StoreResource
@@ -74,3 +77,20 @@ def test_source_with_no_valid_prompt_fails_with_reason(instance, tmp_path):
     with pytest.raises(Exception, match="valid"):
         dg.materialize([prompt_corpus], instance=instance, resources={"store": store}, run_config=config)
     assert instance.get_dynamic_partitions("prompt_shards") == []
+
+
+def test_cut_source_and_unknown_fields_show_in_the_metadata(instance, tmp_path):
+    lines = [json.dumps({"id": str(i), "model": "m",
+                         "conversations": [{"from": "human", "value": f"question {i} " * 9}]})
+             for i in range(2000)]  # ~300 KB: several zstd blocks, so the blocks before the cut decode
+    packed = zstandard.ZstdCompressor().compress(("\n".join(lines) + "\n").encode())
+    source = tmp_path / "prompts.jsonl.zst"
+    cut = len(packed) // 2
+    source.write_bytes(packed[:cut])
+    store = StoreResource(uri=str(tmp_path / "store"))
+    config = {"ops": {"prompt_corpus": {"config": {"source_uri": str(source)}}}}
+    result = dg.materialize([prompt_corpus], instance=instance, resources={"store": store}, run_config=config)
+    meta = _values(result.asset_materializations_for_node("prompt_corpus")[0])
+    assert meta["source_damage"] == "cut" and meta["stopped_at_compressed_byte"] == cut and meta["truncated"] is True
+    assert f"{source}: zstd stream cut at compressed byte {cut}" in meta["parse_error"]
+    assert 0 < meta["valid"] < 2000 and "| model | " + str(meta["valid"]) + " |" in meta["unknown_fields"]
