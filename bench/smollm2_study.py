@@ -163,15 +163,45 @@ def generation_config(args, thinking: bool):
                             max_turns=args.max_turns, enable_thinking=thinking)
 
 
+def batch_rows_for_memory(config: dict, memory_bytes: int, max_new_tokens: int, fraction: float) -> int:
+    """Rows per generate call whose static KV cache fits `fraction` of the GPU's memory, as a row bucket.
+
+    The static cache keeps the length of the widest call so far (the widest prompt bucket plus the new tokens),
+    and a later call of many short prompts still gets that length: rows x (widest + new) x the KV bytes of a
+    token (layers x keys and values x KV heads x head dim x 2 bytes in bfloat16) is its size. The rest of the
+    card holds the weights, the prefill's activations, each shape's CUDA graph pool and the allocator's slack.
+    SmolLM2-135M: 23,040 bytes a token, 53 MB a row; 512 rows on an 80 GB card, 1,024 on a 141 GB one. Under
+    the smallest bucket, the rows that fit."""
+    from dflash_assets.generation.engines import STATIC_MAX_WIDTH, STATIC_ROW_BUCKETS
+
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    per_token = config["num_hidden_layers"] * 2 * kv_heads * head_dim * 2
+    rows = int(memory_bytes * fraction) // (per_token * (STATIC_MAX_WIDTH + max_new_tokens))
+    return max((b for b in STATIC_ROW_BUCKETS if b <= rows), default=max(rows, 1))
+
+
 def engine_fleet(args, target: str):
     """One in-process endpoint on the study's device: on a GPU, bfloat16 with a static cache (the decode step
-    compiled and captured as CUDA graphs); on a CPU, float32 with a dynamic cache."""
+    compiled and captured as CUDA graphs), rows per call sized to the card unless given; on a CPU, float32 with a
+    dynamic cache."""
+    from dflash_assets.drafter.model import load_target_config
     from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
 
     gpu = args.device == "cuda"
+    rows = args.gen_batch_rows
+    if not rows and gpu:
+        import torch
+
+        memory = torch.cuda.get_device_properties(0).total_memory
+        rows = batch_rows_for_memory(load_target_config(target), memory, args.max_new_tokens, args.gen_memory_share)
+        log(f"generate: {rows} rows a call fit {args.gen_memory_share:.0%} of this GPU's {memory / 2**30:.0f} GiB "
+            "with the static cache at its widest (--gen-batch-rows sets it)")
+    rows = rows or 32
     return EngineFleetConfig(target_model=target, endpoints=[EndpointConfig(
-        url="inprocess://smollm2", kind="transformers", device=args.device, max_concurrency=args.gen_concurrency,
-        max_batch_rows=args.gen_batch_rows, max_batch_tokens=args.gen_batch_tokens,
+        url="inprocess://smollm2", kind="transformers", device=args.device,
+        max_concurrency=args.gen_concurrency or 4 * rows, max_batch_rows=rows,
+        max_batch_tokens=args.gen_batch_tokens or 512 * rows,
         dtype="bfloat16" if gpu else "float32", cache="static" if gpu else "dynamic")])
 
 
@@ -179,7 +209,7 @@ def generate_stage(args, study: Study) -> dict:
     """``completions`` then ``tokenized_samples`` for each training shard until the generation budget is spent (no
     shard starts after it; the running one finishes). A shard whose samples are published is skipped; a shard cut
     short resumes from its completions (the completions stage reuses rows of the same config)."""
-    from dflash_assets.generation.completions import regenerate_shard
+    from dflash_assets.generation.completions import TooManyFailedPrompts, regenerate_shard
     from dflash_assets.store import layout
     from dflash_assets.target_model.chat_template import ChatRenderer
     from dflash_assets.tokenization.encoder import build_encoder
@@ -212,9 +242,17 @@ def generate_stage(args, study: Study) -> dict:
             log(f"generate: the generation budget is spent; {shard} and the later shards are not generated")
             break
         t = time.perf_counter()
-        result = regenerate_shard(store.read_parquet(layout.raw_prompts(shard)), shard=shard, store=store,
-                                  fleet=fleet, generation=generation, tokenizer=tok,
-                                  progress=lambda update: log(f"generate {shard}: {update}"))
+        try:
+            result = regenerate_shard(store.read_parquet(layout.raw_prompts(shard)), shard=shard, store=store,
+                                      fleet=fleet, generation=generation, tokenizer=tok,
+                                      progress=lambda update: log(f"generate {shard}: {update}"))
+        except TooManyFailedPrompts as e:  # its finished rows are journaled: a later run retries only the failed
+            log(f"generate {shard}: {e}")
+            log("generate: no further shard is started; the study goes on with the published ones")
+            report.setdefault("failed", []).append({"shard": shard, "error": str(e)[:2000]})
+            study.add_time("generate", time.perf_counter() - mark)
+            mark = time.perf_counter()
+            break
         gen_s = time.perf_counter() - t
         t = time.perf_counter()
         table, stats = tokenize_completions(store.read_parquet(layout.completions(shard)), encoder, tokenize,
@@ -238,8 +276,8 @@ def generate_stage(args, study: Study) -> dict:
         raise SystemExit("generate: no shard was published within the generation budget; raise --budget")
     wall = sum(r["generate_s"] for r in report["shards"])
     tokens = sum(r["completion_tokens"] for r in report["shards"])
-    report.update(published=published, completion_tokens=tokens, generate_s=round(wall, 1),
-                  tokens_per_s=round(tokens / max(wall, 1e-9), 1))
+    report.update(published=published, failed=report.get("failed", []), completion_tokens=tokens,
+                  generate_s=round(wall, 1), tokens_per_s=round(tokens / max(wall, 1e-9), 1))
     return report
 
 
@@ -343,7 +381,8 @@ def summary(args, study: Study) -> dict:
         "bench": "SmolLM2-135M-Instruct drafter study (bench/smollm2_study.py)",
         "machine": machine_info("torch", "transformers", "safetensors", "numpy", "pyarrow", "pydantic"),
         "gpu": gpu_info(), "budget_s": args.budget_s, "spent_s": study.state["spent_s"], "stages_done": study.state["done"],
-        "generation": {k: gen.get(k) for k in ("published", "completion_tokens", "generate_s", "tokens_per_s")},
+        "generation": {k: gen.get(k) for k in ("published", "failed", "completion_tokens", "generate_s",
+                                               "tokens_per_s")},
         "training": {"recipe": train.get("recipe", {}).get("name"), **{k: ckpt.get(k) for k in (
             "steps", "sequence_tokens", "tokens_per_s", "final_loss")}, "mfu": train.get("mfu", {}).get("mfu"),
             "peak_tflops": train.get("mfu", {}).get("peak_tflops")},
@@ -403,9 +442,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=256, help="per assistant turn (greedy)")
     g.add_argument("--max-turns", type=int, default=2)
-    g.add_argument("--gen-concurrency", type=int, default=4096, help="requests in flight")
-    g.add_argument("--gen-batch-rows", type=int, default=1024, help="rows per generate call")
-    g.add_argument("--gen-batch-tokens", type=int, default=524288, help="padded prompt tokens per generate call")
+    g.add_argument("--gen-batch-rows", type=int, default=0, help="rows per generate call (0: on a GPU, what fits "
+                   "--gen-memory-share of it, see batch_rows_for_memory; on a CPU 32)")
+    g.add_argument("--gen-memory-share", type=float, default=0.45,
+                   help="share of the GPU's memory the static KV cache may take at its widest")
+    g.add_argument("--gen-concurrency", type=int, default=0, help="requests in flight (0: 4 x the rows)")
+    g.add_argument("--gen-batch-tokens", type=int, default=0,
+                   help="padded prompt tokens per generate call (0: 512 x the rows)")
     g.add_argument("--min-loss-tokens", type=int, default=16, help="quality gate: shorter answers count as empty")
     g.add_argument("--max-empty-ratio", type=float, default=0.25,
                    help="quality gate (blocking): greedy SmolLM2 answers greetings in a few tokens")

@@ -97,3 +97,13 @@ def test_training_with_no_time_left_says_so(study, tmp_path):
     state.add_time("generate", 400.0)
     with pytest.raises(SystemExit, match="no time left in --budget 600 s: 400 s spent so far, 240 s kept"):
         study.train_stage(args, state)
+
+
+SMOLLM2_SHAPE = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}
+
+
+@pytest.mark.parametrize("memory_mib, rows", [(81_559, 512), (143_771, 1024), (40_960, 256), (1_024, 9)])
+def test_rows_a_call_fit_the_card(study, memory_mib, rows):
+    """SmolLM2's KV cache is 23,040 bytes a token; at its widest a row holds 2,048 prompt + 256 new tokens (53 MB);
+    45% of an 80 GB H100 holds 720 rows (the bucket below: 512), of a 141 GB H200 1,278 (1,024)."""
+    assert study.batch_rows_for_memory(SMOLLM2_SHAPE, memory_mib * 2**20, 256, 0.45) == rows
