@@ -283,13 +283,24 @@ class EvalResult:
                 "acceptance_length_counts": self.acceptance_length_counts}
 
 
+def evaluation_dtype(device=None, dtype=None) -> torch.dtype:
+    """The precision evaluation loads the target (and its drafter) in: `dtype` (a torch dtype or its name), else
+    float32 on a CPU (exact comparisons for the lossless check) and bfloat16 on a GPU. The one rule: this process's
+    target, `EvalWorkers`' targets and `eval_recipe` all take it from here."""
+    from dflash_assets.hidden_states.format import torch_dtype
+
+    if dtype is not None:
+        return torch_dtype(dtype)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def load_target(target_dir: str | Path, device=None, dtype=None):
-    """The target for evaluation: fp32 on CPU (exact comparisons), bf16 on GPU by default."""
+    """The target for evaluation on `device` (default: CUDA when there is one), in `evaluation_dtype`."""
     from dflash_assets.target_model.loading import load_causal_lm
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return load_causal_lm(target_dir, dtype=dtype).to(device).eval()
+    return load_causal_lm(target_dir, dtype=evaluation_dtype(device, dtype)).to(device).eval()
 
 
 def _pooled(rows: list[dict[str, Any]]) -> float:

@@ -42,10 +42,9 @@ def _load_target_in_worker(target_dir: str, device: str | None, dtype: str | Non
     import torch
 
     from dflash_assets.drafter.decoding import load_target
-    from dflash_assets.hidden_states.format import torch_dtype
 
     torch.set_num_threads(threads)  # the host's CPUs shared out, not each worker taking all of them
-    _WORKER["target"] = load_target(target_dir, device, torch_dtype(dtype) if dtype else None)
+    _WORKER["target"] = load_target(target_dir, device, dtype)
 
 
 def _drafter_in_worker(drafter_dir: str) -> Any:
@@ -85,18 +84,19 @@ def _decode_in_worker(drafter_dir: str, prompt_json: str, max_new_tokens: int, s
 
 
 class EvalWorkers:
-    """`workers` processes, each with the target of `target_dir` loaded (float32 on CPU, bfloat16 on GPU, or
-    `dtype`), that decode prompts speculatively for `evaluate`. Use as a context manager; the processes end at
+    """`workers` processes, each with the target of `target_dir` loaded in `decoding.evaluation_dtype(device,
+    dtype)`, that decode prompts speculatively for `evaluate`. Use as a context manager; the processes end at
     its exit."""
 
     def __init__(self, target_dir: str | Path, workers: int, *, device: str | None = None,
                  dtype: str | None = None):
-        from dflash_assets.hidden_states.format import torch_dtype
+        from dflash_assets.drafter.decoding import evaluation_dtype
 
         if workers < 1:
             raise ValueError(f"workers must be at least 1, not {workers}")
-        if dtype is not None:  # refused here, not in every worker; the workers get its name
-            dtype = str(torch_dtype(dtype)).removeprefix("torch.")
+        # resolved (and a bad name refused) here, once: every worker gets the same dtype, by name
+        dtype = str(evaluation_dtype(device, dtype)).removeprefix("torch.")
+        self.dtype = dtype
         self.workers = workers
         threads = max(1, _host_cpus() // workers)
         # spawn: a forked child of a process that has used CUDA cannot use it

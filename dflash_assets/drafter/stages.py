@@ -296,7 +296,7 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
     ones on the first ``curve_prompts`` prompts, and the final one) against the family's promoted checkpoint,
     re-measured on the same prompts when it loads on this target; at most this much tau lost on any slice.
 
-    ``dtype``: the target's (and drafter's) precision (default: float32 on CPU, bfloat16 on GPU; float32 makes
+    ``dtype``: the target's (and drafter's) precision (default: ``decoding.evaluation_dtype``'s; float32 makes
     the lossless check exact). ``speed_prompts``: also time decoding at batch 1 on that many of the prompts,
     target alone against speculative (``decode_speed``). ``curve_prompts``: also measure tau of the training
     run's learning-curve checkpoints (``train_recipe``) on that many prompts: the learning curve.
@@ -318,7 +318,7 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
         raise FileNotFoundError(f"recipe {name!r} has no published checkpoint ({', '.join(missing)} missing); "
                                 "materialize drafter_checkpoint first")
     # this process's own target: for decoding without workers, and for the speed measurement
-    model = load_target(target.model_path, device, torch_dtype(dtype)) if workers <= 1 or speed_prompts > 0 else None
+    model = load_target(target.model_path, device, dtype) if workers <= 1 or speed_prompts > 0 else None
     speed, curve = None, []
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="dflash-eval-"))

@@ -214,3 +214,15 @@ def test_heldout_prompts_are_disjoint_from_training_by_id_and_by_text(tmp_path, 
     prompts, held_out = heldout_prompts(store, recipe, TargetModelSpec(model_path=str(tiny_dense_target)), 8)
     assert held_out and [p.prompt_id for p in prompts] == ["e"]  # c and d repeat trained user turns
     assert prompts[0].category == "unknown" and len(prompts[0].input_ids) > 0
+
+
+def test_evaluation_dtype_is_one_rule():
+    """float32 on a CPU, bfloat16 on a GPU, else the dtype asked for (by name or dtype); a bad name is refused."""
+    from dflash_assets.drafter.decoding import evaluation_dtype
+
+    assert evaluation_dtype("cpu") == torch.float32
+    assert evaluation_dtype("cuda") == torch.bfloat16  # decided from the device's kind: no GPU needed
+    assert evaluation_dtype("cuda", "float32") == torch.float32
+    assert evaluation_dtype("cpu", "bf16") == torch.bfloat16 and evaluation_dtype("cpu", torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        evaluation_dtype("cpu", "float33")

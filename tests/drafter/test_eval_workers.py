@@ -55,6 +55,10 @@ def test_workers_give_the_rows_of_one_process_in_prompt_order(tmp_path, tiny_den
         EvalWorkers(tiny_dense_target, 0)
     with pytest.raises(ValueError, match="unknown dtype"):
         EvalWorkers(tiny_dense_target, 2, dtype="float33")
+    # the rule is decoding.evaluation_dtype's: resolved once here, the same for every worker
+    with EvalWorkers(tiny_dense_target, 1, device="cpu") as default, \
+            EvalWorkers(tiny_dense_target, 1, device="cpu", dtype="bf16") as named:
+        assert (default.dtype, named.dtype) == ("float32", "bfloat16")
 
 
 @pytest.mark.slow
