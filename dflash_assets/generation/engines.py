@@ -106,6 +106,7 @@ __all__ = [
     "SGLangEngine",
     "OpenAIEngine",
     "TransformersEngine",
+    "next_batch",
     "normalize_model_id",
     "hf_generation_settings",
     "split_reasoning_text",
@@ -906,6 +907,44 @@ def _cut_after_stop(new: list[int], stop_ids: Sequence[int]) -> list[int]:
     return new[:next((i + 1 for i, t in enumerate(new) if t in stops), len(new))]
 
 
+def next_batch(lengths: Sequence[int], keys: Sequence[str], *, max_rows: int, max_tokens: int,
+               cache: str = "dynamic") -> list[int]:
+    """Which pending requests (prompt lengths and settings keys, oldest first) ``TransformersEngine`` puts in its
+    next generate call, as indices: the oldest request, and the others with its settings closest to it in length,
+    while the batch stays within `max_rows` rows and `max_tokens` padded prompt tokens (a longer one runs alone).
+    On the static cache the padded width is the width bucket's and the rows stop at `static_row_cap`, so a batch
+    is padded to a row bucket, never to a row count of its own. The cost plan replays the same rule."""
+    anchor = 0
+    same = sorted((i for i in range(len(lengths)) if keys[i] == keys[anchor]),
+                  key=lambda i: abs(lengths[i] - lengths[anchor]))
+    batch, width = [anchor], lengths[anchor]
+    for i in same[1:]:
+        if len(batch) == max_rows:
+            break
+        wider = max(width, lengths[i])
+        if cache == "static" and wider <= STATIC_MAX_WIDTH:
+            fits = len(batch) + 1 <= static_row_cap(static_width(wider), max_rows, max_tokens)
+        else:
+            fits = wider * (len(batch) + 1) <= max_tokens
+        if fits:
+            batch.append(i)
+            width = wider
+    return batch
+
+
+class _StepClock:
+    """A transformers generate streamer that notes when it is handed the prompt and each step's new tokens."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 @dataclass(eq=False)  # compared by identity: removing a batch from the queue must not compare id lists
 class _BatchedRequest:
     ids: list[int]
@@ -995,6 +1034,7 @@ class TransformersEngine(Engine):
         self.batch_sizes: list[int] = []  # rows of each generate call, in order (for logs and tests)
         self.batch_shapes: list[tuple[int, int]] = []  # (rows, prompt width) each generate call ran at, padding included
         self.batch_seconds: list[float] = []  # wall time of each generate call (compiling included)
+        self.batch_steps: list[int] = []  # decode steps of each generate call (new tokens of its longest row)
         self.reused_model = False  # whether open() found the model loaded already (by an earlier engine)
 
     @property
@@ -1091,13 +1131,17 @@ class TransformersEngine(Engine):
         self.served_model = self.model_path
         return EngineProbe(self.url, self.kind, True, (self.model_path,), time.perf_counter() - t0)
 
-    def _generate(self, rows: list[list[int]], gen: GenerationConfig, stop_ids: list[int]) -> list[list[int]]:
-        """Greedy or sampled continuations of `rows` (left-padded into one batch), each cut after its first stop id."""
+    def _generate(self, rows: list[list[int]], gen: GenerationConfig, stop_ids: list[int],
+                  streamer: Any = None) -> list[list[int]]:
+        """Greedy or sampled continuations of `rows` (left-padded into one batch), each cut after its first stop id.
+        ``streamer``: transformers' generate streamer (``put`` gets the prompt, then each step's new tokens)."""
         import torch
 
         pad = stop_ids[0] if stop_ids else 0
         kwargs: dict[str, Any] = {"max_new_tokens": gen.max_new_tokens, "eos_token_id": stop_ids,
                                   "pad_token_id": pad, **hf_generation_settings(gen)}
+        if streamer is not None:
+            kwargs["streamer"] = streamer
         if not kwargs["do_sample"]:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         if gen.seed is not None:
@@ -1118,9 +1162,20 @@ class TransformersEngine(Engine):
         with torch.inference_mode():
             out = self.model.generate(input_ids=x, attention_mask=mask, **kwargs)
         self.batch_seconds.append(time.perf_counter() - t0)
+        self.batch_steps.append(out.shape[1] - width)
         _log.info("%s: generate of %d rows (%d padded) x %d prompt tokens, %d steps: %.1f s", self.url, n, len(rows),
-                  width, out.shape[1] - width, self.batch_seconds[-1])
+                  width, self.batch_steps[-1], self.batch_seconds[-1])
         return [_cut_after_stop(new, stop_ids) for new in out[:n, width:].tolist()]
+
+    async def time_generate(self, rows: list[list[int]], generation: GenerationConfig
+                            ) -> tuple[float, int, list[float]]:
+        """One generate call of `rows` (token ids, left-padded into one batch) with no stop id, so every row
+        runs ``generation.max_new_tokens`` steps, on the model's worker thread: its wall seconds, its steps, and
+        when each step's new tokens came out (seconds after generate received the prompt; the first comes out
+        of the prefill). The cost plan times batch shapes with it (``open()`` first)."""
+        clock = _StepClock()
+        await self._in_worker(self._generate, rows, generation, [], clock)
+        return self.batch_seconds[-1], self.batch_steps[-1], [t - clock.times[0] for t in clock.times[1:]]
 
     def _continuous_manager(self, gen: GenerationConfig, stop_ids: list[int]) -> Any:
         """The running continuous-batching manager for `gen`'s sampling settings (on the worker thread): the one
@@ -1183,25 +1238,10 @@ class TransformersEngine(Engine):
         return _cut_after_stop(list(output.generated_tokens), stop_ids)
 
     def _next_batch(self) -> list[_BatchedRequest]:
-        """The oldest request, and the others with its settings closest to it in length, while the batch
-        stays within `max_batch_rows` rows and `max_batch_tokens` padded prompt tokens (a longer one runs alone).
-        On the static cache the padded width is the width bucket's and the rows stop at `static_row_cap`, so a
-        batch is padded to a row bucket, never to a row count of its own."""
-        anchor = self._pending[0]
-        same = sorted((r for r in self._pending if r.key == anchor.key), key=lambda r: abs(len(r.ids) - len(anchor.ids)))
-        batch, width = [anchor], len(anchor.ids)
-        for r in same[1:]:
-            if len(batch) == self.max_batch_rows:
-                break
-            wider = max(width, len(r.ids))
-            if self.cache == "static" and wider <= STATIC_MAX_WIDTH:
-                fits = len(batch) + 1 <= static_row_cap(static_width(wider), self.max_batch_rows, self.max_batch_tokens)
-            else:
-                fits = wider * (len(batch) + 1) <= self.max_batch_tokens
-            if fits:
-                batch.append(r)
-                width = wider
-        return batch
+        """The requests of the next generate call (``next_batch``'s rule over the pending requests)."""
+        picked = next_batch([len(r.ids) for r in self._pending], [r.key for r in self._pending],
+                            max_rows=self.max_batch_rows, max_tokens=self.max_batch_tokens, cache=self.cache)
+        return [self._pending[i] for i in picked]
 
     async def _run_batches(self) -> None:
         while self._pending:
