@@ -284,7 +284,7 @@ class EndpointCost:
 class GenerationCost:
     """Wall time of regenerating the corpus on the fleet, and how it was measured."""
 
-    source: str  # burst | pilot | given
+    source: str  # burst | pilot | pilot + engine model | given
     output_tokens: float
     tokens_per_s: float
     wall_s: float
@@ -309,6 +309,16 @@ class GenerationCost:
         eps = tuple(EndpointCost(url, tps * n / total, n / total, wall * total / n)
                     for url, n in pilot.endpoint_tokens if n > 0)
         return cls("pilot", out, tps, wall, eps, f"pilot of {pilot.prompts} real prompts ({pilot.done} done)")
+
+    @classmethod
+    def from_inprocess(cls, estimate: Any, pilot: Any, prompts: int, endpoint: str) -> "GenerationCost":
+        """From ``planning.batch_costs.InprocessEstimate`` (the in-process engine's calls replayed and priced) and
+        the ``PilotMeasure`` that gave its lengths: output tokens are the pilot's per prompt x ``prompts``."""
+        wall = estimate.wall_s
+        out = prompts * pilot.completion_tokens / pilot.done if pilot.done else 0.0
+        tps = out / wall if wall > 0 else 0.0
+        return cls("pilot + engine model", out, tps, wall, (EndpointCost(endpoint, tps, 1.0, wall),),
+                   estimate.describe())
 
     @classmethod
     def from_throughput(cls, tokens_per_s: float, output_tokens: float) -> "GenerationCost":

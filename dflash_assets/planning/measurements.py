@@ -63,6 +63,7 @@ __all__ = [
     "PromptsMeasure",
     "measure_prompts",
     "sample_prompt_rows",
+    "partition_rows",
     "PilotMeasure",
     "apilot",
     "pilot",
@@ -301,6 +302,18 @@ def sample_prompt_rows(store: Any, n: int) -> pa.Table | None:
     return pa.concat_tables(parts, promote_options="default") if parts else None
 
 
+def partition_rows(store: Any, limit: int) -> tuple[int, list[list[dict]]]:
+    """(the number of partitions, the ``system`` and ``user_turns`` of every row of at most ``limit`` of them,
+    evenly spaced over all, first and last included): of the ``raw_prompts`` shards, else of the committed corpus."""
+    readers = [read for _, read in _prompt_shards(store)]
+    n = len(readers)
+    if n <= limit:
+        picked = list(range(n))
+    else:
+        picked = sorted({round(i * (n - 1) / (limit - 1)) for i in range(limit)}) if limit > 1 else [0]
+    return n, [readers[i](["system", "user_turns"]).to_pylist() for i in picked]
+
+
 @dataclass(frozen=True)
 class PilotMeasure:
     """A sample of real prompts regenerated through the whole completions path (scratch store)."""
@@ -318,6 +331,9 @@ class PilotMeasure:
     endpoint_tokens: tuple[tuple[str, int], ...] = ()  # completion tokens each endpoint generated
     user_chars: int = 0  # the pilot prompts' system + first max_turns user turns: characters
     user_tokens: int = 0  # ... and tokens (the target's tokenizer)
+    turns_at_cap: int = 0  # turns cut at max_new_tokens (finish reason "length")
+    stopped_tokens: int = 0  # completion tokens of the other turns (those that stopped on their own)
+    answer_tokens: int = 0  # tokens of the answers as a later turn's history re-sends them (no reasoning)
 
     @property
     def tokens_per_sample(self) -> float:
@@ -394,10 +410,22 @@ async def apilot(config: EngineFleetConfig, rows: Any, *, generation: Generation
         user_tokens = sum(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else 0
     st = res.stats
     per_endpoint = tuple((url, int(ep.get("completion_tokens", 0))) for url, ep in st.endpoints.items())
+    at_cap = stopped = answers = 0
+    if res.table.num_rows:
+        finish = pc.list_flatten(res.table.column("finish_reasons"))
+        generated = pc.list_flatten(res.table.column("completion_tokens"))
+        capped = pc.equal(finish, "length")
+        at_cap = int(pc.sum(capped).as_py() or 0)
+        stopped = int(pc.sum(pc.filter(generated, pc.invert(capped))).as_py() or 0)
+        if tokenizer is not None:
+            contents = [m["content"] or "" for row in res.table.column("messages").to_pylist() for m in row
+                        if m["role"] == "assistant"]
+            answers = sum(len(ids) for ids in tokenizer(contents, add_special_tokens=False)["input_ids"]) \
+                if contents else 0
     return PilotMeasure(st.prompts_total, st.prompts_done, st.prompts_failed, st.turns, st.completion_tokens,
                         st.prompt_tokens, st.wall_s, st.dispatch_s, concurrency,
                         last_turn_tokens(res.table, max_length) if res.table.num_rows else 0, per_endpoint,
-                        user_chars, user_tokens)
+                        user_chars, user_tokens, at_cap, stopped, answers)
 
 
 def pilot(config: EngineFleetConfig, rows: Any, **kwargs: Any) -> PilotMeasure:

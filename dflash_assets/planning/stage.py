@@ -6,7 +6,11 @@ what it cannot measure:
 - generation wall time: a pilot of ``pilot_prompts`` real prompts through the
   whole completions path (only while no completions exist), else a throughput
   burst per endpoint whose requests are real ones (the completions', else the
-  raw prompts' first turns, else one fixed prompt);
+  raw prompts' first turns, else one fixed prompt); on a fleet of one in-process
+  Transformers engine, the pilot's lengths and shares with the engine's generate
+  calls replayed over the corpus's own prompts, each priced by a cost model of
+  one call timed on this host (``planning.batch_costs``), since on a CPU a call's
+  time follows its prompt tokens, which a few pilot prompts do not represent;
 - output tokens per turn: the config, else the completions, else the pilot,
   else ``max_new_tokens``;
 - turns per prompt: the completions, else the pilot, else the raw prompts'
@@ -34,6 +38,7 @@ from typing import Any
 
 from dflash_assets.generation.config import GenerationConfig
 from dflash_assets.generation.fleet import EngineFleetConfig
+from dflash_assets.planning.batch_costs import estimate_inprocess, inprocess_endpoint
 from dflash_assets.planning.costs import CorpusShape, CostPlan, GenerationCost, TargetShape, plan_costs
 from dflash_assets.planning.measurements import (
     CompletionsMeasure,
@@ -41,6 +46,7 @@ from dflash_assets.planning.measurements import (
     PromptsMeasure,
     measure_completions,
     measure_prompts,
+    partition_rows,
     pilot,
     plan_generation,
     sample_prompt_rows,
@@ -68,7 +74,8 @@ def plan_corpus(store: Any, target: Any, fleet: EngineFleetConfig, *, generation
                 max_length: int | None = None, pilot_prompts: int = 0, probe_requests: int | None = None,
                 probe_max_new_tokens: int = 256, expected_output_tokens: float | None = None,
                 turns_per_prompt: float | None = None, tokens_per_sample: float | None = None,
-                cache_budget_gb: float | None = None, log: Callable[[str], None] = logger.info) -> CorpusPlan:
+                cache_budget_gb: float | None = None, max_partitions: int = 16,
+                log: Callable[[str], None] = logger.info) -> CorpusPlan:
     """The corpus's cost plan (see the module for what is measured and each fallback).
 
     ``target`` is a ``TargetModelSpec``; ``generation`` the completions' settings the backfill will use (the
@@ -76,6 +83,9 @@ def plan_corpus(store: Any, target: Any, fleet: EngineFleetConfig, *, generation
     does (default: ``TokenizeConfig``'s). ``probe_requests`` is also the number of real requests sampled for
     the burst (default: ``pilot_prompts`` when a pilot was asked for, else 2x each endpoint's concurrency);
     its turns are capped at the lesser of ``probe_max_new_tokens`` and ``generation.max_new_tokens``.
+    On one in-process Transformers endpoint the pilot's wall time is not scaled: the engine's generate calls
+    are replayed over the prompts of ``max_partitions`` partitions (all, or an evenly spaced sample) and priced
+    by a cost model timed on this host (``planning.batch_costs``).
     """
     prompts = corpus_prompt_count(store)
     partitions = max(1, len(list_shard_keys(store)))
@@ -84,7 +94,7 @@ def plan_corpus(store: Any, target: Any, fleet: EngineFleetConfig, *, generation
     sample = probe_requests or 64
     done = measure_completions(store, sample=sample, max_length=max_length)  # a few columns, one shard at a time
     seen = measure_prompts(store, max_turns=generation.max_turns, sample=sample)
-    trial = None
+    trial = rows = None
     if done is None and pilot_prompts > 0:
         rows = sample_prompt_rows(store, pilot_prompts)
         if rows is not None:
@@ -97,9 +107,20 @@ def plan_corpus(store: Any, target: Any, fleet: EngineFleetConfig, *, generation
     per_sample, sample_source = _tokens_per_sample(tokens_per_sample, done, measured, seen, max_length,
                                                    turns * output_tokens)
     metadata: dict[str, Any] = {}
-    if measured:
+    engine_ep = inprocess_endpoint(fleet) if measured else None
+    if measured and engine_ep is not None:
+        shards, replayed = partition_rows(store, max_partitions)
+        estimate = estimate_inprocess(fleet, target.chat(), generation, replayed, total_partitions=max(shards, 1),
+                                      pilot=measured, pilot_rows=rows.to_pylist(), log=log)
+        log(f"generation wall time {estimate.wall_s:.1f} s on {estimate.describe()}")
+        cost = GenerationCost.from_inprocess(estimate, measured, prompts, engine_ep.url)
+        metadata.update(measured.to_metadata(prompts, partitions))
+        metadata.update(estimate.to_metadata())
+    elif measured:
         cost = GenerationCost.from_pilot(measured, prompts, partitions)
         metadata.update(measured.to_metadata(prompts, partitions))
+        metadata["generation_model"] = "the pilot's prompts per second of dispatch scaled to the corpus, plus " \
+                                       "its run less its dispatch once per partition"
     else:
         # The burst: no longer than the run's own turns, and as small as a pilot the caller asked for (a second
         # `make demo` ran 64 requests of 256 tokens here, 927 s on 2 CPU cores, where the first run's pilot took 15 s)
@@ -111,6 +132,7 @@ def plan_corpus(store: Any, target: Any, fleet: EngineFleetConfig, *, generation
             conversations=(done.sample if done else ()) or (seen.sample if seen else None))
         cost = GenerationCost.from_estimate(estimate)
         metadata.update(estimate.to_metadata())
+        metadata["generation_model"] = "output tokens over the tokens per second a burst measured per endpoint"
         metadata["burst_prompts"] = "completions" if done and done.sample else ("raw_prompts" if seen else "fixed")
     model_config = target.load_config()
     shape = TargetShape.from_config(model_config, target.layer_ids(model_config), name=Path(target.model_path).name,
