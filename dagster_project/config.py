@@ -243,7 +243,9 @@ class GenerationPlanConfig(dg.Config):
         default=_default(plan_corpus, "pilot_prompts"), ge=0,
         description="Before any completions exist: regenerate this many real prompts (the first of raw_prompts) "
         "through the whole completions path into a scratch store and scale its wall time and lengths to the "
-        "corpus (the honest measure; twice the fleet's concurrency keeps every slot busy). 0: no pilot, the "
+        "corpus (the honest measure; twice the fleet's concurrency keeps every slot busy). On one in-process "
+        "Transformers engine its lengths are kept and its wall time is not scaled: the engine's generate calls "
+        "are replayed over the corpus's prompts and priced by calls timed on this host. 0: no pilot, the "
         "generation time comes from the throughput burst.",
     )
     cache_budget_gb: Optional[float] = Field(

@@ -86,8 +86,9 @@ def generation_plan(context: dg.AssetExecutionContext, config: GenerationPlanCon
     """The corpus's cost plan (``dflash_assets.planning``), from the target's shapes, the store and the fleet.
 
     Materialize it before a backfill of ``completions``. Generation: a pilot of ``pilot_prompts`` real prompts
-    through the whole completions path when no completions exist yet, else a burst per endpoint with the
-    completions' lengths. Cache and GPU-hours: the target's config and DFlash layers, the corpus size, and the
+    through the whole completions path when no completions exist yet (on one in-process Transformers engine,
+    with the engine's generate calls replayed over the corpus's prompts and priced by calls timed here), else a
+    burst per endpoint with the completions' lengths. Cache and GPU-hours: the target's config and DFlash layers, the corpus size, and the
     tokens per sample of the completions (else the pilot's).
     """
     spec = target.spec()
