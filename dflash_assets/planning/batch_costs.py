@@ -43,8 +43,11 @@ turns in order, the engine forming each call from the requests pending when
 the previous one ends (``next_batch``), every call priced by the model, with
 ``expected_steps`` decode steps. ``partition_turns`` gives each conversation's
 prompt lengths per turn, rendered with the target's chat template (later turns:
-the history's template with empty answers plus the answers' measured tokens),
-and the turns each conversation runs (``continuing``).
+the history's template with empty answers plus the answers' measured tokens).
+Which conversations go on past a turn is chance (a turn cut at
+``max_new_tokens`` ends its conversation), and a long one going on costs far
+more than a short one: ``expected_partition`` is the mean of seeded replays,
+each with its own draw of the turns that run (``continuing``).
 
 Reads nothing itself (``ameasure_generate_cost`` runs generate calls on an
 open engine); writes nothing.
@@ -53,12 +56,14 @@ open engine); writes nothing.
 from __future__ import annotations
 
 import itertools
+import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 __all__ = ["GenerateCost", "GenerateSample", "PartitionSimulation", "InprocessEstimate", "calibration_shapes",
            "ameasure_generate_cost", "aestimate_inprocess", "estimate_inprocess", "inprocess_endpoint",
-           "expected_steps", "continuing", "padded_rows", "partition_turns", "simulate_partition", "turn_lengths"]
+           "expected_partition", "expected_steps", "continuing", "padded_rows", "partition_turns",
+           "simulate_partition", "turn_lengths"]
 
 PREFILL_TERMS = ("call_s", "prefill_token_s", "prefill_attention_s", "padded_prefill_attention_s")
 STEP_TERMS = ("step_s", "row_step_s", "cache_read_s", "padded_cache_read_s")
@@ -240,7 +245,8 @@ async def ameasure_generate_cost(engine: Any, shapes: Iterable[tuple[int, int, i
 
     async def time_one(rows: int, width: int, steps: int) -> GenerateSample:
         prompts = padded_rows(token_ids, rows, width)
-        seconds, ran, times = await engine.time_generate(prompts, generation.model_copy(update={"max_new_tokens": steps}))
+        run = generation.model_copy(update={"max_new_tokens": steps})
+        seconds, ran, times = await engine.time_generate(prompts, run)
         return GenerateSample(rows, width, ran, seconds, len({len(p) for p in prompts}) > 1, tuple(times))
 
     samples = [await time_one(*shape) for shape in shapes]
@@ -281,36 +287,44 @@ def turn_lengths(chat: Any, system: str | None, user_turns: Sequence[str], *, en
     return out
 
 
-def continuing(turns: Sequence[Sequence[int]], share: float, carry: float = 0.0) -> tuple[list[list[int]], float]:
-    """The turns each conversation runs: its first, then each later one while the previous turn stopped on its own
-    (a turn cut at ``max_new_tokens`` ends a conversation). Of the conversations that could go on to turn k + 1,
-    the expected number ``share`` x eligible goes on, rounded with the remainder carried (``carry`` in, the new
-    remainder out, so a corpus of many partitions adds up to the expectation), evenly spread over them."""
-    runs = [list(t[:1]) for t in turns]
-    k = 1
-    while True:
-        eligible = [i for i, t in enumerate(turns) if len(t) > k and len(runs[i]) == k]
-        if not eligible:
-            return runs, carry
-        expected = share * len(eligible) + carry
-        n = min(len(eligible), max(0, int(expected + 1e-9)))
-        carry = expected - n
-        for j in range(n):
-            i = eligible[(j * len(eligible)) // n]
-            runs[i].append(turns[i][k])
-        k += 1
+def continuing(turns: Sequence[Sequence[int]], share: float, rng: random.Random) -> list[list[int]]:
+    """One draw of the turns each conversation runs: its first, then each next one with chance ``share`` while it
+    has user turns left (a turn cut at ``max_new_tokens`` ends its conversation: ``share`` is the chance a turn is
+    not cut)."""
+    runs = []
+    for t in turns:
+        n = 1
+        while n < len(t) and rng.random() < share:
+            n += 1
+        runs.append(list(t[:n]))
+    return runs
 
 
 @dataclass
 class PartitionSimulation:
-    """One partition's replayed dispatch: the generate calls (rows, width, steps, modelled seconds) in order."""
+    """One partition's replayed dispatch: the generate calls (rows, width, steps, modelled seconds) in order; of
+    ``expected_partition``, the mean seconds of its replays and all their calls."""
 
     seconds: float = 0.0
     calls: list[tuple[int, int, float, float]] = field(default_factory=list)
+    replays: int = 1
+
+
+def expected_partition(turns: Sequence[Sequence[int]], cost: GenerateCost, *, share: float, draws: int = 32,
+                       seed: int = 0, **replay: Any) -> PartitionSimulation:
+    """The expected replay of a partition whose later turns happen by chance: the mean seconds of ``draws``
+    replays (``simulate_partition`` with ``replay``'s arguments), each with its own draw of the turns that run
+    (``continuing`` over ``turns``: every conversation's turns' prompt lengths), seeded by ``seed`` so the same
+    inputs give the same plan. One replay when nothing is left to chance (``share`` 0 or 1)."""
+    rng = random.Random(seed)
+    n = draws if 0.0 < share < 1.0 and any(len(t) > 1 for t in turns) else 1
+    sims = [simulate_partition(continuing(turns, share, rng), cost, **replay) for _ in range(n)]
+    return PartitionSimulation(sum(s.seconds for s in sims) / n, [c for s in sims for c in s.calls], n)
 
 
 def simulate_partition(turns: Sequence[Sequence[int]], cost: GenerateCost, *, workers: int, max_rows: int,
-                       max_tokens: int, steps: Callable[[int], float], batch_gap_s: float = 0.005) -> PartitionSimulation:
+                       max_tokens: int, steps: Callable[[int], float],
+                       batch_gap_s: float = 0.005) -> PartitionSimulation:
     """Replay one partition on the in-process engine: ``workers`` conversations in flight (the rest wait for a
     free one), each sending its turns (``turns[i]``: the prompt lengths of the turns it runs) one after the
     other; each call takes the requests pending when the previous one ended, by ``next_batch``'s rule, and
@@ -375,9 +389,9 @@ class InprocessEstimate:
     partitions: int  # in the corpus
     simulated: int  # of them replayed (the rest are priced at their mean)
     calls_s: float  # the generate calls of every partition (scaled from the replayed ones)
-    calls: int  # generate calls of the replayed partitions
+    calls: float  # generate calls of the replayed partitions (a mean over their replays)
     fixed_s: float  # per partition: what a completions run adds to its calls (the pilot's run less its dispatch)
-    continue_share: float  # of conversations with another user turn, those that go on to it (``continuing``)
+    continue_share: float  # the chance a conversation with another user turn goes on to it (``continuing``)
     at_cap_share: float  # of turns cut at max_new_tokens (a call runs max_new_tokens steps when one of its rows is)
     answer_tokens: float  # per answer in a later turn's history
     pilot_modelled_s: float  # the pilot's own prompts replayed with the model ...
@@ -388,8 +402,9 @@ class InprocessEstimate:
         return self.calls_s + self.partitions * self.fixed_s
 
     def describe(self) -> str:
-        return (f"{self.engine}: {self.simulated} of {self.partitions} partitions replayed call by call "
-                f"({self.calls} generate calls, {self.calls_s:.1f} s) + {self.partitions} x {self.fixed_s:.2f} s "
+        return (f"{self.engine}: {self.simulated} of {self.partitions} partitions replayed call by call, "
+                f"a mean over draws of the conversations that go on past a turn "
+                f"({self.calls:.1f} generate calls, {self.calls_s:.1f} s) + {self.partitions} x {self.fixed_s:.2f} s "
                 f"per partition outside the calls; each call priced by a model fitted to {len(self.cost.samples)} "
                 f"generate calls timed on this host (the pilot's prompts replayed: {self.pilot_modelled_s:.1f} s "
                 f"modelled, {self.pilot_dispatch_s:.1f} s measured)")
@@ -397,7 +412,7 @@ class InprocessEstimate:
     def to_metadata(self) -> dict[str, Any]:
         return {"generation_engine": self.engine, "generation_model": "generate calls replayed and priced by a "
                 "cost model timed on this host", "engine_partitions_replayed": self.simulated,
-                "engine_generate_calls": self.calls, "engine_calls_s": round(self.calls_s, 1),
+                "engine_generate_calls": round(self.calls, 1), "engine_calls_s": round(self.calls_s, 1),
                 "engine_fixed_s_per_partition": round(self.fixed_s, 2),
                 "engine_continue_share": round(self.continue_share, 3),
                 "engine_at_cap_share": round(self.at_cap_share, 3),
@@ -437,22 +452,21 @@ async def aestimate_inprocess(fleet: Any, chat: Any, generation: Any, partitions
     def steps(rows: int) -> float:
         return expected_steps(rows, generation.max_new_tokens, at_cap, stopped_mean)
 
-    def runs(rows: Sequence[dict], carry: float) -> tuple[list[list[int]], float]:
-        every = partition_turns(rows, tok, max_turns=generation.max_turns, enable_thinking=generation.enable_thinking,
-                                answer_tokens=answer)
-        return continuing(every, share, carry)
+    def every_turn(rows: Sequence[dict]) -> list[list[int]]:
+        return partition_turns(rows, tok, max_turns=generation.max_turns, enable_thinking=generation.enable_thinking,
+                               answer_tokens=answer)
 
-    carry = 0.0
-    replay = []
-    for rows in partitions:
-        turns, carry = runs(rows, carry)
-        replay.append(turns)
-    # the calls' shapes come from the lengths alone: a replay at one second a call finds the most rows and the
-    # longest prompt the run will have, which the calibration spans
+    def expected(turns: list[list[int]], cost: GenerateCost, seed: int) -> PartitionSimulation:
+        return expected_partition(turns, cost, share=share, seed=seed, workers=workers, max_rows=max_rows,
+                                  max_tokens=max_tokens, steps=steps)
+
+    replay = [every_turn(rows) for rows in partitions]
+    # the calls' shapes come from the lengths alone: a replay of the first turns (the calls every run makes) at one
+    # second a call finds the most rows and the longest prompts, which the calibration spans
     unit = GenerateCost(1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     shapes = [c[:2] for turns in replay if turns
-              for c in simulate_partition(turns, unit, workers=workers, max_rows=max_rows, max_tokens=max_tokens,
-                                          steps=steps).calls]
+              for c in simulate_partition([t[:1] for t in turns], unit, workers=workers, max_rows=max_rows,
+                                          max_tokens=max_tokens, steps=steps).calls]
     most_rows = max(shapes, key=lambda s: (s[0], s[1]), default=(1, 64))
     longest = max((w for _, w in shapes), default=64)
     widest_padded = max((w for r, w in shapes if r > 1), default=None)
@@ -469,19 +483,17 @@ async def aestimate_inprocess(fleet: Any, chat: Any, generation: Any, partitions
         cost = await ameasure_generate_cost(engine, calibration, generation, token_ids=ids, log=log)
     finally:
         await engine.close()
-    sims = [simulate_partition(turns, cost, workers=workers, max_rows=max_rows, max_tokens=max_tokens, steps=steps)
-            for turns in replay if turns]
+    sims = [expected(turns, cost, i) for i, turns in enumerate(replay) if turns]
     replayed = sum(s.seconds for s in sims)
     calls_s = replayed * total_partitions / len(partitions) if partitions else 0.0
-    pilot_turns, _ = runs(pilot_rows, 0.0)
-    pilot_s = simulate_partition(pilot_turns, cost, workers=workers, max_rows=max_rows, max_tokens=max_tokens,
-                                 steps=steps).seconds if pilot_turns else 0.0
+    pilot_turns = every_turn(pilot_rows)
+    pilot_s = expected(pilot_turns, cost, 0).seconds if pilot_turns else 0.0
     engine_words = (f"transformers in-process {ep.model_path or fleet.target_model} on {ep.device} ({ep.dtype}, "
                     f"dynamic cache; up to {max_rows} rows and {max_tokens:,} padded prompt tokens a generate call, "
                     f"{workers} requests in flight)")
     return InprocessEstimate(engine_words, cost, total_partitions, len(partitions), calls_s,
-                             sum(len(s.calls) for s in sims), max(pilot.wall_s - pilot.dispatch_s, 0.0), share, at_cap,
-                             answer, pilot_s, pilot.dispatch_s)
+                             sum(len(s.calls) / s.replays for s in sims), max(pilot.wall_s - pilot.dispatch_s, 0.0),
+                             share, at_cap, answer, pilot_s, pilot.dispatch_s)
 
 
 def estimate_inprocess(*args: Any, **kwargs: Any) -> InprocessEstimate:

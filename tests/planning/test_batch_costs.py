@@ -12,6 +12,7 @@ from dflash_assets.planning.batch_costs import (
     InprocessEstimate,
     calibration_shapes,
     continuing,
+    expected_partition,
     expected_steps,
     padded_rows,
     partition_turns,
@@ -78,14 +79,27 @@ def test_steps_of_a_call_follow_its_longest_row():
     assert expected_steps(16, 48, 1.0, 20.0) == 48 and expected_steps(3, 48, 0.0, 20.0) == 20
 
 
-def test_conversations_go_on_at_the_expected_share_with_the_remainder_carried():
-    three = [[10, 20], [11, 21], [12, 22]]
-    runs, carry = continuing(three, 0.5)  # 1.5 expected: 1 goes on, 0.5 carried
-    assert sum(len(r) for r in runs) == 4 and carry == pytest.approx(0.5) and runs[0] == [10, 20]
-    runs, carry = continuing(three, 0.5, carry)  # 1.5 + 0.5: 2 go on, evenly spread (first and second)
-    assert runs == [[10, 20], [11, 21], [12]] and carry == pytest.approx(0.0)
-    single = [[5], [6, 7]]
-    assert continuing(single, 1.0) == ([[5], [6, 7]], 0.0)  # only a conversation with another user turn can
+def test_conversations_go_on_by_chance_and_the_plan_is_the_mean_replay():
+    import random
+
+    turns = [[10, 20, 30], [11, 21], [12]]
+    assert continuing(turns, 0.0, random.Random(0)) == [[10], [11], [12]]
+    assert continuing(turns, 1.0, random.Random(0)) == [[10, 20, 30], [11, 21], [12]]
+    rng = random.Random(1)
+    draws = [continuing(turns, 0.25, rng) for _ in range(4000)]
+    assert all(d[0][0] == 10 and d[2] == [12] for d in draws)  # the first turn always, no turn past the last
+    assert sum(len(d[1]) == 2 for d in draws) / 4000 == pytest.approx(0.25, abs=0.03)
+    assert sum(len(d[0]) == 3 for d in draws) / 4000 == pytest.approx(0.25 ** 2, abs=0.02)  # on past two turns
+    # one conversation of two turns, one second a call: 1 call, and a second one with chance 1/4
+    one = expected_partition([[100, 200]], UNIT, share=0.25, draws=4000, seed=3, workers=4, max_rows=4,
+                             max_tokens=1000, steps=lambda rows: 8.0)
+    assert one.replays == 4000 and one.seconds == pytest.approx(1.25 * 1.005, rel=0.03)
+    again = expected_partition([[100, 200]], UNIT, share=0.25, draws=4000, seed=3, workers=4, max_rows=4,
+                               max_tokens=1000, steps=lambda rows: 8.0)
+    assert again.seconds == one.seconds  # seeded: the same inputs, the same plan
+    certain = expected_partition([[100, 200]], UNIT, share=0.0, workers=4, max_rows=4, max_tokens=1000,
+                                 steps=lambda rows: 8.0)
+    assert certain.replays == 1 and certain.seconds == pytest.approx(1.005)
 
 
 def test_a_partition_replays_the_engines_batching_rule():
