@@ -134,7 +134,7 @@ def bundle_path(src: str | os.PathLike, out: str | os.PathLike, part_bytes: int 
                 log=None) -> dict[str, Any]:
     """`src` (a file or a directory) written into the directory `out` as tar parts of at most `part_bytes` and
     ``manifest.json``; returns the manifest. `out` must be empty or absent."""
-    src, out = Path(src), Path(out)
+    src, out = Path(src).absolute(), Path(out)  # absolute: "." bundles as the directory's own name
     if not src.exists():
         raise FileNotFoundError(f"{src}: nothing to bundle")
     if part_bytes < 1024:

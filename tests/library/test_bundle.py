@@ -56,6 +56,14 @@ def test_a_directory_comes_back_byte_for_byte_through_many_parts(tmp_path):
     assert [p.name for p in (tmp_path / "host").iterdir()] == ["my-model"]  # no temporary directory left
 
 
+def test_the_current_directory_is_bundled_under_its_own_name(tmp_path, monkeypatch):
+    src = model_dir(tmp_path)
+    monkeypatch.chdir(src)
+    bundle_path(".", tmp_path / "bundle", part_bytes=16 * 1024)
+    assert tree(unbundle(tmp_path / "bundle", tmp_path / "host")) == tree(src)
+    assert (tmp_path / "host" / "my-model").is_dir()
+
+
 def test_a_single_file_is_bundled_as_itself(tmp_path):
     src = tmp_path / "weights.gguf"
     src.write_bytes(os.urandom(5000))
