@@ -1,0 +1,389 @@
+"""Decoding into fixed KV-cache slots with continuous refill; on CUDA the decode step is one captured graph.
+
+A `SlotDecoder` holds a KV cache of `slots` rows x `slot_len` positions for a causal LM whose every layer is
+full attention (Transformers' modeling code calls this module's cache from its attention). A request takes a
+free slot: a batched, right-padded prefill writes its prompt's keys and values at positions 0..n-1 and samples
+its first token. Every decode step then feeds each live row its last token at the row's own position, and a row
+that stops (a stop id, its ``max_new_tokens``, or the slot's end) frees its slot for the next request before the
+next step. So short answers and a conversation's later turns never leave a batch part-empty until its longest
+row ends, as one ``generate`` call per batch does.
+
+On CUDA the decode step (the model's forward over (slots, 1) tokens, the attention mask built from each row's
+position, the logits) is captured once as a CUDA graph and replayed: a small target's step is then bound by the
+GPU, not by Python launching a few hundred kernels. Sampling (greedy, or temperature / top-p / top-k per row)
+runs after the graph. Greedy decoding gives the tokens an unpadded ``generate`` of each prompt alone gives, up
+to floating-point ties (tested on CPU).
+
+Reads a loaded model; writes nothing. Imports only torch (the GPU path needs nothing else).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SlotDecoder", "SlotRequest", "SlotStats", "kv_bytes_per_position", "slots_for_memory",
+           "unsupported_reason"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class SlotRequest:
+    """One prompt to continue. ``deliver(request, new_ids, finish)`` is called on the decoding thread when the
+    row ends: ``new_ids`` with the stop id that ended it, ``finish`` "stop" or "length"."""
+
+    ids: list[int]
+    max_new_tokens: int
+    stop_ids: Sequence[int] = ()
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no cut
+    deliver: Callable[[SlotRequest, list[int], str], None] | None = None
+    tag: Any = None
+
+
+@dataclass
+class SlotStats:
+    """What a decoder did: decode steps and their wall seconds, prefills, tokens made, live rows per step."""
+
+    steps: int = 0
+    step_seconds: float = 0.0
+    prefills: int = 0
+    prefill_rows: int = 0
+    prefill_seconds: float = 0.0
+    new_tokens: int = 0
+    live_row_steps: int = 0  # sum over steps of the rows live in it (occupancy = live_row_steps / (steps * slots))
+    graph: bool = False
+    requests: int = 0
+
+    def as_dict(self, slots: int) -> dict:
+        occupancy = self.live_row_steps / (self.steps * slots) if self.steps else 0.0
+        return {"steps": self.steps, "step_seconds": round(self.step_seconds, 3), "prefills": self.prefills,
+                "prefill_rows": self.prefill_rows, "prefill_seconds": round(self.prefill_seconds, 3),
+                "new_tokens": self.new_tokens, "requests": self.requests, "occupancy": round(occupancy, 4),
+                "cuda_graph": self.graph}
+
+
+def unsupported_reason(config: Any) -> str | None:
+    """Why a model of this config cannot decode in slots (None when it can): every layer must be full causal
+    attention with its keys and values cached per position (no sliding window, no linear attention)."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"layer types {sorted(kinds)} (slot decoding caches full-attention layers only)"
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+        return f"a sliding window of {text.sliding_window}"
+    if getattr(text, "final_logit_softcapping", None):
+        return "logit soft-capping"
+    return None
+
+
+def _text_config(model: Any) -> Any:
+    return getattr(model.config, "get_text_config", lambda: model.config)()
+
+
+def kv_bytes_per_position(model: Any) -> int:
+    """Bytes of keys and values one cached position of one row takes in `model`'s dtype."""
+    cfg = _text_config(model)
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
+
+
+def slots_for_memory(model: Any, slot_len: int, memory_bytes: int, *, share: float = 0.45,
+                     most: int = 1024, fewest: int = 8) -> int:
+    """The most slots (a power of two between `fewest` and `most`) whose KV cache of `slot_len` positions fits
+    in `share` of `memory_bytes`."""
+    fit = int(share * memory_bytes) // max(1, kv_bytes_per_position(model) * slot_len)
+    slots = fewest
+    while slots * 2 <= min(fit, most):
+        slots *= 2
+    return slots
+
+
+def _cache_kwarg(model: Any) -> str:
+    """The name the model's forward takes its cache under (Transformers renamed ``past_key_values`` to ``cache``)."""
+    import inspect
+
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+class _SlotCache:
+    """The slots' keys and values, one (slots, kv_heads, slot_len, head_dim) pair per layer; Transformers'
+    attention calls `update` with a layer's new keys and values and attends over what it returns."""
+
+    is_compileable = False
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, slot_len: int, head_dim: int, dtype, device):
+        import torch
+
+        shape = (slots, kv_heads, slot_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.rows = torch.arange(slots, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where each row's step writes
+        self.prefill_slots: Any = None  # set during a prefill: which slots its rows fill
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.prefill_slots is not None:  # (rows, kv_heads, width, dim): the prompts from position 0
+            width = key_states.shape[2]
+            self.keys[layer_idx][self.prefill_slots, :, :width] = key_states
+            self.values[layer_idx][self.prefill_slots, :, :width] = value_states
+            return key_states, value_states
+        self.keys[layer_idx][self.rows, :, self.positions] = key_states[:, :, 0]
+        self.values[layer_idx][self.rows, :, self.positions] = value_states[:, :, 0]
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # asked by some modeling code; positions come explicitly
+        return 0
+
+
+class SlotDecoder:
+    """Continuous-refill decoding of `model` in `slots` rows of `slot_len` cached positions (see the module).
+
+    Not thread-safe: one thread calls `submit` and `run` (the engine's model worker). ``cuda_graph=None`` captures
+    the decode step on CUDA and runs it eagerly elsewhere. ``prefill_tokens`` bounds one prefill's padded
+    prompt tokens; a prefill runs when a quarter of the slots are free, when no row is live, or `admit_every`
+    steps after the last one, so it admits requests in groups rather than one per step.
+    """
+
+    def __init__(self, model: Any, *, slots: int, slot_len: int, pad_id: int = 0, prefill_tokens: int = 16384,
+                 admit_every: int = 32, cuda_graph: bool | None = None):
+        import torch
+
+        reason = unsupported_reason(model.config)
+        if reason:
+            raise ValueError(f"slot decoding needs full attention in every layer; this model has {reason}")
+        cfg = _text_config(model)
+        self.model = model
+        self.slots, self.slot_len, self.pad_id = int(slots), int(slot_len), int(pad_id)
+        self.prefill_tokens = max(int(prefill_tokens), self.slot_len)
+        self.admit_every = int(admit_every)
+        self._cache_kwarg = _cache_kwarg(model)
+        self.device = next(model.parameters()).device
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = next(model.parameters()).dtype
+        self.cache = _SlotCache(cfg.num_hidden_layers, self.slots, kv_heads, self.slot_len, head_dim, dtype,
+                                self.device)
+        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+        self.head = model.get_output_embeddings()
+        self.use_graph = (self.device.type == "cuda") if cuda_graph is None else bool(cuda_graph)
+        self.graph: Any = None
+        n, dev = self.slots, self.device
+        self.tokens = torch.full((n, 1), self.pad_id, dtype=torch.long, device=dev)  # fed at the next step
+        self.key_positions = torch.arange(self.slot_len, device=dev)
+        self.logits: Any = None  # (slots, vocab) of the last step
+        # per-slot state on the host (the rows' requests and new tokens) and on the device (sampling settings)
+        self.live: list[SlotRequest | None] = [None] * n
+        self.new_ids: list[list[int]] = [[] for _ in range(n)]
+        self.temperature = torch.zeros(n, device=dev)
+        self.top_p = torch.ones(n, device=dev)
+        self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
+        self.pending: deque[SlotRequest] = deque()
+        self.stats = SlotStats()
+        self._since_admit = 0
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    def submit(self, request: SlotRequest) -> None:
+        """Queue `request`; it starts at the next prefill. A prompt that leaves no room to decode is refused."""
+        if not request.ids:
+            raise ValueError("an empty prompt has nothing to continue")
+        if len(request.ids) >= self.slot_len:
+            raise ValueError(f"a prompt of {len(request.ids)} tokens does not fit a slot of {self.slot_len} positions")
+        self.pending.append(request)
+        self.stats.requests += 1
+
+    @property
+    def live_rows(self) -> int:
+        return sum(r is not None for r in self.live)
+
+    def idle(self) -> bool:
+        return not self.pending and self.live_rows == 0
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False,
+            poll: Callable[[], None] = lambda: None) -> None:
+        """Decode until no request is pending or live (or `should_stop()`); `poll()` runs before each step and may
+        `submit` more."""
+        while True:
+            poll()
+            if should_stop() or self.idle():
+                return
+            self.step()
+
+    # -- one step ----------------------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Admit pending requests if enough slots are free, then advance every live row by one token."""
+        free = self.slots - self.live_rows
+        if self.pending and free and (free >= max(1, self.slots // 4) or free == self.slots
+                                      or self._since_admit >= self.admit_every):
+            self._admit()
+            self._since_admit = 0
+        if self.live_rows == 0:
+            return
+        t0 = time.perf_counter()
+        self._decode()
+        nxt = self._sample(self.logits).tolist()
+        self.stats.steps += 1
+        self.stats.live_row_steps += self.live_rows
+        self._advance([(slot, nxt[slot]) for slot, req in enumerate(self.live) if req is not None], stepped=True)
+        self._since_admit += 1
+        self.stats.step_seconds += time.perf_counter() - t0
+
+    def _advance(self, row_tokens: list[tuple[int, int]], *, stepped: bool) -> None:
+        """Append each (slot, token) to its row, end the rows that stop, feed the rest their token at the next
+        position (`stepped`: after a decode step; after a prefill the position is the prompt's end already)."""
+        import torch
+
+        ended, feed = [], []
+        for slot, tok in row_tokens:
+            req, ids = self.live[slot], self.new_ids[slot]
+            assert req is not None
+            ids.append(tok)
+            if tok in req.stop_ids:
+                ended.append((slot, "stop"))
+            elif len(ids) >= req.max_new_tokens or len(req.ids) + len(ids) >= self.slot_len:
+                ended.append((slot, "length"))
+            else:
+                feed.append((slot, tok))
+        self.stats.new_tokens += len(row_tokens)
+        if feed:
+            idx = torch.tensor([s for s, _ in feed], device=self.device)
+            self.tokens[idx, 0] = torch.tensor([t for _, t in feed], device=self.device)
+            if stepped:
+                self.cache.positions[idx] += 1
+        for slot, finish in ended:
+            self._end(slot, finish)
+
+    def _end(self, slot: int, finish: str) -> None:
+        req, ids = self.live[slot], self.new_ids[slot]
+        self.live[slot], self.new_ids[slot] = None, []
+        self.cache.positions[slot] = 0
+        self.tokens[slot, 0] = self.pad_id
+        if req is not None and req.deliver is not None:
+            req.deliver(req, ids, finish)
+
+    # -- prefill -----------------------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Prefill pending requests into free slots (as many as fit `prefill_tokens` per forward)."""
+        free = [s for s, r in enumerate(self.live) if r is None]
+        while free and self.pending:
+            group: list[SlotRequest] = []
+            width = 0
+            while self.pending and len(group) < len(free):
+                w = max(width, len(self.pending[0].ids))
+                if group and w * (len(group) + 1) > self.prefill_tokens:
+                    break
+                group.append(self.pending.popleft())
+                width = w
+            slots, free = free[:len(group)], free[len(group):]
+            self._prefill(group, slots, width)
+
+    def _prefill(self, group: list[SlotRequest], slots: list[int], width: int) -> None:
+        import torch
+
+        t0 = time.perf_counter()
+        lengths = torch.tensor([len(r.ids) for r in group], device=self.device)
+        ids = torch.tensor([r.ids + [self.pad_id] * (width - len(r.ids)) for r in group], device=self.device)
+        keys = torch.arange(width, device=self.device)
+        # causal, and no key past the row's prompt (a padding query then sees its own prompt only: never empty)
+        mask = (keys[None, :] <= keys[:, None])[None] & (keys[None, None, :] < lengths[:, None, None])
+        self.cache.prefill_slots = torch.tensor(slots, device=self.device)
+        try:
+            with torch.inference_mode():
+                hidden = self.base(input_ids=ids, attention_mask=mask[:, None], position_ids=keys[None].expand(
+                    len(group), width), **{self._cache_kwarg: self.cache}, use_cache=True).last_hidden_state
+                last = hidden[torch.arange(len(group), device=self.device), lengths - 1]
+                logits = self.head(last).float()
+        finally:
+            self.cache.prefill_slots = None
+        idx = torch.tensor(slots, device=self.device)
+        self.temperature[idx] = torch.tensor([float(r.temperature) for r in group], device=self.device)
+        self.top_p[idx] = torch.tensor([float(r.top_p) for r in group], device=self.device)
+        self.top_k[idx] = torch.tensor([int(r.top_k or 0) for r in group], device=self.device)
+        first = self._sample(logits, idx).tolist()
+        self.cache.positions[idx] = lengths
+        for slot, req in zip(slots, group):
+            self.live[slot], self.new_ids[slot] = req, []
+        self.stats.prefills += 1
+        self.stats.prefill_rows += len(group)
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        self._advance(list(zip(slots, first)), stepped=False)  # a one-token answer ends here
+
+    # -- decode ------------------------------------------------------------------------------------------------
+
+    def _forward_step(self):
+        """The decode step's tensors: logits (slots, vocab) of each row's next token (graph-capturable)."""
+        positions = self.cache.positions
+        mask = (self.key_positions[None, :] <= positions[:, None])[:, None, None, :]
+        hidden = self.base(input_ids=self.tokens, attention_mask=mask, position_ids=positions[:, None],
+                           **{self._cache_kwarg: self.cache}, use_cache=True).last_hidden_state
+        return self.head(hidden[:, -1])
+
+    def _decode(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            if not self.use_graph:
+                self.logits = self._forward_step()
+                return
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+
+    def _capture(self) -> None:
+        """Capture the decode step as a CUDA graph (after warm-up runs on a side stream, as CUDA graphs need)."""
+        import torch
+
+        t0 = time.perf_counter()
+        saved = self.cache.positions.clone(), self.tokens.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward_step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self._forward_step()
+        # the warm-up and capture wrote keys at the live rows' positions: the same values the replay writes next
+        self.cache.positions.copy_(saved[0])
+        self.tokens.copy_(saved[1])
+        self.graph = graph
+        self.stats.graph = True
+        _log.info("slot decoding: decode step of %d slots x %d positions captured as a CUDA graph in %.1f s",
+                  self.slots, self.slot_len, time.perf_counter() - t0)
+
+    # -- sampling ----------------------------------------------------------------------------------------------
+
+    def _sample(self, logits, rows=None):
+        """Each row's next token: argmax where its temperature is 0, else a draw after temperature, top-k and
+        top-p (as Transformers' warpers apply them)."""
+        import torch
+
+        temperature = self.temperature if rows is None else self.temperature[rows]
+        greedy = logits.argmax(-1)
+        if not bool((temperature > 0).any()):
+            return greedy
+        top_p = self.top_p if rows is None else self.top_p[rows]
+        top_k = self.top_k if rows is None else self.top_k[rows]
+        scaled = logits.float() / temperature.clamp_min(1e-6)[:, None]
+        ordered, order = scaled.sort(-1, descending=True)
+        rank = torch.arange(ordered.shape[-1], device=ordered.device)[None, :]
+        cut = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+        probs = ordered.masked_fill(cut, -math.inf).softmax(-1)
+        # top-p keeps the smallest prefix whose mass reaches p (the first token always)
+        cut |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+        probs = ordered.masked_fill(cut, -math.inf).softmax(-1)
+        drawn = order.gather(-1, torch.multinomial(probs, 1)).squeeze(-1)
+        return torch.where(temperature > 0, drawn, greedy)

@@ -1,0 +1,110 @@
+"""Slot decoding: the same greedy tokens as an unpadded `generate` of each prompt alone, with more requests than
+slots (refill), mixed lengths, stop ids and one-token answers; sampling settings per row; what it refuses."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from dflash_assets.generation.slot_decoding import (SlotDecoder, SlotRequest, kv_bytes_per_position,
+                                                    slots_for_memory, unsupported_reason)
+
+STOP = (7, 11)
+
+
+def _model(kind: str):
+    torch.manual_seed(0)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
+    config = config_cls(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    return model_cls(config).eval()
+
+
+def _prompts(n: int, seed: int = 1):
+    rng = random.Random(seed)
+    return [([rng.randrange(1, 300) for _ in range(rng.randrange(2, 40))], rng.randrange(1, 30)) for _ in range(n)]
+
+
+def _alone(model, ids: list[int], max_new: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=list(STOP),
+                         pad_token_id=0)[0, len(ids):].tolist()
+    ends = [i for i, t in enumerate(out) if t in STOP]
+    return out[:ends[0] + 1] if ends else out
+
+
+def _decode(decoder: SlotDecoder, prompts, **sampling) -> dict[int, tuple[list[int], str]]:
+    got: dict[int, tuple[list[int], str]] = {}
+    for i, (ids, max_new) in enumerate(prompts):
+        decoder.submit(SlotRequest(ids, max_new, STOP, tag=i, deliver=lambda r, new, fin: got.__setitem__(
+            r.tag, (new, fin)), **sampling))
+    decoder.run()
+    return got
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_greedy_tokens_match_generate_of_each_prompt_alone(kind):
+    model = _model(kind)
+    prompts = _prompts(23)
+    decoder = SlotDecoder(model, slots=4, slot_len=80, prefill_tokens=64, admit_every=3)
+    got = _decode(decoder, prompts)
+    assert sorted(got) == list(range(len(prompts)))  # every request answered once
+    for i, (ids, max_new) in enumerate(prompts):
+        want = _alone(model, ids, max_new)
+        assert got[i][0] == want, i
+        assert got[i][1] == ("stop" if want[-1] in STOP else "length")
+    stats = decoder.stats.as_dict(4)
+    assert stats["requests"] == 23 and stats["new_tokens"] == sum(len(v[0]) for v in got.values())
+    assert stats["prefills"] > 1  # rows were refilled while others decoded
+    assert stats["occupancy"] > 0.6
+    assert decoder.idle() and decoder.live_rows == 0
+
+
+def test_a_row_ends_at_the_slot_end_as_length():
+    model = _model("llama")
+    decoder = SlotDecoder(model, slots=2, slot_len=12)
+    ids = [5, 6, 8, 9, 10]
+    got = _decode(decoder, [(ids, 50)])
+    new, finish = got[0]
+    if not any(t in STOP for t in new):
+        assert finish == "length" and len(ids) + len(new) == 12
+    assert new == _alone(model, ids, 12 - len(ids))
+
+
+def test_sampling_settings_apply_per_row():
+    model = _model("qwen3")
+    prompts = _prompts(6, seed=3)
+    greedy = _decode(SlotDecoder(model, slots=8, slot_len=80), prompts)
+    torch.manual_seed(0)
+    # top_k=1 (and a top_p so small that only the first token survives) are greedy whatever the temperature
+    assert _decode(SlotDecoder(model, slots=8, slot_len=80), prompts, temperature=1.5, top_k=1) == greedy
+    assert _decode(SlotDecoder(model, slots=8, slot_len=80), prompts, temperature=1.5, top_p=1e-6) == greedy
+    drawn = _decode(SlotDecoder(model, slots=8, slot_len=80), prompts, temperature=5.0)
+    assert drawn != greedy  # a random model at T 5 draws other tokens
+    assert all(0 <= t < 300 for new, _ in drawn.values() for t in new)
+
+
+def test_refuses_what_it_cannot_decode():
+    model = _model("llama")
+    decoder = SlotDecoder(model, slots=2, slot_len=16)
+    with pytest.raises(ValueError, match="does not fit a slot of 16"):
+        decoder.submit(SlotRequest(list(range(1, 17)), 4))
+    with pytest.raises(ValueError, match="empty prompt"):
+        decoder.submit(SlotRequest([], 4))
+    hybrid = Qwen3Config(layer_types=["linear_attention", "full_attention"], num_hidden_layers=2)
+    assert "layer types" in unsupported_reason(hybrid)
+    windowed = LlamaConfig(num_hidden_layers=2)
+    windowed.sliding_window = 64
+    assert "sliding window" in unsupported_reason(windowed)
+    assert unsupported_reason(model.config) is None
+
+
+def test_slots_for_memory_fits_the_share_asked():
+    model = _model("llama")
+    per_position = kv_bytes_per_position(model)
+    assert per_position == 2 * 3 * 2 * 16 * 4  # keys and values, 3 layers, 2 KV heads, 16 dims, float32
+    slots = slots_for_memory(model, 1000, 100 * per_position * 1000, share=0.5)
+    assert slots == 32  # 50 slots fit: the largest power of two below
+    assert slots_for_memory(model, 1000, 0) == 8  # never below the floor
