@@ -12,7 +12,15 @@ another model than the target is refused: ids are compared after
 normalization (``normalize_model_id``: basename, lower case, no revision),
 against the target and the optional ``served_model_name`` alias. With no
 usable endpoint, ``NoEngineAvailable`` is raised at once, its message holding
-the probe table. Nothing falls back to another engine silently.
+the probe table (``generation.fleet_probe``). Nothing falls back to another engine silently.
+
+An sglang-router is one endpoint (its URL, kind ``sglang``); the probe also
+reads its ``GET /workers`` (``generation.router``) and lists each worker
+under the table. The router spreads requests over all its workers, so one
+worker serving another model refuses the router endpoint (``wrong_model``),
+and a router without a healthy worker is ``unhealthy``. Its answer that no
+worker took a request (500 ``call_upstream_request_error``, 503
+``no_available_workers``) counts as a connection failure of the endpoint.
 
 ``EngineFleet.run(tasks)`` drives tasks (one conversation each; a task makes
 one request per ``step``) over all usable endpoints: a shared asyncio work
@@ -63,11 +71,21 @@ from dflash_assets.generation.engines import (
     TransformersEngine,
     normalize_model_id,
 )
+from dflash_assets.generation.fleet_probe import (
+    EndpointStatus,
+    FleetProbe,
+    NoEngineAvailable,
+    RouterWorkerStatus,
+    router_verdict,
+    serves_target,
+)
+from dflash_assets.generation.router import RouterWorker, read_router_workers, router_has_no_worker
 
 __all__ = [
     "EndpointConfig",
     "EngineFleetConfig",
     "EndpointStatus",
+    "RouterWorkerStatus",
     "FleetProbe",
     "NoEngineAvailable",
     "FleetTask",
@@ -122,11 +140,14 @@ class EndpointConfig(BaseModel):
     device: str = Field("cpu", description="transformers kind: torch device.")
     dtype: str = Field("auto", description="transformers kind: torch dtype of the weights, e.g. bfloat16 (auto: the "
                        "checkpoint's own).")
-    cache: Literal["dynamic", "static", "continuous"] = Field(
+    cache: Literal["dynamic", "static", "continuous", "slots"] = Field(
         "dynamic", description="transformers kind: KV cache of `generate`; static pads batches to a few shapes and, "
         "on CUDA, compiles the decode step; continuous hands requests to transformers' continuous batching (paged "
         "cache: rows join and leave the running batch one by one; on an H200 without flash attention it runs at a "
-        "quarter of static's speed, BENCHMARKS.md; see TransformersEngine).")
+        "quarter of static's speed, BENCHMARKS.md); slots decodes in max_batch_rows fixed KV slots refilled as "
+        "rows end, the decode step a CUDA graph on CUDA (full-attention models; see TransformersEngine).")
+    slot_len: int = Field(4096, ge=2, description="transformers kind, slots cache: positions per slot (prompt plus "
+                          "new tokens; a longer request runs on the dynamic cache).")
     attention: Literal["sdpa", "packed_gqa"] = Field(
         "sdpa", description="transformers kind, dynamic or static cache: the attention function. packed_gqa decodes "
         "without copying the KV cache to every query head (grouped-query models; generation.packed_gqa), which "
@@ -183,98 +204,7 @@ class EngineFleetConfig(BaseModel):
 
 
 # ----------------------------------------------------------------------------
-# Probe report
-
-
-@dataclass(frozen=True)
-class EndpointStatus:
-    """One row of the probe table."""
-
-    endpoint: str
-    kind: str
-    served_model: str
-    healthy: bool
-    latency_ms: float | None
-    serves_target: bool
-    status: str  # ok | wrong_model | unhealthy | unreachable
-    detail: str = ""
-    context_length: int | None = None  # tokens of prompt + output the endpoint takes (None: not known)
-    seed_honoured: bool = False  # a request's seed makes its output reproducible here
-    reasoning_parser: str | None = None  # the server's reasoning parser ("": none; None: it did not say)
-
-    @property
-    def usable(self) -> bool:
-        return self.status == "ok"
-
-
-@dataclass(frozen=True)
-class FleetProbe:
-    """The probe of every endpoint of a fleet, for logs and asset metadata."""
-
-    target_model: str
-    rows: tuple[EndpointStatus, ...]
-
-    @property
-    def usable(self) -> tuple[EndpointStatus, ...]:
-        return tuple(r for r in self.rows if r.usable)
-
-    def records(self) -> list[dict]:
-        return [{"endpoint": r.endpoint, "kind": r.kind, "served_model": r.served_model, "healthy": r.healthy,
-                 "latency_ms": r.latency_ms, "serves_target": r.serves_target, "status": r.status,
-                 "detail": r.detail, "context_length": r.context_length, "seed_honoured": r.seed_honoured,
-                 "reasoning_parser": r.reasoning_parser} for r in self.rows]
-
-    @property
-    def seed_honoured(self) -> bool:
-        """A seed holds on every usable endpoint (a task may run on any of them)."""
-        return bool(self.usable) and all(r.seed_honoured for r in self.usable)
-
-    def to_arrow(self):
-        import pyarrow as pa
-
-        return pa.Table.from_pylist(self.records(), schema=pa.schema([
-            ("endpoint", pa.string()), ("kind", pa.string()), ("served_model", pa.string()), ("healthy", pa.bool_()),
-            ("latency_ms", pa.float64()), ("serves_target", pa.bool_()), ("status", pa.string()),
-            ("detail", pa.string()), ("context_length", pa.int64()), ("seed_honoured", pa.bool_()),
-            ("reasoning_parser", pa.string())]))
-
-    def markdown(self) -> str:
-        lines = [f"target: `{self.target_model}`", "",
-                 "| endpoint | kind | served model | healthy | latency | status | context | seed holds |",
-                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for r in self.rows:
-            lat = f"{r.latency_ms:.1f} ms" if r.latency_ms is not None else "-"
-            status = r.status + (f": {r.detail}" if r.detail else "")
-            status = status.replace("|", "\\|").replace("\n", " ")[:300]
-            lines.append(f"| {r.endpoint} | {r.kind} | {r.served_model or '-'} | {'yes' if r.healthy else 'no'} "
-                         f"| {lat} | {status} | {r.context_length or '-'} | {'yes' if r.seed_honoured else 'no'} |")
-        if not self.rows:
-            lines.append("| (no endpoints configured) | | | | | | | |")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.markdown()
-
-
-class NoEngineAvailable(RuntimeError):
-    """No endpoint serves the target (or every endpoint died mid-run)."""
-
-    def __init__(self, message: str, probe: FleetProbe | None = None):
-        self.probe = probe
-        super().__init__(message + (f"\n\n{probe.markdown()}" if probe is not None else ""))
-
-
-def serves_target(served_models: Sequence[str], target_model: str, alias: str | None = None) -> str | None:
-    """The served name that is the target (exact or normalized match to target or alias), else None."""
-    wanted = {target_model.rstrip("/"), *([alias] if alias else [])}
-    for name in served_models:
-        if name.rstrip("/") in wanted:
-            return name
-    norm = {normalize_model_id(w) for w in wanted}
-    for name in served_models:
-        if normalize_model_id(name) in norm:
-            return name
-    return None
+# Probe (the table itself is generation.fleet_probe)
 
 
 def endpoint_api_key(ep: EndpointConfig, config: EngineFleetConfig) -> str | None:
@@ -319,7 +249,7 @@ def build_engine(ep: EndpointConfig, config: EngineFleetConfig, tokenizer: Any =
         return TransformersEngine(ep.model_path or config.target_model, device=ep.device, tokenizer=tokenizer,
                                   dtype=ep.dtype, max_batch_tokens=ep.max_batch_tokens, cache=ep.cache,
                                   max_batch_rows=ep.max_batch_rows, attention=ep.attention,
-                                  static_cache_len=ep.static_cache_len, **common)
+                                  static_cache_len=ep.static_cache_len, slot_len=ep.slot_len, **common)
     raise ValueError(f"unknown endpoint kind {ep.kind!r}")
 
 
@@ -345,17 +275,37 @@ def _status_row(ep: EndpointConfig, engine: Engine, probe: EngineProbe, config: 
     return EndpointStatus(engine.url, ep.kind, match, True, latency, True, "ok", **server_said)
 
 
+def _router_rows(ep: EndpointConfig, row: EndpointStatus, workers: tuple[RouterWorker, ...],
+                 config: EngineFleetConfig) -> tuple[EndpointStatus, list[RouterWorkerStatus]]:
+    """A router endpoint's row judged by its workers (``router_verdict``), and one row per worker."""
+    alias = ep.served_model_name or config.served_model_name
+    rows = [RouterWorkerStatus(row.endpoint, w.url, w.model_id, w.healthy, w.load,
+                               serves_target(w.names, config.target_model, alias) is not None) for w in workers]
+    return router_verdict(row, rows, config.target_model), rows
+
+
 async def _probe_engines(config: EngineFleetConfig, engines: list[Engine]) -> FleetProbe:
-    async def one(engine: Engine) -> EngineProbe:
+    async def one(engine: Engine) -> tuple[EngineProbe, tuple[RouterWorker, ...] | None]:
         try:
             await engine.open()
-            return await engine.probe()
+            probe = await engine.probe()
         except Exception as e:  # noqa: BLE001 - goes into the table
-            return EngineProbe(engine.url, engine.kind, False, error=f"{type(e).__name__}: {e}")
+            return EngineProbe(engine.url, engine.kind, False, error=f"{type(e).__name__}: {e}"), None
+        # A server that answered (identity, or a 5xx as a router without live workers gives) may be a router:
+        # its worker list decides whether every request it forwards reaches the target.
+        answered = bool(probe.served_models) or "HTTP 5" in (probe.error or "")
+        workers = await read_router_workers(engine) if engine.kind != "transformers" and answered else None
+        return probe, workers
 
-    probes = await asyncio.gather(*(one(e) for e in engines))
-    rows = tuple(_status_row(ep, eng, pr, config) for ep, eng, pr in zip(config.endpoints, engines, probes))
-    return FleetProbe(config.target_model, rows)
+    found = await asyncio.gather(*(one(e) for e in engines))
+    rows, worker_rows = [], []
+    for ep, eng, (probe, workers) in zip(config.endpoints, engines, found):
+        row = _status_row(ep, eng, probe, config)
+        if workers is not None:
+            row, behind = _router_rows(ep, row, workers, config)
+            worker_rows += behind
+        rows.append(row)
+    return FleetProbe(config.target_model, tuple(rows), tuple(worker_rows))
 
 
 async def aprobe_fleet(config: EngineFleetConfig, tokenizer: Any = None) -> FleetProbe:
@@ -595,12 +545,13 @@ class _Dispatch:
     # -- outcomes ----------------------------------------------------------------
 
     def _on_error(self, ep: EndpointState, job: _Job, err: EngineError) -> None:
-        """A failed request: exclude the endpoint after N connection failures, then failover, retry or fail."""
+        """A failed request: exclude the endpoint after N connection failures (a router's "no worker took it"
+        counts as one), then failover, retry or fail."""
         ep.stats.errors += 1
         job.errors.append(str(err)[:500])
         if self.aborted:
             return
-        if err.connection:
+        if err.connection or router_has_no_worker(err):
             ep.consecutive_failures += 1
             ep.stats.connection_failures += 1
             if ep.consecutive_failures >= self.config.dead_after_failures:
