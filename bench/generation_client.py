@@ -199,12 +199,7 @@ def main() -> None:
 
     tiny = tiny_target_path("dense")
     tokenizer = AutoTokenizer.from_pretrained(str(tiny))
-    try:
-        import orjson  # noqa: F401
-
-        json_lib = "orjson"
-    except ImportError:
-        json_lib = "json"
+    json_lib = "orjson"  # a hard dependency: the client's hot path always has it
     try:
         import uvloop  # noqa: F401
 

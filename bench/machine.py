@@ -7,7 +7,8 @@ under the "machine" key of the JSON they print. `gpu_info()` gives the torch
 and CUDA versions and the visible GPUs' name and count (under "gpu"); it
 imports torch only when called, so this module imports on a GPU host that has
 only torch (and on one without it). `print_report(report, out)` prints a
-benchmark's JSON and writes it to `out` atomically (the only write here).
+benchmark's JSON and writes it to `out` atomically (the only write here, through
+`dflash_assets.atomic_write`).
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ def print_report(report: dict, out: str | None = None) -> None:
     text = json.dumps(report, indent=1, default=str)
     print(text, flush=True)
     if out:
-        tmp = f"{out}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, out)
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the library's one atomic writer
+        from dflash_assets.atomic_write import write_atomic
+
+        write_atomic(out, text + "\n")

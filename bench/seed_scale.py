@@ -52,6 +52,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dflash_assets.atomic_write import write_atomic  # noqa: E402
+
 TARGET = "/models/Qwen3.6-27B"  # the name the loopback serves; nothing is loaded from it
 STAGES = ("ingest", "raw_prompts", "completions", "tokenized_samples")
 RSS_LIMIT_MIB = 2048
@@ -382,9 +384,7 @@ def main() -> None:
 def _save(report: dict, out: str | None) -> None:
     report["flags"] = flags(report["results"])
     if out:
-        tmp = Path(out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        os.replace(tmp, out)
+        write_atomic(out, json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,10 +15,12 @@ Reads the environment (through ``profile``) and the target's config and
 template files; writes nothing.
 """
 
-import hashlib
-import json
+
+import enum
 
 import dagster as dg
+
+from dflash_assets.cache_keys import content_key
 
 from dagster_project.profile import target_settings
 from dagster_project.resources import TargetModelResource
@@ -27,9 +29,14 @@ from dagster_project.resources import TargetModelResource
 def _defaults(config_cls: type[dg.Config]) -> dict:
     """The defaults of the fields that can change the output (a field marked ``json_schema_extra={"output":
     False}``, such as how many processes share the work, does not mark partitions stale)."""
-    return {name: repr(field.get_default(call_default_factory=True))
+    return {name: repr(_plain(field.get_default(call_default_factory=True)))
             for name, field in sorted(config_cls.model_fields.items())
             if (field.json_schema_extra or {}).get("output", True)}
+
+
+def _plain(value):
+    """An enum choice hashes as its value, so a field that became an enum keeps its code version."""
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 def target_fingerprint() -> str:
@@ -42,5 +49,5 @@ def code_version(logic_version: str, *configs: type[dg.Config], target: bool = F
     payload = {c.__name__: _defaults(c) for c in configs}
     if target:
         payload["target"] = target_fingerprint()
-    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:8]
+    digest = content_key(payload, length=8)
     return f"{logic_version}-{digest}"

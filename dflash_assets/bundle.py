@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+from dflash_assets.atomic_write import write_atomic
+
 __all__ = ["MANIFEST", "BundleError", "bundle_path", "unbundle", "parse_size"]
 
 MANIFEST = "manifest.json"
@@ -55,15 +57,6 @@ def _sha256_file(path: Path) -> str:
         while chunk := f.read(CHUNK):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class _PartWriter(io.RawIOBase):
@@ -160,7 +153,7 @@ def bundle_path(src: str | os.PathLike, out: str | os.PathLike, part_bytes: int 
     parts = writer.finish()
     manifest = {"format": FORMAT, "source": src.name, "part_bytes": part_bytes, "parts": parts, "files": files,
                 "bytes": sum(p["bytes"] for p in parts)}
-    _write_atomic(out / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    write_atomic(out / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     return manifest
 
 

@@ -31,11 +31,12 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
+
+from dflash_assets.atomic_write import write_atomic
 
 PACKAGE = "dflash_assets"
 PACKAGE_DIR = Path(__file__).resolve().parent  # where `dflash_assets.<name>` sources are read from
@@ -65,8 +66,14 @@ def build_fingerprint(*, modules: Sequence[str] = (), files: Iterable[str | os.P
         "settings": json.loads(json.dumps(settings, sort_keys=True, default=str)),
         "packages": {name: package_version(name) for name in sorted(packages)},
     }
-    payload = json.dumps(inputs, sort_keys=True).encode()
-    return Fingerprint(hashlib.sha256(payload).hexdigest()[:16], inputs)
+    return Fingerprint(content_key(inputs), inputs)
+
+
+def content_key(value: Any, *, length: int = 16, default: Callable[[Any], Any] | None = None) -> str:
+    """The first `length` hex chars of the SHA-256 of `value` as `json.dumps(value, sort_keys=True,
+    default=default)`: the one key of a JSON-able config or signature (its bytes are the contract: a stored key
+    stays valid only while this serialization does)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=default).encode()).hexdigest()[:length]
 
 
 def package_version(name: str) -> str:
@@ -162,13 +169,9 @@ def _read_memo(path: Path) -> dict[str, dict]:
 def _write_memo(path: Path, table: dict[str, dict]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".files.", suffix=".json.tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(table, f, sort_keys=True)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(table, sort_keys=True))
     except OSError:  # a read-only cache root: the memo is an optimization only
-        if "tmp" in locals() and os.path.exists(tmp):
-            os.unlink(tmp)
+        pass
 
 
 @contextlib.contextmanager

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 
 from dflash_assets.store.backends import LocalStore, S3Store
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 @pytest.fixture(autouse=True)

@@ -37,7 +37,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -49,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.ports import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCATION_NAME = "dflash_assets"  # workspace.yaml
 REPOSITORY_NAME = "__repository__"  # the implicit repository of a Definitions object
@@ -57,7 +58,7 @@ FINISHED_BACKFILL = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAIL
 FINISHED_RUN = {"SUCCESS", "FAILURE", "CANCELED"}
 
 __all__ = [
-    "DagsterDev", "DagsterDevError", "CodeLocationError", "dagster_dev", "instance_yaml", "free_port",
+    "DagsterDev", "DagsterDevError", "CodeLocationError", "dagster_dev", "instance_yaml",
     "POSTGRES_STORAGE_YAML", "REPO_ROOT", "write_prompt_source", "write_completions", "wait_until_ready",
     "process_tree", "still_running",
 ]
@@ -69,12 +70,6 @@ class DagsterDevError(RuntimeError):
 
 class CodeLocationError(DagsterDevError):
     """The code location failed to load (the definitions raised)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 POSTGRES_STORAGE_YAML = """\

@@ -21,7 +21,6 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -30,6 +29,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+
+from tests.ports import free_port
 
 __all__ = ["PostgresServer", "find_pg_bin", "running_postgres", "postgres_server"]
 
@@ -72,12 +73,6 @@ class PostgresServer:
                                 dbname=db_name or self.db_name, connect_timeout=10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _server_account() -> str | None:
     if os.geteuid() != 0:
         return None
@@ -112,7 +107,7 @@ def running_postgres(user: str = "dflash", password: str = "p@ss w/rd:1", db_nam
         _run(account, [str(pg_bin / "initdb"), "-D", str(data), "-U", user, f"--pwfile={pwfile}",
                        "--auth-local=trust", "--auth-host=scram-sha-256", "-E", "UTF8", "--locale=C", "--no-sync"])
         for attempt in range(3):  # a free port can be taken between the probe and the bind
-            port = _free_port()
+            port = free_port()
             opts = (f"-h 127.0.0.1 -p {port} -k {base} -c fsync=off -c synchronous_commit=off "
                     "-c full_page_writes=off -c max_connections=60")
             try:

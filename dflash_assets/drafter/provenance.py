@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from dflash_assets.store import layout
+from dflash_assets.atomic_write import write_atomic
 
 __all__ = ["PROVENANCE_FILE", "FORMAT", "build_provenance", "target_identity", "prompt_sources",
            "completions_identity", "code_versions", "write_provenance", "read_provenance", "format_provenance",
@@ -175,15 +176,7 @@ def build_provenance(store: Any, recipe: Any, shards: Sequence[str], target: Any
 
 def write_provenance(path: str | os.PathLike, doc: Mapping[str, Any]) -> Path:
     """Write ``doc`` as JSON to ``path`` atomically (temp file in the same directory, fsync, rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2, sort_keys=True, default=str)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def read_provenance(checkpoint: str | os.PathLike | None = None, *, store: Any = None,

@@ -29,14 +29,14 @@ the training and decoding modules; pyarrow only where Parquet is read.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
-import os
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from dflash_assets.atomic_write import atomic_path
+from dflash_assets.cache_keys import content_key
 from dflash_assets.store import layout
 from dflash_assets.store.manifest import publish_files
 from dflash_assets.chart_data import curve_points, share_at_least
@@ -144,7 +144,7 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         data_sig = [(Path(f).name, Path(f).stat().st_size) for f in files]
     # The work dir is keyed by the recipe, its data and the trainer's code (and torch), so changed data or
     # a changed trainer never resumes (or re-publishes) a stale run.
-    data_tag = hashlib.sha256(json.dumps(data_sig).encode()).hexdigest()[:8]
+    data_tag = content_key(data_sig, length=8)
     code_tag = build_fingerprint(modules=["dflash_assets.drafter.training"], packages=["torch"]).digest[:8]
     work = Path(work_dir or default_work_dir()) / f"{name}-{recipe.fingerprint()}-{data_tag}-{code_tag}"
     log(f"recipe {name}: {len(shards)} shards, {len(files)} files, work dir {work} (resumes from its last state)")
@@ -166,10 +166,9 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
 
         curve_dir.mkdir(parents=True, exist_ok=True)
         path = curve_dir / f"curve-step-{step:08d}.safetensors"
-        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-        save_file({k: v.detach().to("cpu", torch_dtype(recipe.checkpoint_dtype)).contiguous()
-                   for k, v in drafter_state_dict(drafter).items()}, str(tmp))
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            save_file({k: v.detach().to("cpu", torch_dtype(recipe.checkpoint_dtype)).contiguous()
+                       for k, v in drafter_state_dict(drafter).items()}, str(tmp))
         curve[:] = [c for c in curve if c["step"] != step] + [{"step": step, "tokens": tokens, "file": path.name}]
 
     for path in sorted(curve_dir.glob("curve-step-*.json")) if curve_dir.exists() else []:  # an earlier run's points

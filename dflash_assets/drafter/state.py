@@ -8,7 +8,6 @@ reads the newest complete one back. Imports torch and safetensors.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -17,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_assets.drafter.model import _atomic_dir, _fsync_dir, _swap_into_place, drafter_state_dict
+from dflash_assets.atomic_write import write_atomic
+from dflash_assets.drafter.model import _atomic_dir, _swap_into_place, drafter_state_dict
 
 __all__ = ["save_training_state", "latest_state_dir", "load_training_state"]
 
@@ -77,13 +77,7 @@ def save_training_state(state_root: Path, step: int, drafter, optimizer, schedul
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    latest_tmp = state_root / f".latest.tmp-{os.getpid()}"
-    with open(latest_tmp, "w") as f:
-        f.write(dest.name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(latest_tmp, state_root / "latest")
-    _fsync_dir(state_root)
+    write_atomic(state_root / "latest", dest.name)
     for old in sorted(state_root.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return dest

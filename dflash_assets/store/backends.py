@@ -47,6 +47,7 @@ from typing import Any, BinaryIO, Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_assets.atomic_write import atomic_path, fsync_dir
 from dflash_assets.store.manifest import remove_stale_scratch, scratch_prefix
 
 __all__ = ["Store", "LocalStore", "S3Store", "open_store", "default_store_uri", "s3_client"]
@@ -169,28 +170,26 @@ class LocalStore(_StoreHelpers):
         if not path.resolve().is_relative_to(self.root):
             raise ValueError(f"invalid store key {key!r}: resolves outside the store root {self.uri}")
 
-    def _temp_beside(self, dest: Path) -> tuple[int, str]:
-        """A new temp file in ``dest``'s directory, after removing the ones killed writers of this host left there."""
+    def _sweep_beside(self, dest: Path) -> None:
+        """Make ``dest``'s directory and remove the temp files killed writers of this host left there."""
         dest.parent.mkdir(parents=True, exist_ok=True)
         self._sweep(dest.parent, _TMP_TAG, hidden=True)
-        return tempfile.mkstemp(dir=dest.parent, prefix=f"{scratch_prefix(_TMP_TAG, hidden=True)}{dest.name}.",
-                                suffix=".tmp")
+
+    @staticmethod
+    def _temp_prefix(dest: Path) -> str:
+        return f"{scratch_prefix(_TMP_TAG, hidden=True)}{dest.name}."
+
+    def _temp_beside(self, dest: Path) -> tuple[int, str]:
+        """A new temp file in ``dest``'s directory, after removing the ones killed writers of this host left there."""
+        self._sweep_beside(dest)
+        return tempfile.mkstemp(dir=dest.parent, prefix=self._temp_prefix(dest), suffix=".tmp")
 
     def _publish(self, key: str, fill: Callable[[BinaryIO], object]) -> None:
         """Write through ``fill`` into a temp file beside the target, fsync, then rename over it."""
         dest = self._path(key)
-        fd, tmp = self._temp_beside(dest)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                fill(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, dest)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(dest.parent)
+        self._sweep_beside(dest)
+        with atomic_path(dest, prefix=self._temp_prefix(dest), suffix=".tmp") as tmp, open(tmp, "wb") as f:
+            fill(f)
 
     def write_bytes(self, key: str, data: bytes) -> None:
         self._publish(key, lambda f: f.write(data))
@@ -211,7 +210,7 @@ class LocalStore(_StoreHelpers):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
         return True
 
     def upload_file(self, key: str, path: str | os.PathLike) -> None:
@@ -259,15 +258,6 @@ class LocalStore(_StoreHelpers):
 
     def url(self, key: str) -> str:
         return self._path(key).as_uri()
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def s3_client(endpoint_url: str | None = None) -> Any:
@@ -372,16 +362,8 @@ class S3Store(_StoreHelpers):
             self._sweep(dest.parent, "part", hidden=True)
         if not dest.exists():
             dest.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f"{scratch_prefix('part', hidden=True)}{dest.name}.",
-                                       suffix=".part")
-            os.close(fd)
-            try:
-                self.client.download_file(self.bucket, self._key(key), tmp)
-                os.replace(tmp, dest)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-                raise
+            with atomic_path(dest, prefix=f"{scratch_prefix('part', hidden=True)}{dest.name}.", suffix=".part") as tmp:
+                self.client.download_file(self.bucket, self._key(key), str(tmp))
         return dest
 
     def url(self, key: str) -> str:

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dflash_assets.cache_keys import content_key
 from dflash_assets.target_model.chat import TargetChat
 from dflash_assets.target_model.chat_template import ChatRenderer, load_chat_template, template_hash
 from dflash_assets.target_model.conventions import (
@@ -428,7 +429,7 @@ class TargetModelSpec(BaseModel):
             "dtype": self.dtype,
             "mask": [self.mask_token, self.mask_token_id, self.add_mask_token],
         }
-        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return content_key(payload, default=str)
 
     def generation_fingerprint(self) -> str | None:
         """16-hex hash of what changes the target's answers, for completions' ``config_hash``: the model's and
@@ -450,4 +451,4 @@ class TargetModelSpec(BaseModel):
                                   if self.chat_template_path is not None else None),
             "template_kwargs": self.chat_template_kwargs,
         }
-        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return content_key(payload, default=str)

@@ -42,13 +42,12 @@ import base64
 import functools
 import hashlib
 import json
-import os
-import tempfile
 import unicodedata
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash_assets.atomic_write import atomic_path
 from dflash_assets.cache_keys import build_fingerprint, default_cache_root  # noqa: F401 - callers import the root here
 from dflash_assets.target_model.chat_template import default_chat_template
 
@@ -150,14 +149,8 @@ def _tokenizer_json_path(cache_root: Path | None) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tokenizer.", suffix=".json.tmp")
-    os.close(fd)
-    try:
-        _convert_backend().save(tmp)
-        os.replace(tmp, target)  # atomic: concurrent builders write identical content
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(target) as tmp:  # atomic: concurrent builders write identical content
+        _convert_backend().save(str(tmp))
     return target
 
 

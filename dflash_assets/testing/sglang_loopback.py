@@ -88,21 +88,17 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 if TYPE_CHECKING:
     import subprocess
 
-try:
-    import orjson
 
-    def _dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
+def _dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj)
 
-    _loads = orjson.loads
-except ImportError:  # pragma: no cover
-    def _dumps(obj: Any) -> bytes:
-        return json.dumps(obj).encode()
 
-    _loads = json.loads
+_loads = orjson.loads
 
 __all__ = ["LoopbackConfig", "LoopbackServer", "LoopbackProcess", "build_app", "main", "QWEN3_6_IDS"]
 

@@ -240,7 +240,8 @@ def test_make_ui_stops_on_ctrl_c_with_a_run_in_flight(tmp_path):
     """``make ui`` in its own process group, a completions run starting its embedded engine, then SIGINT to the
     group (Ctrl-C): make, the launcher, dagster dev, webserver, daemon, code servers, run worker, step process and
     engine are all gone within UI_STOP_LIMIT_S, and the run was marked failed by its worker, not left started."""
-    from tests.dagster_dev import DagsterDev, free_port, process_tree, still_running, wait_until_ready, write_prompt_source
+    from tests.dagster_dev import DagsterDev, process_tree, still_running, wait_until_ready, write_prompt_source
+    from tests.ports import free_port
 
     port, home = free_port(), tmp_path / "home"
     source = write_prompt_source(tmp_path / "prompts.jsonl", 4)

@@ -20,6 +20,7 @@ from dflash_assets.generation.engines import (
 )
 from dflash_assets.generation.server import local_engine_server
 from dflash_assets.testing.sglang_loopback import QWEN3_6_IDS, LoopbackServer, _Generator, _prompt_key
+from tests.ports import free_port
 
 THINK_END, IM_END = QWEN3_6_IDS["think_end"], QWEN3_6_IDS["im_end"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
@@ -183,11 +184,7 @@ def test_http_errors_are_classified(tok, status, retryable):
 
 
 def test_connection_refused_is_a_connection_error(tok):
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
 
     async def go():
         async with SGLangEngine(f"http://127.0.0.1:{port}", tok, connect_timeout_s=2) as eng:

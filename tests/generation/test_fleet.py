@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -23,6 +22,7 @@ from dflash_assets.generation.engines import GenerationConfig
 from dflash_assets.planning.measurements import estimate_generation_time, format_duration, plan_generation
 from dflash_assets.testing.sglang_loopback import LoopbackProcess, LoopbackServer
 from dflash_assets.store.backends import LocalStore
+from tests.ports import free_port
 
 TARGET = "/models/Qwen3.6-27B"
 
@@ -35,9 +35,7 @@ def tok(tiny_dense_target):
 
 
 def dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # nobody listens on it
 
 
 def prompts(n: int, turns: int = 2) -> list[dict]:

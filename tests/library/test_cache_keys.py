@@ -177,3 +177,20 @@ def test_file_digest_memo_rehashes_changed_files(tmp_path, monkeypatch):
     assert CK.file_digest(f) != first
     memo.write_text("not json")  # a broken memo costs a re-hash, not an error
     assert CK.file_digest(f) == CK.file_digest(f) != first
+
+
+@pytest.mark.parametrize("value,kwargs,expected", [
+    # sha256(json.dumps(value, sort_keys=True)) cut to 16 or 8 hex chars: keys stored before content_key stay valid
+    ({"b": 1, "a": [1, 2]}, {}, "3813f9409eb0095b"),
+    ([("shard-00000", 12)], {"length": 8}, None),
+    ({"p": Path("/x")}, {"default": str}, None),
+])
+def test_content_key_is_the_sorted_json_sha256(value, kwargs, expected):
+    import hashlib
+    import json
+
+    want = hashlib.sha256(json.dumps(value, sort_keys=True, default=kwargs.get("default")).encode()).hexdigest()
+    got = CK.content_key(value, **kwargs)
+    assert got == want[: kwargs.get("length", 16)]
+    if expected is not None:
+        assert got == expected
