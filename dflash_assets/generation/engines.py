@@ -82,19 +82,13 @@ from dflash_assets.target_model.chat_template import split_reasoning_text
 
 _log = logging.getLogger(__name__)
 
-try:  # orjson is ~5x faster on the request/response hot path; json is the fallback.
-    import orjson
 
-    def json_dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
+def json_dumps(obj: Any) -> bytes:
+    """orjson: ~5x faster than json on the request/response hot path."""
+    return orjson.dumps(obj)
 
-    json_loads = orjson.loads
-except ImportError:  # pragma: no cover - exercised only without orjson
 
-    def json_dumps(obj: Any) -> bytes:
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-
-    json_loads = json.loads
+json_loads = orjson.loads
 
 __all__ = [
     "EngineKind",
