@@ -981,6 +981,14 @@ class TransformersEngine(Engine):
     (BENCHMARKS.md): SDPA needs a mask there, and transformers then captures no CUDA graphs, so
     static stays the GPU path on such a host.
 
+    ``cache="slots"`` (for a GPU) decodes with ``generation.slot_decoding``: ``max_batch_rows`` fixed KV-cache
+    slots of ``slot_len`` positions, a request prefilled into a free slot as soon as one frees up (in groups), every
+    live row advanced by one token per step, and on CUDA that step replayed as one captured CUDA graph. Short
+    answers and later turns keep the batch full instead of waiting for a batch's longest row. Greedy tokens are
+    those of an unpadded ``generate``; sampling: temperature, top_p and top_k only. A prompt whose prompt plus
+    ``max_new_tokens`` exceed ``slot_len`` runs through the dynamic-cache batches instead. Full-attention models
+    only (a hybrid or sliding-window model is refused when the decoder is built).
+
     ``attention="packed_gqa"`` decodes with ``generation.packed_gqa``: the query heads of a KV group share
     one read of the cache instead of Transformers' SDPA copying it to every head, which it does under
     ``torch.compile`` (the static decode step); same tokens, 3.1-3.5x faster per layer on an H200
@@ -1001,11 +1009,11 @@ class TransformersEngine(Engine):
 
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str = "auto", tokenizer: Any = None,
                  max_batch_tokens: int = 8192, cache: str = "dynamic", max_batch_rows: int | None = None,
-                 attention: str = "sdpa", static_cache_len: str = "largest", **kwargs):
+                 attention: str = "sdpa", static_cache_len: str = "largest", slot_len: int = 4096, **kwargs):
         super().__init__(f"inprocess://{Path(model_path)}", **kwargs)
         self.max_batch_rows = max_batch_rows or self.max_concurrency
-        if cache not in ("dynamic", "static", "continuous"):
-            raise ValueError(f"cache must be 'dynamic', 'static' or 'continuous', not {cache!r}")
+        if cache not in ("dynamic", "static", "continuous", "slots"):
+            raise ValueError(f"cache must be 'dynamic', 'static', 'continuous' or 'slots', not {cache!r}")
         if attention not in ("sdpa", "packed_gqa"):
             raise ValueError(f"attention must be 'sdpa' or 'packed_gqa', not {attention!r}")
         if attention != "sdpa" and cache == "continuous":
@@ -1017,6 +1025,9 @@ class TransformersEngine(Engine):
         self.cache = cache
         self.attention = attention
         self.static_cache_len = static_cache_len
+        self.slot_len = int(slot_len)
+        self._slots: Any = None  # the SlotScheduler (cache="slots"), built at the first request
+        self._slot_runs: list = []  # its decoders' SlotStats (kept after close)
         self.model_path = str(model_path)
         self.device = device
         self.dtype = dtype
@@ -1076,6 +1087,7 @@ class TransformersEngine(Engine):
     async def close(self) -> None:
         if self._batcher is not None and not self._batcher.done():
             self._batcher.cancel()
+        self._slots = None  # its decoder (and KV cache) goes once its requests in flight are answered
         loaded = self._loaded
         if loaded is not None and loaded.continuous is not None and loaded.users == 1:
             # the last engine of this model: stop the manager's (non-daemon) thread and free its cache; queued on
@@ -1233,6 +1245,47 @@ class TransformersEngine(Engine):
                               endpoint=self.url)
         return _cut_after_stop(list(output.generated_tokens), stop_ids)
 
+    async def _slot_generate(self, ids: list[int], gen: GenerationConfig, stop_ids: list[int]) -> list[int]:
+        """One request through the slot decoder (``generation.slot_decoding``): its new ids, the first stop id
+        included."""
+        from dflash_assets.generation.slot_decoding import SlotRequest, SlotScheduler
+
+        settings = hf_generation_settings(gen)
+        unsupported = sorted(set(settings) - CONTINUOUS_SAMPLING)
+        if unsupported:
+            raise EngineError(f"{self.url}: slot decoding applies temperature, top_p and top_k only, not "
+                              f"{', '.join(unsupported)}; use cache='static' or 'dynamic'", endpoint=self.url)
+        if self._slots is None:
+            assert self._loaded is not None
+            self._slots = SlotScheduler(self._slot_decoder, self._loaded.worker)
+            self._slot_runs = self._slots.stats
+        sampled = settings["do_sample"]
+        request = SlotRequest(ids, gen.max_new_tokens, tuple(stop_ids), temperature=gen.temperature if sampled else 0.0,
+                              top_p=settings.get("top_p") or 1.0, top_k=settings.get("top_k") or 0)
+        try:
+            out, _finish = await self._slots.generate(request)
+        except ValueError as e:
+            raise EngineError(f"{self.url}: {e}", endpoint=self.url) from e
+        except Exception as e:  # noqa: BLE001 - the decoder failed: every request in it fails alike
+            raise EngineError(f"{self.url}: slot decoding failed: {type(e).__name__}: {e}", endpoint=self.url) from e
+        return out
+
+    def _slot_decoder(self) -> Any:
+        """The slot decoder for this engine's model: ``max_batch_rows`` slots of ``slot_len`` positions (on the
+        model's worker thread)."""
+        from dflash_assets.generation.slot_decoding import SlotDecoder
+
+        assert self.tok is not None
+        pad = min(self.tok.stop_ids) if self.tok.stop_ids else 0
+        slot_len = min(self.slot_len, self.context_length or self.slot_len)
+        _log.info("%s: slot decoding in %d slots of %d positions", self.url, self.max_batch_rows, slot_len)
+        return SlotDecoder(self.model, slots=self.max_batch_rows, slot_len=slot_len, pad_id=pad,
+                           prefill_tokens=max(self.max_batch_tokens, slot_len))
+
+    def slot_stats(self) -> dict | None:
+        """What the slot decoder did so far (None unless cache="slots" decoded something)."""
+        return self._slot_runs[-1].as_dict(self.max_batch_rows) if self._slot_runs else None
+
     def _next_batch(self) -> list[_BatchedRequest]:
         """The requests of the next generate call (``next_batch``'s rule over the pending requests)."""
         picked = next_batch([len(r.ids) for r in self._pending], [r.key for r in self._pending],
@@ -1270,7 +1323,9 @@ class TransformersEngine(Engine):
         t0 = time.perf_counter()
         if self.cache == "continuous":
             out = await self._continuous_generate(ids, generation, stop_ids)
-        else:
+        elif self.cache == "slots" and len(ids) + generation.max_new_tokens <= self.slot_len:
+            out = await self._slot_generate(ids, generation, stop_ids)
+        else:  # the batched generate (a prompt too long for a slot decodes there on the dynamic cache)
             request = _BatchedRequest(ids, generation, stop_ids, generation.model_dump_json() + repr(stop_ids),
                                       asyncio.get_running_loop().create_future())
             self._pending.append(request)

@@ -14,20 +14,27 @@ GPU, not by Python launching a few hundred kernels. Sampling (greedy, or tempera
 runs after the graph. Greedy decoding gives the tokens an unpadded ``generate`` of each prompt alone gives, up
 to floating-point ties (tested on CPU).
 
+`SlotScheduler` feeds a decoder from an asyncio loop: requests are queued from the loop, one long task on the
+model's worker thread admits and decodes them while any are pending or live, and each answer is handed back
+to the loop as its row ends.
+
 Reads a loaded model; writes nothing. Imports only torch (the GPU path needs nothing else).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SlotDecoder", "SlotRequest", "SlotStats", "kv_bytes_per_position", "slots_for_memory",
+__all__ = ["SlotDecoder", "SlotRequest", "SlotScheduler", "SlotStats", "kv_bytes_per_position", "slots_for_memory",
            "unsupported_reason"]
 
 _log = logging.getLogger(__name__)
@@ -45,6 +52,7 @@ class SlotRequest:
     top_p: float = 1.0
     top_k: int = 0  # 0: no cut
     deliver: Callable[[SlotRequest, list[int], str], None] | None = None
+    fail: Callable[[BaseException], None] | None = None  # called instead of deliver when decoding fails
     tag: Any = None
 
 
@@ -387,3 +395,79 @@ class SlotDecoder:
         probs = ordered.masked_fill(cut, -math.inf).softmax(-1)
         drawn = order.gather(-1, torch.multinomial(probs, 1)).squeeze(-1)
         return torch.where(temperature > 0, drawn, greedy)
+
+
+class SlotScheduler:
+    """Requests from an asyncio loop decoded by one `SlotDecoder` on one worker thread (see the module).
+
+    `make_decoder` builds the decoder on the worker thread at the first request (and again after a failure,
+    which fails every request queued or live at that moment and frees the decoder's cache).
+    """
+
+    def __init__(self, make_decoder: Callable[[], SlotDecoder], executor: Any):
+        self._make_decoder = make_decoder
+        self._executor = executor
+        self._queue: queue.SimpleQueue[SlotRequest] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._running = False
+        self.decoder: SlotDecoder | None = None
+        self.stats: list[SlotStats] = []  # of every decoder built (a failure builds a new one)
+
+    async def generate(self, request: SlotRequest) -> tuple[list[int], str]:
+        """`request` decoded: its new ids (the stop id that ended it included) and "stop" or "length"."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def settle(outcome: Any, failed: bool) -> None:  # on the loop
+            if not done.done():
+                done.set_exception(outcome) if failed else done.set_result(outcome)
+
+        request.deliver = lambda _req, ids, finish: loop.call_soon_threadsafe(settle, (ids, finish), False)
+        request.fail = lambda exc: loop.call_soon_threadsafe(settle, exc, True)
+        self._queue.put(request)
+        with self._lock:
+            if not self._running:
+                self._running = True
+                loop.run_in_executor(self._executor, self._work)
+        return await done
+
+    def _drain(self, decoder: SlotDecoder) -> None:
+        while True:
+            try:
+                request = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                decoder.submit(request)
+            except ValueError as e:  # this request alone cannot be decoded
+                if request.fail is not None:
+                    request.fail(e)
+
+    def _work(self) -> None:
+        """Admit and decode until nothing is queued, pending or live (on the worker thread)."""
+        try:
+            if self.decoder is None:
+                self.decoder = self._make_decoder()
+                self.stats.append(self.decoder.stats)
+            decoder = self.decoder
+            while True:
+                self._drain(decoder)
+                if decoder.idle():
+                    with self._lock:
+                        if self._queue.empty():
+                            self._running = False
+                            return
+                    continue
+                decoder.step()
+        except BaseException as e:  # noqa: BLE001 - every request in the decoder fails alike
+            _log.warning("slot decoding failed; failing the requests queued and live", exc_info=True)
+            failed = [r for r in (self.decoder.live if self.decoder else []) if r is not None]
+            failed += list(self.decoder.pending) if self.decoder else []
+            self.decoder = None  # its cache is freed; the next request builds a new one
+            with self._lock:
+                while not self._queue.empty():
+                    failed.append(self._queue.get_nowait())
+                self._running = False
+            for request in failed:
+                if request.fail is not None:
+                    request.fail(e)

@@ -458,7 +458,7 @@ def test_static_cache_engine_answers_as_the_dynamic_one(tiny_dense_target, tok):
     (long_static, long_shapes), (long_dynamic, _) = run(long("static")), run(long("dynamic"))
     assert long_shapes[0][0] == 1 and long_shapes[0][1] > 2048  # not padded: one row, its own width
     assert long_static.content == long_dynamic.content
-    with pytest.raises(ValueError, match="dynamic', 'static' or 'continuous"):
+    with pytest.raises(ValueError, match="dynamic', 'static', 'continuous' or 'slots'"):
         TransformersEngine(tiny_dense_target, tokenizer=tok, cache="paged")
 
 

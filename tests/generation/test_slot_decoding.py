@@ -108,3 +108,44 @@ def test_slots_for_memory_fits_the_share_asked():
     slots = slots_for_memory(model, 1000, 100 * per_position * 1000, share=0.5)
     assert slots == 32  # 50 slots fit: the largest power of two below
     assert slots_for_memory(model, 1000, 0) == 8  # never below the floor
+
+
+# -- through the in-process engine: the real tiny target, its tokenizer and chat template --------------------
+
+
+def test_engine_with_slots_answers_as_the_dynamic_cache(tiny_dense_target):
+    """TransformersEngine(cache="slots") gives each chat the dynamic cache's greedy answer and finish reason, with
+    more requests in flight than slots and per-request max_new_tokens; a request too long for a slot runs on the
+    dynamic cache; min_p is refused, not dropped."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from dflash_assets.generation.config import GenerationConfig
+    from dflash_assets.generation.engines import EngineError, TransformersEngine
+
+    tok = AutoTokenizer.from_pretrained(tiny_dense_target)
+    questions = ["What is 2+2?", "Name a colour.", "Write a long sentence about the sea.", "Hi", "Why?",
+                 "List three fruits.", "Count to five.", "Say nothing."]
+    gens = [GenerationConfig(max_new_tokens=n, temperature=0.0, enable_thinking=False) for n in (12, 3, 20, 5) * 2]
+
+    async def go(cache, chats, gens, **kwargs):
+        async with TransformersEngine(tiny_dense_target, tokenizer=tok, max_concurrency=8, max_batch_rows=3,
+                                      cache=cache, **kwargs) as eng:
+            out = await asyncio.gather(*(eng.chat([{"role": "user", "content": q}], g) for q, g in zip(chats, gens)))
+            return [(r.content, r.reasoning_content, r.completion_tokens, r.finish_reason) for r in out], eng
+
+    slots, eng = asyncio.run(go("slots", questions, gens, slot_len=256))
+    dynamic, _ = asyncio.run(go("dynamic", questions, gens))
+    assert slots == dynamic
+    stats = eng.slot_stats()
+    assert stats["requests"] == 8 and stats["new_tokens"] == sum(r[2] for r in slots) and stats["prefills"] >= 3
+    assert eng.batch_shapes == []  # nothing went through the batched generate
+
+    long_question = ["word " * 200]  # prompt + new tokens over the slot: the dynamic cache decodes it
+    long_slots, eng = asyncio.run(go("slots", long_question, gens[:1], slot_len=128))
+    assert long_slots == asyncio.run(go("dynamic", long_question, gens[:1]))[0]
+    assert len(eng.batch_shapes) == 1 and eng.slot_stats() is None
+
+    with pytest.raises(EngineError, match="not min_p"):
+        asyncio.run(go("slots", questions[:1], [GenerationConfig(max_new_tokens=4, temperature=0.7, min_p=0.1)]))
