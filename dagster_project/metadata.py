@@ -5,6 +5,7 @@
   partition, or over time for a series such as one loss or tau per checkpoint.
 - ``check_metadata``: an asset check's values. The UI plots a check's numeric metadata as one line over time,
   joining every partition's result as if it were a time series, so numbers become text here.
+- ``table_metadata``: Dagster's table keys (column schema, row count) of a partition's Parquet table.
 - ``chart``: a PNG chart embedded in Markdown (``dagster_project.charts``): histograms and curves are pictures.
 - ``render_pipes_result``: the same for what a GPU-host stage reported through Pipes (chart data as JSON).
 """
@@ -16,6 +17,7 @@ from typing import Any
 
 import dagster as dg
 import numpy as np
+import pyarrow as pa
 
 from dagster_project.charts import bar_chart_png, line_chart_png, markdown_image
 from dflash_assets.tokenization.quality import LOSS_TOKEN_BIN_EDGES, loss_token_histogram
@@ -69,6 +71,27 @@ def preview_table(table, columns: Sequence[str], rows: int = 5, width: int = 80)
             cells.append(text[:width] + ("…" if len(text) > width else ""))
         lines.append("| " + " | ".join(cells) + " |")
     return dg.MetadataValue.md("\n".join(lines))
+
+
+def arrow_type_name(t: pa.DataType) -> str:
+    """An Arrow type as the catalog shows it: ``list<struct<role: string, ...>>``, whatever a list's child field
+    is called (Arrow writes ``item``, a Parquet file read back ``element``)."""
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return f"list<{arrow_type_name(t.value_type)}>"
+    if pa.types.is_struct(t):
+        return "struct<" + ", ".join(f"{f.name}: {arrow_type_name(f.type)}" for f in t) + ">"
+    return str(t)
+
+
+def table_metadata(table) -> dict[str, dg.MetadataValue]:
+    """Dagster's table keys for one partition's Parquet table (a pyarrow Table), so the catalog and lineage show
+    its columns: ``dagster/column_schema`` (each column's Arrow type and nullability) and ``dagster/row_count``
+    with ``dagster/partition_row_count`` (both the partition's rows: a partition is one Parquet file)."""
+    columns = [dg.TableColumn(f.name, arrow_type_name(f.type),
+                              constraints=dg.TableColumnConstraints(nullable=f.nullable)) for f in table.schema]
+    rows = dg.MetadataValue.int(table.num_rows)
+    return {"dagster/column_schema": dg.MetadataValue.table_schema(dg.TableSchema(columns=columns)),
+            "dagster/row_count": rows, "dagster/partition_row_count": rows}
 
 
 def chart(title: str, png: bytes, caption: str = "") -> dg.MetadataValue:

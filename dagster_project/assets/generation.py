@@ -17,7 +17,7 @@ import dagster as dg
 
 from dagster_project.config import GenerationPlanConfig, GenerationStageConfig
 from dagster_project.profile import engine_kinds
-from dagster_project.metadata import response_length_chart, to_metadata
+from dagster_project.metadata import response_length_chart, table_metadata, to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import EnginesParam, StoreParam, TargetParam
 from dagster_project.versions import code_version
@@ -61,7 +61,8 @@ def completions(context: dg.AssetExecutionContext, config: GenerationStageConfig
     if result.stats.prompts_failed:
         context.log.warning(f"{result.stats.prompts_failed} prompts failed after retries (retried on the next "
                             f"materialization): see {result.failed_key}")
-    metadata = {**to_metadata(result.stats.to_metadata()), "failed_key": dg.MetadataValue.text(result.failed_key),
+    metadata = {**to_metadata(result.stats.to_metadata()), **table_metadata(result.table),
+                "failed_key": dg.MetadataValue.text(result.failed_key),
                 "response_length_histogram": response_length_chart(
                     response_length_histogram(result.table, config.max_new_tokens), config.max_new_tokens)}
     if result.stats.prompts_failed:

@@ -12,7 +12,7 @@ Reads the prompt source (``DFLASH_PROMPT_SOURCE``, or a run's allowed ``source_u
 import dagster as dg
 
 from dagster_project.config import IngestConfig, SourceNotAllowed
-from dagster_project.metadata import markdown_counts, preview_table, to_metadata
+from dagster_project.metadata import markdown_counts, preview_table, table_metadata, to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import StoreParam
 from dagster_project.versions import code_version
@@ -77,7 +77,8 @@ def raw_prompts(context: dg.AssetExecutionContext, store: StoreParam) -> dg.Mate
     for key in keys:
         table, stats = materialize_prompt_shard(opened, key)
         context.add_asset_metadata(  # lands on this partition's materialization only
-            {**to_metadata(stats.to_metadata()), "preview": preview_table(table, ["prompt_id", "num_user_turns", "user_turns"])},
+            {**to_metadata(stats.to_metadata()), **table_metadata(table),
+             "preview": preview_table(table, ["prompt_id", "num_user_turns", "user_turns"])},
             partition_key=key,
         )
     # A data version covers every partition of the run: give one only when the run holds one partition.

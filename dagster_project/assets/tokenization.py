@@ -16,7 +16,7 @@ the GPU stages verify both wherever they run.
 import dagster as dg
 
 from dagster_project.config import TokenizeStageConfig
-from dagster_project.metadata import check_metadata, loss_tokens_chart, to_metadata
+from dagster_project.metadata import check_metadata, loss_tokens_chart, table_metadata, to_metadata
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import StoreParam, TargetParam
 from dagster_project.versions import code_version
@@ -72,7 +72,8 @@ def tokenized_samples(context: dg.AssetExecutionContext, config: TokenizeStageCo
     result = tokenize_partition(store.open(), context.partition_key, spec, config.to_library(),
                                 config.thresholds(thinking_requested=spec.thinking()), log=context.log.info)
     loss_tokens = loss_tokens_chart(result.table.column("num_loss_tokens").to_numpy(), config.min_loss_tokens)
-    metadata = {**to_metadata(result.stats.to_metadata()), "loss_tokens_histogram": loss_tokens}
+    metadata = {**to_metadata(result.stats.to_metadata()), **table_metadata(result.table),
+                "loss_tokens_histogram": loss_tokens}
     yield dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(result.data_version))
     for name, outcome in result.outcomes.items():
         yield dg.AssetCheckResult(check_name=name, passed=outcome.passed, severity=SEVERITY[name],
