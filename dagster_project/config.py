@@ -12,10 +12,11 @@ Writes nothing.
 """
 
 import dataclasses
+import enum
 import inspect
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Optional, get_args, get_type_hints
 
 import dagster as dg
 from pydantic import Field, field_validator
@@ -27,7 +28,7 @@ from dflash_assets.generation.config import GenerationConfig
 from dflash_assets.planning.stage import plan_corpus
 from dflash_assets.prompts.config import IngestConfig as LibIngestConfig
 from dflash_assets.tokenization.quality import QualityThresholds
-from dflash_assets.tokenization.samples import TokenizeConfig
+from dflash_assets.tokenization.samples import SUPERVISE_MODES, TokenizeConfig
 
 
 def _default(library: Any, field: str) -> Any:
@@ -38,6 +39,17 @@ def _default(library: Any, field: str) -> Any:
     if inspect.isfunction(library):
         return inspect.signature(library).parameters[field].default
     return library.model_fields[field].default
+
+
+def _choices(name: str, values) -> type[enum.Enum]:
+    """A run-config enum of the library's valid values: the launchpad offers them, and a run with another value
+    fails at launch naming the field. Its members are the strings themselves (``str`` mixed in)."""
+    return enum.Enum(name, {v: v for v in values}, type=str, module=__name__)
+
+
+LeadingAssistant = _choices("LeadingAssistant", get_args(get_type_hints(LibIngestConfig)["leading_assistant"]))
+Supervise = _choices("Supervise", SUPERVISE_MODES)
+EvalDtype = _choices("EvalDtype", ("float32", "bfloat16", "float16"))
 
 
 class SourceNotAllowed(ValueError):
@@ -59,8 +71,8 @@ class IngestConfig(dg.Config):
     )
     max_prompts_per_shard: int = Field(default=_default(LibIngestConfig, "max_prompts_per_shard"), description="At most this many prompts per prompt_shards partition.")
     max_record_chars: int = Field(default=_default(LibIngestConfig, "max_record_chars"), description="Records longer than this are quarantined as oversize.")
-    leading_assistant: str = Field(
-        default=_default(LibIngestConfig, "leading_assistant"),
+    leading_assistant: LeadingAssistant = Field(
+        default=LeadingAssistant(_default(LibIngestConfig, "leading_assistant")),
         description="Conversations that start with an assistant turn: 'drop' the leading assistant turns "
         "(counted) or 'quarantine' the record.",
     )
@@ -86,15 +98,15 @@ class IngestConfig(dg.Config):
     def to_library(self):
         return LibIngestConfig(
             max_prompts_per_shard=self.max_prompts_per_shard, max_record_chars=self.max_record_chars,
-            leading_assistant=self.leading_assistant,
+            leading_assistant=self.leading_assistant.value,
             limit=self.limit,
         )
 
 
 class TokenizeStageConfig(dg.Config):
     max_length: int = Field(default=_default(TokenizeConfig, "max_length"), description="Samples are cut (and flagged) at this many tokens.")
-    supervise: str = Field(
-        default=_default(TokenizeConfig, "supervise"),
+    supervise: Supervise = Field(
+        default=Supervise(_default(TokenizeConfig, "supervise")),
         description="last_turn: one sample per conversation, supervising its final assistant turn; "
         "every_turn: one sample per assistant turn (about 2.6x the tokens on ShareGPT).",
     )
@@ -107,7 +119,7 @@ class TokenizeStageConfig(dg.Config):
                                       "share is above this (95% Wilson lower bound).")
 
     def to_library(self):
-        return TokenizeConfig(max_length=self.max_length, supervise=self.supervise)
+        return TokenizeConfig(max_length=self.max_length, supervise=self.supervise.value)
 
     def thresholds(self, thinking_requested: bool):
         return QualityThresholds(
@@ -200,7 +212,7 @@ class DrafterEvalConfig(dg.Config):
     num_prompts: int = Field(default=_default(eval_recipe, "num_prompts"), ge=1, description="Held-out prompts decoded speculatively.")
     max_new_tokens: int = Field(default=_default(eval_recipe, "max_new_tokens"), ge=1, le=32_768, description="Tokens generated per prompt.")
     device: Optional[str] = Field(default=None, description="Device on the GPU host (None: cuda if present).")
-    dtype: Optional[str] = Field(default=None, description="Target precision (None: float32 on CPU, bfloat16 on "
+    dtype: Optional[EvalDtype] = Field(default=None, description="Target precision (None: float32 on CPU, bfloat16 on "
                                  "GPU; float32 makes the lossless check exact).")
     speed_prompts: int = Field(default=_default(eval_recipe, "speed_prompts"), ge=0, description="Also time batch-1 decoding, target alone vs "
                                "speculative, on this many of the prompts (metadata decode_speed).")
