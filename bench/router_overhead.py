@@ -126,6 +126,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {name: [] for name in paths}
         for name, cfg in paths.items():  # warm-up: connections, the tokenizer's caches, the router's pools
             run_sync(one_run(cfg, tokenizer, min(500, args.requests), gen, 0))
+        time.sleep(2.0)  # the router finishes its own work on the warm-up before the first counted round
         for r in range(args.rounds):
             order = list(paths) if r % 2 == 0 else list(reversed(paths))
             for name in order:
@@ -141,7 +142,10 @@ def main() -> None:
     report["machine"]["loadavg_1_5_15_after"] = machine_info()["loadavg_1_5_15"]
     for name, results in runs.items():
         report[name] = {"rounds": results, **{f"{k}_median": statistics.median(x[k] for x in results)
-                                              for k in ("req_per_s", "p50_ms", "p99_ms")}}
+                                              for k in ("req_per_s", "p50_ms", "p99_ms")},
+                        "cpu_us_per_request_median": {part: statistics.median(x["cpu_us_per_request"][part]
+                                                                              for x in results)
+                                                      for part in ("client", "engines", "router")}}
     report["router_over_direct"] = {
         "req_per_s": round(report["router"]["req_per_s_median"] / report["direct"]["req_per_s_median"], 3),
         "p50": round(report["router"]["p50_ms_median"] / report["direct"]["p50_ms_median"], 3),
