@@ -9,8 +9,9 @@ next step. So short answers and a conversation's later turns never leave a batch
 row ends, as one ``generate`` call per batch does.
 
 On CUDA the decode step (the model's forward over (slots, 1) tokens, the attention mask built from each row's
-position, the logits) is captured once as a CUDA graph and replayed: a small target's step is then bound by the
-GPU, not by Python launching a few hundred kernels. Sampling (greedy, or temperature / top-p / top-k per row)
+position, the logits) is captured as a CUDA graph and replayed: a small target's step is then bound by the GPU,
+not by Python launching a few hundred kernels. A step attends over the smallest view of the cache (a power of two
+from 256 positions, or the whole slot) that holds every live row's position, one graph per view. Sampling (greedy, or temperature / top-p / top-k per row)
 runs after the graph. Greedy decoding gives the tokens an unpadded ``generate`` of each prompt alone gives, up
 to floating-point ties (tested on CPU).
 
@@ -138,6 +139,7 @@ class _SlotCache:
         self.rows = torch.arange(slots, device=device)
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where each row's step writes
         self.prefill_slots: Any = None  # set during a prefill: which slots its rows fill
+        self.view = slot_len  # positions a decode step attends over (every live row's position is below it)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.prefill_slots is not None:  # (rows, kv_heads, width, dim): the prompts from position 0
@@ -147,7 +149,7 @@ class _SlotCache:
             return key_states, value_states
         self.keys[layer_idx][self.rows, :, self.positions] = key_states[:, :, 0]
         self.values[layer_idx][self.rows, :, self.positions] = value_states[:, :, 0]
-        return self.keys[layer_idx], self.values[layer_idx]
+        return self.keys[layer_idx][:, :, :self.view], self.values[layer_idx][:, :, :self.view]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # asked by some modeling code; positions come explicitly
         return 0
@@ -184,7 +186,8 @@ class SlotDecoder:
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         self.head = model.get_output_embeddings()
         self.use_graph = (self.device.type == "cuda") if cuda_graph is None else bool(cuda_graph)
-        self.graph: Any = None
+        self.graphs: dict[int, tuple[Any, Any]] = {}  # view -> (CUDA graph of the decode step, its logits)
+        self._pool: Any = None
         n, dev = self.slots, self.device
         self.tokens = torch.full((n, 1), self.pad_id, dtype=torch.long, device=dev)  # fed at the next step
         self.key_positions = torch.arange(self.slot_len, device=dev)
@@ -330,10 +333,20 @@ class SlotDecoder:
 
     # -- decode ------------------------------------------------------------------------------------------------
 
+    def _view(self) -> int:
+        """The smallest view (a power of two from 256, or the whole slot) past every live row's position: a step
+        attends over that many positions, not the whole slot."""
+        top = max(len(r.ids) + len(self.new_ids[s]) for s, r in enumerate(self.live) if r is not None)
+        view = 256
+        while view < top:
+            view *= 2
+        return min(view, self.slot_len)
+
     def _forward_step(self):
-        """The decode step's tensors: logits (slots, vocab) of each row's next token (graph-capturable)."""
+        """The decode step's tensors: logits (slots, vocab) of each row's next token (graph-capturable), attending
+        over the cache's first ``cache.view`` positions."""
         positions = self.cache.positions
-        mask = (self.key_positions[None, :] <= positions[:, None])[:, None, None, :]
+        mask = (self.key_positions[None, :self.cache.view] <= positions[:, None])[:, None, None, :]
         hidden = self.base(input_ids=self.tokens, attention_mask=mask, position_ids=positions[:, None],
                            **{self._cache_kwarg: self.cache}, use_cache=True).last_hidden_state
         return self.head(hidden[:, -1])
@@ -341,19 +354,24 @@ class SlotDecoder:
     def _decode(self) -> None:
         import torch
 
+        self.cache.view = self._view()
         with torch.inference_mode():
             if not self.use_graph:
                 self.logits = self._forward_step()
                 return
-            if self.graph is None:
+            if self.cache.view not in self.graphs:
                 self._capture()
-            self.graph.replay()
+            graph, self.logits = self.graphs[self.cache.view]
+            graph.replay()
 
     def _capture(self) -> None:
-        """Capture the decode step as a CUDA graph (after warm-up runs on a side stream, as CUDA graphs need)."""
+        """Capture the decode step at the cache's view as a CUDA graph (after warm-up runs on a side stream, as CUDA
+        graphs need); the graphs of all views share one memory pool (one replays at a time)."""
         import torch
 
         t0 = time.perf_counter()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         saved = self.cache.positions.clone(), self.tokens.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -362,15 +380,15 @@ class SlotDecoder:
                 self._forward_step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits = self._forward_step()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward_step()
         # the warm-up and capture wrote keys at the live rows' positions: the same values the replay writes next
         self.cache.positions.copy_(saved[0])
         self.tokens.copy_(saved[1])
-        self.graph = graph
+        self.graphs[self.cache.view] = (graph, logits)
         self.stats.graph = True
-        _log.info("slot decoding: decode step of %d slots x %d positions captured as a CUDA graph in %.1f s",
-                  self.slots, self.slot_len, time.perf_counter() - t0)
+        _log.info("slot decoding: decode step of %d slots over %d positions captured as a CUDA graph in %.1f s",
+                  self.slots, self.cache.view, time.perf_counter() - t0)
 
     # -- sampling ----------------------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ def _model(kind: str):
     torch.manual_seed(0)
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
     config = config_cls(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
     return model_cls(config).eval()
 
 
@@ -60,6 +60,22 @@ def test_greedy_tokens_match_generate_of_each_prompt_alone(kind):
     assert stats["prefills"] > 1  # rows were refilled while others decoded
     assert stats["occupancy"] > 0.6
     assert decoder.idle() and decoder.live_rows == 0
+
+
+def test_steps_attend_over_the_view_that_holds_every_live_row():
+    """A row that crosses 256 positions moves the step to the 512-position view mid-answer; the tokens stay
+    generate's."""
+    model = _model("llama")
+    rng = random.Random(5)
+    prompts = [([rng.randrange(1, 300) for _ in range(250)], 20), ([5, 6, 8], 12)]
+    decoder = SlotDecoder(model, slots=2, slot_len=600)
+    views = []
+    step = decoder._forward_step
+    decoder._forward_step = lambda: (views.append(decoder.cache.view), step())[1]
+    got = _decode(decoder, prompts)
+    assert got[0][0] == _alone(model, *prompts[0]) and got[1][0] == _alone(model, *prompts[1])
+    assert len(got[0][0]) == 20  # no stop id: the row reaches position 269
+    assert views[0] == 256 and views[-1] == 512 and sorted(set(views)) == [256, 512]
 
 
 def test_a_row_ends_at_the_slot_end_as_length():
