@@ -3,9 +3,10 @@
 Per sequence: blocks of [anchor token, MASK x (B-1)] at the anchors' positions;
 a block sees the target context strictly before its anchor and itself
 (dense mask for SDPA, a BlockMask for flex_attention); labels are the next
-B-1 tokens weighted by exp(-(k-1)/gamma); the cross-entropy against the frozen
-``lm_head`` is computed chunk by chunk, never all logits at once. Reads and
-writes nothing. Imports only torch.
+B-1 tokens weighted by exp(-(k-1)/gamma) (objective ``dflash``) or by their
+expected contribution to the acceptance length (objective ``dpace``,
+``dpace_weights``); the cross-entropy against the frozen ``lm_head`` is computed
+chunk by chunk, never all logits at once. Reads and writes nothing. Imports only torch.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch.distributed as dist
 from dflash_assets.drafter.data import Batch
 from dflash_assets.drafter.model import TargetHead, create_block_mask
 
-__all__ = ["block_layout", "block_labels", "dflash_dense_mask", "dflash_block_mask", "head_cross_entropy",
-           "HeadCrossEntropy", "default_chunk_rows", "StepOutput", "drafter_forward_loss", "train_step"]
+__all__ = ["block_layout", "block_labels", "dpace_weights", "dflash_dense_mask", "dflash_block_mask", "head_cross_entropy",
+           "HeadCrossEntropy", "head_cross_entropy_reweighted", "default_chunk_rows", "StepOutput", "drafter_forward_loss", "train_step"]
 
 
 def block_layout(input_ids, anchors, keep, block_size: int, mask_token_id: int):
@@ -44,6 +45,20 @@ def block_labels(input_ids, loss_mask, anchors, keep, block_size: int, gamma: fl
     valid = torch.gather(loss_mask, 1, idx).view(b, N, -1) & keep[:, :, None]
     decay = torch.exp(-(k - 1).float() / gamma)  # (B-1,)
     return labels, valid.float() * decay
+
+
+def dpace_weights(p: torch.Tensor, valid: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """D-PACE position weights (rows, B-1), detached: each position's expected contribution to the acceptance length.
+
+    p: the drafter's probability of each label (rows, B-1); valid: which positions carry a label. Smoothed
+    q_k = (1 - alpha) * p_k + alpha; the prefix products P_k = q_1 ... q_k are the chance a draft survives to
+    position k (the expected acceptance length is their sum), and position k's weight is the suffix sum
+    P_k + ... + P_{B-1}, the derivative of that sum by log q_k. A position without a label is a no-op in the
+    products (q = 1) and is left out of the sums (its weight is 0)."""
+    p, valid = p.detach().float(), valid.bool()
+    q = torch.where(valid, (1.0 - alpha) * p + alpha, torch.ones_like(p))
+    survive = torch.cumprod(q, dim=-1) * valid  # (rows, B-1)
+    return survive.flip(-1).cumsum(-1).flip(-1) * valid
 
 
 def dflash_dense_mask(anchors, keep, S: int, block_size: int) -> torch.Tensor:
@@ -118,7 +133,8 @@ def _ce_chunk(h, weight, labels, w, need_grad: bool):
     logits = (h.to(weight.dtype) @ weight.T).float()  # (c, V)
     lse = torch.logsumexp(logits, dim=-1)  # (c,)
     tgt = logits.gather(1, labels[:, None]).squeeze(1)
-    loss = ((lse - tgt) * w).sum()
+    ce = lse - tgt  # (c,)
+    loss = (ce * w).sum()
     correct = logits.argmax(dim=-1) == labels
     grad = None
     if need_grad:  # d(sum w*ce)/dh = (softmax - onehot) * w @ W
@@ -126,7 +142,7 @@ def _ce_chunk(h, weight, labels, w, need_grad: bool):
         p.scatter_add_(1, labels[:, None], -torch.ones_like(p[:, :1]))
         p.mul_(w[:, None])
         grad = (p.to(weight.dtype) @ weight).to(h.dtype)
-    return loss, correct, grad
+    return loss, correct, grad, ce
 
 
 _compiled_ce_chunk = None
@@ -134,10 +150,13 @@ _compiled_ce_chunk = None
 
 class HeadCrossEntropy(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T, y_i) with a frozen W; the gradient w.r.t. h is made chunk by chunk
-    in the forward pass, so no (rows x vocab) logits tensor outlives its chunk."""
+    in the forward pass, so no (rows x vocab) logits tensor outlives its chunk.
+
+    With ``reweight``, w is not given but made from the rows' label probabilities once every chunk is done
+    (w = reweight(p), detached): the chunks run unweighted, then the sum and the kept gradient are weighted."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk: int, compiled: bool):
+    def forward(ctx, h, weight, labels, w, chunk: int, compiled: bool, reweight=None):
         fn = _ce_chunk
         if compiled:
             global _compiled_ce_chunk
@@ -149,21 +168,31 @@ class HeadCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.zeros(M, dtype=torch.bool, device=h.device)
         grad = torch.empty_like(h) if need_grad else None
+        ce = torch.empty(M, dtype=torch.float32, device=h.device)
+        if reweight is not None:
+            w = torch.ones(M, dtype=torch.float32, device=h.device)
         for s in range(0, M, chunk):
             e = min(M, s + chunk)
-            l, c, g = fn(h[s:e], weight, labels[s:e], w[s:e], need_grad)
+            l, c, g, ce[s:e] = fn(h[s:e], weight, labels[s:e], w[s:e], need_grad)
             loss += l
             correct[s:e] = c
             if need_grad:
                 grad[s:e] = g
+        if reweight is not None:
+            w = reweight(torch.exp(-ce)).float()  # (M,) from p = exp(-CE), detached
+            loss = (ce * w).sum()
+            if need_grad:
+                grad.mul_(w[:, None].to(grad.dtype))
+        else:
+            w = w.detach().clone()  # returned: a new tensor, never the input itself
         ctx.save_for_backward(grad if need_grad else None)
-        ctx.mark_non_differentiable(correct)
-        return loss, correct
+        ctx.mark_non_differentiable(correct, w)
+        return loss, correct, w
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_correct):
+    def backward(ctx, grad_loss, _grad_correct, _grad_w):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
 
 
 def default_chunk_rows(vocab: int) -> int:
@@ -173,7 +202,27 @@ def default_chunk_rows(vocab: int) -> int:
 def head_cross_entropy(h, weight, labels, w, chunk: int | None = None, compiled: bool = False):
     """(weighted CE sum, correct per row) for rows h (M, H) against the frozen head weight (V, H)."""
     chunk = chunk or default_chunk_rows(weight.shape[0])
-    return HeadCrossEntropy.apply(h, weight, labels, w, chunk, compiled)
+    loss, correct, _ = HeadCrossEntropy.apply(h, weight, labels, w, chunk, compiled)
+    return loss, correct
+
+
+def head_cross_entropy_reweighted(h, weight, labels, reweight, chunk: int | None = None, compiled: bool = False):
+    """(weighted CE sum, correct per row, the weights) where the weights are ``reweight(p)`` of the rows' label
+    probabilities p (M,), as D-PACE makes them; one pass over the head, like `head_cross_entropy`."""
+    chunk = chunk or default_chunk_rows(weight.shape[0])
+    w = torch.empty(0, device=h.device)  # unused: reweight makes them
+    return HeadCrossEntropy.apply(h, weight, labels, w, chunk, compiled, reweight)
+
+
+def _dpace_reweight(sel: torch.Tensor, blocks: int, positions: int, alpha: float):
+    """p of the selected rows (those with a label) -> their D-PACE weights, computed over whole blocks."""
+
+    def reweight(p_sel: torch.Tensor) -> torch.Tensor:
+        p = torch.zeros(blocks * positions, device=p_sel.device).index_copy_(0, sel, p_sel.float())
+        valid = torch.zeros(blocks * positions, dtype=torch.bool, device=p_sel.device).index_fill_(0, sel, True)
+        return dpace_weights(p.view(blocks, positions), valid.view(blocks, positions), alpha).view(-1).index_select(0, sel)
+
+    return reweight
 
 
 @dataclass
@@ -185,8 +234,9 @@ class StepOutput:
 
 
 def drafter_forward_loss(drafter, head: TargetHead, batch: Batch, *, block_size: int, mask_token_id: int,
-                         gamma: float, attention: str = "sdpa", hidden=None, compiled_loss: bool = False) -> StepOutput:
-    """One training forward on a device batch: blocks, mask, drafter, chunked head CE."""
+                         gamma: float, attention: str = "sdpa", hidden=None, compiled_loss: bool = False,
+                         objective: str = "dflash", dpace_alpha: float = 0.5) -> StepOutput:
+    """One training forward on a device batch: blocks, mask, drafter, chunked head CE (weights by `objective`)."""
     B = block_size
     hidden = batch.hidden if hidden is None else hidden  # (b, S, n*H)
     b, S = batch.input_ids.shape
@@ -206,22 +256,33 @@ def drafter_forward_loss(drafter, head: TargetHead, batch: Batch, *, block_size:
     x = head.embed(noise_ids)  # (b, N*B, H)
     out = drafter(x, hidden, position_ids, mask)  # (b, N*B, H)
     rows = out.view(b, N, B, -1)[:, :, 1:].reshape(-1, out.shape[-1])  # (b*N*(B-1), H): predictions k=1..B-1
-    loss_sum, correct = head_cross_entropy(rows.index_select(0, sel), head.lm_head.weight, labels.index_select(0, sel),
-                                           w.index_select(0, sel), compiled=compiled_loss)
+    if objective == "dpace":
+        loss_sum, correct, w_sel = head_cross_entropy_reweighted(
+            rows.index_select(0, sel), head.lm_head.weight, labels.index_select(0, sel),
+            _dpace_reweight(sel, b * N, B - 1, dpace_alpha), compiled=compiled_loss)
+        w = w_sel  # the weights the loss is normalized by
+    elif objective == "dflash":
+        loss_sum, correct = head_cross_entropy(rows.index_select(0, sel), head.lm_head.weight,
+                                               labels.index_select(0, sel), w.index_select(0, sel),
+                                               compiled=compiled_loss)
+    else:
+        raise ValueError(f"unknown objective {objective!r}")
     correct_by_pos = torch.zeros(B - 1, device=w.device).index_add_(0, k, correct.float())
     count_by_pos = torch.zeros(B - 1, device=w.device).index_add_(0, k, torch.ones_like(k, dtype=torch.float))
     return StepOutput(loss_sum, w.sum(), correct_by_pos, count_by_pos)
 
 
 def train_step(model, head: TargetHead, optimizer, batch: Batch, hidden, *, block_size: int, mask_token_id: int,
-               gamma: float, attention: str, grad_clip: float, compiled_loss: bool = False, world: int = 1):
+               gamma: float, attention: str, grad_clip: float, compiled_loss: bool = False, world: int = 1,
+               objective: str = "dflash", dpace_alpha: float = 0.5):
     """Forward, backward (loss normalized over the global batch), clip, AdamW step.
 
     Returns (stats, w_total): stats = [loss_sum, correct_by_pos (B-1), count_by_pos (B-1)] of this rank,
     w_total = the global sum of loss weights (the step's loss is all-reduced loss_sum / w_total)."""
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=hidden.is_cuda):
         so = drafter_forward_loss(model, head, batch, block_size=block_size, mask_token_id=mask_token_id,
-                                  gamma=gamma, attention=attention, hidden=hidden, compiled_loss=compiled_loss)
+                                  gamma=gamma, attention=attention, hidden=hidden, compiled_loss=compiled_loss,
+                                  objective=objective, dpace_alpha=dpace_alpha)
     w_total = so.weight_sum.detach().float().clone()
     if world > 1:
         dist.all_reduce(w_total)

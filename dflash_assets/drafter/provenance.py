@@ -14,7 +14,8 @@ The record (``FORMAT`` 1) holds:
 - ``completions``: per trained shard, each ``config_hash`` found in ``completions/<shard>.parquet`` with its
   rows, served models and endpoints (the engine identity), and the sampling settings it hashes when one of
   the settings the caller knows (``generation_settings``) reproduces it (else ``settings: null``);
-- ``recipe`` (and its fingerprint), ``code`` (module digests of the trainer and the versions of torch,
+- ``recipe`` (and its fingerprint), ``objective`` (the training objective and its knob: dflash's gamma, dpace's
+  alpha), ``code`` (module digests of the trainer and the versions of torch,
   transformers, safetensors and this package, plus the Dagster code versions the caller passes),
   ``checkpoint_files`` (sha256 of each published file), ``decontamination`` (``decontamination.py``'s report,
   as the caller ran it before training).
@@ -32,8 +33,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from dflash_assets.store import layout
 from dflash_assets.atomic_write import write_atomic
+from dflash_assets.store import layout
 
 __all__ = ["PROVENANCE_FILE", "FORMAT", "build_provenance", "target_identity", "prompt_sources",
            "completions_identity", "code_versions", "write_provenance", "read_provenance", "format_provenance",
@@ -161,6 +162,9 @@ def build_provenance(store: Any, recipe: Any, shards: Sequence[str], target: Any
         "recipe_name": recipe.name,
         "recipe": recipe.to_dict(),
         "recipe_fingerprint": recipe.fingerprint(),
+        "objective": {"name": getattr(recipe, "objective", "dflash"),
+                      **({"alpha": recipe.dpace_alpha} if getattr(recipe, "objective", "dflash") == "dpace"
+                         else {"gamma": recipe.loss_gamma})},
         "partitions": {"shards": list(shards), "source": "tokenized_samples" if recipe.online else "hidden_state_cache"},
         "prompt_sources": prompt_sources(store, shards),
         "target": target_identity(target),
@@ -214,8 +218,16 @@ def provenance_summary(doc: Mapping[str, Any]) -> dict[str, Any]:
         "partitions_trained": len((doc.get("partitions") or {}).get("shards") or []),
         "completions_config_hashes": ", ".join(hashes),
         "trainer_code": (doc.get("code") or {}).get("trainer"),
+        "objective": _objective_text(doc),
         "decontamination": decon.get("summary"),
     }
+
+
+def _objective_text(doc: Mapping[str, Any]) -> str:
+    """"dflash (gamma 7)" or "dpace (alpha 0.5)"; a record written before objectives were recorded trained dflash."""
+    o = doc.get("objective") or {"name": "dflash", "gamma": (doc.get("recipe") or {}).get("gamma")}
+    knob = "alpha" if o.get("name") == "dpace" else "gamma"
+    return f"{o.get('name')} ({knob} {o.get(knob)})" if o.get(knob) is not None else str(o.get("name"))
 
 
 def format_provenance(doc: Mapping[str, Any]) -> str:
@@ -254,7 +266,7 @@ def format_provenance(doc: Mapping[str, Any]) -> str:
     r = doc.get("recipe") or {}
     lines += ["", "recipe: " + ", ".join(f"{k}={r[k]}" for k in (
         "version", "block_size", "num_layers", "epochs", "lr", "max_length", "seed", "online", "checkpoint_dtype")
-        if k in r)]
+        if k in r)] + [f"objective: {_objective_text(doc)}"]
     code = doc.get("code") or {}
     lines += [f"code: trainer {code.get('trainer')}; "
               + ", ".join(f"{k} {v}" for k, v in (code.get("packages") or {}).items())]

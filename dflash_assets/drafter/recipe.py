@@ -17,7 +17,9 @@ import numpy as np
 
 from dflash_assets.drafter.model import loss_gamma
 
-__all__ = ["DrafterRecipe", "TrainResult"]
+__all__ = ["DrafterRecipe", "TrainResult", "OBJECTIVES"]
+
+OBJECTIVES = ("dflash", "dpace")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,28 @@ class DrafterRecipe:
     # "promoted": start from the family's promoted drafter's weights when its shapes match (a refresh after the
     # target changed); None: random init.
     init_from: str | None = None
+    # The training objective (``loss``): "dflash", the cross-entropy decayed by block position (gamma); "dpace", each
+    # position's cross-entropy weighted by its expected contribution to the acceptance length (``loss.dpace_weights``,
+    # the drafter's probabilities of the labels smoothed as (1 - dpace_alpha) * p + dpace_alpha).
+    objective: str = "dflash"
+    dpace_alpha: float = 0.5
+    # tau while training (``tau_estimate``): the expected acceptance length on held-out prompts, teacher-forced along
+    # the target's greedy continuations, every tau_every steps (None: at every saved state) and at the end, on
+    # tau_prompts prompts (0: off) of tau_new_tokens tokens each.
+    tau_every: int | None = None
+    tau_prompts: int = 8
+    tau_new_tokens: int = 64
+    # Stop when the estimate has not improved for this many evaluations in a row (None: never).
+    early_stop_patience: int | None = None
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"recipe {self.name!r}: objective must be one of {', '.join(OBJECTIVES)}, "
+                             f"got {self.objective!r}")
+        if not 0.0 <= self.dpace_alpha <= 1.0:
+            raise ValueError(f"recipe {self.name!r}: dpace_alpha must lie in [0, 1], got {self.dpace_alpha}")
+        if self.early_stop_patience is not None and (self.early_stop_patience < 1 or self.tau_prompts < 1):
+            raise ValueError(f"recipe {self.name!r}: early_stop_patience needs a patience >= 1 and tau_prompts >= 1")
 
     @property
     def family_name(self) -> str:
@@ -80,12 +104,20 @@ class DrafterRecipe:
         return cls(**d)
 
     def fingerprint(self) -> str:
-        """Hash of the fields that change the run (not save_every / compile / attention)."""
+        """Hash of the fields that change the run (not save_every / compile / attention, nor the tau estimate's
+        settings unless an early stop depends on them)."""
         d = {k: v for k, v in self.to_dict().items() if k not in ("save_every", "compile", "attention")}
         # unset: left out, so a recipe without the field keeps its fingerprint
-        for unset in ("cache_limit_gb", "family", "init_from"):
+        for unset in ("cache_limit_gb", "family", "init_from", "early_stop_patience"):
             if d.get(unset) is None:
                 d.pop(unset, None)
+        if d.pop("objective") != "dflash":  # the default objective (and its unused alpha) is left out
+            d["objective"] = self.objective
+        else:
+            d.pop("dpace_alpha")
+        if self.early_stop_patience is None:  # the estimate is only watched: it changes no weight
+            for k in ("tau_every", "tau_prompts", "tau_new_tokens"):
+                d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
 
@@ -106,6 +138,12 @@ class TrainResult:
     data_stats: dict[str, Any] = field(default_factory=dict)  # the bounded part cache's counters, when one was used
     draft_tokens: int = 0  # block tokens trained (anchors x block size, all ranks), this invocation
     sequence_tokens: int = 0  # sequence tokens trained (all ranks), this invocation
+    # tau while training: one {"step", "tokens", "tau", "acceptance_by_position", ...} per evaluation, over every
+    # invocation (a resume keeps the earlier ones); best: the evaluation with the highest tau (its step is the
+    # checkpoint marked best)
+    tau_history: list[dict[str, Any]] = field(default_factory=list)
+    best: dict[str, Any] | None = None
+    stop_reason: str = ""  # why the run ended: "completed", "early stop: ...", or "" while unfinished
 
     @property
     def finished(self) -> bool:
@@ -126,5 +164,8 @@ class TrainResult:
             "num_sequences": self.num_sequences,
             "world_size": self.world_size,
             "draft_tokens_per_sequence_token": self.draft_tokens / self.sequence_tokens if self.sequence_tokens else 0.0,
+            "tau_history": self.tau_history,
+            "best": self.best,
+            "stop_reason": self.stop_reason,
         }
 

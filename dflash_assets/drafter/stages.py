@@ -150,7 +150,10 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
     log(f"recipe {name}: {len(shards)} shards, {len(files)} files, work dir {work} (resumes from its last state)")
 
     def on_step(m: dict[str, Any]) -> None:
-        if m.get("budget"):
+        if "tau" in m:
+            log(f"step {m['step']}: held-out tau estimate {m['tau']['tau']:.3f} (greedy walk {m['tau']['walk_tau']:.3f}); "
+                f"best {m['best']['tau']:.3f} at step {m['best']['step']}")
+        elif m.get("budget"):
             log(f"step {m['step']}: {m['step_s'] * 1000:.0f} ms/step after warm-up (the last "
                 f"{m['window_step_s'] * 1000:.0f}): {m['total_steps']} steps fit the time budget")
         elif m["step"] % log_every == 0 or m["step"] == 1:
@@ -190,11 +193,12 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
             init_weights.parent.mkdir(parents=True, exist_ok=True)
             init_weights.write_bytes(store.read_bytes(promoted["files"]["model.safetensors"]))
             warm_start = {"recipe": promoted["recipe"], "checkpoint": promoted["checkpoint"], "tau": promoted["tau"]}
+    heldout = _heldout_factory(store, recipe, target, work, device, log)
     try:
         try:
             result = train_drafter(recipe, files, target.model_path, work, resume=True, log=on_step, device=device,
                                    max_steps=max_steps, source=source, time_budget_s=time_budget_s,
-                                   on_save=on_save_recorded, init_weights=init_weights)
+                                   on_save=on_save_recorded, init_weights=init_weights, heldout=heldout)
         except ValueError as e:
             if init_weights is None or "other tensors or shapes" not in str(e):
                 raise
@@ -202,7 +206,7 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
             warm_start = {**(warm_start or {}), "skipped": "shapes differ"}
             result = train_drafter(recipe, files, target.model_path, work, resume=True, log=on_step, device=device,
                                    max_steps=max_steps, source=source, time_budget_s=time_budget_s,
-                                   on_save=on_save_recorded)
+                                   on_save=on_save_recorded, heldout=heldout)
     finally:
         if source is not None:
             source.close()  # its local parts go with it
@@ -213,9 +217,10 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
                            f"run again to resume from {result.state_dir}")
     metrics = result.to_metadata()
     metrics_path = Path(result.checkpoint_dir).parent / "train_metrics.json"
-    curve = sorted((c for c in curve if c["step"] <= result.steps), key=lambda c: c["step"])
+    curve, best = _mark_curve(curve, result)
     metrics_path.write_text(json.dumps({**metrics, "losses": result.losses, "recipe": recipe.to_dict(),
-                                        "shards": shards, "target": target.model_path, "curve": curve},
+                                        "shards": shards, "target": target.model_path, "curve": curve,
+                                        "best_checkpoint": best, "objective": objective_of(recipe)},
                                        indent=2, default=str))
     # every file under a new version, the manifest last: a kill never leaves a new model beside an old config
     legacy = [layout.drafter_checkpoint_file(name, f) for f in (*CHECKPOINT_FILES, "train_metrics.json")]
@@ -247,11 +252,58 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         "loss_curve": curve_points(losses, max_points=200),
         "accuracy_by_position": [round(float(a), 4) for a in result.accuracy_by_position],
         "curve_checkpoints": [[c["step"], c["tokens"]] for c in curve],
+        "objective": objective_of(recipe),
+        # Chart data: [step, held-out tau estimate] per evaluation while training; the best is marked
+        "tau_while_training": [[h["step"], h["tau"]] for h in result.tau_history],
+        "best_checkpoint": (f"step {best['step']} ({best['file']}): tau estimate {best['tau']:.3f}" if best
+                            else "none (no tau estimate while training)"),
+        "stop_reason": result.stop_reason,
         "checkpoint": store.url(prefix),
         "provenance": provenance_summary(provenance),
         **({"warm_start": warm_start} if warm_start else {}),
         **({"part_cache": result.data_stats} if result.data_stats else {}),
     }
+
+
+def objective_of(recipe: DrafterRecipe) -> str:
+    """The training objective as the UI and provenance show it: "dflash (gamma 7)" or "dpace (alpha 0.5)"."""
+    if recipe.objective == "dpace":
+        return f"dpace (alpha {recipe.dpace_alpha:g})"
+    return f"dflash (gamma {recipe.loss_gamma:g})"
+
+
+def _heldout_factory(store: Any, recipe: DrafterRecipe, target: Any, work: Path, device: str | None,
+                     log: Callable[[str], None]) -> Callable[[Any], Any] | None:
+    """For ``train_drafter(heldout=...)``: a function of the drafter's config that builds the held-out slice tau is
+    estimated on while training (``tau_estimate.heldout_slice``), or None when the recipe asks for none."""
+    if recipe.tau_prompts <= 0:
+        return None
+
+    def make(config: Any) -> Any:
+        from dflash_assets.drafter.tau_estimate import heldout_slice
+
+        prompts, held_out = heldout_prompts(store, recipe, target, recipe.tau_prompts)
+        if not held_out or not prompts:
+            log(f"recipe {recipe.name}: no held-out prompt (it trains on every shard): no tau estimate while training")
+            return None
+        return heldout_slice(prompts, recipe, target, config.target_layer_ids, work, device=device, log=log)
+
+    return make
+
+
+def _mark_curve(curve: list[dict[str, Any]], result: Any) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The run's learning-curve checkpoints (up to its last step) with their tau estimate, the best one marked;
+    and the best as ``{"step", "tokens", "tau", "file"}`` (None without estimates)."""
+    taus = {h["step"]: h["tau"] for h in result.tau_history}
+    best_step = result.best["step"] if result.best else None
+    out = []
+    for c in sorted((c for c in curve if c["step"] <= result.steps), key=lambda c: c["step"]):
+        c = {k: v for k, v in c.items() if k not in ("tau_estimate", "best")}
+        if c["step"] in taus:
+            c["tau_estimate"] = taus[c["step"]]
+        out.append({**c, **({"best": True} if c["step"] == best_step else {})})
+    best = next(({**result.best, "file": c["file"]} for c in out if c.get("best")), None)
+    return out, best
 
 
 def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts: int) -> tuple[list[Any], bool]:

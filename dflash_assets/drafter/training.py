@@ -34,6 +34,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -53,6 +54,7 @@ from dflash_assets.drafter.model import (
 )
 from dflash_assets.drafter.recipe import DrafterRecipe, TrainResult
 from dflash_assets.drafter.state import latest_state_dir, load_training_state, save_training_state
+from dflash_assets.drafter.tau_estimate import HeldoutSlice, TauWatch
 from dflash_assets.target_model.conventions import mask_token_id_in_dir
 from dflash_assets.target_model.layer_capture import LayerCapture
 from dflash_assets.torch_compile import allow_recompiles, apply_inductor_workarounds
@@ -127,79 +129,48 @@ def _dist_info() -> tuple[int, int, int]:
     return 0, 1, 0
 
 
-def train_drafter(
-    recipe: DrafterRecipe,
-    data_files: Sequence[str | Path],
-    target_dir: str | Path,
-    out_dir: str | Path,
-    resume: bool = True,
-    log: Callable[[dict[str, Any]], None] | None = None,
-    *,
-    device: str | torch.device | None = None,
-    max_steps: int | None = None,
-    source: Any = None,
-    time_budget_s: float | None = None,
-    on_save: Callable[[int, int, DFlashDrafter], None] | None = None,
-    init_weights: str | Path | None = None,
-) -> TrainResult:
-    """Train (or continue training) a drafter; see the module docstring for what is read and written.
-
-    data_files: hidden-state cache partitions (offline) or tokenized-sample files (recipe.online).
-    source: where cache parts are read (default: data_files are local paths); a
-    ``hidden_states.part_cache.BoundedPartCache`` reads store keys through a bounded local cache, and is
-    told the plan's part order so it fetches ahead. It is closed when training ends.
-    max_steps: stop after this global step (a resumable state is saved there); for smoke runs/tests.
-    log: called on every rank-0 step with {"step", "loss", "lr", "tokens_per_s", "acc_by_pos", ...}.
-    time_budget_s: the steps are cut to what fits this many seconds of training, at the step time measured
-    after warm-up (steps `BUDGET_WARMUP_STEPS` to `BUDGET_WARMUP_STEPS + BUDGET_MEASURE_STEPS`: the first steps
-    compile and allocate), and cut again every `BUDGET_REPLAN_EVERY` steps at the recent pace (`budget_pace`: the
-    median of the latest windows' step times; never past the recipe's plan): early steps that meet new batch
-    widths are slower than later ones (measured on an H200: 1.26 s/step over steps 5-20 against 0.6 s/step on
-    average), so one early measurement spends a third of the budget. The cosine schedule follows the latest cut
-    and ends at the last; the run ends with a checkpoint.
-    on_save: called on rank 0 at every saved state with (step, sequence tokens trained so far, the drafter).
-    init_weights: a drafter ``model.safetensors`` to start from (a warm start) instead of random weights; its
-    tensors must have the new drafter's names and shapes (else ValueError). A resumed state overrides it.
-    """
-    t_start = time.perf_counter()
-    rank, world, local_rank = _dist_info()
+def _resolve_device(device, local_rank: int) -> torch.device:
     if device is None:
         device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU
         device = torch.device("cuda", torch.cuda.current_device())
-    cuda = device.type == "cuda"
-    if cuda:
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    out = Path(out_dir)
-    state_root = out / "state"
-    if rank == 0:  # what a killed earlier run left half-written (temp dirs, a moved-aside copy)
-        for d in (out, state_root):
-            clean_stale_temps(d)
-    if world > 1:
-        dist.barrier()
-    attention = recipe.attention if recipe.attention != "auto" else ("flex" if cuda else "sdpa")
-    B = recipe.block_size
+    return device
 
-    # -- data and configs
-    data = open_training_data(data_files, recipe, source=source)
-    if len(data) == 0:
-        raise ValueError("no training sequence has an anchor position (loss_mask empty?)")
+
+@dataclass
+class _Parts:
+    """What a run trains with: the drafter (and its DDP wrapper), the target's head and features, the optimizer."""
+
+    config: DrafterConfig
+    drafter: DFlashDrafter
+    model: torch.nn.Module
+    head: TargetHead
+    features: TargetFeatures | None
+    optimizer: torch.optim.Optimizer
+    compiled: bool
+
+
+def _build_parts(recipe: DrafterRecipe, data, target_dir, device: torch.device, world: int,
+                 init_weights) -> _Parts:
+    """Configs and models: fp32 master weights, bf16 autocast on GPU; the target's head is frozen, outside the
+    optimizer."""
+    cuda = device.type == "cuda"
     target_cfg = load_target_config(target_dir)
     layer_ids = list(recipe.target_layer_ids or getattr(data, "layer_ids", None) or []) or None
     config = DrafterConfig.from_target_config(
-        target_cfg, num_layers=recipe.num_layers, block_size=B,
+        target_cfg, num_layers=recipe.num_layers, block_size=recipe.block_size,
         mask_token_id=mask_token_id_in_dir(target_dir, recipe.mask_token_id), target_layer_ids=layer_ids)
-
-    # -- models: fp32 master weights, bf16 autocast on GPU; the target's head is frozen, outside the optimizer
     torch.manual_seed(recipe.seed)
     drafter = DFlashDrafter(config).to(device)
     if init_weights is not None:
         from safetensors.torch import load_file
 
-        init = load_file(str(init_weights))
         from dflash_assets.drafter.model import drafter_state_dict
 
+        init = load_file(str(init_weights))
         own = drafter_state_dict(drafter)
         if sorted(init) != sorted(own) or any(init[k].shape != own[k].shape for k in own):
             raise ValueError(f"{init_weights}: the drafter to start from has other tensors or shapes than this run's")
@@ -220,79 +191,249 @@ def train_drafter(
             drafter, device_ids=[device.index] if cuda else None, broadcast_buffers=False)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay,
                                   **({"fused": True} if cuda else {}))
+    return _Parts(config, drafter, model, head, features, optimizer, compiled)
+
+
+def _batch_plan(recipe: DrafterRecipe, data, world: int, rank: int) -> BatchPlan:
     window = None  # with a cache limit, samples are shuffled within windows of parts that fit half of it
     if getattr(data, "groups", None) is not None and (recipe.cache_limit_gb or recipe.online):
         window = getattr(data, "max_bytes", None) or int((recipe.cache_limit_gb or 0) * 1e9)
         window //= 2
-    plan = BatchPlan(len(data), recipe, world, rank, groups=getattr(data, "groups", None),
+    return BatchPlan(len(data), recipe, world, rank, groups=getattr(data, "groups", None),
                      group_bytes=getattr(data, "group_bytes", None), window_bytes=window or None)
+
+
+@dataclass
+class _Progress:
+    """What the loop accumulates and a saved state carries: step, losses, accuracy counts, tokens, tau, why it
+    stopped."""
+
+    step: int = 0
+    resumed_from: int | None = None
+    losses: list[float] = field(default_factory=list)
+    acc_counts: dict[str, Any] = field(default_factory=dict)
+    tokens_before: int = 0  # sequence tokens trained by earlier invocations (resume)
+    tokens_seen: int = 0  # this invocation
+    draft_tokens: int = 0
+    stop_reason: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return self.tokens_before + self.tokens_seen
+
+    def count(self, epoch: int, stats: torch.Tensor, B: int) -> None:
+        if epoch != self.acc_counts.get("epoch"):
+            self.acc_counts = {"epoch": epoch, "correct": [0.0] * (B - 1), "count": [0.0] * (B - 1)}
+        self.acc_counts["correct"] = [a + float(c) for a, c in zip(self.acc_counts["correct"], stats[1:B])]
+        self.acc_counts["count"] = [a + float(c) for a, c in zip(self.acc_counts["count"], stats[B : 2 * B - 1])]
+
+
+def _resume(progress: _Progress, src: Path, parts: _Parts, scheduler, device, recipe: DrafterRecipe, world: int,
+            watch: TauWatch | None) -> int | None:
+    """Load the state in `src` into the run; returns the total steps it had planned (a budget's cut plan stays
+    cut)."""
+    doc, history = load_training_state(src, parts.model, parts.optimizer, scheduler, device)
+    if doc["recipe_fingerprint"] != recipe.fingerprint() or doc["world_size"] != world:
+        raise ValueError(f"{src} is a different run (recipe or world size changed); use a new out_dir")
+    progress.step = progress.resumed_from = doc["step"]
+    progress.losses = history["losses"].tolist()
+    progress.acc_counts = doc["accuracy_counts"]
+    progress.tokens_before = int(doc.get("tokens_seen", 0))
+    progress.stop_reason = doc.get("stop_reason", "")
+    if watch is not None:
+        watch.restore(doc.get("tau"))
+    return doc.get("total_steps")
+
+
+class _BudgetCut:
+    """A time budget's cuts of the plan: the step time measured after warm-up, then again every
+    `BUDGET_REPLAN_EVERY` steps at the recent pace (`budget_pace`)."""
+
+    def __init__(self, budget_s: float | None, first_step: int, planned: int, t_loop: float):
+        self.budget_s, self.first_step, self.planned, self.t_loop = budget_s, first_step, planned, t_loop
+        self.t_measure, self.measured_from, self.window_paces = None, first_step, []
+
+    def after_step(self, step: int, cuda: bool, world: int, device) -> int | None:
+        """The new total after this step, when the budget cuts the plan here; else None."""
+        done = step - self.first_step
+        first_cut = BUDGET_WARMUP_STEPS + BUDGET_MEASURE_STEPS
+        if self.budget_s is None or not (done in (BUDGET_WARMUP_STEPS, first_cut) or (
+                done > first_cut and (done - first_cut) % BUDGET_REPLAN_EVERY == 0)):
+            return None
+        if cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if self.t_measure is None:
+            self.t_measure, self.measured_from = now, step
+            return None
+        self.window_paces.append((now - self.t_measure) / (step - self.measured_from))
+        self.t_measure, self.measured_from = now, step
+        cut = budget_steps(step, budget_pace(self.window_paces), self.budget_s - (now - self.t_loop), self.planned)
+        if world > 1:  # every rank stops at the same step
+            t = torch.tensor([cut], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            cut = int(t)
+        return cut
+
+
+def _tau_watch(recipe: DrafterRecipe, heldout, parts: _Parts, attention: str, rank: int) -> TauWatch | None:
+    """rank 0's estimate of tau while training, when the run has a held-out slice (or a function making one)."""
+    if rank != 0 or heldout is None or recipe.tau_prompts <= 0:
+        return None
+    if callable(heldout):
+        heldout = heldout(parts.config)
+    if heldout is None or len(heldout) == 0:
+        return None
+    if list(heldout.layer_ids) != list(parts.config.target_layer_ids):
+        raise ValueError(f"the held-out slice has the target's layers {list(heldout.layer_ids)}, the drafter takes "
+                         f"{list(parts.config.target_layer_ids)}")
+    return TauWatch(heldout, parts.head, recipe.tau_every or recipe.save_every, recipe.early_stop_patience,
+                    attention)
+
+
+def _tau_stop(watch: TauWatch | None, recipe: DrafterRecipe, parts: _Parts, step: int, total: int, tokens: int,
+              log, device, world: int) -> str | None:
+    """Evaluate tau when due (rank 0); the early stop's reason, the same on every rank, or None."""
+    if step % (recipe.tau_every or recipe.save_every) != 0 and step != total:
+        return None
+    reason = None
+    if watch is not None:
+        entry = watch.evaluate(parts.drafter, step, tokens)
+        if log is not None:
+            log({"step": step, "total_steps": total, "tau": entry, "best": watch.best})
+        reason = watch.stop_reason if step < total else None
+    if world > 1 and recipe.early_stop_patience is not None:
+        flag = torch.tensor([1 if reason else 0], device=device)
+        dist.broadcast(flag, 0)
+        reason = reason or ("early stop (rank 0's held-out tau estimate)" if int(flag) else None)
+    return reason
+
+
+def train_drafter(
+    recipe: DrafterRecipe,
+    data_files: Sequence[str | Path],
+    target_dir: str | Path,
+    out_dir: str | Path,
+    resume: bool = True,
+    log: Callable[[dict[str, Any]], None] | None = None,
+    *,
+    device: str | torch.device | None = None,
+    max_steps: int | None = None,
+    source: Any = None,
+    time_budget_s: float | None = None,
+    on_save: Callable[[int, int, DFlashDrafter], None] | None = None,
+    init_weights: str | Path | None = None,
+    heldout: HeldoutSlice | Callable[[DrafterConfig], HeldoutSlice | None] | None = None,
+) -> TrainResult:
+    """Train (or continue training) a drafter; see the module docstring for what is read and written.
+
+    data_files: hidden-state cache partitions (offline) or tokenized-sample files (recipe.online).
+    source: where cache parts are read (default: data_files are local paths); a
+    ``hidden_states.part_cache.BoundedPartCache`` reads store keys through a bounded local cache, and is
+    told the plan's part order so it fetches ahead. It is closed when training ends.
+    max_steps: stop after this global step (a resumable state is saved there); for smoke runs/tests.
+    log: called on every rank-0 step with {"step", "loss", "lr", "tokens_per_s", "acc_by_pos", ...}, and at each
+    tau estimate with {"step", "tau", "best"}.
+    time_budget_s: the steps are cut to what fits this many seconds of training, at the step time measured
+    after warm-up (steps `BUDGET_WARMUP_STEPS` to `BUDGET_WARMUP_STEPS + BUDGET_MEASURE_STEPS`: the first steps
+    compile and allocate), and cut again every `BUDGET_REPLAN_EVERY` steps at the recent pace (`budget_pace`: the
+    median of the latest windows' step times; never past the recipe's plan): early steps that meet new batch
+    widths are slower than later ones (measured on an H200: 1.26 s/step over steps 5-20 against 0.6 s/step on
+    average), so one early measurement spends a third of the budget. The cosine schedule follows the latest cut
+    and ends at the last; the run ends with a checkpoint.
+    on_save: called on rank 0 at every saved state with (step, sequence tokens trained so far, the drafter).
+    init_weights: a drafter ``model.safetensors`` to start from (a warm start) instead of random weights; its
+    tensors must have the new drafter's names and shapes (else ValueError). A resumed state overrides it.
+    heldout: tau while training (``tau_estimate``): a held-out slice, or a function of the drafter's config that
+    makes one (None: no estimate). Every ``recipe.tau_every`` steps (default ``save_every``) and at the end,
+    rank 0 estimates tau on it, a state is saved there, the best estimate is kept (``TrainResult.best``), and with
+    ``recipe.early_stop_patience`` the run ends when it has not improved for that many evaluations.
+    """
+    t_start = time.perf_counter()
+    rank, world, local_rank = _dist_info()
+    device = _resolve_device(device, local_rank)
+    cuda = device.type == "cuda"
+    out = Path(out_dir)
+    state_root = out / "state"
+    if rank == 0:  # what a killed earlier run left half-written (temp dirs, a moved-aside copy)
+        for d in (out, state_root):
+            clean_stale_temps(d)
+    if world > 1:
+        dist.barrier()
+    attention = recipe.attention if recipe.attention != "auto" else ("flex" if cuda else "sdpa")
+    B = recipe.block_size
+    data = open_training_data(data_files, recipe, source=source)
+    if len(data) == 0:
+        raise ValueError("no training sequence has an anchor position (loss_mask empty?)")
+    parts = _build_parts(recipe, data, target_dir, device, world, init_weights)
+    plan = _batch_plan(recipe, data, world, rank)
     total = plan.total_steps
     schedule = {"total": total}  # a time budget cuts it once the step time is known; the cosine follows
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda k: lr_lambda(schedule["total"], recipe.warmup_ratio)(k))
-
-    # -- resume
-    step, resumed_from = 0, None
-    losses: list[float] = []
-    acc_counts = {"epoch": 0, "correct": [0.0] * (B - 1), "count": [0.0] * (B - 1)}
-    tokens_before = 0  # sequence tokens trained by earlier invocations (resume)
+        parts.optimizer, lambda k: lr_lambda(schedule["total"], recipe.warmup_ratio)(k))
+    watch = _tau_watch(recipe, heldout, parts, attention, rank)
+    progress = _Progress(acc_counts={"epoch": 0, "correct": [0.0] * (B - 1), "count": [0.0] * (B - 1)})
     src = latest_state_dir(state_root) if resume else None
     if src is not None:
-        doc, history = load_training_state(src, model, optimizer, scheduler, device)
-        if doc["recipe_fingerprint"] != recipe.fingerprint() or doc["world_size"] != world:
-            raise ValueError(f"{src} is a different run (recipe or world size changed); use a new out_dir")
-        step = resumed_from = doc["step"]
-        losses = history["losses"].tolist()
-        acc_counts = doc["accuracy_counts"]
-        tokens_before = int(doc.get("tokens_seen", 0))
-        total = schedule["total"] = int(doc.get("total_steps", total))  # a budget's cut plan stays cut
+        total = schedule["total"] = int(_resume(progress, src, parts, scheduler, device, recipe, world, watch) or total)
+    t_loop = _train_loop(recipe, parts, data, plan, scheduler, schedule, progress, watch, state_root, device,
+                         attention, world, rank, max_steps, source, time_budget_s, log, on_save)
+    total = schedule["total"]
+    data_stats = source.stats.as_dict() if hasattr(source, "stats") else {}
+    if source is not None and hasattr(source, "close"):
+        source.close()
+    ckpt = None
+    if progress.step >= total:
+        ckpt = out / "drafter"
+        if rank == 0:
+            save_drafter(parts.drafter, ckpt, dtype=getattr(torch, recipe.checkpoint_dtype),
+                         metadata={"recipe": json.dumps(recipe.to_dict(), default=list)})
+        if world > 1:
+            dist.barrier()
+    counts = progress.acc_counts
+    acc = [c / max(n, 1.0) for c, n in zip(counts["correct"], counts["count"])]
+    return TrainResult(
+        checkpoint_dir=ckpt, state_dir=latest_state_dir(state_root), steps=progress.step, total_steps=total,
+        losses=progress.losses, tokens_per_s=progress.tokens_seen / max(t_loop, 1e-9), accuracy_by_position=acc,
+        resumed_from_step=progress.resumed_from, wall_s=time.perf_counter() - t_start, num_sequences=len(data),
+        world_size=world, config=parts.config.to_hf_dict(), data_stats=data_stats, draft_tokens=progress.draft_tokens,
+        sequence_tokens=progress.tokens_seen, tau_history=watch.history if watch else [],
+        best=watch.best if watch else None, stop_reason=progress.stop_reason)
 
-    # -- loop
+
+def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedule, progress: _Progress,
+                watch: TauWatch | None, state_root: Path, device, attention: str, world: int, rank: int,
+                max_steps, source, time_budget_s, log, on_save) -> float:
+    """Steps from `progress.step` to the plan's end (or max_steps, or an early stop); returns the loop's seconds."""
+    B, cuda = recipe.block_size, device.type == "cuda"
+    total = schedule["total"]
     stop = min(total, max_steps) if max_steps is not None else total
-    if source is not None and hasattr(source, "set_schedule") and step < stop:
+    if source is not None and hasattr(source, "set_schedule") and progress.step < stop:
         to_cache = np.asarray([source.part_index(k) for k in data.group_keys], dtype=np.int32)
-        source.set_schedule(to_cache[data.groups[plan.sample_order(step, stop)]])
-    loader = BatchLoader(data, plan, step, stop, cuda) if step < stop else None
-    gamma = recipe.loss_gamma
-    tokens_seen, draft_tokens, t_loop = 0, 0, time.perf_counter()
-    first_step, t_measure, measured_from, window_paces = step, None, step, []
-    planned = plan.total_steps  # a budget may lengthen a cut plan up to this again
-    while step < stop:
+        source.set_schedule(to_cache[data.groups[plan.sample_order(progress.step, stop)]])
+    loader = BatchLoader(data, plan, progress.step, stop, cuda) if progress.step < stop else None
+    t_loop = time.perf_counter()
+    budget = _BudgetCut(time_budget_s, progress.step, plan.total_steps, t_loop)
+    while progress.step < stop:
         _, cpu_batch = loader.next()
         batch = cpu_batch.to(device)
-        hidden = features(batch.input_ids) if features is not None else batch.hidden
+        hidden = parts.features(batch.input_ids) if parts.features is not None else batch.hidden
         if not cuda:
             hidden = hidden.float()  # fp32 on CPU (the cache may hold bf16)
-        stats, w_total = train_step(model, head, optimizer, batch, hidden, block_size=B,
-                                    mask_token_id=config.mask_token_id, gamma=gamma, attention=attention,
-                                    grad_clip=recipe.grad_clip, compiled_loss=compiled, world=world)
+        stats, w_total = train_step(parts.model, parts.head, parts.optimizer, batch, hidden, block_size=B,
+                                    mask_token_id=parts.config.mask_token_id, gamma=recipe.loss_gamma,
+                                    attention=attention, grad_clip=recipe.grad_clip, compiled_loss=parts.compiled,
+                                    world=world, objective=recipe.objective, dpace_alpha=recipe.dpace_alpha)
         scheduler.step()
-        step += 1
-        done = step - first_step
-        first_cut = BUDGET_WARMUP_STEPS + BUDGET_MEASURE_STEPS
-        if time_budget_s is not None and (done in (BUDGET_WARMUP_STEPS, first_cut) or (
-                done > first_cut and (done - first_cut) % BUDGET_REPLAN_EVERY == 0)):
-            if cuda:
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            if t_measure is None:
-                t_measure, measured_from = now, step
-            else:
-                window_paces.append((now - t_measure) / (step - measured_from))
-                per_step = budget_pace(window_paces)
-                t_measure, measured_from = now, step
-                left = time_budget_s - (now - t_loop)
-                cut = budget_steps(step, per_step, left, planned)
-                if world > 1:  # every rank stops at the same step
-                    t = torch.tensor([cut], device=device)
-                    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-                    cut = int(t)
-                total = schedule["total"] = cut
-                stop = min(total, max_steps) if max_steps is not None else total
-                if log is not None and rank == 0:
-                    log({"step": step, "total_steps": total, "budget": True, "step_s": per_step,
-                         "window_step_s": window_paces[-1]})
-
+        progress.step += 1
+        step = progress.step
+        cut = budget.after_step(step, cuda, world, device)
+        if cut is not None:
+            total = schedule["total"] = cut
+            stop = min(total, max_steps) if max_steps is not None else total
+            if log is not None and rank == 0:
+                log({"step": step, "total_steps": total, "budget": True, "step_s": budget_pace(budget.window_paces),
+                     "window_step_s": budget.window_paces[-1]})
         # metrics over the global batch
         stats = torch.cat([stats, torch.tensor([float(batch.num_tokens), float(cpu_batch.keep.sum()) * B],
                                                device=device)])
@@ -300,55 +441,42 @@ def train_drafter(
             dist.all_reduce(stats)
         stats = stats.cpu()
         step_loss = float(stats[0] / w_total.cpu().clamp_min(1e-6))
-        losses.append(step_loss)
-        tokens_seen += int(stats[-2])
-        draft_tokens += int(stats[-1])
+        progress.losses.append(step_loss)
+        progress.tokens_seen += int(stats[-2])
+        progress.draft_tokens += int(stats[-1])
         epoch = (step - 1) // plan.steps_per_epoch
-        if epoch != acc_counts["epoch"]:
-            acc_counts = {"epoch": epoch, "correct": [0.0] * (B - 1), "count": [0.0] * (B - 1)}
-        acc_counts["correct"] = [a + float(c) for a, c in zip(acc_counts["correct"], stats[1:B])]
-        acc_counts["count"] = [a + float(c) for a, c in zip(acc_counts["count"], stats[B : 2 * B - 1])]
+        progress.count(epoch, stats, B)
         if log is not None and rank == 0:
             el = time.perf_counter() - t_loop
             log({"step": step, "total_steps": total, "epoch": epoch, "loss": step_loss, "tokens": int(stats[-2]),
-                 "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / max(el, 1e-9),
+                 "lr": scheduler.get_last_lr()[0], "tokens_per_s": progress.tokens_seen / max(el, 1e-9),
                  "acc_by_pos": (stats[1:B] / stats[B : 2 * B - 1].clamp_min(1)).tolist()})
-        if step % recipe.save_every == 0 or step == stop:
-            _save_state(rank, world, state_root, step, model, optimizer, scheduler, recipe, total, losses, acc_counts,
-                        tokens_before + tokens_seen)
+        evaluated = watch is not None and watch.due(step, total)  # on the plan's grid and at its end, not max_steps
+        reason = _tau_stop(watch, recipe, parts, step, total, progress.tokens, log, device, world)
+        if reason:  # the plan ends here: the schedule, a resume and the published checkpoint all see it
+            total = schedule["total"] = stop = step
+            progress.stop_reason = reason
+        elif step >= total:
+            progress.stop_reason = "completed" + (f" (a time budget cut the plan of {plan.total_steps} steps)"
+                                                  if total < plan.total_steps else "")
+        if step % recipe.save_every == 0 or step == stop or evaluated:
+            _save_state(rank, world, state_root, step, parts.model, parts.optimizer, scheduler, recipe, total,
+                        progress, watch)
             if on_save is not None and rank == 0:
-                on_save(step, tokens_before + tokens_seen, drafter)
+                on_save(step, progress.tokens, parts.drafter)
     if loader is not None:
         loader.close()
-    t_loop = time.perf_counter() - t_loop
-    data_stats = source.stats.as_dict() if hasattr(source, "stats") else {}
-    if source is not None and hasattr(source, "close"):
-        source.close()
-
-    ckpt = None
-    if step >= total:
-        ckpt = out / "drafter"
-        if rank == 0:
-            save_drafter(drafter, ckpt, dtype=getattr(torch, recipe.checkpoint_dtype),
-                         metadata={"recipe": json.dumps(recipe.to_dict(), default=list)})
-        if world > 1:
-            dist.barrier()
-    acc = [c / max(n, 1.0) for c, n in zip(acc_counts["correct"], acc_counts["count"])]
-    return TrainResult(
-        checkpoint_dir=ckpt, state_dir=latest_state_dir(state_root), steps=step, total_steps=total,
-        losses=losses, tokens_per_s=tokens_seen / max(t_loop, 1e-9), accuracy_by_position=acc,
-        resumed_from_step=resumed_from, wall_s=time.perf_counter() - t_start, num_sequences=len(data),
-        world_size=world, config=config.to_hf_dict(), data_stats=data_stats, draft_tokens=draft_tokens,
-        sequence_tokens=tokens_seen)
+    return time.perf_counter() - t_loop
 
 
-def _save_state(rank, world, state_root, step, model, optimizer, scheduler, recipe, total, losses, acc_counts,
-                tokens_seen):
+def _save_state(rank, world, state_root, step, model, optimizer, scheduler, recipe, total, progress: _Progress,
+                watch: TauWatch | None):
     if rank == 0:
         trainer = {"recipe": recipe.to_dict(), "recipe_fingerprint": recipe.fingerprint(), "world_size": world,
-                   "total_steps": total, "accuracy_counts": acc_counts, "tokens_seen": tokens_seen}
+                   "total_steps": total, "accuracy_counts": progress.acc_counts, "tokens_seen": progress.tokens,
+                   "stop_reason": progress.stop_reason, "tau": watch.state() if watch is not None else None}
         save_training_state(state_root, step, model, optimizer, scheduler, trainer,
-                            {"losses": torch.tensor(losses, dtype=torch.float64)})
+                            {"losses": torch.tensor(progress.losses, dtype=torch.float64)})
     if world > 1:
         dist.barrier()
 
