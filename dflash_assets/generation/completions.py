@@ -31,8 +31,9 @@ import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
+import polars as pl
 import pyarrow as pa
 
 from dflash_assets.store import layout
@@ -540,30 +541,38 @@ def _resolve_tokenizer(tokenizer: Any, fleet: EngineFleetConfig) -> Any:
                      f"(target {fleet.target_model!r} is not a local model dir)")
 
 
-def _turn_counts(rows: Iterable[dict], thinking: bool) -> tuple[dict[str, int], int, int, int]:
-    finish: dict[str, int] = {}
-    empty_content = empty_reasoning = turns = 0
-    for row in rows:
-        for reason in row["finish_reasons"]:
-            finish[reason] = finish.get(reason, 0) + 1
-        for m in row["messages"]:
-            if m["role"] != "assistant":
-                continue
-            turns += 1
-            empty_content += not (m["content"] or "").strip() and not m.get("tool_calls")  # a call is an answer
-            empty_reasoning += thinking and not (m["reasoning_content"] or "").strip()
-    return finish, empty_content, empty_reasoning, turns
+_WHITESPACE = "".join(chr(c) for c in range(0x110000) if chr(c).isspace())  # what str.strip() removes
 
 
-def _agentic_counts(rows: Iterable[dict], stats: "GenerationStats") -> None:
-    for row in rows:
-        if row.get("tools") is None:  # every agentic prompt has tools (ingest quarantines calls without them)
-            continue
-        stats.agentic_conversations += 1
-        steps = [m for m in row["messages"] if m["role"] == "assistant"]
-        stats.agentic_steps += len(steps)
-        stats.agentic_tool_calls += sum(len(m.get("tool_calls") or ()) for m in steps)
-        stats.agentic_stopped_at_divergent_call += row.get("agentic_stop") == "divergent_call"
+def _blank(col: str) -> pl.Expr:
+    """Null, empty or only whitespace (as ``not (text or "").strip()``)."""
+    return pl.col(col).fill_null("").str.strip_chars(_WHITESPACE) == ""
+
+
+def turn_counts(table: pa.Table, thinking: bool) -> tuple[dict[str, int], int, int, int]:
+    """Over a completions table: finish reasons (first seen first) and, over the assistant turns, those with an
+    empty answer (a tool call is an answer), those with empty reasoning (counted when ``thinking``), and all."""
+    df = pl.from_arrow(table.select(["finish_reasons", "messages"]))
+    finish = (df.select(pl.col("finish_reasons").explode(keep_nulls=False))
+              .group_by("finish_reasons", maintain_order=True).len())
+    steps = df.select(pl.col("messages").explode(keep_nulls=False)).unnest("messages").filter(role="assistant")
+    no_call = (pl.col("tool_calls").list.len().fill_null(0) == 0) if "tool_calls" in steps.columns else pl.lit(True)
+    r = steps.select(empty_content=(_blank("content") & no_call).sum(), empty_reasoning=_blank("reasoning_content").sum(),
+                     turns=pl.len()).row(0, named=True)
+    return (dict(finish.iter_rows()), int(r["empty_content"] or 0), int(r["empty_reasoning"] or 0) if thinking else 0,
+            int(r["turns"]))
+
+
+def _agentic_counts(table: pa.Table, stats: "GenerationStats") -> None:
+    if "tools" not in table.column_names:
+        return
+    # every agentic prompt has tools (ingest quarantines calls without them)
+    df = pl.from_arrow(table.select(["tools", "messages", "agentic_stop"])).filter(pl.col("tools").is_not_null())
+    steps = df.select(pl.col("messages").explode(keep_nulls=False)).unnest("messages").filter(role="assistant")
+    stats.agentic_conversations += df.height
+    stats.agentic_steps += steps.height
+    stats.agentic_tool_calls += int(steps.get_column("tool_calls").list.len().sum() or 0)
+    stats.agentic_stopped_at_divergent_call += int((df.get_column("agentic_stop") == "divergent_call").sum() or 0)
 
 
 # ----------------------------------------------------------------------------
@@ -787,9 +796,9 @@ async def _regenerate(prompts: Any, shard: str, store: Any, fleet: EngineFleetCo
     stats.prompts_done = len(rows)
     stats.prompts_generated = generated["rows"]
     stats.prompts_failed = len(failed_rows)
-    stats.finish_reasons, stats.empty_content, stats.empty_reasoning, stats.turns = _turn_counts(
-        rows, generation.enable_thinking)
-    _agentic_counts(rows, stats)
+    stats.finish_reasons, stats.empty_content, stats.empty_reasoning, stats.turns = turn_counts(
+        table, generation.enable_thinking)
+    _agentic_counts(table, stats)
     stats.completion_tokens = generated["tokens"]
     stats.prompt_tokens = generated["prompt_tokens"]
     stats.wall_s = time.perf_counter() - t_start
@@ -835,8 +844,8 @@ def response_length_histogram(table: pa.Table, max_new_tokens: int | None = None
     With ``max_new_tokens``: "0", then 8 equal bins below the cap, then the cap itself ("96+" for 96: turns
     cut at the cap). Without: "0", "1-15", "16-63", ..., "16384+".
     """
-    per_turn = [n for turns in table.column("completion_tokens").to_pylist() for n in (turns or [])]
-    return binned_counts(per_turn, response_length_bin_edges(max_new_tokens))
+    per_turn = pl.from_arrow(table.select(["completion_tokens"])).get_column("completion_tokens").explode(keep_nulls=False)
+    return binned_counts(per_turn.to_numpy(), response_length_bin_edges(max_new_tokens))
 
 
 def response_length_bin_edges(max_new_tokens: int | None = None) -> tuple[int, ...]:

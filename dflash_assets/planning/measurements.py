@@ -40,8 +40,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from dflash_assets.chart_data import format_duration
 from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, run_sync
@@ -147,8 +147,9 @@ def mean_output_tokens(completions: Any) -> float:
     if not isinstance(completions, pa.Table):
         completions = pa.Table.from_pylist([{"completion_tokens": r["completion_tokens"]} for r in completions],
                                            schema=pa.schema([("completion_tokens", pa.list_(pa.int32()))]))
-    flat = pc.list_flatten(completions.column("completion_tokens"))
-    return float(pc.sum(flat).as_py() or 0) / len(flat) if len(flat) else 0.0
+    flat = pl.from_arrow(completions.select(["completion_tokens"])).get_column("completion_tokens").explode(
+        keep_nulls=False)
+    return float(flat.cast(pl.Int64).sum()) / len(flat) if len(flat) else 0.0
 
 
 @dataclass(frozen=True)
@@ -181,24 +182,38 @@ class CompletionsMeasure:
         return self.prompt_tokens / self.turns if self.turns else 0.0
 
 
+def _last_turn_tokens(max_length: int | None) -> pl.Expr:
+    """Per row: the last turn's ``prompt_tokens`` + ``completion_tokens`` (0 for none), capped at ``max_length``."""
+    def last(col: str) -> pl.Expr:
+        return pl.col(col).list.last().cast(pl.Int64).fill_null(0)
+
+    per_row = last("prompt_tokens") + last("completion_tokens")
+    return per_row if max_length is None else pl.min_horizontal(per_row, pl.lit(max_length, pl.Int64))
+
+
 def last_turn_tokens(table: pa.Table, max_length: int | None = None) -> int:
     """Sum over rows of the last turn's ``prompt_tokens`` + ``completion_tokens``: the tokens of a ``last_turn``
     sample (history, the last question, its reasoning and answer), each capped at ``max_length``. Column-wise."""
-    import numpy as np
+    df = pl.from_arrow(table.select(["prompt_tokens", "completion_tokens"]))
+    return int(df.select(_last_turn_tokens(max_length).sum()).item() or 0)
 
-    def last(column: Any) -> np.ndarray:
-        out = []
-        for chunk in column.chunks:
-            lengths = pc.fill_null(pc.list_value_length(chunk), 0).to_numpy(zero_copy_only=False)
-            values = pc.list_flatten(chunk).to_numpy(zero_copy_only=False)
-            ends = np.cumsum(lengths) - 1
-            out.append(np.where(lengths > 0, values[np.maximum(ends, 0)] if len(values) else 0, 0))
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
-    per_row = last(table.column("prompt_tokens")).astype(np.int64) + last(table.column("completion_tokens"))
-    if max_length is not None:
-        per_row = np.minimum(per_row, max_length)
-    return int(per_row.sum())
+def _flat_sum(col: str) -> pl.Expr:
+    return pl.col(col).explode(keep_nulls=False).cast(pl.Int64).sum()
+
+
+def completion_sums(paths: Sequence[Any], max_length: int | None = None) -> dict[str, int]:
+    """Prompts, turns, output and prompt tokens, turns at the cap and last-turn sample tokens, summed over the
+    completions Parquet files at ``paths``: one lazy polars scan of four columns across the shards (streamed, so
+    memory stays bounded by a batch, not by a shard)."""
+    lf = pl.scan_parquet(list(paths), extra_columns="ignore")
+    sums = lf.select(
+        prompts=pl.len().cast(pl.Int64), turns=pl.col("num_turns").cast(pl.Int64).sum(),
+        completion_tokens=_flat_sum("completion_tokens"), prompt_tokens=_flat_sum("prompt_tokens"),
+        turns_at_cap=(pl.col("finish_reasons").explode(keep_nulls=False) == "length").sum().cast(pl.Int64),
+        sample_tokens=_last_turn_tokens(max_length).sum(),
+    ).collect(engine="streaming")
+    return {k: int(v or 0) for k, v in sums.row(0, named=True).items()}
 
 
 def _requests_of(messages: list[dict], turn: int) -> tuple[dict, ...]:
@@ -217,35 +232,30 @@ def _requests_of(messages: list[dict], turn: int) -> tuple[dict, ...]:
 def measure_completions(store: Any, *, sample: int = 0, max_length: int | None = None) -> CompletionsMeasure | None:
     """Turns, output and prompt tokens of every published completions shard (None: none yet).
 
-    Reads four columns of one shard at a time and sums them in Arrow: no shard
-    is turned into Python objects, and memory is bounded by one shard. Tokens
+    Sums four columns in one lazy polars scan across the shards (``completion_sums``):
+    no shard is turned into Python objects, and memory stays bounded. Tokens
     per sample: the last turn's prompt + completion tokens, capped at
     ``max_length`` (what ``tokenized_samples`` keeps in ``last_turn`` mode). With
     ``sample``, also that many real requests from the first rows (every turn
     of a conversation in turn, history included): prompts of the length the run
     really sends.
     """
-    shards = prompts = turns = out_tokens = in_tokens = at_cap = sample_tokens = 0
     requests: list[tuple[dict, ...]] = []
-    for shard in layout.list_completion_shards(store):
-        if len(requests) < sample:
-            head = store.read_parquet(layout.completions(shard), columns=["messages", "num_turns"]).slice(0, sample)
-            for row in head.to_pylist():
-                requests += [_requests_of(row["messages"], k) for k in range(row["num_turns"] or 0)]
-            del requests[sample:]
-        t = store.read_parquet(layout.completions(shard),
-                               columns=["num_turns", "completion_tokens", "prompt_tokens", "finish_reasons"])
-        shards += 1
-        prompts += t.num_rows
-        turns += int(pc.sum(t.column("num_turns")).as_py() or 0)
-        out_tokens += int(pc.sum(pc.list_flatten(t.column("completion_tokens"))).as_py() or 0)
-        in_tokens += int(pc.sum(pc.list_flatten(t.column("prompt_tokens"))).as_py() or 0)
-        at_cap += int(pc.sum(pc.equal(pc.list_flatten(t.column("finish_reasons")), "length")).as_py() or 0)
-        sample_tokens += last_turn_tokens(t, max_length)
-        del t
-    if not prompts:
+    shards = layout.list_completion_shards(store)
+    for shard in shards:
+        if len(requests) >= sample:
+            break
+        head = store.read_parquet(layout.completions(shard), columns=["messages", "num_turns"]).slice(0, sample)
+        for row in head.to_pylist():
+            requests += [_requests_of(row["messages"], k) for k in range(row["num_turns"] or 0)]
+        del requests[sample:]
+    if not shards:
         return None
-    return CompletionsMeasure(shards, prompts, turns, out_tokens, in_tokens, at_cap, tuple(requests), sample_tokens)
+    s = completion_sums([store.local_path(layout.completions(shard)) for shard in shards], max_length)
+    if not s["prompts"]:
+        return None
+    return CompletionsMeasure(len(shards), s["prompts"], s["turns"], s["completion_tokens"], s["prompt_tokens"],
+                              s["turns_at_cap"], tuple(requests), s["sample_tokens"])
 
 
 @dataclass(frozen=True)
@@ -269,9 +279,9 @@ class PromptsMeasure:
 
 def _user_chars(table: pa.Table, max_turns: int) -> int:
     """Characters of ``system`` and the first ``max_turns`` of ``user_turns``, summed over rows (Arrow)."""
-    chars = int(pc.sum(pc.utf8_length(table.column("system"))).as_py() or 0)
-    turns = pc.list_slice(table.column("user_turns"), 0, max_turns)
-    return chars + int(pc.sum(pc.utf8_length(pc.list_flatten(turns))).as_py() or 0)
+    df = pl.from_arrow(table.select(["system", "user_turns"]))
+    turns = pl.col("user_turns").list.head(max_turns).explode(keep_nulls=False).str.len_chars()
+    return int(df.select(pl.col("system").str.len_chars().cast(pl.Int64).sum() + turns.cast(pl.Int64).sum()).item() or 0)
 
 
 def _prompt_shards(store: Any, columns: list[str] | None = None):
@@ -412,11 +422,11 @@ async def apilot(config: EngineFleetConfig, rows: Any, *, generation: Generation
     per_endpoint = tuple((url, int(ep.get("completion_tokens", 0))) for url, ep in st.endpoints.items())
     at_cap = stopped = answers = 0
     if res.table.num_rows:
-        finish = pc.list_flatten(res.table.column("finish_reasons"))
-        generated = pc.list_flatten(res.table.column("completion_tokens"))
-        capped = pc.equal(finish, "length")
-        at_cap = int(pc.sum(capped).as_py() or 0)
-        stopped = int(pc.sum(pc.filter(generated, pc.invert(capped))).as_py() or 0)
+        turns = pl.from_arrow(res.table.select(["finish_reasons", "completion_tokens"])).explode(
+            ["finish_reasons", "completion_tokens"], keep_nulls=False)
+        capped = pl.col("finish_reasons") == "length"
+        r = turns.select(at_cap=capped.sum(), stopped=pl.col("completion_tokens").filter(~capped).cast(pl.Int64).sum())
+        at_cap, stopped = int(r.item(0, "at_cap") or 0), int(r.item(0, "stopped") or 0)
         if tokenizer is not None:
             contents = [m["content"] or "" for row in res.table.column("messages").to_pylist() for m in row
                         if m["role"] == "assistant"]
@@ -442,7 +452,8 @@ def measure_prompts(store: Any, *, max_turns: int, sample: int = 64) -> PromptsM
         t = read(["num_user_turns", "system", "user_turns"])
         shards += 1
         prompts += t.num_rows
-        turns += int(pc.sum(pc.min_element_wise(t.column("num_user_turns"), max_turns)).as_py() or 0)
+        turns += int(pl.from_arrow(t.select(["num_user_turns"])).select(
+            pl.col("num_user_turns").clip(upper_bound=max_turns).cast(pl.Int64).sum()).item() or 0)
         chars += _user_chars(t, max_turns)
         del t
         if len(chats) < sample:

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_assets.chart_data import binned_counts
@@ -69,9 +69,14 @@ def loss_token_histogram(num_loss_tokens: np.ndarray) -> dict[str, int]:
     return binned_counts(num_loss_tokens, LOSS_TOKEN_BIN_EDGES)
 
 
-def _examples(table: pa.Table, selected: np.ndarray, limit: int = 10) -> list[str]:
-    idx = np.flatnonzero(selected)[:limit]
-    return [str(x) for x in table.column("prompt_id").take(pa.array(idx)).to_pylist()] if len(idx) else []
+def _frame(table: pa.Table, columns: list[str]) -> pl.DataFrame:
+    """`columns` of the samples table as a polars frame over the same Arrow buffers (no copy)."""
+    return pl.from_arrow(table.select(columns))
+
+
+def _examples(frame: pl.DataFrame, selected: pl.Expr, limit: int = 10) -> list[str]:
+    """Up to `limit` prompt_ids of the rows `selected` picks, in row order."""
+    return [str(x) for x in frame.filter(selected).get_column("prompt_id").head(limit).to_list()]
 
 
 def empty_response_check(table: pa.Table, min_loss_tokens: int = 16, max_empty_ratio: float = 0.02) -> CheckOutcome:
@@ -88,21 +93,24 @@ def empty_response_check(table: pa.Table, min_loss_tokens: int = 16, max_empty_r
     its materialization).
     """
     n = table.num_rows
-    loss = table.column("num_loss_tokens").to_numpy() if n else np.zeros(0, dtype=np.int32)
-    answer_empty = table.column("answer_empty").to_numpy(zero_copy_only=False) if n else np.zeros(0, dtype=bool)
-    short = loss < min_loss_tokens
-    empty = short | answer_empty
-    gate = ratio_gate(int(empty.sum()), n, max_empty_ratio, CEILING)
-    values, freq = np.unique(loss, return_counts=True) if n else (np.zeros(1, int), np.zeros(1, int))
+    df = _frame(table, ["prompt_id", "num_loss_tokens", "answer_empty"])
+    loss = pl.col("num_loss_tokens")
+    short, empty = loss < min_loss_tokens, (loss < min_loss_tokens) | pl.col("answer_empty")
+    counts = df.select(short=short.sum(), answer_empty=pl.col("answer_empty").sum(), empty=empty.sum(),
+                       median=loss.median()).row(0, named=True)
+    # the most common loss-mask sum (the smallest of equally common ones) and how many samples hold it
+    mode, freq = (df.group_by("num_loss_tokens").len().sort(["len", "num_loss_tokens"], descending=[True, False])
+                  .row(0) if n else (0, 0))
+    gate = ratio_gate(int(counts["empty"]), n, max_empty_ratio, CEILING)
     metadata = {
         **gate.metadata(),
         "min_loss_tokens": min_loss_tokens,
-        "num_short": int(short.sum()),
-        "num_answer_empty": int(answer_empty.sum()),
-        "examples": _examples(table, empty),
-        "most_common_loss_tokens": int(values[np.argmax(freq)]),
-        "most_common_loss_tokens_share": round(float(freq.max()) / n, 6) if n else 0.0,
-        "median_loss_tokens": float(np.median(loss)) if n else 0.0,
+        "num_short": int(counts["short"]),
+        "num_answer_empty": int(counts["answer_empty"]),
+        "examples": _examples(df, empty),
+        "most_common_loss_tokens": int(mode),
+        "most_common_loss_tokens_share": round(float(freq) / n, 6) if n else 0.0,
+        "median_loss_tokens": float(counts["median"]) if n else 0.0,
     }
     return CheckOutcome("empty_response_ratio", gate.passed, metadata=metadata, blocking=True,
                         description=_described(gate, f"have < {min_loss_tokens} supervised tokens or an empty answer"))
@@ -118,13 +126,13 @@ def thinking_ratio_check(table: pa.Table, floor: float = 0.9, thinking_requested
     ratio.
     """
     n = table.num_rows
-    has = table.column("has_reasoning").to_numpy(zero_copy_only=False) if n else np.zeros(0, dtype=bool)
-    gate = ratio_gate(int(has.sum()), n, floor, FLOOR)
+    df = _frame(table, ["prompt_id", "has_reasoning"])
+    gate = ratio_gate(int(df.get_column("has_reasoning").sum()), n, floor, FLOOR)
     metadata = {
         **gate.metadata(),
         "thinking_requested": thinking_requested,
         "applicable": thinking_requested,
-        "examples_without_reasoning": _examples(table, ~has),
+        "examples_without_reasoning": _examples(df, ~pl.col("has_reasoning")),
     }
     if not thinking_requested:  # thinking off, or a target without a thinking mode (SmolLM2): nothing to check
         share = f"{gate.ratio:.2%}" if n else "none (0 samples)"
@@ -138,14 +146,15 @@ def truncation_ratio_check(table: pa.Table, ceiling: float = 0.05) -> CheckOutco
     """Share of samples cut at max_length, at most `ceiling`: fails when the data show it is over (the 95%
     Wilson lower bound exceeds `ceiling`, `quality_gates`); an empty table fails."""
     n = table.num_rows
-    truncated = table.column("truncated").to_numpy(zero_copy_only=False) if n else np.zeros(0, dtype=bool)
-    gate = ratio_gate(int(truncated.sum()), n, ceiling, CEILING)
-    tokens = table.column("num_tokens").to_numpy() if n else np.zeros(0, dtype=np.int32)
+    df = _frame(table, ["prompt_id", "truncated", "num_tokens"])
+    counts = df.select(truncated=pl.col("truncated").sum(), max=pl.col("num_tokens").max(),
+                       mean=pl.col("num_tokens").mean()).row(0, named=True)
+    gate = ratio_gate(int(counts["truncated"]), n, ceiling, CEILING)
     metadata = {
         **gate.metadata(),
-        "max_num_tokens": int(tokens.max()) if n else 0,
-        "mean_num_tokens": round(float(tokens.mean()), 1) if n else 0.0,
-        "examples": _examples(table, truncated),
+        "max_num_tokens": int(counts["max"]) if n else 0,
+        "mean_num_tokens": round(float(counts["mean"]), 1) if n else 0.0,
+        "examples": _examples(df, pl.col("truncated")),
     }
     return CheckOutcome("truncation_ratio", gate.passed, severity="WARN", metadata=metadata,
                         description=_described(gate, "were cut at max_length"))
@@ -177,30 +186,7 @@ def schema_check(table: pa.Table, max_length: int | None = None) -> CheckOutcome
         if nulls:
             problems.append(f"null values in {nulls}")
     if not problems and table.num_rows:
-        t = table.combine_chunks()
-        n_tok = t.column("num_tokens").to_numpy()
-        for name in ("input_ids", "loss_mask"):
-            lengths = pc.list_value_length(t.column(name)).to_numpy()
-            if not np.array_equal(lengths, n_tok):
-                problems.append(f"{name} lengths differ from num_tokens in {int((lengths != n_tok).sum())} rows")
-        mask_col = t.column("loss_mask").chunk(0)
-        flat = mask_col.flatten().to_numpy()
-        if flat.size and flat.max() > 1:
-            problems.append("loss_mask holds values other than 0/1")
-        offsets = mask_col.offsets.to_numpy()
-        offsets = offsets - offsets[0]  # a sliced array's offsets need not start at 0
-        cumsum = np.concatenate([[0], np.cumsum(flat, dtype=np.int64)])
-        sums = cumsum[offsets[1:]] - cumsum[offsets[:-1]]
-        n_loss = t.column("num_loss_tokens").to_numpy()
-        if not np.array_equal(sums, n_loss):
-            problems.append(f"loss_mask sums differ from num_loss_tokens in {int((sums != n_loss).sum())} rows")
-        if (n_loss <= 0).any():
-            problems.append(f"{int((n_loss <= 0).sum())} samples have no supervised token")
-        keys = pc.binary_join_element_wise(t.column("prompt_id"), pc.cast(t.column("turn_index"), pa.string()), "\x00")
-        if pc.count_distinct(keys).as_py() != t.num_rows:
-            problems.append("(prompt_id, turn_index) is not unique")
-        if max_length is not None and (n_tok > max_length).any():
-            problems.append(f"{int((n_tok > max_length).sum())} samples longer than max_length {max_length}")
+        problems += _row_problems(_frame(table, SAMPLES_SCHEMA.names), max_length)
     metadata = {
         "num_samples": table.num_rows,
         "problems": problems,
@@ -210,6 +196,32 @@ def schema_check(table: pa.Table, max_length: int | None = None) -> CheckOutcome
     passed = not problems
     description = "schema and row invariants hold" if passed else f"{len(problems)} problem(s): {problems[0]}"
     return CheckOutcome("schema", passed, metadata=metadata, description=description, blocking=True)
+
+
+def _row_problems(df: pl.DataFrame, max_length: int | None) -> list[str]:
+    """The row invariants of `schema_check`, one polars pass over the samples (each a count of offending rows)."""
+    n_tok, n_loss, mask = pl.col("num_tokens"), pl.col("num_loss_tokens"), pl.col("loss_mask")
+    r = df.select(
+        input_ids=(pl.col("input_ids").list.len() != n_tok).sum(),
+        loss_mask=(mask.list.len() != n_tok).sum(),
+        mask_max=mask.list.max().max(),
+        sums=(mask.list.sum() != n_loss).sum(),
+        no_loss=(n_loss <= 0).sum(),
+        pairs=pl.struct("prompt_id", "turn_index").n_unique(),
+        too_long=(n_tok > max_length).sum() if max_length is not None else pl.lit(0),
+    ).row(0, named=True)
+    problems = [f"{name} lengths differ from num_tokens in {r[name]} rows" for name in ("input_ids", "loss_mask") if r[name]]
+    if r["mask_max"] is not None and r["mask_max"] > 1:
+        problems.append("loss_mask holds values other than 0/1")
+    if r["sums"]:
+        problems.append(f"loss_mask sums differ from num_loss_tokens in {r['sums']} rows")
+    if r["no_loss"]:
+        problems.append(f"{r['no_loss']} samples have no supervised token")
+    if r["pairs"] != df.height:
+        problems.append("(prompt_id, turn_index) is not unique")
+    if r["too_long"]:
+        problems.append(f"{r['too_long']} samples longer than max_length {max_length}")
+    return problems
 
 
 # -- the partition as a whole: store layout, quality evaluation, the gate ---------------------

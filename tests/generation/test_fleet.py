@@ -295,11 +295,16 @@ def test_api_key_per_endpoint_from_config_environment_or_file_never_shown(tok, l
 
 
 class _ColumnRecordingStore(LocalStore):
-    """A real local store that records every Parquet read (key, columns)."""
+    """A real local store that records every Parquet read (key, columns) and every file handed to a scan."""
 
     def __init__(self, root):
         super().__init__(root)
         self.reads: list[tuple[str, tuple | None]] = []
+        self.scanned: list[str] = []
+
+    def local_path(self, key):
+        self.scanned.append(key)
+        return super().local_path(key)
 
     def read_parquet(self, key, columns=None):
         self.reads.append((key, tuple(columns) if columns is not None else None))
@@ -334,9 +339,8 @@ def test_plan_inputs_come_from_completions_and_prompts_column_by_column(tok, tmp
     assert done.prompt_tokens == sum(n for r in all_rows for n in r["prompt_tokens"])
     assert mean_output_tokens(tables["s0"]) == pytest.approx(
         sum(n for r in tables["s0"].to_pylist() for n in r["completion_tokens"]) / 10)
-    # one shard at a time, and only the columns it sums: never a whole shard as Python objects
-    assert [k for k, _ in store.reads] == [layout.completions("s0"), layout.completions("s1")]
-    assert all(cols is not None and "messages" not in cols for _, cols in store.reads)
+    # one lazy scan over the shards' files (it reads only the columns it sums): no shard as Python objects
+    assert store.reads == [] and store.scanned == [layout.completions("s0"), layout.completions("s1")]
     sampled = measure_completions(store, sample=5).sample  # real requests as the run sent them
     row0 = tables["s0"].to_pylist()[0]["messages"]
     assert len(sampled) == 5 and sampled[0] == ({"role": "system", "content": "Be brief."},
