@@ -309,7 +309,6 @@ NO_TEST_MODULE = {
     "dflash_assets/hidden_states/stage.py": "tested through tests/hidden_states/test_capture.py and tests/store/test_manifest.py",
     "dflash_assets/drafter/data.py": "tested through tests/drafter/test_model.py and tests/drafter/test_training.py",
     "dflash_assets/drafter/loss.py": "tested through tests/drafter/test_model.py and tests/drafter/test_training.py",
-    "dflash_assets/drafter/recipe.py": "tested through tests/drafter/test_training.py and tests/planning/test_costs.py",
     "dflash_assets/drafter/stages.py": "tested through tests/drafter/test_promotion.py, tests/drafter/test_refresh.py "
                                        "and tests/test_end_to_end.py",
     "dflash_assets/drafter/state.py": "tested through tests/drafter/test_training.py (resume) and tests/store/test_manifest.py",
