@@ -541,26 +541,37 @@ def _resolve_tokenizer(tokenizer: Any, fleet: EngineFleetConfig) -> Any:
                      f"(target {fleet.target_model!r} is not a local model dir)")
 
 
-_WHITESPACE = "".join(chr(c) for c in range(0x110000) if chr(c).isspace())  # what str.strip() removes
+# only what str.strip() removes, as a regex class: a test, no stripped copy of every answer
+_BLANK = "^[" + "".join(f"\\u{{{ord(c):x}}}" for c in map(chr, range(0x110000)) if c.isspace()) + "]*$"
+
+
+_COUNT_ROWS = 16_384  # rows per polars frame in turn_counts
 
 
 def _blank(col: str) -> pl.Expr:
     """Null, empty or only whitespace (as ``not (text or "").strip()``)."""
-    return pl.col(col).fill_null("").str.strip_chars(_WHITESPACE) == ""
+    return pl.col(col).is_null() | pl.col(col).str.contains(_BLANK)
 
 
 def turn_counts(table: pa.Table, thinking: bool) -> tuple[dict[str, int], int, int, int]:
     """Over a completions table: finish reasons (first seen first) and, over the assistant turns, those with an
-    empty answer (a tool call is an answer), those with empty reasoning (counted when ``thinking``), and all."""
-    df = pl.from_arrow(table.select(["finish_reasons", "messages"]))
-    finish = (df.select(pl.col("finish_reasons").explode(keep_nulls=False))
-              .group_by("finish_reasons", maintain_order=True).len())
-    steps = df.select(pl.col("messages").explode(keep_nulls=False)).unnest("messages").filter(role="assistant")
-    no_call = (pl.col("tool_calls").list.len().fill_null(0) == 0) if "tool_calls" in steps.columns else pl.lit(True)
-    r = steps.select(empty_content=(_blank("content") & no_call).sum(), empty_reasoning=_blank("reasoning_content").sum(),
-                     turns=pl.len()).row(0, named=True)
-    return (dict(finish.iter_rows()), int(r["empty_content"] or 0), int(r["empty_reasoning"] or 0) if thinking else 0,
-            int(r["turns"]))
+    empty answer (a tool call is an answer), those with empty reasoning (counted when ``thinking``), and all.
+    A slice of rows at a time (zero-copy Arrow slices): the frames' string views stay small."""
+    finish: dict[str, int] = {}
+    empty_content = empty_reasoning = turns = 0
+    for start in range(0, table.num_rows, _COUNT_ROWS):
+        df = pl.from_arrow(table.slice(start, _COUNT_ROWS).select(["finish_reasons", "messages"]))
+        for reason, n in (df.select(pl.col("finish_reasons").explode(keep_nulls=False))
+                          .group_by("finish_reasons", maintain_order=True).len().iter_rows()):
+            finish[reason] = finish.get(reason, 0) + n
+        messages = df.select(pl.col("messages").explode(keep_nulls=False)).unnest("messages")
+        step = pl.col("role") == "assistant"  # counted in place: no filtered copy of the messages
+        no_call = (pl.col("tool_calls").list.len().fill_null(0) == 0) if "tool_calls" in messages.columns else True
+        r = messages.select(content=(step & _blank("content") & no_call).sum(),
+                            reasoning=(step & _blank("reasoning_content")).sum(), turns=step.sum()).row(0)
+        empty_content, empty_reasoning, turns = (empty_content + int(r[0] or 0), empty_reasoning + int(r[1] or 0),
+                                                 turns + int(r[2] or 0))
+    return finish, empty_content, empty_reasoning if thinking else 0, turns
 
 
 def _agentic_counts(table: pa.Table, stats: "GenerationStats") -> None:

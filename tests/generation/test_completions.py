@@ -425,3 +425,40 @@ def test_max_context_tokens_keeps_generation_within_what_training_keeps(tok, loc
     # hashed only when set: rows generated without the field keep their hash
     assert gen.config_hash(TARGET) != gen.model_copy(update={"max_context_tokens": None}).config_hash(TARGET)
     assert GenerationConfig(max_context_tokens=None).config_hash(TARGET) == GenerationConfig().config_hash(TARGET)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_turn_counts_over_the_table_equal_a_loop_over_its_rows(monkeypatch, thinking):
+    """The polars counts (a few rows per frame here) against the plain loop over the rows as dicts: finish reasons
+    in first-seen order, blank answers by str.strip()'s whitespace (U+001C and U+3000 included), a tool call
+    counting as an answer, nulls as empty."""
+    import dflash_assets.generation.completions as C
+
+    monkeypatch.setattr(C, "_COUNT_ROWS", 2)
+    answers = ["ok", "", " \u3000\n", "\x1c", None, "x\u00a0"]
+    rows = []
+    for i in range(7):
+        msgs = [{"role": "user", "content": f"q{i}", "reasoning_content": None, "tool_calls": None,
+                 "tool_call_id": None, "name": None}]
+        for t in range(1 + i % 3):
+            call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}] if i == 3 else None
+            msgs.append({"role": "assistant", "content": answers[(i + t) % 6], "reasoning_content": answers[(i * 5 + t) % 6],
+                         "tool_calls": call, "tool_call_id": None, "name": None})
+        rows.append({"prompt_id": f"p{i}", "messages": msgs, "finish_reasons": ["length" if i == 4 else "stop", "tool_calls"][: 1 + i % 2],
+                     "tools": "[]" if i % 2 else None, "agentic_stop": "divergent_call" if i == 5 else None})
+    table = pa.Table.from_pylist(rows, schema=pa.schema([
+        ("prompt_id", pa.string()), ("messages", C.AGENTIC_MESSAGES_TYPE), ("finish_reasons", pa.list_(pa.string())),
+        ("tools", pa.string()), ("agentic_stop", pa.string())]))
+    finish: dict[str, int] = {}
+    empty_content = empty_reasoning = turns = 0
+    for row in rows:
+        for reason in row["finish_reasons"]:
+            finish[reason] = finish.get(reason, 0) + 1
+        for m in row["messages"]:
+            if m["role"] == "assistant":
+                turns += 1
+                empty_content += not (m["content"] or "").strip() and not m.get("tool_calls")
+                empty_reasoning += thinking and not (m["reasoning_content"] or "").strip()
+    got = C.turn_counts(table, thinking)
+    assert got == (finish, empty_content, empty_reasoning, turns) and list(got[0]) == list(finish)
+    assert empty_content > 0 and turns == sum(1 + i % 3 for i in range(7))
