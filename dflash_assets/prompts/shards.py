@@ -145,26 +145,29 @@ def materialize_prompt_shard(store: Any, shard_key: str) -> tuple[pa.Table, Shar
 
 
 def _shard_stats(table: pa.Table, shard: str, key: str, digest: str, generation: int) -> ShardStats:
-    import pyarrow.compute as pc
+    import polars as pl
 
     n = table.num_rows
-    turns = table.column("num_user_turns")
-    chars = table.column("prompt_chars")
+    df = pl.from_arrow(table.select(["num_user_turns", "prompt_chars", "starts_mid_conversation", "source", "category"]))
+    turns, chars = pl.col("num_user_turns").cast(pl.Int64), pl.col("prompt_chars")
+    r = df.select(turns=turns.sum(), max_turns=turns.max(), mid=pl.col("starts_mid_conversation").sum(),
+                  chars_mean=chars.mean(), chars_max=chars.max()).row(0, named=True)
 
     def counts(col: str) -> dict[str, int]:
-        vc = pc.value_counts(table.column(col)).to_pylist()
-        return {d["values"]: d["counts"] for d in sorted(vc, key=lambda d: (-d["counts"], d["values"]))}
+        """Prompts per value, most first (ties by value)."""
+        vc = df.group_by(col).len().sort(["len", col], descending=[True, False], nulls_last=True)
+        return dict(vc.iter_rows())
 
     return ShardStats(
         shard=shard,
         key=key,
         num_prompts=n,
-        num_user_turns=int(pc.sum(turns).as_py() or 0),
-        max_user_turns=int(pc.max(turns).as_py() or 0),
+        num_user_turns=int(r["turns"] or 0),
+        max_user_turns=int(r["max_turns"] or 0),
         with_system=n - table.column("system").null_count,
-        starts_mid_conversation=int(pc.sum(table.column("starts_mid_conversation").cast(pa.int64())).as_py() or 0),
-        prompt_chars_mean=round(float(pc.mean(chars).as_py() or 0.0), 1),
-        prompt_chars_max=int(pc.max(chars).as_py() or 0),
+        starts_mid_conversation=int(r["mid"] or 0),
+        prompt_chars_mean=round(float(r["chars_mean"] or 0.0), 1),
+        prompt_chars_max=int(r["chars_max"] or 0),
         sources=counts("source"),
         categories=counts("category"),
         sha256=digest,
