@@ -23,12 +23,13 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dflash_assets.chart_data import binned_counts
 from dflash_assets.quality_gates import CEILING, FLOOR, RatioGate, ratio_gate
@@ -266,6 +267,25 @@ GATE_PENDING = "pending"
 GATE_CHECKED = "checked"
 
 
+class _CheckRecord(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    passed: bool
+    description: str = ""
+
+
+class QualityGateRecord(BaseModel):
+    """A checked ``<shard>.quality.json`` as the GPU stages trust it: the samples' hash, each check's outcome and
+    the blocking checks (more fields are allowed: a newer writer may add some)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    status: Literal["checked"]
+    samples_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    checks: dict[str, _CheckRecord]
+    blocking: list[str]
+
+
 @dataclass(frozen=True)
 class PublishedSamples:
     """What `publish_samples` wrote: the samples' sha256 (their data version) and the check outcomes."""
@@ -329,6 +349,13 @@ def require_quality_gate(store: Any, shard: str, samples_sha256: str | None = No
     if gate.get("status") != GATE_CHECKED or not isinstance(gate.get("samples_sha256"), str):
         raise QualityGateFailed(f"{shard}: the quality record at {key} names no samples hash (written before "
                                 "gates named their data); materialize tokenized_samples again")
+    try:
+        QualityGateRecord.model_validate(gate)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        raise QualityGateFailed(f"{shard}: the quality record at {key} is malformed: {field}: {err['msg'].lower()}, "
+                                f"got {err.get('input')!r}; materialize tokenized_samples again") from None
     failed = [n for n in gate["blocking"] if not gate["checks"].get(n, {}).get("passed", False)]
     if failed:
         details = "; ".join(f"{n}: {gate['checks'][n]['description']}" for n in failed if n in gate["checks"])

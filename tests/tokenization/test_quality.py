@@ -23,6 +23,8 @@ import hashlib
 
 import dagster as dg
 import pyarrow as pa
+import re
+
 import pytest
 
 from dagster_project.definitions import defs
@@ -204,6 +206,19 @@ def test_gates_that_name_no_samples_block(enc, local_store):
     with pytest.raises(QualityGateFailed, match="no quality record"):
         verified_samples_path(local_store, SHARD)
 
+
+
+@pytest.mark.parametrize("field,value,said", [
+    ("blocking", "schema", "blocking: input should be a valid list, got 'schema'"),
+    ("samples_sha256", "XYZ" * 21 + "0", "samples_sha256: string should match pattern"),
+    ("checks", {"schema": {"passed": "yes"}}, "checks.schema.passed: input should be a valid boolean, got 'yes'"),
+])
+def test_a_malformed_gate_blocks_naming_the_field(enc, local_store, field, value, said):
+    publish_samples(local_store, SHARD, samples(enc))
+    gate = local_store.read_json(layout.quality_gate(SHARD))
+    local_store.write_json(layout.quality_gate(SHARD), {**gate, field: value})
+    with pytest.raises(QualityGateFailed, match="malformed: " + re.escape(said)):
+        read_verified_samples(local_store, SHARD)
 
 # -- ratio checks decide on evidence, through the real asset ---------------------------------------------------
 
