@@ -28,6 +28,7 @@ FLOORS = {
     "testing": 7,
     "demo": 7,  # the demo's library parts (recipe, answers preview, plan vs run, untrained tau), for dagster_project.demo
     "planning": 7,  # the corpus's cost plan: measured on the fleet and the store, arithmetic over stage shapes
+    "self_generated": 7,  # prompts the target writes itself: sampled, filtered by prompts', decontaminated by drafter's rule
     "pipes_worker": 8, "cli": 8,  # entry points
 }
 # The stages in data-flow order (the target_model package serves them all, the embedded default sits on top).

@@ -43,6 +43,7 @@ __all__ = [
     "NGRAM", "JACCARD_THRESHOLD", "CONTAINMENT_THRESHOLD", "CONTAINMENT_MIN_WORDS", "RULE",
     "normalize_text", "word_ngrams", "EvalText", "Match", "DecontaminationReport", "find_overlaps",
     "read_benchmark_prompts", "recipe_decontamination", "HeldOutSelection", "heldout_selection", "best_matches",
+    "turn_matches",
 ]
 
 NGRAM = 5
@@ -206,6 +207,20 @@ def best_matches(eval_prompts: Sequence[EvalText], training: Iterable[tuple[str,
                 p = eval_prompts[i]
                 best[i] = Match(kind, p.origin, p.prompt_id, shard, train_id, jaccard, containment, p.text, text)
     return best, turns
+
+
+def turn_matches(eval_prompts: Sequence[EvalText], training: Iterable[tuple[str, str, str]]) -> list[Match]:
+    """Each training turn ``(shard, prompt_id, text)`` that matches an evaluation prompt, with its strongest match
+    (exact wins, then the higher Jaccard), in the turns' order: how a new prompt source drops contaminated turns."""
+    index = _EvalIndex(eval_prompts)
+    out = []
+    for shard, train_id, text in training:
+        found = index.matches(text)
+        if found:
+            i, kind, jaccard, containment = max(found, key=lambda f: (f[1] == "exact", f[2]))
+            p = eval_prompts[i]
+            out.append(Match(kind, p.origin, p.prompt_id, shard, train_id, jaccard, containment, p.text, text))
+    return out
 
 
 def find_overlaps(eval_prompts: Sequence[EvalText], training: Iterable[tuple[str, str, str]],

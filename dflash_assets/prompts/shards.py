@@ -5,9 +5,9 @@ prompt in it, :data:`AGENTIC_PROMPT_SCHEMA`, two more columns null for its
 plain chats). The ingest fills shards with :class:`ShardBuilder` and stages
 them; :func:`materialize_prompt_shard` copies one staged shard to
 ``raw_prompts/<shard>.parquet`` (a ``raw_prompts`` partition) after checking it
-against the corpus index, and returns its :class:`ShardStats`. Each partition
-reads only its own staged shard, never the whole corpus (914K prompts are ~900
-shards).
+against the corpus index (other sources of the partition mixed in by weight, when
+given), and returns its :class:`ShardStats`. Each partition reads only its own
+staged shard, never the whole corpus (914K prompts are ~900 shards).
 
 Reads the store's corpus index (:mod:`dflash_assets.prompts.corpus`) and one
 staged shard; writes ``raw_prompts/<shard>.parquet`` atomically through the
@@ -18,6 +18,7 @@ writes nothing (the ingest writes its table).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -124,8 +125,13 @@ class ShardBuilder:
         return pa.concat_tables([old, new])
 
 
-def materialize_prompt_shard(store: Any, shard_key: str) -> tuple[pa.Table, ShardStats]:
-    """Write ``raw_prompts/<shard_key>.parquet`` from the committed corpus; return its table and stats."""
+def materialize_prompt_shard(store: Any, shard_key: str, mix: Sequence[tuple[str, pa.Table, float]] = ()
+                             ) -> tuple[pa.Table, ShardStats]:
+    """Write ``raw_prompts/<shard_key>.parquet`` from the committed corpus; return its table and stats.
+
+    ``mix``: other sources of this partition as (name, table, weight), added by weight
+    (:func:`dflash_assets.prompts.prompt_mix.mix_by_weight`); a weight of 0 adds nothing.
+    """
     index = load_corpus_index(store)
     entry = index.shards.get(shard_key)
     if entry is None:
@@ -139,6 +145,15 @@ def materialize_prompt_shard(store: Any, shard_key: str) -> tuple[pa.Table, Shar
     table = pq.read_table(pa.BufferReader(data))
     if table.num_rows != entry.num_prompts or set(table.column("shard").unique().to_pylist()) != {shard_key}:
         raise ValueError(f"staged shard {entry.key} does not hold {entry.num_prompts} rows of {shard_key}")
+    others = [m for m in mix if m[2] > 0]
+    if others:
+        from dflash_assets.prompts.prompt_mix import mix_by_weight
+
+        table, _ = mix_by_weight(table, shard_key, others)
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression="zstd")
+        data = sink.getvalue().to_pybytes()
+        digest = hashlib.sha256(data).hexdigest()
     key = layout.raw_prompts(shard_key)
     store.write_bytes(key, data)
     return table, _shard_stats(table, shard_key, key, digest, entry.generation)
