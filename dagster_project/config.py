@@ -19,7 +19,7 @@ import re
 from typing import Any, Optional, get_args, get_type_hints
 
 import dagster as dg
-from pydantic import Field, field_validator
+from pydantic import Field, field_serializer, field_validator
 
 from dflash_assets.drafter.promotion import DEFAULT_MARGIN
 from dflash_assets.drafter.stages import eval_recipe
@@ -27,6 +27,11 @@ from dflash_assets.generation.completions import aregenerate_shard
 from dflash_assets.generation.config import GenerationConfig
 from dflash_assets.planning.stage import plan_corpus
 from dflash_assets.prompts.config import IngestConfig as LibIngestConfig
+from dflash_assets.generation.self_prompts import SelfPromptSampling
+from dflash_assets.prompts.prompt_mix import check_weights
+from dflash_assets.prompts.text_filters import TextFilterConfig
+from dflash_assets.self_generated import SOURCE as SELF_SOURCE
+from dflash_assets.self_generated import SelfPromptsConfig, SelfPromptsThresholds
 from dflash_assets.tokenization.quality import QualityThresholds
 from dflash_assets.tokenization.samples import SUPERVISE_MODES, TokenizeConfig
 
@@ -214,6 +219,11 @@ class DrafterEvalConfig(dg.Config):
     device: Optional[str] = Field(default=None, description="Device on the GPU host (None: cuda if present).")
     dtype: Optional[EvalDtype] = Field(default=None, description="Target precision (None: float32 on CPU, bfloat16 on "
                                  "GPU; float32 makes the lossless check exact).")
+    @field_serializer("dtype")
+    def _dtype_name(self, value: Optional[EvalDtype]) -> Optional[str]:
+        """The payload the GPU host reads holds the plain name ("float32"), not the enum member."""
+        return value.value if value is not None else None
+
     speed_prompts: int = Field(default=_default(eval_recipe, "speed_prompts"), ge=0, description="Also time batch-1 decoding, target alone vs "
                                "speculative, on this many of the prompts (metadata decode_speed).")
     curve_prompts: int = Field(default=_default(eval_recipe, "curve_prompts"), ge=0, description="Also measure tau of the run's learning-curve "
@@ -270,3 +280,55 @@ class GenerationPlanConfig(dg.Config):
         description="Mean tokens of a tokenized sample. None: measured (last turn's prompt + completion tokens of "
         "the completions, else of the pilot); without either, turns x output tokens per turn.",
     )
+
+
+class SelfGeneratedPromptsConfig(dg.Config):
+    """Prompts the target writes itself (its template cut after the user header), and the partition's check."""
+
+    samples: int = Field(default=_default(SelfPromptsConfig, "samples"), ge=1, le=1_000_000, description="Conversations sampled per partition; those passing every filter are kept.")
+    batch_size: int = Field(default=_default(SelfPromptsConfig, "batch_size"), ge=1, le=65_536, description="Rows per generate call; a batch is what the journal keeps, so a killed run resumes after the last one written.")
+    seed: int = Field(default=_default(SelfPromptsConfig, "seed"), ge=0, description="Sampling seed (with the batch's first index and the turn).")
+    max_new_tokens: int = Field(default=_default(SelfPromptSampling, "max_new_tokens"), ge=1, le=8192, description="Cap on a user turn's tokens: one that does not end its turn by then is filtered (no_end_of_turn).")
+    temperature: float = Field(default=_default(SelfPromptSampling, "temperature"), gt=0.0, le=2.0, description="User-turn sampling temperature.")
+    top_p: float = Field(default=_default(SelfPromptSampling, "top_p"), gt=0.0, le=1.0, description="User-turn nucleus sampling.")
+    turns: int = Field(default=_default(SelfPromptSampling, "turns"), ge=1, le=16, description="User turns per conversation: the target answers each, then writes the next one the same way.")
+    system_prompt: Optional[str] = Field(default=_default(SelfPromptSampling, "system_prompt"), description="A system turn before the user header. None: what the template renders there by itself (SmolLM2: its default system prompt; without one SmolLM2 ends only 22% of its turns).")
+    answer_max_new_tokens: int = Field(default=_default(SelfPromptSampling, "answer_max_new_tokens"), ge=1, le=32_768, description="Cap on the target's answers between user turns (an answer cut there ends the conversation).")
+    language: Optional[str] = Field(default=_default(TextFilterConfig, "language"), description="The language the prompts must read as (script, and common words for 'en'). None: any.")
+    min_words: int = Field(default=_default(TextFilterConfig, "min_words"), ge=0, description="Shorter user turns are filtered (too_short).")
+    max_chars: int = Field(default=_default(TextFilterConfig, "max_chars"), ge=1, description="Longer user turns are filtered (too_long).")
+    near_duplicate_threshold: float = Field(default=_default(SelfPromptsConfig, "near_duplicate_threshold"), gt=0.0, le=1.0, description="MinHash Jaccard (word 5-grams) at or above which a prompt is a near duplicate.")
+    against_corpus: bool = Field(default=_default(SelfPromptsConfig, "against_corpus"), description="Deduplicate against every user turn of the prompt corpus too.")
+    device: str = Field(default=_default(SelfPromptsConfig, "device"), description="'auto' (cuda when available), cpu, cuda or cuda:N.")
+    min_distinct_ratio: float = Field(default=_default(SelfPromptsThresholds, "min_distinct_ratio"), ge=0.0, le=1.0, description="The check fails under this share of distinct first turns (of those that ended).")
+    min_kept_ratio: float = Field(default=_default(SelfPromptsThresholds, "min_kept_ratio"), ge=0.0, le=1.0, description="The check fails when fewer samples than this share pass every filter.")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        return value if value == "auto" else _check_device(value)
+
+    def to_library(self) -> SelfPromptsConfig:
+        sampling = SelfPromptSampling(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                      top_p=self.top_p, turns=self.turns, system_prompt=self.system_prompt,
+                                      answer_max_new_tokens=self.answer_max_new_tokens)
+        filters = TextFilterConfig(language=self.language, min_words=self.min_words, max_chars=self.max_chars)
+        return SelfPromptsConfig(samples=self.samples, batch_size=self.batch_size, seed=self.seed, sampling=sampling,
+                                 filters=filters, near_duplicate_threshold=self.near_duplicate_threshold,
+                                 against_corpus=self.against_corpus, device=self.device)
+
+    def thresholds(self) -> SelfPromptsThresholds:
+        return SelfPromptsThresholds(min_distinct_ratio=self.min_distinct_ratio, min_kept_ratio=self.min_kept_ratio)
+
+
+class PromptMixConfig(dg.Config):
+    """Which sources a raw_prompts partition holds, by weight against its corpus shard (1.0)."""
+
+    weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="Other sources by weight against the corpus shard (1.0): {'self_generated': 0.25} adds a "
+        "quarter as many of the partition's self-generated prompts (its first kept ones) as the "
+        "shard holds. Empty: the corpus shard alone.")
+
+    def checked(self) -> dict[str, float]:
+        return check_weights(self.weights, [SELF_SOURCE])

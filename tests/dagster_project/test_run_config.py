@@ -37,3 +37,8 @@ def test_the_library_gets_plain_strings_and_the_code_versions_are_unchanged():
     # the code versions hash the defaults: an enum default hashes as its value, as the str default did
     assert code_version("1", IngestConfig) == "1-929e08c0"
     assert code_version("1", TokenizeStageConfig) == "1-f4a11cc7"
+
+
+def test_the_eval_payload_holds_the_plain_dtype_name():
+    dumped = DrafterEvalConfig(dtype="bfloat16").model_dump()["dtype"]
+    assert dumped == "bfloat16" and type(dumped) is str  # what the GPU host's torch_dtype reads
