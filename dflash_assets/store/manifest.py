@@ -24,7 +24,9 @@ import shutil
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = ["MANIFEST_FORMAT", "new_version", "publish_files", "delete_older_versions", "read_manifest", "manifest_files", "pid_alive",
            "scratch_prefix", "remove_stale_scratch"]
@@ -81,14 +83,38 @@ def delete_older_versions(store: Any, prefix: str, version: str, keep: Iterable[
             store.delete(key)
 
 
+class ManifestFile(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+    bytes: int = Field(ge=0)
+
+
+class Manifest(BaseModel):
+    """A stored manifest as readers trust it: its format, version and files (more fields are the publisher's)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    format: Literal[MANIFEST_FORMAT]
+    version: str
+    files: list[ManifestFile]
+
+
 def read_manifest(store: Any, manifest_key: str) -> dict[str, Any] | None:
-    """The manifest at ``manifest_key``, or None when there is none; a malformed one raises ValueError."""
+    """The manifest at ``manifest_key``, or None when there is none; a malformed one raises ValueError naming the
+    field, its value and what it should be."""
     try:
         doc = store.read_json(manifest_key)
     except FileNotFoundError:
         return None
-    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT or not isinstance(doc.get("files"), list):
-        raise ValueError(f"{manifest_key}: not a {MANIFEST_FORMAT} manifest")
+    try:
+        Manifest.model_validate(doc)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "the document"
+        raise ValueError(f"{manifest_key}: not a {MANIFEST_FORMAT} manifest: {where}: {err['msg'].lower()}, "
+                         f"got {err.get('input')!r}") from None
     return doc
 
 

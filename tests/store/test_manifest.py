@@ -8,6 +8,7 @@ scratch directories of killed runs are removed at the next start.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -172,3 +173,18 @@ def test_training_state_is_fsynced_before_its_rename(tmp_path, monkeypatch):
     rename = events.index(("rename", str(dest)))
     synced = {Path(p).name for kind, p in events[:rename] if kind == "fsync"}
     assert {"drafter.safetensors", "optimizer.safetensors", "history.safetensors", "trainer.json"} <= synced
+
+
+@pytest.mark.parametrize("doc,said", [
+    ({"format": "dflash-manifest/v2", "version": "v", "files": []}, "format: input should be 'dflash-manifest/v1', got 'dflash-manifest/v2'"),
+    ({"format": "dflash-manifest/v1", "version": "v", "files": [{"name": "a", "key": "k", "bytes": -1}]},
+     "files.0.bytes: input should be greater than or equal to 0, got -1"),
+    ({"format": "dflash-manifest/v1", "version": "v", "files": "a.safetensors"}, "files: input should be a valid list"),
+])
+def test_a_malformed_stored_manifest_fails_naming_the_field(local_store, doc, said):
+    from dflash_assets.store.manifest import read_manifest
+
+    local_store.write_json("m/manifest.json", doc)
+    with pytest.raises(ValueError, match="m/manifest.json: not a dflash-manifest/v1 manifest: " + re.escape(said)):
+        read_manifest(local_store, "m/manifest.json")
+    assert read_manifest(local_store, "other/manifest.json") is None
