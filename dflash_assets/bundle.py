@@ -22,7 +22,9 @@ import os
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dflash_assets.atomic_write import write_atomic
 
@@ -195,14 +197,50 @@ class _JoinedParts(io.RawIOBase):
         super().close()
 
 
+_PLAIN_NAME = r"^(?:[^./\\][^/\\]*|\.[^./\\][^/\\]*|\.\.[^/\\]+)$"  # a plain file name: no path, not . or ..
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: str = Field(pattern=_PLAIN_NAME)
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class _File(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    path: str = Field(min_length=1)
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class BundleManifest(BaseModel):
+    """``manifest.json`` of a bundle as `unbundle` trusts it: the format, the source's plain name (the directory it
+    extracts to), each part's name, size and SHA-256, each file's."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    format: Literal[FORMAT]
+    source: str = Field(pattern=_PLAIN_NAME)
+    part_bytes: int = Field(gt=0)
+    parts: list[_Part] = Field(min_length=1)
+    files: list[_File] = Field(min_length=1)
+
+
 def read_manifest(bundle: Path) -> dict[str, Any]:
     path = bundle / MANIFEST
     if not path.exists():
         raise BundleError(f"{bundle}: no {MANIFEST}, so the bundle is incomplete (its writer was stopped, or the "
                           f"manifest was not copied)")
     manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise BundleError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    try:
+        BundleManifest.model_validate(manifest)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "the document"
+        raise BundleError(f"{path}: {where}: {err['msg'].lower()}, got {err.get('input')!r}") from None
     return manifest
 
 

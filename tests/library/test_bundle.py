@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import tarfile
 from pathlib import Path
 
@@ -135,3 +136,20 @@ def test_the_cli_round_trip_and_its_errors(tmp_path, capsys):
     assert "is missing" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bundle", str(src), str(tmp_path / "b2"), "--part-size", "lots"])
+
+
+@pytest.mark.parametrize("change,said", [
+    ({"source": "../outside"}, "source: string should match pattern"),  # it names the directory extracted to
+    ({"format": "dflash-bundle/2"}, "format: input should be 'dflash-bundle/1', got 'dflash-bundle/2'"),
+    ({"parts": []}, "parts: list should have at least 1 item after validation, not 0"),
+    ({"part_bytes": "1M"}, "part_bytes: input should be a valid integer, got '1M'"),
+])
+def test_a_manifest_with_a_bad_field_is_refused_naming_it(tmp_path, change, said):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("hello")
+    bundle_path(tmp_path / "src", tmp_path / "b", part_bytes=1 << 20)
+    manifest = json.loads((tmp_path / "b" / MANIFEST).read_text())
+    (tmp_path / "b" / MANIFEST).write_text(json.dumps({**manifest, **change}))
+    with pytest.raises(BundleError, match=re.escape(said)):
+        unbundle(tmp_path / "b", tmp_path / "host")
+    assert not (tmp_path / "host").exists() and not (tmp_path / "outside").exists()
