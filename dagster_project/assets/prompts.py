@@ -3,21 +3,32 @@
 ``prompt_corpus`` ingests a source (ShareGPT JSON, JSONL, Parquet; local or
 s3://), normalizes, deduplicates, quarantines bad records, assigns prompts to
 stable shards and registers the shards as ``prompt_shards`` partitions.
-``raw_prompts`` writes one shard per partition as Parquet.
+``self_generated_prompts`` has the target write prompts itself for a partition
+(its chat template cut after the user header, sampled), filtered, deduplicated
+and decontaminated, with a blocking check on what was kept. ``raw_prompts``
+writes one shard per partition as Parquet: the corpus shard, with the
+partition's self-generated prompts mixed in by the run config's weight.
 
-Reads the prompt source (``DFLASH_PROMPT_SOURCE``, or a run's allowed ``source_uri``); writes ``prompt_corpus/``
-(index, staged shards, manifests, commits, quarantine and reports) and ``raw_prompts/<shard>.parquet``.
+Reads the prompt source (``DFLASH_PROMPT_SOURCE``, or a run's allowed ``source_uri``), the target and the
+benchmark prompt files; writes ``prompt_corpus/`` (index, staged shards, manifests, commits, quarantine and
+reports), ``self_generated_prompts/`` (a partition's prompts, journal, quarantine, report) and
+``raw_prompts/<shard>.parquet``.
 """
 
 import dagster as dg
 
-from dagster_project.config import IngestConfig, SourceNotAllowed
-from dagster_project.metadata import markdown_counts, preview_table, table_metadata, to_metadata
+from dagster_project.assets.drafter import benchmark_prompt_files
+from dagster_project.config import IngestConfig, PromptMixConfig, SelfGeneratedPromptsConfig, SourceNotAllowed
+from dagster_project.metadata import check_metadata, markdown_counts, preview_table, table_metadata, to_metadata
 from dagster_project.partitions import prompt_shards
-from dagster_project.resources import StoreParam
+from dagster_project.resources import StoreParam, TargetParam
 from dagster_project.versions import code_version
 from dflash_assets.prompts.ingest import ingest_prompt_source
 from dflash_assets.prompts.shards import materialize_prompt_shard
+from dflash_assets.self_generated import SOURCE as SELF_SOURCE
+from dflash_assets.self_generated import SelfPromptsThresholds, generate_self_prompts, read_self_prompts
+
+SELF_CHECK = "self_generated_quality"
 
 
 @dg.asset(
@@ -67,15 +78,57 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: IngestConfig, store
     group_name="prompts",
     kinds={"python", "parquet"},
     owners=["team:ml-data"],
+    code_version=code_version("1", SelfGeneratedPromptsConfig, target=True),
+    check_specs=[dg.AssetCheckSpec(SELF_CHECK, asset="self_generated_prompts", blocking=True,
+                                   description=SelfPromptsThresholds().description(), partitions_def=prompt_shards)],
+)
+def self_generated_prompts(context: dg.AssetExecutionContext, config: SelfGeneratedPromptsConfig, store: StoreParam,
+                           target: TargetParam):
+    """User turns written by the target itself (Magpie): its chat template cut after the user header, sampled.
+
+    Filtered (end of turn, length, words, repetition loops, language), normalized and quarantined as any source,
+    deduplicated (exact and MinHash near duplicates, within and across partitions and against the corpus) and
+    decontaminated against the benchmark prompts. Journaled per batch: a killed run resumes. Mixed into
+    ``raw_prompts`` by the weight of its run config.
+    """
+    result = generate_self_prompts(store.open(), context.partition_key, target.spec(), config.to_library(),
+                                   benchmark_files=benchmark_prompt_files(), log=context.log.info)
+    stats = result.stats
+    passed, outcome, check = config.thresholds().check(stats)
+    examples = "\n".join(["| outcome | detail | text |", "| --- | --- | --- |"] + [
+        f"| {e['outcome']} | {e['detail']} | {' '.join(e['text'].split()).replace('|', '/')} |"
+        for e in result.examples])
+    yield dg.MaterializeResult(
+        metadata={**to_metadata(stats.to_metadata()), "examples": dg.MetadataValue.md(examples)},
+        data_version=dg.DataVersion(stats.sha256[:16]))
+    yield dg.AssetCheckResult(check_name=SELF_CHECK, passed=passed, description=outcome,
+                              metadata=check_metadata(check))
+
+
+@dg.asset(
+    deps=[prompt_corpus, self_generated_prompts],
+    partitions_def=prompt_shards,
+    group_name="prompts",
+    kinds={"python", "parquet"},
+    owners=["team:ml-data"],
     code_version="1",
     # Cheap stage: a backfill batches up to 1,000 shards per run (one run per partition costs ~6 s each).
     backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=1000),
 )
-def raw_prompts(context: dg.AssetExecutionContext, store: StoreParam) -> dg.MaterializeResult:
-    """Normalized prompts of one shard (system + user turns, no assistant turns), as Parquet."""
+def raw_prompts(context: dg.AssetExecutionContext, config: PromptMixConfig, store: StoreParam) -> dg.MaterializeResult:
+    """Normalized prompts of one shard (system + user turns, no assistant turns), as Parquet: the corpus shard,
+    and the partition's self-generated prompts by the run config's weight."""
+    try:
+        weight = config.checked().get(SELF_SOURCE, 0.0)
+    except ValueError as e:
+        raise dg.Failure(description=str(e), allow_retries=False) from e
     opened, keys, stats = store.open(), context.partition_keys, None  # a range under the policy, else one key
     for key in keys:
-        table, stats = materialize_prompt_shard(opened, key)
+        try:
+            mix = [(SELF_SOURCE, read_self_prompts(opened, key), weight)] if weight > 0 else []
+        except FileNotFoundError as e:
+            raise dg.Failure(description=f"weight {weight} of {SELF_SOURCE}: {e}", allow_retries=False) from e
+        table, stats = materialize_prompt_shard(opened, key, mix)
         context.add_asset_metadata(  # lands on this partition's materialization only
             {**to_metadata(stats.to_metadata()), **table_metadata(table),
              "preview": preview_table(table, ["prompt_id", "num_user_turns", "user_turns"])},
