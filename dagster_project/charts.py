@@ -56,10 +56,15 @@ def bar_chart_png(bars: Mapping[str, float], *, title: str, xlabel: str, ylabel:
     return _png(fig)
 
 
-def line_chart_png(x: Sequence[float], y: Sequence[float], *, title: str, xlabel: str, ylabel: str) -> bytes:
-    """One line of ``y`` over ``x`` (a curve such as loss per training step)."""
+def line_chart_png(x: Sequence[float], y: Sequence[float], *, title: str, xlabel: str, ylabel: str,
+                   mark: tuple[float, float, str] | None = None) -> bytes:
+    """One line of ``y`` over ``x`` (a curve such as loss per training step); ``mark``: one point (x, y, label)
+    drawn in red and labelled (the best checkpoint)."""
     fig, ax = _figure()
     ax.plot(list(x), list(y), color=BAR_COLOR, linewidth=1.5, marker="." if len(x) <= 40 else None)
+    if mark is not None:
+        ax.plot([mark[0]], [mark[1]], "o", color=HIGHLIGHT_COLOR, markersize=8, label=mark[2])
+        ax.legend(fontsize=8, loc="lower right")
     _label(ax, title, xlabel, ylabel)
     return _png(fig)
 

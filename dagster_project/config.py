@@ -203,6 +203,10 @@ class DrafterTrainingConfig(dg.Config):
     """A run chooses the device; the training-state directory is the deployment's (``DFLASH_DRAFTER_WORK_DIR``)."""
 
     device: Optional[str] = Field(default=None, description="Training device on the GPU host (None: cuda if present).")
+    preflight: bool = Field(default=True, description="Before the long run, the recipe's drafter must memorize a "
+                            "handful of its samples and decode them at tau near the block size (check 'preflight'; "
+                            "minutes at most): a misaligned layout, labels or target layers fail here, not after "
+                            "hours.")
 
     @field_validator("device")
     @classmethod
@@ -210,7 +214,7 @@ class DrafterTrainingConfig(dg.Config):
         return _check_device(value)
 
     def to_stage_payload(self, work_dir: Optional[str] = None) -> dict:
-        return {"device": self.device, "work_dir": work_dir}
+        return {"device": self.device, "work_dir": work_dir, "preflight": self.preflight}
 
 
 class DrafterEvalConfig(dg.Config):

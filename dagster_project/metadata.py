@@ -134,6 +134,19 @@ def loss_curve_chart(points: Sequence[Sequence[float]]) -> dg.MetadataValue:
     return chart("training loss curve", png, caption)
 
 
+def tau_while_training_chart(points: Sequence[Sequence[float]]) -> dg.MetadataValue:
+    """The held-out tau estimate at each evaluation while training, from ``[step, tau]`` points; the best (the
+    first highest, the checkpoint marked best) in red."""
+    steps, taus = [p[0] for p in points], [p[1] for p in points]
+    best = max(range(len(taus)), key=lambda i: (taus[i], -i)) if points else None
+    mark = (steps[best], taus[best], f"best: step {int(steps[best])}, tau {taus[best]:.3f}") if points else None
+    png = line_chart_png(steps, taus, title="tau while training (held-out, teacher-forced)", xlabel="step",
+                         ylabel="expected tau", mark=mark)
+    caption = (f"{len(points)} evaluations: tau {taus[0]:.3f} -> {taus[-1]:.3f}, best {taus[best]:.3f} at step "
+               f"{int(steps[best])}." if points else "no estimate while training.")
+    return chart("tau while training", png, caption)
+
+
 def accuracy_by_position_chart(accuracy: Sequence[float]) -> dg.MetadataValue:
     """Training accuracy of the drafter's prediction at each block position k = 1..B-1."""
     bars = {str(k): a for k, a in enumerate(accuracy, start=1)}
@@ -178,6 +191,7 @@ def learning_curve_by_slice_chart(curves: Mapping[str, Sequence[Sequence[float]]
 
 PIPES_CHARTS: dict[str, Callable[[Any], dg.MetadataValue]] = {
     "loss_curve": loss_curve_chart,
+    "tau_while_training": tau_while_training_chart,
     "learning_curve": learning_curve_chart,
     "learning_curve_by_slice": learning_curve_by_slice_chart,
     "accuracy_by_position": accuracy_by_position_chart,

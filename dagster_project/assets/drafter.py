@@ -7,7 +7,7 @@ public DFlash inference loads. ``drafter_eval`` decodes held-out prompts
 speculatively and reports tau; its ``lossless`` check fails if the output
 ever differs from the target's own greedy output.
 
-``drafter_checkpoint`` carries two blocking checks:
+``drafter_checkpoint`` carries three blocking checks:
 
 - ``decontamination`` runs in the asset body before the GPU run is launched (a check on the recipe that
   must decide before GPU hours are spent; a check that ran after the asset would only stop drafter_eval):
@@ -15,6 +15,10 @@ ever differs from the target's own greedy output.
   ``DFLASH_BENCHMARK_PROMPTS`` (paths separated by ``os.pathsep``) against every user turn of the trained
   shards (``dflash_assets.drafter.decontamination``). Contaminated: the check fails and the asset fails
   without training. Its result goes into the checkpoint's ``provenance.json``.
+- ``preflight``: on the GPU host, before the long run, the recipe's drafter memorizes a handful of its samples and
+  decodes them at tau near the block size, and the cached features are its target layers
+  (``dflash_assets.drafter.preflight``); a failure stops the run there, with per-position accuracy and what to look
+  at. The run config's ``preflight: false`` skips it (the check then warns).
 - ``serving_match``: after training, the published checkpoint against SGLang's DFlash loader rules and the
   served target's chat template and thinking mode (``dflash_assets.drafter.serving_match``); the served side
   is the deployment's target settings (SGLang reports no chat template).
@@ -36,7 +40,7 @@ from dagster_project.resources import StoreParam, TargetParam
 from dagster_project.versions import code_version
 from dflash_assets.drafter.decontamination import recipe_decontamination
 from dflash_assets.drafter.serving_match import checkpoint_serving_match, served_target_from_spec
-from dflash_assets.drafter.stages import load_recipe, training_shards
+from dflash_assets.drafter.stages import load_recipe, preflight_key, training_shards
 
 
 def benchmark_prompt_files() -> list[str]:
@@ -61,6 +65,25 @@ def completions_settings(context: dg.AssetExecutionContext, shards: list[str], t
     return [c.to_library(enable_thinking=t).model_dump(mode="json") for c in configs for t in (thinking, not thinking)]
 
 
+def preflight_report(store, recipe: str, run_id: str) -> dict | None:
+    """This run's preflight report (``drafter_preflight/<recipe>.json``), or None (not written by this run)."""
+    key = preflight_key(recipe)
+    report = store.read_json(key) if store.exists(key) else None
+    return report if report is not None and report.get("run") == run_id else None
+
+
+def preflight_check(report: dict | None, requested: bool, why: str = "") -> dg.AssetCheckResult:
+    """The ``preflight`` check from its report; not run (a warning) when the run config turned it off."""
+    if report is None:
+        why = why or ("not run: preflight is off in this run's config" if not requested
+                      else "no report from the training stage")
+        return dg.AssetCheckResult(check_name="preflight", passed=False, severity=dg.AssetCheckSeverity.WARN,
+                                   metadata=check_metadata({"summary": why}))
+    values = {k: v for k, v in report.items() if k not in ("run", "recipe")}
+    return dg.AssetCheckResult(check_name="preflight", passed=bool(report.get("passed")),
+                               severity=dg.AssetCheckSeverity.ERROR, metadata=check_metadata(values))
+
+
 @dg.asset(
     deps=[dg.AssetDep("hidden_state_cache", partition_mapping=dg.AllPartitionMapping())],
     partitions_def=drafter_recipes,
@@ -73,6 +96,11 @@ def completions_settings(context: dg.AssetExecutionContext, shards: list[str], t
         dg.AssetCheckSpec("decontamination", asset="drafter_checkpoint", blocking=True,
                           description="Held-out and benchmark prompts never appear in the trained shards (exact or "
                                       "near duplicate); decided before training starts."),
+        dg.AssetCheckSpec("preflight", asset="drafter_checkpoint", blocking=True,
+                          description="Before the long run, the recipe's drafter memorized a handful of its samples "
+                                      "and decoded them losslessly at tau near the block size, and the cached "
+                                      "features are the drafter's target layers; a failure names per-position "
+                                      "accuracy and what to look at, and no long run starts."),
         dg.AssetCheckSpec("serving_match", asset="drafter_checkpoint", blocking=True,
                           description="The checkpoint loads in SGLang's DFlash loader as trained (config fields, "
                                       "block size, layers, mask id, no embedding/head, dtype) and was trained on "
@@ -90,6 +118,7 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainin
                                       metadata=check_metadata(decontamination.to_dict()))
     if not decontamination.passed:  # no GPU time for a recipe whose evaluation would be contaminated
         yield decon_check
+        yield preflight_check(None, False, "not run: decontamination failed first")
         yield dg.AssetCheckResult(check_name="serving_match", passed=False, severity=dg.AssetCheckSeverity.ERROR,
                                   metadata=check_metadata({"problems": [
                                       "not checked: decontamination failed, so no checkpoint was trained"]}))
@@ -100,9 +129,22 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainin
         "dagster_code_versions": {k.to_user_string(): v for k, v in context.assets_def.code_versions_by_key.items()},
     }
     payload = {**config.to_stage_payload(work_dir=gpu_launcher.work_dir), "target": spec.model_dump(),
-               "provenance_inputs": provenance_inputs}
-    yield render_pipes_result(gpu_launcher.run(context, "drafter_checkpoint", payload, store).get_materialize_result())
+               "provenance_inputs": provenance_inputs, "preflight_run": context.run_id}
+    try:
+        trained = gpu_launcher.run(context, "drafter_checkpoint", payload, store).get_materialize_result()
+    except Exception:
+        report = preflight_report(st, context.partition_key, context.run_id)
+        if report is None or report.get("passed"):
+            raise
+        yield decon_check
+        yield preflight_check(report, config.preflight)
+        yield dg.AssetCheckResult(check_name="serving_match", passed=False, severity=dg.AssetCheckSeverity.ERROR,
+                                  metadata=check_metadata({"problems": [
+                                      "not checked: the preflight failed, so no checkpoint was trained"]}))
+        raise dg.Failure(description=report.get("summary", "preflight failed"), allow_retries=False) from None
+    yield render_pipes_result(trained)
     yield decon_check
+    yield preflight_check(preflight_report(st, context.partition_key, context.run_id), config.preflight)
     try:
         match = checkpoint_serving_match(st, context.partition_key, served_target_from_spec(spec))
         passed, values = match.passed, {"problems": match.problems or ["none"], "checked": match.checked, **match.facts}

@@ -11,6 +11,9 @@ is the recipe's name, which carries its version (``demo-v1``).
   ``drafter_checkpoint/<recipe>/<version>/{model.safetensors,config.json,train_metrics.json,provenance.json}``,
   then ``drafter_checkpoint/<recipe>/manifest.json`` naming them (last, so a
   kill never mixes files of two runs; see ``store.manifest``).
+- :func:`train_recipe` with ``preflight`` first proves the recipe's layout on a handful of its samples
+  (``drafter.preflight``) and writes ``drafter_preflight/<recipe>.json``; it estimates tau while training on the
+  recipe's held-out prompts (``drafter.tau_estimate``) and marks the best checkpoint in ``train_metrics.json``.
 - :func:`eval_recipe` downloads the checkpoint its manifest names, renders held-out prompts
   (shards the recipe did not train on) with the target's chat template, runs
   greedy speculative decoding against the target, checks losslessness, and
@@ -109,8 +112,14 @@ def default_work_dir() -> Path:
 def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = None, device: str | None = None,
                  max_steps: int | None = None, log: Callable[[str], None] = logger.info,
                  log_every: int = 10, time_budget_s: float | None = None,
-                 provenance_inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+                 provenance_inputs: dict[str, Any] | None = None, preflight: bool = False,
+                 preflight_run: str = "") -> dict[str, Any]:
     """Train the recipe ``name`` against ``target`` (a ``TargetModelSpec``); returns metadata.
+
+    ``preflight``: first prove the recipe's drafter memorizes a handful of its samples and decodes them
+    (``drafter.preflight``); its report goes to ``drafter_preflight/<name>.json`` (with ``preflight_run``, the
+    orchestrator's run id), and a failure raises ``PreflightFailed`` before the long run. A run that resumes a saved
+    state passed it before: the report says so.
 
     ``provenance_inputs``: what only the orchestrator knows, for ``provenance.json`` (``provenance.build_provenance``:
     ``generation_settings``, ``decontamination``, ``dagster_code_versions``); published with the checkpoint.
@@ -193,6 +202,9 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
             init_weights.parent.mkdir(parents=True, exist_ok=True)
             init_weights.write_bytes(store.read_bytes(promoted["files"]["model.safetensors"]))
             warm_start = {"recipe": promoted["recipe"], "checkpoint": promoted["checkpoint"], "tau": promoted["tau"]}
+    if preflight:
+        _preflight(store, recipe, files if source is None else [store.local_path(files[0])], target, work, device,
+                   preflight_run, log)
     heldout = _heldout_factory(store, recipe, target, work, device, log)
     try:
         try:
@@ -263,6 +275,31 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         **({"warm_start": warm_start} if warm_start else {}),
         **({"part_cache": result.data_stats} if result.data_stats else {}),
     }
+
+
+def preflight_key(name: str) -> str:
+    return f"drafter_preflight/{name}.json"
+
+
+def _preflight(store: Any, recipe: DrafterRecipe, files: list[Any], target: Any, work: Path, device: str | None,
+               run: str, log: Callable[[str], None]) -> None:
+    """``drafter.preflight.run_preflight`` on the recipe's first training file, its report in the store; raises
+    ``PreflightFailed`` when it fails. Skipped (and said so in the report) when the run resumes a saved state."""
+    from dflash_assets.drafter.preflight import PreflightFailed, run_preflight
+    from dflash_assets.drafter.state import latest_state_dir
+
+    state = latest_state_dir(work / "state")
+    base = {"recipe": recipe.name, "recipe_fingerprint": recipe.fingerprint(), "run": run}
+    if state is not None:
+        log(f"recipe {recipe.name}: resumes {state.name}; its preflight passed before that state was trained")
+        store.write_json(preflight_key(recipe.name), {**base, "passed": True, "summary":
+                         f"not run again: the run resumes {state.name}, trained after a passed preflight"})
+        return
+    log(f"recipe {recipe.name}: preflight (memorize a handful of samples, decode them)")
+    result = run_preflight(recipe, files[:1], target.model_path, device=device, log=log)
+    store.write_json(preflight_key(recipe.name), {**base, **result.to_metadata()})
+    if not result.passed:
+        raise PreflightFailed(result)
 
 
 def objective_of(recipe: DrafterRecipe) -> str:

@@ -16,8 +16,8 @@ with a block anchored at every continuation token, and reads off which block pos
 best evaluation (its checkpoint is marked best), and says when the estimate has not improved for K evaluations (the
 early stop); its state rides in the training state, so a resume keeps all three.
 
-Reads and writes: :func:`save_slice` / :func:`load_slice`, one safetensors file in the hidden-state cache's layout
-(``hidden``, ``input_ids``, ``loss_mask`` = 1 on the continuation, ``cu_seqlens``; prompt ids and layer ids in its
+Reads and writes: :func:`save_slice` / :func:`load_slice`, one hidden-state cache part (``hidden_states.format``:
+``hidden``, ``input_ids``, ``loss_mask`` = 1 on the continuation, ``cu_seqlens``; layer ids and prompt ids in its
 header), written atomically. :func:`heldout_slice` builds it once per recipe, target and settings (the training work
 directory keeps it, so a resumed run estimates on the same slice). Imports torch; transformers through the target.
 """
@@ -82,22 +82,29 @@ def build_slice(target, prompts: Sequence[Any], layer_ids: Sequence[int], *, max
     return HeldoutSlice(ids_out, lens, hidden, tuple(int(i) for i in layer_ids), tuple(names))
 
 
-def save_slice(path: str | Path, heldout: HeldoutSlice) -> Path:
-    """One safetensors file in the cache's layout, written atomically (temp file, then rename)."""
-    from safetensors.torch import save_file
+def save_slice(path: str | Path, heldout: HeldoutSlice, target_model: str = "") -> Path:
+    """One hidden-state cache part (``hidden_states.format``: what training and the cache reader take), written
+    atomically (temp file, then rename); loss_mask is 1 on the continuations."""
+    from dflash_assets.hidden_states.format import SafetensorsStreamWriter, ShardMetadata, shard_tensor_specs
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    hidden = torch.cat(heldout.hidden).contiguous()
+    n = len(heldout.layer_ids)
+    dtype = str(hidden.dtype).removeprefix("torch.")
+    meta = ShardMetadata(target_model=target_model, layer_ids=heldout.layer_ids, dtype=dtype,
+                         hidden_size=hidden.shape[-1] // n, prompt_ids=heldout.prompt_ids)
     cu = [0]
     for ids in heldout.input_ids:
         cu.append(cu[-1] + len(ids))
-    mask = [torch.arange(len(ids)) >= p for ids, p in zip(heldout.input_ids, heldout.prompt_lens)]
-    tensors = {"hidden": torch.cat(heldout.hidden).contiguous(),
-               "input_ids": torch.cat(heldout.input_ids).to(torch.int32),
-               "loss_mask": torch.cat(mask).to(torch.uint8), "cu_seqlens": torch.tensor(cu, dtype=torch.int64)}
-    meta = {"layer_ids": json.dumps(list(heldout.layer_ids)), "prompt_ids": json.dumps(list(heldout.prompt_ids))}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata=meta)
+    with SafetensorsStreamWriter(tmp, shard_tensor_specs(cu[-1], len(heldout), n, hidden.shape[-1] // n, dtype),
+                                 meta.to_header(), fsync=False) as w:
+        w.write("hidden", hidden)
+        w.write("input_ids", torch.cat(heldout.input_ids).to(torch.int32))
+        w.write("loss_mask", torch.cat([(torch.arange(len(ids)) >= p).to(torch.uint8)
+                                        for ids, p in zip(heldout.input_ids, heldout.prompt_lens)]))
+        w.write("cu_seqlens", torch.tensor(cu, dtype=torch.int64))
     os.replace(tmp, path)
     return path
 
@@ -105,15 +112,16 @@ def save_slice(path: str | Path, heldout: HeldoutSlice) -> Path:
 def load_slice(path: str | Path) -> HeldoutSlice:
     from safetensors import safe_open
 
+    from dflash_assets.hidden_states.format import ShardMetadata
+
     with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
+        meta = ShardMetadata.from_header(f.metadata() or {})
         t = {k: f.get_tensor(k) for k in ("hidden", "input_ids", "loss_mask", "cu_seqlens")}
     cu = t["cu_seqlens"].tolist()
     ids = [t["input_ids"][a:b].long() for a, b in zip(cu, cu[1:])]
     lens = [int((t["loss_mask"][a:b] == 0).sum()) for a, b in zip(cu, cu[1:])]
     hidden = [t["hidden"][a:b] for a, b in zip(cu, cu[1:])]
-    return HeldoutSlice(ids, lens, hidden, tuple(json.loads(meta.get("layer_ids", "[]"))),
-                        tuple(json.loads(meta.get("prompt_ids", "[]"))))
+    return HeldoutSlice(ids, lens, hidden, tuple(meta.layer_ids), tuple(meta.prompt_ids))
 
 
 @dataclass
