@@ -202,9 +202,9 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
             init_weights.parent.mkdir(parents=True, exist_ok=True)
             init_weights.write_bytes(store.read_bytes(promoted["files"]["model.safetensors"]))
             warm_start = {"recipe": promoted["recipe"], "checkpoint": promoted["checkpoint"], "tau": promoted["tau"]}
-    if preflight:
-        _preflight(store, recipe, files if source is None else [store.local_path(files[0])], target, work, device,
-                   preflight_run, log)
+    preflight_summary = "not run" if not preflight else _preflight(
+        store, recipe, files if source is None else [store.local_path(files[0])], target, work, device,
+        preflight_run, log)
     heldout = _heldout_factory(store, recipe, target, work, device, log)
     try:
         try:
@@ -270,6 +270,7 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         "best_checkpoint": (f"step {best['step']} ({best['file']}): tau estimate {best['tau']:.3f}" if best
                             else "none (no tau estimate while training)"),
         "stop_reason": result.stop_reason,
+        "preflight": preflight_summary,
         "checkpoint": store.url(prefix),
         "provenance": provenance_summary(provenance),
         **({"warm_start": warm_start} if warm_start else {}),
@@ -282,7 +283,7 @@ def preflight_key(name: str) -> str:
 
 
 def _preflight(store: Any, recipe: DrafterRecipe, files: list[Any], target: Any, work: Path, device: str | None,
-               run: str, log: Callable[[str], None]) -> None:
+               run: str, log: Callable[[str], None]) -> str:
     """``drafter.preflight.run_preflight`` on the recipe's first training file, its report in the store; raises
     ``PreflightFailed`` when it fails. Skipped (and said so in the report) when the run resumes a saved state."""
     from dflash_assets.drafter.preflight import PreflightFailed, run_preflight
@@ -292,14 +293,15 @@ def _preflight(store: Any, recipe: DrafterRecipe, files: list[Any], target: Any,
     base = {"recipe": recipe.name, "recipe_fingerprint": recipe.fingerprint(), "run": run}
     if state is not None:
         log(f"recipe {recipe.name}: resumes {state.name}; its preflight passed before that state was trained")
-        store.write_json(preflight_key(recipe.name), {**base, "passed": True, "summary":
-                         f"not run again: the run resumes {state.name}, trained after a passed preflight"})
-        return
+        summary = f"not run again: the run resumes {state.name}, trained after a passed preflight"
+        store.write_json(preflight_key(recipe.name), {**base, "passed": True, "summary": summary})
+        return summary
     log(f"recipe {recipe.name}: preflight (memorize a handful of samples, decode them)")
     result = run_preflight(recipe, files[:1], target.model_path, device=device, log=log)
     store.write_json(preflight_key(recipe.name), {**base, **result.to_metadata()})
     if not result.passed:
         raise PreflightFailed(result)
+    return result.summary()
 
 
 def objective_of(recipe: DrafterRecipe) -> str:
