@@ -376,8 +376,9 @@ def train_drafter(
     src = latest_state_dir(state_root) if resume else None
     if src is not None:
         total = schedule["total"] = int(_resume(progress, src, parts, scheduler, device, recipe, world, watch) or total)
-    t_loop = _train_loop(recipe, parts, data, plan, scheduler, schedule, progress, watch, state_root, device,
-                         attention, world, rank, max_steps, source, time_budget_s, log, on_save)
+    tau_on = heldout is not None and recipe.tau_prompts > 0  # known alike on every rank (rank 0 holds the slice)
+    t_loop = _train_loop(recipe, parts, data, plan, scheduler, schedule, progress, watch, tau_on, state_root,
+                         device, attention, world, rank, max_steps, source, time_budget_s, log, on_save)
     total = schedule["total"]
     data_stats = source.stats.as_dict() if hasattr(source, "stats") else {}
     if source is not None and hasattr(source, "close"):
@@ -402,7 +403,7 @@ def train_drafter(
 
 
 def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedule, progress: _Progress,
-                watch: TauWatch | None, state_root: Path, device, attention: str, world: int, rank: int,
+                watch: TauWatch | None, tau_on: bool, state_root: Path, device, attention: str, world: int, rank: int,
                 max_steps, source, time_budget_s, log, on_save) -> float:
     """Steps from `progress.step` to the plan's end (or max_steps, or an early stop); returns the loop's seconds."""
     B, cuda = recipe.block_size, device.type == "cuda"
@@ -451,7 +452,8 @@ def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedul
             log({"step": step, "total_steps": total, "epoch": epoch, "loss": step_loss, "tokens": int(stats[-2]),
                  "lr": scheduler.get_last_lr()[0], "tokens_per_s": progress.tokens_seen / max(el, 1e-9),
                  "acc_by_pos": (stats[1:B] / stats[B : 2 * B - 1].clamp_min(1)).tolist()})
-        evaluated = watch is not None and watch.due(step, total)  # on the plan's grid and at its end, not max_steps
+        # on the plan's grid and at its end (not at max_steps), the same on every rank: each saves a state there
+        evaluated = tau_on and (step % (recipe.tau_every or recipe.save_every) == 0 or step == total)
         reason = _tau_stop(watch, recipe, parts, step, total, progress.tokens, log, device, world)
         if reason:  # the plan ends here: the schedule, a resume and the published checkpoint all see it
             total = schedule["total"] = stop = step

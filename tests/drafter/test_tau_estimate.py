@@ -98,10 +98,10 @@ def test_tau_while_training_marks_the_best_and_survives_a_resume(mini, seen, tmp
 
 
 def test_early_stop_after_k_evaluations_without_improvement(mini, heldout, tmp_path):
-    """lr 0: the drafter never changes, so no estimate beats the first; with patience 2 the run ends at the third
-    evaluation, publishes that drafter, and says why, also to a resume of the finished run."""
-    r = mini_recipe(lr=0.0, tau_prompts=8, early_stop_patience=2)
-    assert r.fingerprint() != mini_recipe(lr=0.0, tau_prompts=8).fingerprint()  # the stop changes the run
+    """lr 1e-12: the drafter's predictions never change, so no estimate beats the first; with patience 2 the run
+    ends at the third evaluation, publishes that drafter, and says why, also to a resume of the finished run."""
+    r = mini_recipe(lr=1e-12, tau_prompts=8, early_stop_patience=2)
+    assert r.fingerprint() != mini_recipe(lr=1e-12, tau_prompts=8).fingerprint()  # the stop changes the run
     res = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path, heldout=heldout)
     assert [h["step"] for h in res.tau_history] == [2, 4, 6] and res.best["step"] == 2
     assert res.steps == 6 and res.total_steps == 6 and res.finished and res.checkpoint_dir is not None
