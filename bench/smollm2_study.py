@@ -16,6 +16,13 @@ Runs the product's own stage functions (those the Dagster assets call) on one ma
 5. ``eval``: ``drafter_eval``: tau on held-out prompts (float32, lossless checked), the batch-1 speed-up (target
    alone against speculative, same prompts) and tau along the learning curve.
 
+Training first runs the preflight (``drafter.preflight``; ``--no-preflight`` skips it) and estimates tau on held-out
+prompts while it trains (``drafter.tau_estimate``: ``--tau-prompts`` of them, every ``--tau-every`` steps), marking
+the best checkpoint. ``--objective dpace`` trains with D-PACE under the recipe ``smollm2-study-dpace``: run it after a
+dflash study with the same DIR and the drafter stages run again beside the first recipe's, on the same shards, for the
+same training budget (``--no-time-budget``: both train ``--epochs`` whole, on equal tokens); ``study.json``'s
+``recipes`` puts them side by side.
+
 Progress goes to stderr. Each stage writes ``DIR/reports/<stage>.json``; ``DIR/study.json`` gathers the figures
 (BENCHMARKS.md, "The SmolLM2 drafter study on one GPU", cites them). Run it again with the same DIR and it resumes:
 a finished stage is skipped, a published shard is not generated again, training continues from its last saved
@@ -41,6 +48,21 @@ from bench.machine import gpu_info, machine_info  # noqa: E402
 
 STABLE_TARGET = "SmolLM2-135M-Instruct"  # the name completions hash the target by (see `stable_target_link`)
 STAGES = ("prompts", "target", "generate", "train", "eval")
+DEFAULT_RECIPE = "smollm2-study"
+
+
+def stage_id(args, stage: str) -> str:
+    """A stage's name in DIR's state and reports: the drafter's stages are per recipe, so a second recipe (another
+    objective) trains and is evaluated in the same DIR, on the same shards, beside the first."""
+    if stage in ("train", "eval") and recipe_name(args) != DEFAULT_RECIPE:
+        return f"{stage}-{recipe_name(args)}"
+    return stage
+
+
+def recipe_name(args) -> str:
+    """``--recipe``, else the default of ``--objective``: smollm2-study (dflash), smollm2-study-dpace."""
+    objective = getattr(args, "objective", "dflash")
+    return args.recipe or (DEFAULT_RECIPE if objective == "dflash" else f"{DEFAULT_RECIPE}-{objective}")
 
 
 def log(message: str) -> None:
@@ -284,11 +306,13 @@ def generate_stage(args, study: Study) -> dict:
 def drafter_recipe(args, shards: list[str]):
     from dflash_assets.drafter.recipe import DrafterRecipe
 
-    return DrafterRecipe(name=args.recipe, block_size=args.block_size, num_layers=args.drafter_layers,
+    return DrafterRecipe(name=recipe_name(args), block_size=args.block_size, num_layers=args.drafter_layers,
                          epochs=args.epochs, lr=args.lr, max_length=args.max_length, max_anchors=args.max_anchors,
                          batch_size=args.batch_size, weight_decay=args.weight_decay, partitions=tuple(shards),
                          online=True, save_every=args.save_every, compile=args.compile and args.device == "cuda",
-                         checkpoint_dtype="float32")
+                         checkpoint_dtype="float32", objective=args.objective, dpace_alpha=args.dpace_alpha,
+                         tau_every=args.tau_every, tau_prompts=args.tau_prompts, tau_new_tokens=args.tau_new_tokens,
+                         early_stop_patience=args.early_stop)
 
 
 def peak_tflops(device: str, seconds: float = 2.0) -> float | None:
@@ -334,7 +358,8 @@ def train_stage(args, study: Study) -> dict:
     """``drafter_checkpoint`` of the recipe over the published shards, for the training budget left."""
     from dflash_assets.drafter.stages import save_recipe, train_recipe
 
-    spent = sum(study.spent(stage) for stage in ("prompts", "target", "generate", "train"))
+    sid = stage_id(args, "train")
+    spent = sum(study.spent(stage) for stage in ("prompts", "target", "generate", sid))
     budget = args.budget_s - args.eval_reserve_s - spent
     if budget <= 0:
         raise SystemExit(f"train: no time left in --budget {args.budget_s:.0f} s: {spent:.0f} s spent so far, "
@@ -343,13 +368,15 @@ def train_stage(args, study: Study) -> dict:
     spec = target_spec(args)
     recipe = drafter_recipe(args, study.report("generate")["published"])
     save_recipe(store, recipe)
-    log(f"train: recipe {recipe.name} on {len(recipe.partitions)} shards for at most {budget:.0f} s")
+    log(f"train: recipe {recipe.name} ({recipe.objective}) on {len(recipe.partitions)} shards for at most "
+        f"{budget:.0f} s" + ("" if args.time_budget else f", or its whole plan of {recipe.epochs} epochs"))
     t = time.perf_counter()
     try:
         train = train_recipe(store, recipe.name, spec, work_dir=str(args.out / "train"), device=args.device, log=log,
-                             log_every=args.log_every, time_budget_s=budget)
+                             log_every=args.log_every, time_budget_s=budget if args.time_budget else None,
+                             preflight=args.preflight, preflight_run=f"study-{os.getpid()}")
     finally:
-        study.add_time("train", time.perf_counter() - t)
+        study.add_time(sid, time.perf_counter() - t)
     flops = training_flops(recipe, Path(spec.model_path), train)
     peak = peak_tflops(args.device)
     tflops = flops["flops_per_sequence_token"] * train["tokens_per_s"] / 1e12
@@ -364,17 +391,18 @@ def eval_stage(args, study: Study) -> dict:
     """``drafter_eval``: tau on held-out prompts (float32, lossless checked), batch-1 speed, the learning curve."""
     from dflash_assets.drafter.stages import eval_recipe
 
-    ev = eval_recipe(store_of(args.out), args.recipe, target_spec(args), num_prompts=args.eval_prompts,
+    ev = eval_recipe(store_of(args.out), recipe_name(args), target_spec(args), num_prompts=args.eval_prompts,
                      max_new_tokens=args.eval_new_tokens, device=args.device, log=log, dtype="float32",
                      speed_prompts=args.speed_prompts, curve_prompts=args.curve_prompts,
                      workers=args.eval_workers or (4 if args.device == "cuda" else 1))
     log(f"eval: tau {ev['tau']:.3f} over {ev['num_prompts']} held-out prompts, lossless {ev['lossless']}")
-    return {"drafter_eval": ev}
+    return {"recipe": recipe_name(args), "drafter_eval": ev}
 
 
 def summary(args, study: Study) -> dict:
     """The study's figures, from the stage reports: what BENCHMARKS.md cites."""
-    gen, train, ev = study.report("generate"), study.report("train"), study.report("eval").get("drafter_eval", {})
+    gen, train = study.report("generate"), study.report(stage_id(args, "train"))
+    ev = study.report(stage_id(args, "eval")).get("drafter_eval", {})
     ckpt = train.get("drafter_checkpoint", {})
     speed = ev.get("decode_speed") or {}
     return {
@@ -384,13 +412,34 @@ def summary(args, study: Study) -> dict:
         "generation": {k: gen.get(k) for k in ("published", "failed", "completion_tokens", "generate_s",
                                                "tokens_per_s")},
         "training": {"recipe": train.get("recipe", {}).get("name"), **{k: ckpt.get(k) for k in (
-            "steps", "sequence_tokens", "tokens_per_s", "final_loss")}, "mfu": train.get("mfu", {}).get("mfu"),
+            "objective", "steps", "sequence_tokens", "tokens_per_s", "final_loss", "tau_while_training",
+            "best_checkpoint", "stop_reason", "preflight")}, "mfu": train.get("mfu", {}).get("mfu"),
             "peak_tflops": train.get("mfu", {}).get("peak_tflops")},
         "evaluation": {k: ev.get(k) for k in ("tau", "lossless", "num_prompts", "held_out", "acceptance_by_position",
                                               "learning_curve")},
         "speedup": {k: speed.get(k) for k in ("speedup", "target_tokens_per_s", "speculative_tokens_per_s",
                                               "num_prompts")},
+        "recipes": recipes_compared(study),
     }
+
+
+def recipes_compared(study: Study) -> dict:
+    """Every recipe trained in DIR (one per objective, say) side by side: objective, tokens trained, the best held-out
+    tau estimate while training and the decoded tau; equal sequence_tokens make a fair comparison."""
+    out = {}
+    for path in sorted((study.out / "reports").glob("train*.json")):
+        if path.name.endswith(".partial.json"):
+            continue
+        train = json.loads(path.read_text())
+        ckpt, name = train.get("drafter_checkpoint", {}), train.get("recipe", {}).get("name")
+        ev_path = path.with_name(path.name.replace("train", "eval", 1))
+        ev = json.loads(ev_path.read_text()).get("drafter_eval", {}) if ev_path.exists() else {}
+        taus = [t for _, t in ckpt.get("tau_while_training") or []]
+        out[name] = {"objective": ckpt.get("objective"), "steps": ckpt.get("steps"),
+                     "sequence_tokens": ckpt.get("sequence_tokens"), "best_tau_estimate": max(taus, default=None),
+                     "best_checkpoint": ckpt.get("best_checkpoint"), "stop_reason": ckpt.get("stop_reason"),
+                     "tau": ev.get("tau"), "lossless": ev.get("lossless")}
+    return out
 
 
 RUNNERS = {"prompts": prompts_stage, "target": target_stage, "generate": generate_stage, "train": train_stage,
@@ -403,18 +452,19 @@ def run(args) -> dict:
     log(f"study in {args.out}: budget {args.budget_s:.0f} s, device {args.device}"
         + (f"; done before: {', '.join(study.state['done'])}" if study.state["done"] else ""))
     for stage in STAGES:
-        if study.done(stage):
-            log(f"{stage}: done before, skipped")
+        sid = stage_id(args, stage)
+        if study.done(sid):
+            log(f"{sid}: done before, skipped")
             continue
-        log(f"{stage}: starting")
+        log(f"{sid}: starting")
         t = time.perf_counter()
         try:
             report = RUNNERS[stage](args, study)
         finally:
             if stage not in ("generate", "train"):  # those two record their time as they go
-                study.add_time(stage, time.perf_counter() - t)
+                study.add_time(sid, time.perf_counter() - t)
         report["wall_s"] = round(time.perf_counter() - t, 1)
-        study.finish(stage, report)
+        study.finish(sid, report)
         if stage == args.stop_after:
             break
     figures = summary(args, study)
@@ -453,7 +503,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-empty-ratio", type=float, default=0.25,
                    help="quality gate (blocking): greedy SmolLM2 answers greetings in a few tokens")
     g = p.add_argument_group("drafter recipe")
-    g.add_argument("--recipe", default="smollm2-study")
+    g.add_argument("--recipe", default=None, help=f"the recipe's name (default {DEFAULT_RECIPE}, and "
+                   f"{DEFAULT_RECIPE}-dpace for --objective dpace): a second name trains and evaluates beside the first "
+                   "in the same --out, on the same shards")
+    g.add_argument("--objective", choices=["dflash", "dpace"], default="dflash",
+                   help="the training objective (recipe field objective)")
+    g.add_argument("--dpace-alpha", type=float, default=0.5, help="D-PACE's smoothing of the label probabilities")
+    g.add_argument("--tau-prompts", type=int, default=16, help="held-out prompts tau is estimated on while training "
+                   "(teacher-forced, no decoding; 0: off)")
+    g.add_argument("--tau-new-tokens", type=int, default=64, help="the target's greedy tokens per such prompt")
+    g.add_argument("--tau-every", type=int, default=None, help="steps between estimates (default: --save-every)")
+    g.add_argument("--early-stop", type=int, default=None, metavar="K",
+                   help="stop when the estimate has not improved for K evaluations")
+    g.add_argument("--no-time-budget", dest="time_budget", action="store_false",
+                   help="train the recipe's whole plan (--epochs), not what fits the budget: two objectives then "
+                   "train on equal tokens")
+    g.add_argument("--no-preflight", dest="preflight", action="store_false",
+                   help="skip the preflight (memorize a few samples and decode them) before training")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--drafter-layers", type=int, default=5)
     g.add_argument("--epochs", type=int, default=30, help="an upper bound: the budget cuts the steps")

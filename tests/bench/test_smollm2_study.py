@@ -84,11 +84,36 @@ def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
     assert recipe["partitions"] == ["shard-00000", "shard-00001"] and recipe["block_size"] == 4
     assert json.loads(second.stdout)["evaluation"]["tau"] == ev["tau"]  # the figures are printed too
 
+    training = figures["training"]
+    assert training["objective"].startswith("dflash") and training["preflight"].startswith("preflight passed")
+    assert training["tau_while_training"] and training["best_checkpoint"].startswith("step ")
+    assert training["stop_reason"].startswith("completed")
+
     third = run_study(out, timeout=300)
     assert third.returncode == 0, third.stderr[-3000:]
     assert all(f"{stage}: done before, skipped" in third.stderr
                for stage in ("prompts", "target", "generate", "train", "eval"))
     assert json.loads((out / "study.json").read_text())["evaluation"] == ev
+
+    dpace = run_study(out, "--objective", "dpace", "--no-preflight")  # beside the first, on the same shards
+    assert dpace.returncode == 0, dpace.stderr[-4000:]
+    assert "generate: done before, skipped" in dpace.stderr and "train-smollm2-study-dpace: starting" in dpace.stderr
+    both = json.loads((out / "study.json").read_text())
+    assert both["training"]["recipe"] == "smollm2-study-dpace" and both["training"]["objective"] == "dpace (alpha 0.5)"
+    assert set(both["recipes"]) == {"smollm2-study", "smollm2-study-dpace"}
+    assert both["recipes"]["smollm2-study"]["tau"] == ev["tau"] and both["recipes"]["smollm2-study-dpace"]["lossless"]
+
+
+def test_a_second_objective_has_its_own_drafter_stages(study, tmp_path):
+    parse = study.build_parser().parse_args
+    plain, dpace = parse(["--out", str(tmp_path)]), parse(["--out", str(tmp_path), "--objective", "dpace"])
+    assert study.recipe_name(plain) == "smollm2-study" and study.recipe_name(dpace) == "smollm2-study-dpace"
+    assert [study.stage_id(plain, s) for s in study.STAGES] == list(study.STAGES)
+    assert [study.stage_id(dpace, s) for s in ("generate", "train", "eval")] == [
+        "generate", "train-smollm2-study-dpace", "eval-smollm2-study-dpace"]
+    recipe = study.drafter_recipe(dpace, ["shard-00000"])
+    assert (recipe.name, recipe.objective, recipe.dpace_alpha, recipe.tau_prompts) == ("smollm2-study-dpace", "dpace",
+                                                                                       0.5, 16)
 
 
 def test_training_with_no_time_left_says_so(study, tmp_path):
