@@ -1,7 +1,7 @@
 """A drafter training run's definition (:class:`DrafterRecipe`, one ``drafter_recipes`` partition) and its result.
 
 Reads and writes nothing; the recipe's JSON form is what ``drafter_recipes/<name>.json`` holds. Every recipe,
-stored or built in Python, passes :class:`RecipeFields` (pydantic: the choices of each field with few valid values,
+stored or built in Python, passes `recipe_fields_model()` (pydantic: the choices of each field with few valid values,
 positive sizes, no unknown field): a bad value fails where the recipe is read, naming the field, the value and
 what is allowed, never deep in a training step.
 """
@@ -9,6 +9,7 @@ what is allowed, never deep in a training step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -17,59 +18,65 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dflash_assets.drafter.model import loss_gamma
 
-__all__ = ["DrafterRecipe", "RecipeError", "RecipeFields", "TrainResult", "OBJECTIVES", "ATTENTION", "CHECKPOINT_DTYPES",
-           "check_recipe_fields"]
+__all__ = ["DrafterRecipe", "RecipeError", "TrainResult", "OBJECTIVES", "ATTENTION", "CHECKPOINT_DTYPES",
+           "check_recipe_fields", "recipe_fields_model"]
 
 OBJECTIVES = ("dflash", "dpace")
 ATTENTION = ("auto", "flex", "sdpa")  # auto: flex on a GPU, sdpa on a CPU
 CHECKPOINT_DTYPES = ("bfloat16", "float32", "float16")
 
 
-_LayerId = Annotated[int, Field(ge=0)]
+@functools.cache
+def recipe_fields_model() -> type:
+    """The pydantic model :class:`DrafterRecipe`'s values pass (built on first use, so that pydantic stays off the
+    GPU path's module-level imports)."""
+    from pydantic import BaseModel, ConfigDict, Field
 
+    _LayerId = Annotated[int, Field(ge=0)]
 
-class RecipeFields(BaseModel):
-    """What each :class:`DrafterRecipe` field may hold: the checks a recipe passes wherever it comes from. Strict
-    (a "16" is not a block size, a bool not a count); values are only checked, the recipe keeps them as given, so
-    its fingerprint is what it was."""
+    class RecipeFields(BaseModel):
+        """What each :class:`DrafterRecipe` field may hold: the checks a recipe passes wherever it comes from. Strict
+        (a "16" is not a block size, a bool not a count); values are only checked, the recipe keeps them as given, so
+        its fingerprint is what it was."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+        model_config = ConfigDict(extra="forbid", strict=True)
 
-    name: str = Field(min_length=1)
-    version: str
-    block_size: int = Field(ge=2)  # the anchor and at least one masked position
-    num_layers: int = Field(ge=1)
-    epochs: int = Field(ge=1)
-    lr: float = Field(gt=0)
-    warmup_ratio: float = Field(ge=0, lt=1)
-    max_length: int = Field(ge=1)
-    max_anchors: int = Field(ge=1)
-    gamma: Optional[float] = Field(gt=0)
-    batch_size: int = Field(ge=1)
-    seed: int = Field(ge=0)
-    partitions: Union[tuple[str, ...], list[str]]  # JSON gives a list
-    online: bool
-    weight_decay: float = Field(ge=0)
-    grad_clip: float = Field(gt=0)
-    target_layer_ids: Optional[Union[tuple[_LayerId, ...], list[_LayerId]]]
-    mask_token_id: Optional[int] = Field(ge=0)
-    save_every: int = Field(ge=1)
-    attention: Literal[ATTENTION]
-    compile: bool
-    checkpoint_dtype: Literal[CHECKPOINT_DTYPES]
-    cache_limit_gb: Optional[float] = Field(gt=0)
-    family: Optional[str] = Field(min_length=1)
-    init_from: Optional[Literal["promoted"]]
-    objective: Literal[OBJECTIVES]
-    dpace_alpha: float = Field(ge=0, le=1)
-    tau_every: Optional[int] = Field(ge=1)
-    tau_prompts: int = Field(ge=0)
-    tau_new_tokens: int = Field(ge=1)
-    early_stop_patience: Optional[int] = Field(ge=1)
+        name: str = Field(min_length=1)
+        version: str
+        block_size: int = Field(ge=2)  # the anchor and at least one masked position
+        num_layers: int = Field(ge=1)
+        epochs: int = Field(ge=1)
+        lr: float = Field(gt=0)
+        warmup_ratio: float = Field(ge=0, lt=1)
+        max_length: int = Field(ge=1)
+        max_anchors: int = Field(ge=1)
+        gamma: Optional[float] = Field(gt=0)
+        batch_size: int = Field(ge=1)
+        seed: int = Field(ge=0)
+        partitions: Union[tuple[str, ...], list[str]]  # JSON gives a list
+        online: bool
+        weight_decay: float = Field(ge=0)
+        grad_clip: float = Field(gt=0)
+        target_layer_ids: Optional[Union[tuple[_LayerId, ...], list[_LayerId]]]
+        mask_token_id: Optional[int] = Field(ge=0)
+        save_every: int = Field(ge=1)
+        attention: Literal[ATTENTION]
+        compile: bool
+        checkpoint_dtype: Literal[CHECKPOINT_DTYPES]
+        cache_limit_gb: Optional[float] = Field(gt=0)
+        family: Optional[str] = Field(min_length=1)
+        init_from: Optional[Literal["promoted"]]
+        objective: Literal[OBJECTIVES]
+        dpace_alpha: float = Field(ge=0, le=1)
+        tau_every: Optional[int] = Field(ge=1)
+        tau_prompts: int = Field(ge=0)
+        tau_new_tokens: int = Field(ge=1)
+        early_stop_patience: Optional[int] = Field(ge=1)
+
+    return RecipeFields
 
 
 class RecipeError(ValueError):
@@ -77,8 +84,9 @@ class RecipeError(ValueError):
 
 
 def _choices(field: str) -> tuple | None:
-    """The allowed values of a Literal field of RecipeFields (None inside Optional left out)."""
-    for arg in (RecipeFields.model_fields[field].annotation, *get_args(RecipeFields.model_fields[field].annotation)):
+    """The allowed values of a Literal field of the recipe model (None inside Optional left out)."""
+    annotation = recipe_fields_model().model_fields[field].annotation
+    for arg in (annotation, *get_args(annotation)):
         if getattr(arg, "__origin__", None) is Literal:
             return get_args(arg)
     return None
@@ -86,15 +94,18 @@ def _choices(field: str) -> tuple | None:
 
 def check_recipe_fields(values: dict[str, Any]) -> None:
     """RecipeError naming each bad field, its value and what is allowed (choices, bounds, the known fields)."""
+    from pydantic import ValidationError
+
+    model = recipe_fields_model()
     try:
-        RecipeFields.model_validate(values)
+        model.model_validate(values)
     except ValidationError as e:
         problems = []
         for err in e.errors():
             field = ".".join(str(p) for p in err["loc"][:1]) if err["loc"] else "?"
             value = err.get("input")
             if err["type"] == "extra_forbidden":
-                problems.append(f"{field}: unknown field (a recipe has {', '.join(RecipeFields.model_fields)})")
+                problems.append(f"{field}: unknown field (a recipe has {', '.join(model.model_fields)})")
             elif _choices(field) and err["type"] == "literal_error":
                 allowed = ", ".join(str(c) for c in _choices(field))
                 problems.append(f"{field} must be one of {allowed}, got {value!r}")
@@ -178,7 +189,7 @@ class DrafterRecipe:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DrafterRecipe":
-        """The recipe of a stored JSON object: every field checked (`RecipeFields`), all problems in one
+        """The recipe of a stored JSON object: every field checked (`recipe_fields_model`), all problems in one
         RecipeError, before anything is built."""
         defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
         check_recipe_fields({**defaults, **d})

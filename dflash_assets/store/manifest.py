@@ -17,6 +17,7 @@ local disk (:func:`remove_stale_scratch`, by the process id in their names;
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import secrets
@@ -25,8 +26,6 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = ["MANIFEST_FORMAT", "new_version", "publish_files", "delete_older_versions", "read_manifest", "manifest_files", "pid_alive",
            "scratch_prefix", "remove_stale_scratch"]
@@ -83,22 +82,27 @@ def delete_older_versions(store: Any, prefix: str, version: str, keep: Iterable[
             store.delete(key)
 
 
-class ManifestFile(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+@functools.cache
+def _manifest_model() -> type:
+    """A stored manifest as readers trust it: its format, version and files (more fields are the publisher's).
+    Built on first use: pydantic stays off the GPU path's module-level imports."""
+    from pydantic import BaseModel, ConfigDict, Field
 
-    name: str = Field(min_length=1)
-    key: str = Field(min_length=1)
-    bytes: int = Field(ge=0)
+    class ManifestFile(BaseModel):
+        model_config = ConfigDict(extra="allow", strict=True)
 
+        name: str = Field(min_length=1)
+        key: str = Field(min_length=1)
+        bytes: int = Field(ge=0)
 
-class Manifest(BaseModel):
-    """A stored manifest as readers trust it: its format, version and files (more fields are the publisher's)."""
+    class Manifest(BaseModel):
+        model_config = ConfigDict(extra="allow", strict=True)
 
-    model_config = ConfigDict(extra="allow", strict=True)
+        format: Literal[MANIFEST_FORMAT]
+        version: str
+        files: list[ManifestFile]
 
-    format: Literal[MANIFEST_FORMAT]
-    version: str
-    files: list[ManifestFile]
+    return Manifest
 
 
 def read_manifest(store: Any, manifest_key: str) -> dict[str, Any] | None:
@@ -108,8 +112,10 @@ def read_manifest(store: Any, manifest_key: str) -> dict[str, Any] | None:
         doc = store.read_json(manifest_key)
     except FileNotFoundError:
         return None
+    from pydantic import ValidationError
+
     try:
-        Manifest.model_validate(doc)
+        _manifest_model().model_validate(doc)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "the document"
