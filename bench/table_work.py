@@ -15,7 +15,9 @@ process, once per implementation, interleaved (before, after, before, after ...)
 
 "before" is the replaced implementation, kept only here as the peer; "after" is the library's. A child loads
 its input (not timed) and warms polars' runtime (in both arms: the code location runs polars anyway), then
-times the computation (best of ``--inner`` runs); its memory is the rise of its peak RSS (VmHWM) over its RSS once the input is loaded. ``speedup`` = before_s / after_s (best of the repeats).
+times the computation (best of ``--inner`` runs); its memory is the rise of its peak RSS (VmHWM, reset through
+/proc/self/clear_refs once the input is loaded) over its RSS then. ``speedup`` = before_s / after_s (best of the
+repeats).
 
   .venv/bin/python bench/table_work.py                 # ~2 min on 2 cores
   .venv/bin/python bench/table_work.py --rows 20000 --repeats 1

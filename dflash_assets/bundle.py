@@ -15,6 +15,7 @@ source, writes the bundle directory (``bundle_path``) or the destination (``unbu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -23,8 +24,6 @@ import tarfile
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dflash_assets.atomic_write import write_atomic
 
@@ -200,33 +199,37 @@ class _JoinedParts(io.RawIOBase):
 _PLAIN_NAME = r"^(?:[^./\\][^/\\]*|\.[^./\\][^/\\]*|\.\.[^/\\]+)$"  # a plain file name: no path, not . or ..
 
 
-class _Part(BaseModel):
-    model_config = ConfigDict(strict=True)
-
-    name: str = Field(pattern=_PLAIN_NAME)
-    bytes: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-
-
-class _File(BaseModel):
-    model_config = ConfigDict(strict=True)
-
-    path: str = Field(min_length=1)
-    bytes: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-
-
-class BundleManifest(BaseModel):
+@functools.cache
+def _manifest_model() -> type:
     """``manifest.json`` of a bundle as `unbundle` trusts it: the format, the source's plain name (the directory it
-    extracts to), each part's name, size and SHA-256, each file's."""
+    extracts to), each part's name, size and SHA-256, each file's. Built on first use: the bundle module imports
+    only the standard library (it runs on hosts that hold little else)."""
+    from pydantic import BaseModel, ConfigDict, Field
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    class _Part(BaseModel):
+        model_config = ConfigDict(strict=True)
 
-    format: Literal[FORMAT]
-    source: str = Field(pattern=_PLAIN_NAME)
-    part_bytes: int = Field(gt=0)
-    parts: list[_Part] = Field(min_length=1)
-    files: list[_File] = Field(min_length=1)
+        name: str = Field(pattern=_PLAIN_NAME)
+        bytes: int = Field(ge=0)
+        sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    class _File(BaseModel):
+        model_config = ConfigDict(strict=True)
+
+        path: str = Field(min_length=1)
+        bytes: int = Field(ge=0)
+        sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    class BundleManifest(BaseModel):
+        model_config = ConfigDict(extra="allow", strict=True)
+
+        format: Literal[FORMAT]
+        source: str = Field(pattern=_PLAIN_NAME)
+        part_bytes: int = Field(gt=0)
+        parts: list[_Part] = Field(min_length=1)
+        files: list[_File] = Field(min_length=1)
+
+    return BundleManifest
 
 
 def read_manifest(bundle: Path) -> dict[str, Any]:
@@ -235,8 +238,10 @@ def read_manifest(bundle: Path) -> dict[str, Any]:
         raise BundleError(f"{bundle}: no {MANIFEST}, so the bundle is incomplete (its writer was stopped, or the "
                           f"manifest was not copied)")
     manifest = json.loads(path.read_text())
+    from pydantic import ValidationError
+
     try:
-        BundleManifest.model_validate(manifest)
+        _manifest_model().model_validate(manifest)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "the document"

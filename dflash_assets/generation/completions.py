@@ -855,7 +855,8 @@ def response_length_histogram(table: pa.Table, max_new_tokens: int | None = None
     With ``max_new_tokens``: "0", then 8 equal bins below the cap, then the cap itself ("96+" for 96: turns
     cut at the cap). Without: "0", "1-15", "16-63", ..., "16384+".
     """
-    per_turn = pl.from_arrow(table.select(["completion_tokens"])).get_column("completion_tokens").explode(keep_nulls=False)
+    column = pl.from_arrow(table.select(["completion_tokens"])).get_column("completion_tokens")
+    per_turn = column.explode(keep_nulls=False)
     return binned_counts(per_turn.to_numpy(), response_length_bin_edges(max_new_tokens))
 
 

@@ -211,7 +211,8 @@ def _row_problems(df: pl.DataFrame, max_length: int | None) -> list[str]:
         pairs=pl.struct("prompt_id", "turn_index").n_unique(),
         too_long=(n_tok > max_length).sum() if max_length is not None else pl.lit(0),
     ).row(0, named=True)
-    problems = [f"{name} lengths differ from num_tokens in {r[name]} rows" for name in ("input_ids", "loss_mask") if r[name]]
+    problems = [f"{name} lengths differ from num_tokens in {r[name]} rows"
+                for name in ("input_ids", "loss_mask") if r[name]]
     if r["mask_max"] is not None and r["mask_max"] > 1:
         problems.append("loss_mask holds values other than 0/1")
     if r["sums"]:
