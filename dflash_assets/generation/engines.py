@@ -985,9 +985,11 @@ class TransformersEngine(Engine):
     slots of ``slot_len`` positions, a request prefilled into a free slot as soon as one frees up (in groups), every
     live row advanced by one token per step, and on CUDA that step replayed as one captured CUDA graph. Short
     answers and later turns keep the batch full instead of waiting for a batch's longest row. Greedy tokens are
-    those of an unpadded ``generate``; sampling: temperature, top_p and top_k only. A prompt whose prompt plus
-    ``max_new_tokens`` exceed ``slot_len`` runs through the dynamic-cache batches instead. Full-attention models
-    only (a hybrid or sliding-window model is refused when the decoder is built).
+    those of an unpadded ``generate``; sampling: temperature, top_p and top_k only. A request whose prompt plus
+    ``max_new_tokens`` exceed ``slot_len`` decodes in one of ``long_slots`` slots of the model's whole context
+    length, stepped beside the others (default: a sixteenth of the slots, at least 4; 0: it runs through the
+    dynamic-cache batches instead, after the slots are idle). Full-attention models only (a hybrid or
+    sliding-window model is refused when the decoders are built).
 
     ``attention="packed_gqa"`` decodes with ``generation.packed_gqa``: the query heads of a KV group share
     one read of the cache instead of Transformers' SDPA copying it to every head, which it does under
@@ -1009,7 +1011,8 @@ class TransformersEngine(Engine):
 
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str = "auto", tokenizer: Any = None,
                  max_batch_tokens: int = 8192, cache: str = "dynamic", max_batch_rows: int | None = None,
-                 attention: str = "sdpa", static_cache_len: str = "largest", slot_len: int = 4096, **kwargs):
+                 attention: str = "sdpa", static_cache_len: str = "largest", slot_len: int = 4096,
+                 long_slots: int | None = None, **kwargs):
         super().__init__(f"inprocess://{Path(model_path)}", **kwargs)
         self.max_batch_rows = max_batch_rows or self.max_concurrency
         if cache not in ("dynamic", "static", "continuous", "slots"):
@@ -1026,6 +1029,7 @@ class TransformersEngine(Engine):
         self.attention = attention
         self.static_cache_len = static_cache_len
         self.slot_len = int(slot_len)
+        self.long_slots = long_slots
         self._slots: Any = None  # the SlotScheduler (cache="slots"), built at the first request
         self._slot_runs: list = []  # its decoders' SlotStats (kept after close)
         self.model_path = str(model_path)
@@ -1257,7 +1261,7 @@ class TransformersEngine(Engine):
                               f"{', '.join(unsupported)}; use cache='static' or 'dynamic'", endpoint=self.url)
         if self._slots is None:
             assert self._loaded is not None
-            self._slots = SlotScheduler(self._slot_decoder, self._loaded.worker)
+            self._slots = SlotScheduler(self.slot_decoders, self._loaded.worker)
             self._slot_runs = self._slots.stats
         sampled = settings["do_sample"]
         request = SlotRequest(ids, gen.max_new_tokens, tuple(stop_ids), temperature=gen.temperature if sampled else 0.0,
@@ -1270,21 +1274,42 @@ class TransformersEngine(Engine):
             raise EngineError(f"{self.url}: slot decoding failed: {type(e).__name__}: {e}", endpoint=self.url) from e
         return out
 
-    def _slot_decoder(self) -> Any:
-        """The slot decoder for this engine's model: ``max_batch_rows`` slots of ``slot_len`` positions (on the
-        model's worker thread)."""
+    def _longest_slot(self) -> int:
+        """Positions of the longest slot: the model's context length when long slots are kept, else ``slot_len``."""
+        context = self.context_length or self.slot_len
+        return context if self._long_slot_count() else min(self.slot_len, context)
+
+    def _long_slot_count(self) -> int:
+        count = max(4, self.max_batch_rows // 16) if self.long_slots is None else self.long_slots
+        return count if (self.context_length or 0) > self.slot_len else 0
+
+    def slot_decoders(self) -> list:
+        """The slot decoders for this engine's model (on the model's worker thread): ``max_batch_rows`` slots of
+        ``slot_len`` positions, and ``long_slots`` (default: a sixteenth of them, at least 4) of the model's whole
+        context length for the prompts that do not fit."""
         from dflash_assets.generation.slot_decoding import SlotDecoder
 
         assert self.tok is not None
         pad = min(self.tok.stop_ids) if self.tok.stop_ids else 0
-        slot_len = min(self.slot_len, self.context_length or self.slot_len)
-        _log.info("%s: slot decoding in %d slots of %d positions", self.url, self.max_batch_rows, slot_len)
-        return SlotDecoder(self.model, slots=self.max_batch_rows, slot_len=slot_len, pad_id=pad,
-                           prefill_tokens=max(self.max_batch_tokens, slot_len))
+        tiers = [(self.max_batch_rows, min(self.slot_len, self.context_length or self.slot_len))]
+        if self._long_slot_count():
+            tiers.append((self._long_slot_count(), self.context_length))
+        _log.info("%s: slot decoding in %s", self.url, " and ".join(f"{n} slots of {length} positions"
+                                                                     for n, length in tiers))
+        return [SlotDecoder(self.model, slots=n, slot_len=length, pad_id=pad,
+                            prefill_tokens=max(self.max_batch_tokens, length)) for n, length in tiers]
 
     def slot_stats(self) -> dict | None:
         """What the slot decoder did so far (None unless cache="slots" decoded something)."""
-        return self._slot_runs[-1].as_dict(self.max_batch_rows) if self._slot_runs else None
+        if not self._slot_runs:
+            return None
+        runs = [stats.as_dict(stats_slots) for stats, stats_slots in
+                zip(self._slot_runs[-1], [self.max_batch_rows, self._long_slot_count()])]
+        total = {k: sum(r[k] for r in runs) for k in ("steps", "prefills", "prefill_rows", "new_tokens", "requests")}
+        total.update(step_seconds=round(sum(r["step_seconds"] for r in runs), 3),
+                     prefill_seconds=round(sum(r["prefill_seconds"] for r in runs), 3),
+                     occupancy=runs[0]["occupancy"], cuda_graph=runs[0]["cuda_graph"])
+        return {**total, "decoders": runs}
 
     def _next_batch(self) -> list[_BatchedRequest]:
         """The requests of the next generate call (``next_batch``'s rule over the pending requests)."""
@@ -1323,7 +1348,7 @@ class TransformersEngine(Engine):
         t0 = time.perf_counter()
         if self.cache == "continuous":
             out = await self._continuous_generate(ids, generation, stop_ids)
-        elif self.cache == "slots" and len(ids) + generation.max_new_tokens <= self.slot_len:
+        elif self.cache == "slots" and len(ids) + generation.max_new_tokens <= self._longest_slot():
             out = await self._slot_generate(ids, generation, stop_ids)
         else:  # the batched generate (a prompt too long for a slot decodes there on the dynamic cache)
             request = _BatchedRequest(ids, generation, stop_ids, generation.model_dump_json() + repr(stop_ids),

@@ -286,19 +286,17 @@ class SlotDecoder:
     # -- prefill -----------------------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Prefill pending requests into free slots (as many as fit `prefill_tokens` per forward)."""
+        """Prefill the oldest pending requests into the free slots: sorted by length and cut into forwards of at
+        most `prefill_tokens` padded tokens, so that one long prompt pads only prompts of its own size."""
         free = [s for s, r in enumerate(self.live) if r is None]
-        while free and self.pending:
-            group: list[SlotRequest] = []
-            width = 0
-            while self.pending and len(group) < len(free):
-                w = max(width, len(self.pending[0].ids))
-                if group and w * (len(group) + 1) > self.prefill_tokens:
-                    break
-                group.append(self.pending.popleft())
-                width = w
+        admitted = sorted((self.pending.popleft() for _ in range(min(len(free), len(self.pending)))),
+                          key=lambda r: len(r.ids))
+        while admitted:
+            group = [admitted.pop(0)]
+            while admitted and len(admitted[0].ids) * (len(group) + 1) <= self.prefill_tokens:
+                group.append(admitted.pop(0))  # sorted: the newest row is the widest
             slots, free = free[:len(group)], free[len(group):]
-            self._prefill(group, slots, width)
+            self._prefill(group, slots, len(group[-1].ids))
 
     def _prefill(self, group: list[SlotRequest], slots: list[int], width: int) -> None:
         import torch
@@ -418,18 +416,21 @@ class SlotDecoder:
 class SlotScheduler:
     """Requests from an asyncio loop decoded by one `SlotDecoder` on one worker thread (see the module).
 
-    `make_decoder` builds the decoder on the worker thread at the first request (and again after a failure,
-    which fails every request queued or live at that moment and frees the decoder's cache).
+    `make_decoders` builds the decoders on the worker thread at the first request (and again after a failure,
+    which fails every request queued or live at that moment and frees their caches): e.g. many slots of a few
+    thousand positions and a few long ones, so that a rare long prompt neither waits for the end nor makes every
+    step attend over its length. A request goes to the decoder of the shortest slots that hold its prompt and its
+    ``max_new_tokens``; one that fits none fails alone.
     """
 
-    def __init__(self, make_decoder: Callable[[], SlotDecoder], executor: Any):
-        self._make_decoder = make_decoder
+    def __init__(self, make_decoders: Callable[[], Sequence[SlotDecoder]], executor: Any):
+        self._make_decoders = make_decoders
         self._executor = executor
         self._queue: queue.SimpleQueue[SlotRequest] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._running = False
-        self.decoder: SlotDecoder | None = None
-        self.stats: list[SlotStats] = []  # of every decoder built (a failure builds a new one)
+        self.decoders: list[SlotDecoder] = []
+        self.stats: list[list[SlotStats]] = []  # each build's decoders' stats (a failure builds new ones)
 
     async def generate(self, request: SlotRequest) -> tuple[list[int], str]:
         """`request` decoded: its new ids (the stop id that ended it included) and "stop" or "length"."""
@@ -449,39 +450,47 @@ class SlotScheduler:
                 loop.run_in_executor(self._executor, self._work)
         return await done
 
-    def _drain(self, decoder: SlotDecoder) -> None:
+    def _drain(self) -> None:
+        """Queued requests to the first decoder (the shortest slots) whose slot holds the prompt and its new
+        tokens."""
         while True:
             try:
                 request = self._queue.get_nowait()
             except queue.Empty:
                 return
+            need = len(request.ids) + request.max_new_tokens
+            decoder = next((d for d in self.decoders if need <= d.slot_len), None)
             try:
+                if decoder is None:
+                    raise ValueError(f"a prompt of {len(request.ids)} tokens and {request.max_new_tokens} new ones "
+                                     f"do not fit a slot of {self.decoders[-1].slot_len} positions")
                 decoder.submit(request)
             except ValueError as e:  # this request alone cannot be decoded
                 if request.fail is not None:
                     request.fail(e)
 
     def _work(self) -> None:
-        """Admit and decode until nothing is queued, pending or live (on the worker thread)."""
+        """Admit and decode until nothing is queued, pending or live (on the worker thread); a step of each
+        decoder with work in turn, so long prompts decode beside short ones."""
         try:
-            if self.decoder is None:
-                self.decoder = self._make_decoder()
-                self.stats.append(self.decoder.stats)
-            decoder = self.decoder
+            if not self.decoders:
+                self.decoders = sorted(self._make_decoders(), key=lambda d: d.slot_len)
+                self.stats.append([d.stats for d in self.decoders])
             while True:
-                self._drain(decoder)
-                if decoder.idle():
+                self._drain()
+                busy = [d for d in self.decoders if not d.idle()]
+                if not busy:
                     with self._lock:
                         if self._queue.empty():
                             self._running = False
                             return
                     continue
-                decoder.step()
-        except BaseException as e:  # noqa: BLE001 - every request in the decoder fails alike
+                for decoder in busy:
+                    decoder.step()
+        except BaseException as e:  # noqa: BLE001 - every request in the decoders fails alike
             _log.warning("slot decoding failed; failing the requests queued and live", exc_info=True)
-            failed = [r for r in (self.decoder.live if self.decoder else []) if r is not None]
-            failed += list(self.decoder.pending) if self.decoder else []
-            self.decoder = None  # its cache is freed; the next request builds a new one
+            failed = [r for d in self.decoders for r in [*d.live, *d.pending] if r is not None]
+            self.decoders = []  # their caches are freed; the next request builds new ones
             with self._lock:
                 while not self._queue.empty():
                     failed.append(self._queue.get_nowait())

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_assets.generation.slot_decoding import (SlotDecoder, SlotRequest, kv_bytes_per_position,
+from dflash_assets.generation.slot_decoding import (SlotDecoder, SlotRequest, SlotScheduler, kv_bytes_per_position,
                                                     slots_for_memory, unsupported_reason)
 
 STOP = (7, 11)
@@ -76,6 +76,30 @@ def test_steps_attend_over_the_view_that_holds_every_live_row():
     assert got[0][0] == _alone(model, *prompts[0]) and got[1][0] == _alone(model, *prompts[1])
     assert len(got[0][0]) == 20  # no stop id: the row reaches position 269
     assert views[0] == 256 and views[-1] == 512 and sorted(set(views)) == [256, 512]
+
+
+def test_scheduler_sends_each_request_to_the_shortest_slot_that_holds_it():
+    """From an asyncio loop: short requests to the short slots, a long one to the long slot (both decoded in turn,
+    the tokens generate's), one that fits no slot fails alone."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = _model("qwen3")
+    rng = random.Random(9)
+    short = _prompts(10, seed=4)
+    long = ([rng.randrange(1, 300) for _ in range(150)], 25)
+    decoders = [SlotDecoder(model, slots=4, slot_len=64), SlotDecoder(model, slots=2, slot_len=200)]
+
+    async def go():
+        scheduler = SlotScheduler(lambda: decoders, ThreadPoolExecutor(max_workers=1))
+        asks = [scheduler.generate(SlotRequest(ids, n, STOP)) for ids, n in [*short, long]]
+        too_long = scheduler.generate(SlotRequest(list(range(1, 190)), 20, STOP))
+        return await asyncio.gather(*asks, too_long, return_exceptions=True)
+
+    *answers, refused = asyncio.run(go())
+    assert [a[0] for a in answers] == [_alone(model, ids, n) for ids, n in [*short, long]]
+    assert isinstance(refused, ValueError) and "do not fit a slot of 200" in str(refused)
+    assert decoders[0].stats.requests == 10 and decoders[1].stats.requests == 1
 
 
 def test_a_row_ends_at_the_slot_end_as_length():
@@ -158,9 +182,14 @@ def test_engine_with_slots_answers_as_the_dynamic_cache(tiny_dense_target):
     assert stats["requests"] == 8 and stats["new_tokens"] == sum(r[2] for r in slots) and stats["prefills"] >= 3
     assert eng.batch_shapes == []  # nothing went through the batched generate
 
-    long_question = ["word " * 200]  # prompt + new tokens over the slot: the dynamic cache decodes it
+    long_question = ["word " * 200]  # prompt + new tokens over the slot: a long slot, or with none the dynamic cache
+    long_dynamic = asyncio.run(go("dynamic", long_question, gens[:1]))[0]
     long_slots, eng = asyncio.run(go("slots", long_question, gens[:1], slot_len=128))
-    assert long_slots == asyncio.run(go("dynamic", long_question, gens[:1]))[0]
+    assert long_slots == long_dynamic
+    assert eng.batch_shapes == [] and [d["requests"] for d in eng.slot_stats()["decoders"]] == [0, 1]
+    assert eng.slot_stats()["decoders"][1]["cuda_graph"] is False
+    long_slots, eng = asyncio.run(go("slots", long_question, gens[:1], slot_len=128, long_slots=0))
+    assert long_slots == long_dynamic
     assert len(eng.batch_shapes) == 1 and eng.slot_stats() is None
 
     with pytest.raises(EngineError, match="not min_p"):

