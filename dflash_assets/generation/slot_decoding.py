@@ -296,7 +296,8 @@ class SlotDecoder:
             while admitted and len(admitted[0].ids) * (len(group) + 1) <= self.prefill_tokens:
                 group.append(admitted.pop(0))  # sorted: the newest row is the widest
             slots, free = free[:len(group)], free[len(group):]
-            self._prefill(group, slots, len(group[-1].ids))
+            # widths in steps of 64: few shapes, and attention kernels that want aligned key lengths take the mask
+            self._prefill(group, slots, min(-(-len(group[-1].ids) // 64) * 64, self.slot_len))
 
     def _prefill(self, group: list[SlotRequest], slots: list[int], width: int) -> None:
         import torch
