@@ -24,7 +24,8 @@ demo's mixed backfill policies are filtered inside this command only, and
 Transformers' and tqdm's progress bars are off in its processes.
 
 ``run_demo`` drives the runs (tests and the reliability bench call it too):
-``prompt_corpus``, then ``generation_plan`` with a pilot of real prompts,
+``prompt_corpus``, then (SmolLM2) ``self_generated_prompts`` of the first shard
+with its blocking check, then ``generation_plan`` with a pilot of real prompts,
 then per shard one run of ``raw_prompts`` -> ``completions`` ->
 ``tokenized_samples`` (with its blocking checks) -> ``hidden_state_cache``,
 then the recipe ``demo-v1`` (every good shard but the last, which is held
@@ -73,9 +74,9 @@ log = logging.getLogger("dflash.demo")
 # of stubs still fails from a few samples up (tests/dagster_project/test_demo.py).
 TARGET_DEFAULTS = {
     "smollm2": {"prompts": 48, "shard_size": 16, "max_new_tokens": 48, "engine": "inprocess",
-                "eval_prompts": 8, "eval_new_tokens": 32, "max_empty_ratio": 0.02},
+                "eval_prompts": 8, "eval_new_tokens": 32, "max_empty_ratio": 0.02, "self_prompts": 32},
     "tiny": {"prompts": 48, "shard_size": 24, "max_new_tokens": 96, "engine": "serve",
-             "eval_prompts": 4, "eval_new_tokens": 48, "max_empty_ratio": 0.10},
+             "eval_prompts": 4, "eval_new_tokens": 48, "max_empty_ratio": 0.10, "self_prompts": 0},
 }
 DEFAULT_TARGET = "smollm2"
 PROG = "python -m dagster_project.demo"
@@ -118,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-empty-ratio", type=float, default=None,
                         help="the empty_response_ratio gate of tokenized_samples (fails when the 95%% Wilson lower "
                         f"bound of the share of empty answers is above it); default {_per_target('max_empty_ratio')}")
+    parser.add_argument("--self-prompts", type=int, default=None,
+                        help="prompts the target writes itself for the first shard (self_generated_prompts and its "
+                        f"check; not mixed into raw_prompts); 0: none; default {_per_target('self_prompts')} (the "
+                        "tiny target writes no usable prompt)")
     args = parser.parse_args(argv)
     from dflash_assets.embedded.tiny_targets import cap_onednn_to_kernel_level
 
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                                max_new_tokens=args.max_new_tokens, target=served, baseline=served is not None,
                                engine=args.engine, engine_concurrency=2 if args.engine == "serve" else 32,
                                eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens,
-                               max_empty_ratio=args.max_empty_ratio,
+                               max_empty_ratio=args.max_empty_ratio, self_prompts=args.self_prompts,
                                progress=lambda s: print(s.line(), flush=True))
     summary.wall_s = time.time() - t0
     print(summary_table(summary, store=os.environ["DFLASH_STORE"], home=home))
@@ -314,7 +319,8 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
              max_turns: int = 2, engine_concurrency: int = 2, eval_prompts: int = 4, eval_new_tokens: int = 48,
              seed: int = 0, drafter: bool = True, store: Any = None, target: str | None = None,
              baseline: bool = False, progress: Callable[[StageRun], None] | None = None,
-             pilot_prompts: int = 4, engine: str = "serve", max_empty_ratio: float | None = None) -> DemoSummary:
+             pilot_prompts: int = 4, engine: str = "serve", max_empty_ratio: float | None = None,
+             self_prompts: int = 0) -> DemoSummary:
     """Materialize the whole graph on the embedded default; see the module docstring.
 
     ``seed`` is the completions' sampling seed; ``drafter=False`` stops after the
@@ -324,6 +330,8 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
     ``baseline``: also measure tau of an untrained drafter on the same held-out prompts.
     ``pilot_prompts``: the cost plan's pilot before any completions (0: no plan).
     ``max_empty_ratio``: the ``empty_response_ratio`` gate of ``tokenized_samples`` (None: the asset's default).
+    ``self_prompts``: prompts the target writes itself for the first shard (``self_generated_prompts``, one
+    batch of 64 new tokens at most each, and its blocking check), not mixed into ``raw_prompts``; 0: none.
     ``engine``: "serve" (``transformers serve`` on 127.0.0.1, ``engine_concurrency`` requests in flight)
     or "inprocess" (the batched in-process Transformers engine in each completions step: the requests
     in flight, ``engine_concurrency`` of them, are one ``generate`` call; far faster on CPU).
@@ -373,7 +381,7 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
                 report(stage)
             checks = _check_outcomes(result)
             if checks:
-                summary.checks[partition or ""] = checks
+                summary.checks.setdefault(partition or "", []).extend(checks)
             return stages
 
         corpus = materialize(["prompt_corpus"], None, {"ops": {"prompt_corpus": {"config": {
@@ -383,6 +391,14 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
             summary.wall_s = time.time() - t_start
             return summary
         summary.shards = sorted(instance.get_dynamic_partitions("prompt_shards"))
+        if self_prompts:  # the target writes prompts itself for the first shard (seeded: the same ones each run)
+            [own] = materialize(["self_generated_prompts"], summary.shards[0], {"ops": {"self_generated_prompts": {
+                "config": {"samples": self_prompts, "batch_size": self_prompts, "max_new_tokens": 64,
+                           "seed": seed, "device": "cpu"}}}})
+            if own.status != "ok":
+                summary.failures.append(f"self_generated_prompts of {own.partition} {own.status}: "
+                                        f"{own.error or 'its check failed'}. See it in the UI (make ui -> "
+                                        "self_generated_prompts -> Checks).")
         if pilot_prompts:  # the cost plan before any completions, from a pilot of real prompts
             completions_config = demo_run_config(max_new_tokens, max_turns, seed)["ops"]["completions"]["config"]
             materialize(["generation_plan"], None, {"ops": {"generation_plan": {"config": {
@@ -435,6 +451,8 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
 _NUMBERS: dict[str, list[tuple[str, str]]] = {
     "prompt_corpus": [("valid", "{} prompts"), ("num_shards", "{} shards"), ("records_read", "{} records read")],
     "raw_prompts": [("num_prompts", "{} prompts"), ("num_user_turns", "{} user turns")],
+    "self_generated_prompts": [("kept", "{} kept"), ("samples", "of {} written"),
+                               ("distinct_ratio", "{:.0%} distinct"), ("prompts_per_s", "{:.1f} prompts/s")],
     "generation_plan": [("generation_wall", "completions predicted {}"), ("cache_gb", "cache {:.4f} GB"),
                         ("recommendation", "{} training")],
     "completions": [("prompts_done", "{} prompts done"), ("completion_tokens", "{} tokens"),
