@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dflash_assets.store import layout
 from dflash_assets.store.schemas import AGENTIC_MESSAGES_TYPE, COMPLETIONS_MESSAGES_TYPE
@@ -508,8 +509,6 @@ def _published_rows(store: Any, shard: str, config_hash: str, inputs: dict[str, 
     table = store.read_parquet(key)
     if "config_hash" not in table.column_names:
         return {}
-    import pyarrow.compute as pc
-
     table = table.filter(pc.equal(table["config_hash"], config_hash))
     rows: dict[str, dict] = {}
     for row in table.to_pylist():
@@ -541,37 +540,32 @@ def _resolve_tokenizer(tokenizer: Any, fleet: EngineFleetConfig) -> Any:
                      f"(target {fleet.target_model!r} is not a local model dir)")
 
 
-# only what str.strip() removes, as a regex class: a test, no stripped copy of every answer
-_BLANK = "^[" + "".join(f"\\u{{{ord(c):x}}}" for c in map(chr, range(0x110000)) if c.isspace()) + "]*$"
+# only what str.strip() removes, as an RE2 class: a test, no stripped copy of every answer
+_BLANK = "^[" + "".join(f"\\x{{{ord(c):x}}}" for c in map(chr, range(0x110000)) if c.isspace()) + "]*$"
 
 
-_COUNT_ROWS = 16_384  # rows per polars frame in turn_counts
-
-
-def _blank(col: str) -> pl.Expr:
-    """Null, empty or only whitespace (as ``not (text or "").strip()``)."""
-    return pl.col(col).is_null() | pl.col(col).str.contains(_BLANK)
+def _blank(messages: pa.ChunkedArray, name: str) -> pa.ChunkedArray:
+    """Per message: the field null, empty or only whitespace (as ``not (text or "").strip()``)."""
+    return pc.fill_null(pc.match_substring_regex(pc.struct_field(messages, name), _BLANK), True)
 
 
 def turn_counts(table: pa.Table, thinking: bool) -> tuple[dict[str, int], int, int, int]:
     """Over a completions table: finish reasons (first seen first) and, over the assistant turns, those with an
     empty answer (a tool call is an answer), those with empty reasoning (counted when ``thinking``), and all.
-    A slice of rows at a time (zero-copy Arrow slices): the frames' string views stay small."""
+    Arrow kernels over the flattened messages and their fields, which are views of the table's buffers: what is
+    allocated is a few bits per message."""
     finish: dict[str, int] = {}
-    empty_content = empty_reasoning = turns = 0
-    for start in range(0, table.num_rows, _COUNT_ROWS):
-        df = pl.from_arrow(table.slice(start, _COUNT_ROWS).select(["finish_reasons", "messages"]))
-        for reason, n in (df.select(pl.col("finish_reasons").explode(keep_nulls=False))
-                          .group_by("finish_reasons", maintain_order=True).len().iter_rows()):
-            finish[reason] = finish.get(reason, 0) + n
-        messages = df.select(pl.col("messages").explode(keep_nulls=False)).unnest("messages")
-        step = pl.col("role") == "assistant"  # counted in place: no filtered copy of the messages
-        no_call = (pl.col("tool_calls").list.len().fill_null(0) == 0) if "tool_calls" in messages.columns else True
-        r = messages.select(content=(step & _blank("content") & no_call).sum(),
-                            reasoning=(step & _blank("reasoning_content")).sum(), turns=step.sum()).row(0)
-        empty_content, empty_reasoning, turns = (empty_content + int(r[0] or 0), empty_reasoning + int(r[1] or 0),
-                                                 turns + int(r[2] or 0))
-    return finish, empty_content, empty_reasoning if thinking else 0, turns
+    for item in pc.value_counts(pc.list_flatten(table.column("finish_reasons"))).to_pylist():
+        finish[item["values"]] = finish.get(item["values"], 0) + item["counts"]
+    messages = pc.list_flatten(table.column("messages"))
+    step = pc.fill_null(pc.equal(pc.struct_field(messages, "role"), "assistant"), False)
+    answered = step  # an assistant turn whose answer is its text: no tool call
+    if messages.type.get_field_index("tool_calls") >= 0:
+        calls = pc.list_value_length(pc.struct_field(messages, "tool_calls"))
+        answered = pc.and_(step, pc.fill_null(pc.equal(calls, 0), True))
+    empty_content = pc.sum(pc.and_(answered, _blank(messages, "content"))).as_py() or 0
+    empty_reasoning = (pc.sum(pc.and_(step, _blank(messages, "reasoning_content"))).as_py() or 0) if thinking else 0
+    return finish, int(empty_content), int(empty_reasoning), int(pc.sum(step).as_py() or 0)
 
 
 def _agentic_counts(table: pa.Table, stats: "GenerationStats") -> None:

@@ -428,13 +428,12 @@ def test_max_context_tokens_keeps_generation_within_what_training_keeps(tok, loc
 
 
 @pytest.mark.parametrize("thinking", [True, False])
-def test_turn_counts_over_the_table_equal_a_loop_over_its_rows(monkeypatch, thinking):
-    """The polars counts (a few rows per frame here) against the plain loop over the rows as dicts: finish reasons
-    in first-seen order, blank answers by str.strip()'s whitespace (U+001C and U+3000 included), a tool call
-    counting as an answer, nulls as empty."""
+def test_turn_counts_over_the_table_equal_a_loop_over_its_rows(thinking):
+    """The Arrow counts over a table of several chunks against the plain loop over the rows as dicts: finish
+    reasons in first-seen order, blank answers by str.strip()'s whitespace (U+001C and U+3000 included), a tool
+    call counting as an answer, nulls as empty."""
     import dflash_assets.generation.completions as C
 
-    monkeypatch.setattr(C, "_COUNT_ROWS", 2)
     answers = ["ok", "", " \u3000\n", "\x1c", None, "x\u00a0"]
     rows = []
     for i in range(7):
@@ -449,6 +448,8 @@ def test_turn_counts_over_the_table_equal_a_loop_over_its_rows(monkeypatch, thin
     table = pa.Table.from_pylist(rows, schema=pa.schema([
         ("prompt_id", pa.string()), ("messages", C.AGENTIC_MESSAGES_TYPE), ("finish_reasons", pa.list_(pa.string())),
         ("tools", pa.string()), ("agentic_stop", pa.string())]))
+    table = pa.concat_tables([table.slice(0, 2), table.slice(2, 3), table.slice(5)])  # chunks, as read back
+    assert table.column("messages").num_chunks == 3
     finish: dict[str, int] = {}
     empty_content = empty_reasoning = turns = 0
     for row in rows:
