@@ -20,8 +20,9 @@ Reads the target (spec), the committed prompt corpus's shards, the other ``self_
 the journal and the benchmark files. Writes, through the store: the journal
 ``self_generated_prompts/_journal/<shard>/<config>/batch-<n>.parquet`` (deleted once published), then
 ``self_generated_prompts/<shard>.parquet`` (the prompt schema plus lineage columns),
-``self_generated_prompts/_quarantine/<shard>.parquet`` (the ingest's quarantine schema) and
-``self_generated_prompts/_reports/<shard>.json``.
+``self_generated_prompts/_quarantine/<shard>.parquet`` (the ingest's quarantine schema),
+``self_generated_prompts/_reports/<shard>.json`` and, once per corpus generation, the corpus's signatures
+``self_generated_prompts/_index/corpus-gen-<N>-<perm>x<n>.parquet``.
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_assets.drafter.decontamination import EvalText, read_benchmark_prompts, turn_matches
 from dflash_assets.generation.self_prompts import SampledConversation, SelfPromptSampling, UserTurnSampler
 from dflash_assets.prompts.config import IngestConfig
-from dflash_assets.prompts.corpus import list_shard_keys, read_corpus_shard
-from dflash_assets.prompts.near_duplicates import MinHashIndex, minhash
+from dflash_assets.prompts.corpus import list_shard_keys, load_corpus_index, read_corpus_shard
+from dflash_assets.prompts.near_duplicates import NGRAM, NUM_PERM, MinHashIndex, minhash, minhash_many
 from dflash_assets.prompts.normalization import Prompt, normalize_record
 from dflash_assets.prompts.quarantine import QUARANTINE_REASONS, QUARANTINE_SCHEMA
 from dflash_assets.prompts.shards import PROMPT_SCHEMA, ShardBuilder
@@ -254,31 +256,60 @@ def _sample(store: Any, shard: str, spec: Any, config: SelfPromptsConfig, config
 # -- the filters ----------------------------------------------------------------------------------------------
 
 
+def _corpus_signatures(store: Any) -> pa.Table:
+    """(where, text hash, MinHash signature) of every distinct user turn of the committed corpus, cached per
+    corpus generation at ``self_generated_prompts/_index/corpus-gen-<N>.parquet`` (built by the first partition
+    that needs it; the same bytes whoever builds it)."""
+    index = load_corpus_index(store)
+    key = f"{PREFIX}/_index/corpus-gen-{index.generation}-{NUM_PERM}x{NGRAM}.parquet"
+    if store.exists(key):
+        return store.read_parquet(key)
+    wheres, hashes, texts, seen = [], [], [], set()
+    for corpus_shard in sorted(index.shards):
+        table = read_corpus_shard(store, corpus_shard, columns=["prompt_id", "user_turns"])
+        for pid, turns in zip(table.column(0).to_pylist(), table.column(1).to_pylist()):
+            for text in turns or ():
+                h = text_hash(text)
+                if h not in seen:
+                    seen.add(h)
+                    wheres.append(f"corpus:{corpus_shard}/{pid}")
+                    hashes.append(h)
+                    texts.append(text)
+    signatures = minhash_many(texts).reshape(-1)
+    table = pa.table({"where": wheres, "text_hash": hashes, "signature": pa.FixedSizeListArray.from_arrays(
+        pa.array(signatures, pa.uint32()), NUM_PERM)})
+    store.write_parquet(key, table)
+    return table
+
+
 def _dedup_sources(store: Any, shard: str, threshold: float, against_corpus: bool
                    ) -> tuple[dict[str, str], MinHashIndex]:
-    """Hashes (normalized text -> where) and a MinHash index of the other sources' user turns."""
+    """Hashes (normalized text -> where) and a MinHash index of the other sources' user turns: the corpus's (all
+    turns) and the other self-generated partitions' (first turns)."""
     hashes: dict[str, str] = {}
     index = MinHashIndex(threshold)
 
-    def add(where: str, text: str) -> None:
-        h = text_hash(text)
-        if h not in hashes:
-            hashes[h] = where
-            index.add(where, minhash(text))
+    def add(wheres: list[str], text_hashes: list[str], signatures: np.ndarray) -> None:
+        fresh = [i for i, h in enumerate(text_hashes) if h not in hashes]
+        for i in fresh:
+            hashes[text_hashes[i]] = wheres[i]
+        index.add_many([wheres[i] for i in fresh], signatures[fresh])
 
-    if against_corpus:
-        for corpus_shard in list_shard_keys(store):
-            table = read_corpus_shard(store, corpus_shard, columns=["prompt_id", "user_turns"])
-            for pid, turns in zip(table.column(0).to_pylist(), table.column(1).to_pylist()):
-                for text in turns or ():
-                    add(f"corpus:{corpus_shard}/{pid}", text)
+    if against_corpus and list_shard_keys(store):
+        corpus = _corpus_signatures(store)
+        flat = corpus.column("signature").combine_chunks().flatten().to_numpy()
+        add(corpus.column("where").to_pylist(), corpus.column("text_hash").to_pylist(), flat.reshape(-1, NUM_PERM))
+    wheres, texts = [], []
     for key in sorted(store.list(f"{PREFIX}/")):
         other = key[len(PREFIX) + 1:-len(".parquet")]
         if "/" in other or not key.endswith(".parquet") or other == shard:
             continue
         table = store.read_parquet(key, columns=["prompt_id", "user_turns"])
         for pid, turns in zip(table.column(0).to_pylist(), table.column(1).to_pylist()):
-            add(f"{SOURCE}:{other}/{pid}", turns[0])
+            wheres.append(f"{SOURCE}:{other}/{pid}")
+            texts.append(turns[0])
+    if texts:
+        add(wheres, [text_hash(t) for t in texts], minhash_many(texts))
     return hashes, index
 
 

@@ -112,6 +112,9 @@ def test_duplicates_of_the_corpus_and_of_other_partitions_and_contaminated_turns
     details = first.quarantine.column("detail").to_pylist()
     assert details[0].startswith("equals corpus:shard-00000/") and "corpus:" in details[1]
     assert "benchmark:bench.txt" in details[2]
+    [cached] = local_store.list("self_generated_prompts/_index/")  # the corpus's signatures, once per generation
+    assert cached.startswith("self_generated_prompts/_index/corpus-gen-1-")
+    assert local_store.read_parquet(cached).num_rows == 2
     # another partition: what shard-00000 kept is a duplicate there
     _journal(local_store, spec, config, "shard-00001", [([t], [], True) for t in (GOOD[3], GOOD[4], GOOD[4], "x")])
     second = generate_self_prompts(local_store, "shard-00001", spec, config)
