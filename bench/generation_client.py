@@ -39,7 +39,7 @@ from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig, ru
 from dflash_assets.generation.chat_tokenizer import ChatTokenizer  # noqa: E402
 from dflash_assets.generation.engines import json_dumps, json_loads  # noqa: E402
 from dflash_assets.generation.server import local_engine_server  # noqa: E402
-from dflash_assets.testing.sglang_loopback import LoopbackProcess  # noqa: E402
+from tests.support.sglang_loopback import LoopbackProcess  # noqa: E402
 from dflash_assets.store.backends import LocalStore  # noqa: E402
 
 TARGET = "/models/Qwen3.6-27B"

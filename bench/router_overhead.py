@@ -1,6 +1,6 @@
 """The generation client through sglang-router against direct connections to the same engines. Prints one JSON object.
 
-Two engines (``dflash_assets.testing.sglang_loopback``, each in its own
+Two engines (``tests.support.sglang_loopback``, each in its own
 process, answering after ``--delay-s``, on the tiny target's directory so the
 router loads its tokenizer locally) and the real sglang-router 0.3.2
 (``--policy round_robin``) in front of them. The client is the fleet
@@ -39,7 +39,7 @@ from bench.machine import machine_info, print_report  # noqa: E402
 from dflash_assets.generation.engines import Engine, GenerationConfig  # noqa: E402
 from dflash_assets.generation.fleet import EndpointConfig, EngineFleet, EngineFleetConfig, run_sync  # noqa: E402
 from dflash_assets.generation.router import RouterProcess  # noqa: E402
-from dflash_assets.testing.sglang_loopback import LoopbackProcess  # noqa: E402
+from tests.support.sglang_loopback import LoopbackProcess  # noqa: E402
 
 
 class OneTurn:

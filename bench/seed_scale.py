@@ -157,7 +157,7 @@ def stage_completions(args) -> dict:
     from dflash_assets.prompts.corpus import list_shard_keys
     from dflash_assets.store import layout
     from dflash_assets.target_model.tokenizer import build_qwen3_6_tokenizer
-    from dflash_assets.testing.sglang_loopback import LoopbackProcess
+    from tests.support.sglang_loopback import LoopbackProcess
 
     store = _open(args.store, args.s3_endpoint)
     tok = build_qwen3_6_tokenizer()

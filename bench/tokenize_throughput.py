@@ -42,7 +42,7 @@ from dflash_assets.tokenization.samples import (  # noqa: E402
     expand_conversation,
     tokenize_completions,
 )
-from dflash_assets.testing.sharegpt import sharegpt_completions  # noqa: E402
+from tests.support.sharegpt import sharegpt_completions  # noqa: E402
 from dflash_assets.target_model.tokenizer import build_qwen3_6_tokenizer  # noqa: E402
 
 

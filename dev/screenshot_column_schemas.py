@@ -16,7 +16,7 @@ from tests.dagster_dev import dagster_dev, ui_page
 
 from dflash_assets.embedded.tiny_targets import tiny_target_path
 from dflash_assets.store.backends import LocalStore
-from dflash_assets.testing.sglang_loopback import LoopbackServer
+from tests.support.sglang_loopback import LoopbackServer
 
 ASSETS = ("raw_prompts", "completions", "tokenized_samples")
 

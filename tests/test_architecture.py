@@ -25,7 +25,6 @@ FLOORS = {
     "hidden_states": 5,
     "drafter": 6,
     "embedded": 7,  # the tiny targets and the embedded engine: built from the stages below
-    "testing": 7,
     "demo": 7,  # the demo's library parts (recipe, answers preview, plan vs run, untrained tau), for dagster_project.demo
     "planning": 7,  # the corpus's cost plan: measured on the fleet and the store, arithmetic over stage shapes
     "self_generated": 7,  # prompts the target writes itself: sampled, filtered by prompts', decontaminated by drafter's rule
@@ -244,9 +243,8 @@ def test_every_dagster_module_opens_with_a_docstring():
 
 
 # Where a tokenizer may be loaded: the target package (the spec loads it, the chat object carries it) and the
-# embedded target builders; and the SGLang stand-in, which loads its tokenizer.json as a server does.
+# embedded target builders.
 TOKENIZER_LOADERS = ("target_model", "embedded")
-SERVER_STAND_INS = ("dflash_assets.testing.sglang_loopback",)
 
 
 def test_no_tokenizer_is_loaded_outside_the_target_package():
@@ -255,7 +253,7 @@ def test_no_tokenizer_is_loaded_outside_the_target_package():
     template override and template kwargs reach them all."""
     offenders = []
     for name, path in _modules().items():
-        if name == "dflash_assets" or _unit(name) in TOKENIZER_LOADERS or name in SERVER_STAND_INS:
+        if name == "dflash_assets" or _unit(name) in TOKENIZER_LOADERS:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.alias) and "AutoTokenizer" in node.name:
@@ -319,8 +317,6 @@ NO_TEST_MODULE = {
     "dflash_assets/embedded/tiny_target_training.py": "tested through tests/embedded/test_tiny_targets.py",
     "dflash_assets/planning/measurements.py": "tested through tests/planning/test_costs.py and tests/generation/test_fleet.py",
     "dflash_assets/planning/stage.py": "tested through tests/planning/test_costs.py",
-    "dflash_assets/testing/sglang_loopback.py": "test support (the SGLang stand-in), exercised by tests/generation/test_engines.py",
-    "dflash_assets/testing/sharegpt.py": "test support (ShareGPT rows for tests/tokenization/test_samples.py)",
 }
 
 

@@ -236,7 +236,7 @@ def test_each_endpoint_can_have_its_own_api_key_named_in_the_environment(monkeyp
     or file holding its key; others get the fleet-wide key. A wrong key is refused naming the endpoint, not a key."""
     from dagster_project.deployment import DeploymentConfigError, engines_for_profile
     from dflash_assets.generation.fleet import probe_fleet
-    from dflash_assets.testing.sglang_loopback import LoopbackServer
+    from tests.support.sglang_loopback import LoopbackServer
 
     target = "/models/Qwen3.6-27B"
     keys = {"a": "sk-engine-a-777", "b": "sk-engine-b-888", "fleet": "sk-fleet-wide-999"}

@@ -20,7 +20,7 @@ from dagster_project.metadata import check_metadata, render_pipes_result
 from dagster_project.resources import EngineFleetResource, StoreResource
 from dflash_assets.chart_data import bin_labels, binned_counts, curve_points, share_at_least
 from dflash_assets.generation.completions import response_length_histogram
-from dflash_assets.testing.sglang_loopback import LoopbackServer
+from tests.support.sglang_loopback import LoopbackServer
 from dflash_assets.store.backends import LocalStore
 from dflash_assets.tokenization.quality import LOSS_TOKEN_BIN_EDGES, loss_token_histogram
 

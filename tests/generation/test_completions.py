@@ -28,7 +28,7 @@ from dflash_assets.generation.completions import (
     regenerate_shard,
 )
 from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
-from dflash_assets.testing.sglang_loopback import LoopbackServer
+from tests.support.sglang_loopback import LoopbackServer
 from dflash_assets.store.backends import LocalStore
 
 TARGET = "/models/Qwen3.6-27B"

@@ -14,7 +14,7 @@ from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
 from dflash_assets.generation.stage import regenerate_partition
 from dflash_assets.store import layout
 from dflash_assets.target_model.spec import TargetModelSpec
-from dflash_assets.testing.sglang_loopback import LoopbackServer
+from tests.support.sglang_loopback import LoopbackServer
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from dflash_assets.generation.engines import (
     split_reasoning_text,
 )
 from dflash_assets.generation.server import local_engine_server
-from dflash_assets.testing.sglang_loopback import QWEN3_6_IDS, LoopbackServer, _Generator, _prompt_key
+from tests.support.sglang_loopback import QWEN3_6_IDS, LoopbackServer, _Generator, _prompt_key
 from tests.ports import free_port
 
 THINK_END, IM_END = QWEN3_6_IDS["think_end"], QWEN3_6_IDS["im_end"]
@@ -815,7 +815,7 @@ def test_loopback_refuses_overflow_with_400_in_the_route_s_error_body(tok, kind)
 def test_loopback_chat_checks_tool_schemas_echoes_the_model_and_counts_tokens(tiny_dense_target):
     from tokenizers import Tokenizer
 
-    from dflash_assets.testing.sglang_loopback import _chatml
+    from tests.support.sglang_loopback import _chatml
 
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}
     with LoopbackServer(model_path=TARGET, tokenizer_json=str(tiny_dense_target / "tokenizer.json")) as srv:

@@ -20,7 +20,7 @@ from dflash_assets.generation.fleet import (
 )
 from dflash_assets.generation.engines import GenerationConfig
 from dflash_assets.planning.measurements import estimate_generation_time, format_duration, plan_generation
-from dflash_assets.testing.sglang_loopback import LoopbackProcess, LoopbackServer
+from tests.support.sglang_loopback import LoopbackProcess, LoopbackServer
 from dflash_assets.store.backends import LocalStore
 from tests.ports import free_port
 

@@ -20,7 +20,7 @@ from dflash_assets.generation.router import (
     router_has_no_worker,
 )
 from dflash_assets.store.backends import LocalStore
-from dflash_assets.testing.sglang_loopback import LoopbackProcess, LoopbackServer
+from tests.support.sglang_loopback import LoopbackProcess, LoopbackServer
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from dflash_assets.prompts.quarantine import QUARANTINE_REASONS
 from dflash_assets.prompts.shards import AGENTIC_PROMPT_SCHEMA, PROMPT_SCHEMA, materialize_prompt_shard
 from dflash_assets.prompts.sources import sharegpt_records
 from dflash_assets.store import layout
-from dflash_assets.testing.sglang_loopback import LoopbackServer
+from tests.support.sglang_loopback import LoopbackServer
 from dflash_assets.tokenization.samples import AGENTIC_MESSAGES_TYPE, TokenizeConfig, tokenize_completions
 
 CORPUS = Path(__file__).parents[1] / "data" / "agentic_corpus.jsonl"

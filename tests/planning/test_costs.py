@@ -181,7 +181,7 @@ def test_generation_plan_asset_shows_the_whole_cost_plan_from_a_pilot(tmp_path, 
     from dflash_assets.hidden_states.format import estimate_partition_bytes
     from dflash_assets.store import layout
     from dflash_assets.store.backends import LocalStore
-    from dflash_assets.testing.sglang_loopback import LoopbackServer
+    from tests.support.sglang_loopback import LoopbackServer
 
     source = tmp_path / "chats.jsonl"
     source.write_text("".join(json.dumps({"messages": [
@@ -244,7 +244,7 @@ def test_the_stage_functions_run_prompts_plan_completions_and_samples_without_da
     from dflash_assets.prompts.ingest import ingest_prompt_source, materialize_prompt_shard
     from dflash_assets.store.backends import LocalStore
     from dflash_assets.target_model.spec import TargetModelSpec
-    from dflash_assets.testing.sglang_loopback import LoopbackServer
+    from tests.support.sglang_loopback import LoopbackServer
     from dflash_assets.tokenization.stage import tokenize_partition
 
     source = tmp_path / "prompts.jsonl"

@@ -29,7 +29,7 @@ import pytest
 
 from dagster_project.definitions import defs
 from dagster_project.resources import EngineFleetResource, StoreResource, TargetModelResource
-from dflash_assets.testing.sglang_loopback import LoopbackServer
+from tests.support.sglang_loopback import LoopbackServer
 from dflash_assets.store import layout
 from dflash_assets.store.backends import LocalStore
 from dflash_assets.tokenization.encoder import qwen3_6_encoder

@@ -28,7 +28,7 @@ from dflash_assets.tokenization.samples import (
     expand_conversation,
     tokenize_completions,
 )
-from dflash_assets.testing.sharegpt import sharegpt_completions
+from tests.support.sharegpt import sharegpt_completions
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 

@@ -8,7 +8,7 @@ import pytest
 
 from dagster_project.definitions import defs
 from dagster_project.resources import EngineFleetResource, StoreResource
-from dflash_assets.testing.sglang_loopback import LoopbackServer
+from tests.support.sglang_loopback import LoopbackServer
 
 
 def _resources(tmp_path, *endpoints, max_concurrency=2):

@@ -13,7 +13,7 @@ from dagster_project.definitions import defs
 from dagster_project.metadata import arrow_type_name
 from dagster_project.resources import EngineFleetResource, StoreResource
 from dflash_assets.store.backends import LocalStore
-from dflash_assets.testing.sglang_loopback import LoopbackServer
+from tests.support.sglang_loopback import LoopbackServer
 
 TABLES = {"raw_prompts": "raw_prompts/{}.parquet", "completions": "completions/{}.parquet",
           "tokenized_samples": "tokenized_samples/{}.parquet"}

@@ -1,7 +1,8 @@
 """A loopback HTTP server that answers as SGLang 0.5.23 does, for the routes the project uses.
 
 For tests and benchmarks of the generation client where SGLang itself cannot
-be installed (it needs CUDA). Each behaviour below follows the 0.5.23
+be installed (it needs CUDA). It lives with the tests (not installed with the
+package); bench/ scripts import it from the checkout. Each behaviour below follows the 0.5.23
 wheel (``pip download --no-deps sglang==0.5.23``; paths under ``sglang/srt/``)
 and is cited where it is implemented. Routes:
 
@@ -70,7 +71,7 @@ mode are configurable. Text is decoded with a ``tokenizer.json`` when one is
 given (through the ``tokenizers`` library), else text is encoded one id per
 UTF-8 byte (ids 256-511) and ordinary ids are rendered as ``<id>`` words.
 
-Run: ``python -m dflash_assets.testing.sglang_loopback --port 30000 --model-path /models/X``
+Run: ``python -m tests.support.sglang_loopback --port 30000 --model-path /models/X``
 (prints one JSON line ``{"ready": url}`` when listening). In-process:
 ``with LoopbackServer(...) as srv: srv.url``. Reads/writes nothing on disk.
 """
@@ -641,7 +642,7 @@ class LoopbackProcess:
     """The loopback server in its own process (own GIL; can be SIGKILLed). ``args``: CLI flags."""
 
     def __init__(self, *args: str, port: int = 0, python: str | None = None, startup_timeout_s: float = 60.0):
-        self.argv = [python or sys.executable, "-m", "dflash_assets.testing.sglang_loopback", "--port", str(port), *args]
+        self.argv = [python or sys.executable, "-m", "tests.support.sglang_loopback", "--port", str(port), *args]
         self.startup_timeout_s = startup_timeout_s
         self.proc: "subprocess.Popen | None" = None
         self.url = ""
@@ -650,7 +651,11 @@ class LoopbackProcess:
         import os
         import subprocess
 
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        from pathlib import Path
+
+        root = str(Path(__file__).resolve().parents[2])  # the checkout: `tests.support` is importable from there
+        path = os.environ.get("PYTHONPATH")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": root + (os.pathsep + path if path else "")}
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
         box: dict[str, str] = {}
 
@@ -696,7 +701,7 @@ class LoopbackProcess:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dflash_assets.testing.sglang_loopback", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tests.support.sglang_loopback", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--model-path", default=LoopbackConfig.model_path)
