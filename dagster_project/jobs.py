@@ -12,6 +12,10 @@
   groups besides the ingest: ``generation_plan``, the corpus's cost plan
   (generation wall time, cache bytes, GPU-hours of capture and training,
   offline or online) to materialize after an ingest and before any backfill.
+- ``self_prompts_job``: group ``self_prompts`` (``self_generated_prompts``),
+  partitioned by ``prompt_shards``: the target, loaded in the run's process,
+  writes a shard's prompts; apart from ``prepare_data_job`` so that preparing
+  a shard never samples prompts unasked.
 - ``hidden_states_job``: group ``hidden_states`` (``hidden_state_cache``),
   partitioned by ``prompt_shards``; its steps hold the ``gpu`` pool and the
   work itself goes to a GPU host through Dagster Pipes.
@@ -55,10 +59,12 @@ __all__ = [
     "HOST_KIND_TAG",
     "CPU_GROUPS",
     "HIDDEN_STATES_GROUP",
+    "SELF_PROMPTS_GROUP",
     "DRAFTER_GROUP",
     "ingest_prompts_job",
     "prepare_data_job",
     "plan_generation_job",
+    "self_prompts_job",
     "hidden_states_job",
     "drafter_job",
     "refresh_drafter_job",
@@ -70,6 +76,7 @@ LAUNCH_HERE = (" Launch from this page (Materialize all…) to keep the runs und
                "asset's page run as __ASSET_JOB and are listed under Runs.")
 CPU_GROUPS = ("prompts", "generation", "tokenization")
 HIDDEN_STATES_GROUP = "hidden_states"
+SELF_PROMPTS_GROUP = "self_prompts"
 DRAFTER_GROUP = "drafter"
 
 ingest_prompts_job = dg.define_asset_job(
@@ -101,6 +108,14 @@ plan_generation_job = dg.define_asset_job(
     tags={HOST_KIND_TAG: "cpu"},
 )
 
+self_prompts_job = dg.define_asset_job(
+    "self_prompts_job",
+    selection=dg.AssetSelection.groups(SELF_PROMPTS_GROUP),
+    description="Per prompt shard: the target writes prompts itself (self_generated_prompts, with its blocking "
+    "check), in the run's process; raw_prompts mixes them in by its run config's weight." + LAUNCH_HERE,
+    tags={HOST_KIND_TAG: "cpu"},
+)
+
 hidden_states_job = dg.define_asset_job(
     "hidden_states_job",
     selection=dg.AssetSelection.groups(HIDDEN_STATES_GROUP),
@@ -129,4 +144,5 @@ refresh_drafter_job = dg.define_asset_job(
 
 # The stage jobs: every asset in exactly one. refresh_drafter_job repeats drafter_job's assets for another purpose,
 # so it is registered beside them (definitions.py), not among them.
-ALL_JOBS = [ingest_prompts_job, prepare_data_job, plan_generation_job, hidden_states_job, drafter_job]
+ALL_JOBS = [ingest_prompts_job, prepare_data_job, plan_generation_job, self_prompts_job, hidden_states_job,
+            drafter_job]

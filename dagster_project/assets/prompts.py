@@ -75,7 +75,7 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: IngestConfig, store
 @dg.asset(
     deps=[prompt_corpus],
     partitions_def=prompt_shards,
-    group_name="prompts",
+    group_name="self_prompts",  # a job of its own (jobs.self_prompts_job): preparing a shard never samples prompts
     kinds={"python", "parquet"},
     owners=["team:ml-data"],
     code_version=code_version("1", SelfGeneratedPromptsConfig, target=True),
