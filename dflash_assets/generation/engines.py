@@ -986,9 +986,9 @@ class TransformersEngine(Engine):
     live row advanced by one token per step, and on CUDA that step replayed as one captured CUDA graph. Short
     answers and later turns keep the batch full instead of waiting for a batch's longest row. Greedy tokens are
     those of an unpadded ``generate``; sampling: temperature, top_p and top_k only. A request whose prompt plus
-    ``max_new_tokens`` exceed ``slot_len`` decodes in one of ``long_slots`` slots of the model's whole context
-    length, stepped beside the others (default: a sixteenth of the slots, at least 4; 0: it runs through the
-    dynamic-cache batches instead, after the slots are idle). Full-attention models only (a hybrid or
+    ``max_new_tokens`` exceed ``slot_len`` decodes in the first of ``slot_tiers`` ((slots, positions) pairs,
+    stepped beside the others) that holds it; default: a sixteenth of the slots, at least 4, of the model's whole
+    context length; ``[]``: it runs through the dynamic-cache batches instead, after the slots are idle. Full-attention models only (a hybrid or
     sliding-window model is refused when the decoders are built).
 
     ``attention="packed_gqa"`` decodes with ``generation.packed_gqa``: the query heads of a KV group share
@@ -1012,7 +1012,7 @@ class TransformersEngine(Engine):
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str = "auto", tokenizer: Any = None,
                  max_batch_tokens: int = 8192, cache: str = "dynamic", max_batch_rows: int | None = None,
                  attention: str = "sdpa", static_cache_len: str = "largest", slot_len: int = 4096,
-                 long_slots: int | None = None, **kwargs):
+                 slot_tiers: Sequence[tuple[int, int]] | None = None, **kwargs):
         super().__init__(f"inprocess://{Path(model_path)}", **kwargs)
         self.max_batch_rows = max_batch_rows or self.max_concurrency
         if cache not in ("dynamic", "static", "continuous", "slots"):
@@ -1029,7 +1029,7 @@ class TransformersEngine(Engine):
         self.attention = attention
         self.static_cache_len = static_cache_len
         self.slot_len = int(slot_len)
-        self.long_slots = long_slots
+        self.slot_tiers = None if slot_tiers is None else [(int(n), int(length)) for n, length in slot_tiers]
         self._slots: Any = None  # the SlotScheduler (cache="slots"), built at the first request
         self._slot_runs: list = []  # its decoders' SlotStats (kept after close)
         self.model_path = str(model_path)
@@ -1274,26 +1274,25 @@ class TransformersEngine(Engine):
             raise EngineError(f"{self.url}: slot decoding failed: {type(e).__name__}: {e}", endpoint=self.url) from e
         return out
 
-    def _longest_slot(self) -> int:
-        """Positions of the longest slot: the model's context length when long slots are kept, else ``slot_len``."""
+    def _tiers(self) -> list[tuple[int, int]]:
+        """(slots, positions) of each slot decoder, shortest first: ``max_batch_rows`` of ``slot_len``, then
+        ``slot_tiers`` (default: a sixteenth of the rows, at least 4, of the context length), none past the
+        model's context length."""
         context = self.context_length or self.slot_len
-        return context if self._long_slot_count() else min(self.slot_len, context)
-
-    def _long_slot_count(self) -> int:
-        count = max(4, self.max_batch_rows // 16) if self.long_slots is None else self.long_slots
-        return count if (self.context_length or 0) > self.slot_len else 0
+        tiers = [(self.max_batch_rows, min(self.slot_len, context))]
+        extra = self.slot_tiers if self.slot_tiers is not None else [(max(4, self.max_batch_rows // 16), context)]
+        for n, length in sorted(extra, key=lambda t: t[1]):
+            if n > 0 and min(length, context) > tiers[-1][1]:
+                tiers.append((n, min(length, context)))
+        return tiers
 
     def slot_decoders(self) -> list:
-        """The slot decoders for this engine's model (on the model's worker thread): ``max_batch_rows`` slots of
-        ``slot_len`` positions, and ``long_slots`` (default: a sixteenth of them, at least 4) of the model's whole
-        context length for the prompts that do not fit."""
+        """The slot decoders of ``_tiers`` for this engine's model (on the model's worker thread)."""
         from dflash_assets.generation.slot_decoding import SlotDecoder
 
         assert self.tok is not None
         pad = min(self.tok.stop_ids) if self.tok.stop_ids else 0
-        tiers = [(self.max_batch_rows, min(self.slot_len, self.context_length or self.slot_len))]
-        if self._long_slot_count():
-            tiers.append((self._long_slot_count(), self.context_length))
+        tiers = self._tiers()
         _log.info("%s: slot decoding in %s", self.url, " and ".join(f"{n} slots of {length} positions"
                                                                      for n, length in tiers))
         return [SlotDecoder(self.model, slots=n, slot_len=length, pad_id=pad,
@@ -1303,8 +1302,7 @@ class TransformersEngine(Engine):
         """What the slot decoder did so far (None unless cache="slots" decoded something)."""
         if not self._slot_runs:
             return None
-        runs = [stats.as_dict(stats_slots) for stats, stats_slots in
-                zip(self._slot_runs[-1], [self.max_batch_rows, self._long_slot_count()])]
+        runs = [stats.as_dict(n) for stats, (n, _) in zip(self._slot_runs[-1], self._tiers())]
         total = {k: sum(r[k] for r in runs) for k in ("steps", "prefills", "prefill_rows", "new_tokens", "requests")}
         total.update(step_seconds=round(sum(r["step_seconds"] for r in runs), 3),
                      prefill_seconds=round(sum(r["prefill_seconds"] for r in runs), 3),
@@ -1348,7 +1346,7 @@ class TransformersEngine(Engine):
         t0 = time.perf_counter()
         if self.cache == "continuous":
             out = await self._continuous_generate(ids, generation, stop_ids)
-        elif self.cache == "slots" and len(ids) + generation.max_new_tokens <= self._longest_slot():
+        elif self.cache == "slots" and len(ids) + generation.max_new_tokens <= self._tiers()[-1][1]:
             out = await self._slot_generate(ids, generation, stop_ids)
         else:  # the batched generate (a prompt too long for a slot decodes there on the dynamic cache)
             request = _BatchedRequest(ids, generation, stop_ids, generation.model_dump_json() + repr(stop_ids),

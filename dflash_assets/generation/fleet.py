@@ -148,9 +148,10 @@ class EndpointConfig(BaseModel):
         "rows end, the decode step a CUDA graph on CUDA (full-attention models; see TransformersEngine).")
     slot_len: int = Field(4096, ge=2, description="transformers kind, slots cache: positions per slot (prompt plus "
                           "new tokens; a longer request takes one of the long slots).")
-    long_slots: int | None = Field(None, ge=0, description="transformers kind, slots cache: slots of the model's "
-                                   "whole context length for requests longer than slot_len (None: a sixteenth of "
-                                   "max_batch_rows, at least 4; 0: such requests run on the dynamic cache).")
+    slot_tiers: list[tuple[int, int]] | None = Field(
+        None, description="transformers kind, slots cache: (slots, positions) of further slot decoders for requests "
+        "longer than slot_len, stepped beside the main one (None: a sixteenth of max_batch_rows, at least 4, of the "
+        "model's context length; []: such requests run on the dynamic cache).")
     attention: Literal["sdpa", "packed_gqa"] = Field(
         "sdpa", description="transformers kind, dynamic or static cache: the attention function. packed_gqa decodes "
         "without copying the KV cache to every query head (grouped-query models; generation.packed_gqa), which "
@@ -253,7 +254,7 @@ def build_engine(ep: EndpointConfig, config: EngineFleetConfig, tokenizer: Any =
                                   dtype=ep.dtype, max_batch_tokens=ep.max_batch_tokens, cache=ep.cache,
                                   max_batch_rows=ep.max_batch_rows, attention=ep.attention,
                                   static_cache_len=ep.static_cache_len, slot_len=ep.slot_len,
-                                  long_slots=ep.long_slots, **common)
+                                  slot_tiers=ep.slot_tiers, **common)
     raise ValueError(f"unknown endpoint kind {ep.kind!r}")
 
 

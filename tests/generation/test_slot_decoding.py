@@ -188,7 +188,10 @@ def test_engine_with_slots_answers_as_the_dynamic_cache(tiny_dense_target):
     assert long_slots == long_dynamic
     assert eng.batch_shapes == [] and [d["requests"] for d in eng.slot_stats()["decoders"]] == [0, 1]
     assert eng.slot_stats()["decoders"][1]["cuda_graph"] is False
-    long_slots, eng = asyncio.run(go("slots", long_question, gens[:1], slot_len=128, long_slots=0))
+    long_slots, eng = asyncio.run(go("slots", long_question, gens[:1], slot_len=128, slot_tiers=[(2, 4096), (2, 320)]))
+    assert long_slots == long_dynamic  # the middle tier: the shortest slots that hold it
+    assert [d["requests"] for d in eng.slot_stats()["decoders"]] == [0, 1, 0]
+    long_slots, eng = asyncio.run(go("slots", long_question, gens[:1], slot_len=128, slot_tiers=[]))
     assert long_slots == long_dynamic
     assert len(eng.batch_shapes) == 1 and eng.slot_stats() is None
 
