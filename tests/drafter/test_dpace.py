@@ -81,3 +81,15 @@ def test_both_objectives_train_a_tiny_drafter(mini, tmp_path, objective):
     first, last = sum(r.losses[:3]) / 3, sum(r.losses[-3:]) / 3
     assert last < first, (objective, r.losses)
     assert r.stop_reason == "completed"
+
+
+def test_existing_recipes_keep_their_fingerprints():
+    """Fingerprints recorded before the objective and the tau estimate's fields existed: the new fields at their
+    defaults (and the estimate's settings without an early stop) change none of them."""
+    from dflash_assets.demo import demo_recipe
+
+    assert demo_recipe(["shard-00000", "shard-00001"]).fingerprint() == "6c420d4fa3ade25f"
+    assert DrafterRecipe(name="x").fingerprint() == "440042d13df2be48"
+    assert DrafterRecipe(name="y", partitions=("a",), target_layer_ids=(1, 2), online=True, cache_limit_gb=2.0,
+                         init_from="promoted").fingerprint() == "3c5f08cf7a113303"
+    assert DrafterRecipe(name="x", tau_every=7, tau_prompts=3, tau_new_tokens=9).fingerprint() == "440042d13df2be48"
