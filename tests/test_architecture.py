@@ -278,9 +278,9 @@ TOP_LEVEL_TESTS = {
 }
 # Test folders named other than a package of dflash_assets: `library` holds the tests of dflash_assets' top-level
 # modules (dflash_assets/cache_keys.py -> tests/library/test_cache_keys.py); the Dagster layer mirrors its own tree;
-# `bench` holds the tests of the bench scripts.
+# `bench` holds the tests of the bench scripts; `support` the tests of the test support (tests/support, not installed).
 TEST_FOLDERS_OUTSIDE_THE_STAGES = {"library": PACKAGE, "dagster_project": DAGSTER, "dagster_project/assets": DAGSTER / "assets",
-                                   "bench": PACKAGE.parent / "bench"}
+                                   "bench": PACKAGE.parent / "bench", "support": PACKAGE.parent / "tests" / "support"}
 # Library modules without a tests/<package>/test_<module>.py, and why (the file named exercises it).
 NO_TEST_MODULE = {
     "dflash_assets/chart_data.py": "tested through tests/dagster_project/test_charts.py (chart numbers whose answer is known)",
@@ -297,8 +297,6 @@ NO_TEST_MODULE = {
     "dflash_assets/target_model/conventions.py": "tested through tests/drafter/test_serving_match.py and tests/embedded/test_smollm2.py",
     "dflash_assets/target_model/layer_capture.py": "tested through tests/hidden_states/test_capture.py (equal to HF "
                                                    "output_hidden_states) and tests/drafter/test_decoding.py",
-    "dflash_assets/generation/chat_tokenizer.py": "tested through tests/generation/test_engines.py and "
-                                                  "tests/target_model/test_chat_template.py",
     "dflash_assets/generation/stage.py": "tested through tests/generation/test_config.py and "
                                          "tests/dagster_project/assets/test_generation.py",
     "dflash_assets/tokenization/stage.py": "tested through tests/tokenization/test_samples.py",

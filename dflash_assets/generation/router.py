@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from dflash_assets.generation.engines import Engine, EngineError
+from dflash_assets.generation.engines import EngineError, HttpEngine
 
 __all__ = ["RouterWorker", "read_router_workers", "parse_router_workers", "router_has_no_worker", "router_command",
            "RouterProcess"]
@@ -77,7 +77,7 @@ def parse_router_workers(reply: Any) -> tuple[RouterWorker, ...] | None:
     return tuple(out)
 
 
-async def read_router_workers(engine: Engine) -> tuple[RouterWorker, ...] | None:
+async def read_router_workers(engine: HttpEngine) -> tuple[RouterWorker, ...] | None:
     """The workers behind ``engine``'s URL when it is an sglang-router; None for any other server (no route,
     another shape, or an error: a router that cannot list its workers is judged by its other routes)."""
     try:

@@ -1,6 +1,7 @@
 """The target's identity in completions' ``config_hash``: two target directories of the same basename (one weight
 byte apart) never share a hash, so a fine-tune written in place or a new revision under the same name regenerates
-instead of resuming the old target's rows; the basename-only form stays for remote engines (no local dir)."""
+instead of resuming the old target's rows; the basename-only form stays for remote engines (no local dir). Model ids
+compared across their spellings (`normalize_model_id`), and the hash tracking every sampling setting."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import shutil
 import pyarrow as pa
 import pytest
 
-from dflash_assets.generation.config import GenerationConfig
+from dflash_assets.generation.config import GenerationConfig, normalize_model_id
 from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
 from dflash_assets.generation.stage import regenerate_partition
 from dflash_assets.store import layout
@@ -83,3 +84,25 @@ def test_resume_does_not_reuse_rows_of_another_target_of_the_same_name(two_targe
     assert first.config_hash == same.config_hash == gen.config_hash(a.model_path, None, a.generation_fingerprint())
     assert other.stats.prompts_resumed == 0 and other.config_hash != first.config_hash
     assert set(other.table["config_hash"].to_pylist()) == {other.config_hash}
+
+
+@pytest.mark.parametrize("a,b", [
+    ("/models/Qwen3.6-27B/", "Qwen/Qwen3.6-27B"),
+    ("qwen3.6-27b@main", "Qwen3.6-27B"),
+    ("Qwen3-8B", "/data/ckpt/qwen3-8b"),
+])
+def test_normalize_model_id_matches(a, b):
+    assert normalize_model_id(a) == normalize_model_id(b)
+
+
+def test_normalize_model_id_distinguishes():
+    assert normalize_model_id("Qwen/Qwen3-8B") != normalize_model_id("Qwen/Qwen3.6-27B")
+
+
+def test_config_hash_tracks_every_setting_and_target():
+    g = GenerationConfig()
+    assert g.config_hash("t") == GenerationConfig().config_hash("t")
+    assert g.config_hash("t") != g.config_hash("other")
+    assert g.config_hash("t") != GenerationConfig(temperature=0.7).config_hash("t")
+    assert g.config_hash("t") != GenerationConfig(enable_thinking=False).config_hash("t")
+    assert g.config_hash("/m/Qwen3-8B") == g.config_hash("Qwen/Qwen3-8B")  # normalized target id
