@@ -3,9 +3,10 @@
 :func:`aregenerate_shard` (blocking form :func:`regenerate_shard`) takes one shard's
 ``raw_prompts`` rows and regenerates their assistant turns over the fleet
 (:mod:`dflash_assets.generation.fleet`); source assistant turns are never used.
-Plain chats are one :class:`_Conversation` each, agentic ones (rows with
-``tools`` and ``agentic_turns``) an :class:`_AgenticConversation`. Finished rows
-go to a :class:`CompletionJournal`, so a killed run resumes where it stopped; a
+Plain chats are one ``Conversation`` each, agentic ones (rows with
+``tools`` and ``agentic_turns``) an ``AgenticConversation`` (:mod:`dflash_assets.generation.conversations`);
+a run goes in steps (``_ShardRun``: inputs, resume, tasks, dispatch, publish). Finished rows
+go to a ``CompletionJournal`` (:mod:`dflash_assets.generation.journal`), so a killed run resumes where it stopped; a
 shard with too many failed prompts publishes nothing (:class:`TooManyFailedPrompts`).
 With a seed set, the fleet is probed first: ``config_hash`` records whether the
 engines honour the seed. Given the target's fingerprint (``target_fingerprint``), ``config_hash``
@@ -25,9 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
-import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,9 +41,9 @@ from dflash_assets.store.schemas import AGENTIC_MESSAGES_TYPE, COMPLETIONS_MESSA
 from dflash_assets.chart_data import binned_counts
 from dflash_assets.quality_gates import ratio_gate
 from dflash_assets.generation.fleet import EngineFleet, EngineFleetConfig, FleetProbe, NoEngineAvailable, run_sync
-from dflash_assets.generation.engines import (ChatResult, ContextOverflow, Engine, GenerationConfig, json_dumps,
-                                              json_loads)
-from dflash_assets.generation.tool_calls import calls_from_server, parse_qwen_tool_calls, same_calls
+from dflash_assets.generation.conversations import Conversation, agentic_task
+from dflash_assets.generation.engines import Engine, GenerationConfig
+from dflash_assets.generation.journal import CompletionJournal, published_rows
 
 __all__ = [
     "GenerationConfig",
@@ -215,311 +214,6 @@ class TooManyFailedPrompts(RuntimeError):
         self.result = result
 
 
-# ----------------------------------------------------------------------------
-# Journal
-
-
-class CompletionJournal:
-    """Finished rows, flushed to the store in small atomic JSONL chunks.
-
-    ``completions/_journal/<shard>/<run>-<seq>.jsonl``: finished rows as they arrive,
-    one small object per flush (every ``flush_every`` rows or ``flush_interval_s``
-    seconds). Each chunk is written atomically (LocalStore rename, S3 PUT), so a
-    ``kill -9`` loses at most the unflushed rows. A new run reads the journal and
-    regenerates only prompts without a journaled row of the same ``config_hash``.
-    """
-
-    def __init__(self, store: Any, shard: str, *, flush_every: int = 64, flush_interval_s: float = 10.0):
-        self.store = store
-        self.prefix = layout.completions_journal(shard)
-        self.flush_every = max(1, flush_every)
-        self.flush_interval_s = flush_interval_s
-        self.run_id = f"{int(time.time() * 1000):013d}-{secrets.token_hex(3)}"
-        self._buffer: list[dict] = []
-        self._seq = 0
-        self._last_flush = time.monotonic()
-        self._lock = asyncio.Lock()
-        self.chunks_written = 0
-        self.bad_lines = 0
-
-    def keys(self) -> list[str]:
-        return [k for k in self.store.list(self.prefix) if k.endswith(".jsonl")]
-
-    def load(self, config_hash: str) -> dict[str, dict]:
-        """Journaled rows with this config_hash, first per prompt_id."""
-        rows: dict[str, dict] = {}
-        for key in self.keys():
-            for line in self.store.read_bytes(key).splitlines():
-                if not line.strip():
-                    continue
-                try:
-                    row = json_loads(line)
-                except ValueError:
-                    self.bad_lines += 1  # chunks are atomic; this only guards against foreign files
-                    continue
-                if row.get("config_hash") == config_hash and row.get("prompt_id") is not None:
-                    rows.setdefault(row["prompt_id"], row)
-        return rows
-
-    def add(self, row: dict) -> None:
-        self._buffer.append(row)
-
-    @property
-    def due(self) -> bool:
-        return bool(self._buffer) and (len(self._buffer) >= self.flush_every
-                                       or time.monotonic() - self._last_flush >= self.flush_interval_s)
-
-    async def flush(self) -> None:
-        async with self._lock:
-            if not self._buffer:
-                return
-            rows, self._buffer = self._buffer, []  # swapped before any await: no row is lost or written twice
-            self._seq += 1
-            key = f"{self.prefix}/{self.run_id}-{self._seq:06d}.jsonl"
-            data = b"\n".join(json_dumps(r) for r in rows) + b"\n"
-            self._last_flush = time.monotonic()
-            await asyncio.to_thread(self.store.write_bytes, key, data)
-            self.chunks_written += 1
-
-    def clear(self) -> None:
-        for key in self.store.list(self.prefix):
-            self.store.delete(key)
-
-
-# ----------------------------------------------------------------------------
-# One conversation = one fleet task
-
-
-class _Conversation:
-    """Regenerates the assistant turns of one prompt; keeps its progress across retries and failover.
-
-    The assistant turns are regenerated in order, each request carrying the
-    regenerated history (assistant contents only; earlier think blocks are left
-    out, as the chat template does), up to ``GenerationConfig.max_turns`` turns.
-    A turn cut by ``max_new_tokens`` ends the conversation when
-    ``stop_after_truncated_turn`` is set (its finish reason is kept).
-    Context length (``_chat``): a turn whose prompt leaves too little of the
-    endpoint's context is not sent; the conversation ends at its previous turn
-    (``stopped_at_context``), or fails when it is the first (``context_overflow``).
-    """
-
-    def __init__(self, prompt_id: str, system: str | None, user_turns: list[str], gen: GenerationConfig, config_hash: str):
-        self.key = prompt_id
-        self.prompt_id = prompt_id
-        self.user_turns = user_turns
-        self.gen = gen
-        self.config_hash = config_hash
-        self.history: list[dict] = [{"role": "system", "content": system}] if system else []
-        self.messages: list[dict] = [{"role": "system", "content": system, "reasoning_content": None}] if system else []
-        self.results: list[ChatResult] = []
-        self.attempts = 0
-        self.started_at: float | None = None
-        self.turns_cut_to_context = 0
-        self.stopped_at_context = False
-        self.context_overflow = False
-        self.over_max_context = False  # the first turn did not fit GenerationConfig.max_context_tokens
-
-    async def _chat(self, engine: Engine, request: list[dict], **kwargs: Any) -> ChatResult | None:
-        """``engine.chat``; None when the request does not fit the context and a turn is already done (the
-        conversation ends there); a first turn that does not fit raises ``ContextOverflow`` (the prompt fails)."""
-        try:
-            res = await engine.chat(request, self.gen, **kwargs)
-        except ContextOverflow as e:
-            if not self.results:
-                self.context_overflow = True
-                self.over_max_context = e.by_generation_config
-                raise
-            self.stopped_at_context = True
-            return None
-        self.turns_cut_to_context += res.max_new_tokens_cut > 0
-        return res
-
-    def _stopped_at_context(self) -> tuple[bool, ChatResult]:
-        """The step's answer when the next turn did not fit: done, nothing new (no tokens to count twice)."""
-        return True, dataclasses.replace(self.results[-1], prompt_tokens=0, completion_tokens=0)
-
-    async def step(self, engine: Engine) -> tuple[bool, ChatResult]:
-        if self.started_at is None:
-            self.started_at = time.time()
-        self.attempts += 1
-        user = self.user_turns[len(self.results)]
-        request = self.history + [{"role": "user", "content": user}]
-        res = await self._chat(engine, request)
-        if res is None:
-            return self._stopped_at_context()
-        # committed only after success: a failed request leaves the conversation where it was
-        self.history = request + [{"role": "assistant", "content": res.content}]
-        self.messages += [{"role": "user", "content": user, "reasoning_content": None},
-                          {"role": "assistant", "content": res.content, "reasoning_content": res.reasoning_content}]
-        self.results.append(res)
-        truncated = res.finish_reason == "length" and self.gen.stop_after_truncated_turn
-        return len(self.results) >= len(self.user_turns) or truncated, res
-
-    def row(self) -> dict:
-        r = self.results
-        now = time.time()
-        return {
-            "prompt_id": self.prompt_id,
-            "messages": self.messages,
-            "num_turns": len(r),
-            "finish_reasons": [x.finish_reason for x in r],
-            "prompt_tokens": [x.prompt_tokens for x in r],
-            "completion_tokens": [x.completion_tokens for x in r],
-            "completion_tokens_total": sum(x.completion_tokens for x in r),
-            "turn_endpoints": [x.endpoint for x in r],
-            "endpoint": r[-1].endpoint if r else "",
-            "served_model": r[-1].served_model if r else "",
-            "turn_latency_s": [round(x.latency_s, 6) for x in r],
-            "started_at": self.started_at,
-            "finished_at": now,
-            "generation_s": round(now - (self.started_at or now), 6),
-            "attempts": self.attempts,
-            "config_hash": self.config_hash,
-        }
-
-
-def _message(role: str, content: str | None, reasoning: str | None = None, tool_calls: list | None = None,
-             tool_call_id: str | None = None, name: str | None = None) -> dict:
-    return {"role": role, "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls,
-            "tool_call_id": tool_call_id, "name": name}
-
-
-class _AgenticConversation(_Conversation):
-    """Regenerates the assistant steps of an agentic conversation, feeding the source's tool results while the
-    target's calls equal the recorded ones; stops at the first step where they differ (``divergent_call``).
-
-    The target regenerates every assistant step with the tool definitions in
-    context. A step's tool calls come from the server's parsed ``tool_calls``
-    (SGLang/vLLM with a tool-call parser) or are parsed from its text
-    (Qwen3.5/3.6 ``<tool_call><function=NAME>`` blocks, ``generation.tool_calls``).
-    Where the source recorded a call step, the regenerated calls must equal the
-    recorded ones (same names in the same order, arguments equal as parsed JSON);
-    then the source's tool results follow and the target takes the next step.
-    Where they differ, or the target calls a tool where the source answered (or
-    answers where the source called), the source's results no longer apply: the
-    conversation stops there, keeping what was generated, and the row's
-    ``agentic_stop`` says ``divergent_call``
-    (``GenerationStats.agentic_stopped_at_divergent_call`` counts them).
-    """
-
-    def __init__(self, prompt_id: str, system: str | None, events: list[dict], tools: list[dict] | None,
-                 gen: GenerationConfig, config_hash: str):
-        super().__init__(prompt_id, system, [e["content"] for e in events if e["role"] == "user"], gen, config_hash)
-        self.events = events
-        self.tools = tools
-        self.tools_json = json_dumps(tools).decode() if tools else None
-        self.pos = 0  # next source event
-        self.queries = 0  # user turns sent
-        self.awaiting_user = True
-        self.stop: str | None = None
-        self.messages = [_message("system", system)] if system else []
-
-    def _calls(self, res: ChatResult) -> tuple[str, list[dict]]:
-        if res.tool_calls is not None:  # the server ran a tool-call parser
-            calls, malformed = calls_from_server(res.tool_calls)
-            if not malformed:
-                return res.content, calls
-        content, calls, _ = parse_qwen_tool_calls(res.content or "", self.tools)
-        return content, calls
-
-    async def step(self, engine: Engine) -> tuple[bool, ChatResult]:
-        if self.started_at is None:
-            self.started_at = time.time()
-        self.attempts += 1
-        request = list(self.history)
-        user = None
-        if self.awaiting_user:
-            user = self.events[self.pos]["content"]
-            request.append({"role": "user", "content": user})
-        res = await self._chat(engine, request, tools=self.tools)
-        if res is None:
-            self.stop = "context_length"
-            return self._stopped_at_context()
-        # committed only after success: a failed request leaves the conversation where it was
-        content, calls = self._calls(res)
-        if user is not None:
-            self.messages.append(_message("user", user))
-            self.pos += 1
-            self.queries += 1
-            self.awaiting_user = False
-        step = len(self.results)
-        ids = [c.get("id") or f"call_{step}_{k}" for k, c in enumerate(calls)]
-        self.messages.append(_message(
-            "assistant", content, res.reasoning_content,
-            [{"id": i, "type": "function", "function": {"name": c["name"], "arguments": json_dumps(c["arguments"]).decode()}}
-             for i, c in zip(ids, calls)] or None))
-        self.history = request + [{"role": "assistant", "content": content, "reasoning_content": res.reasoning_content,
-                                   **({"tool_calls": [{"id": i, "type": "function", "function": {
-                                       "name": c["name"], "arguments": c["arguments"]}} for i, c in zip(ids, calls)]}
-                                      if calls else {})}]
-        self.results.append(res)
-        if res.finish_reason == "length" and self.gen.stop_after_truncated_turn:
-            self.stop = "truncated"
-            return True, res
-        events = self.events
-        recorded = events[self.pos] if self.pos < len(events) and events[self.pos]["role"] == "assistant" else None
-        if recorded is None:
-            if calls:  # a call where the source answered: no result to give
-                self.stop = "divergent_call"
-                return True, res
-            if self.pos >= len(events) or self.queries >= self.gen.max_turns:
-                return True, res
-            self.awaiting_user = True
-            return False, res
-        if not same_calls(calls, recorded["tool_calls"]):
-            self.stop = "divergent_call"
-            return True, res
-        self.pos += 1
-        results = []
-        while self.pos < len(events) and events[self.pos]["role"] == "tool":
-            results.append(events[self.pos])
-            self.pos += 1
-        for k, r in enumerate(results):
-            call_id = ids[k] if k < len(ids) else r.get("tool_call_id")
-            name = r.get("name") or (calls[k]["name"] if k < len(calls) else None)
-            self.history.append({"role": "tool", "content": r["content"], "tool_call_id": call_id, "name": name})
-            self.messages.append(_message("tool", r["content"], tool_call_id=call_id, name=name))
-        return not results, res  # a source ending at a call ends here
-
-    def row(self) -> dict:
-        row = super().row()
-        row["tools"] = self.tools_json
-        row["agentic_stop"] = self.stop
-        return row
-
-
-def _agentic_task(pid: str, row: dict, gen: GenerationConfig, config_hash: str) -> _AgenticConversation | str:
-    """The task of a raw_prompts row with ``agentic_turns``, or why it cannot be generated."""
-    try:
-        events = json_loads(row["agentic_turns"])
-        tools = json_loads(row["tools"]) if row.get("tools") else None
-    except ValueError as e:
-        return f"agentic_turns/tools are not JSON: {e}"
-    if not isinstance(events, list) or not events or events[0].get("role") != "user":
-        return "agentic_turns do not start with a user turn"
-    return _AgenticConversation(pid, row.get("system") or None, events, tools, gen, config_hash)
-
-
-def _published_rows(store: Any, shard: str, config_hash: str, inputs: dict[str, dict]) -> dict[str, dict]:
-    """Rows of the published ``completions/<shard>.parquet`` with this ``config_hash`` whose prompt is still an input,
-    as journal-shaped dicts (timestamps in epoch seconds)."""
-    key = layout.completions(shard)
-    if not store.exists(key):
-        return {}
-    table = store.read_parquet(key)
-    if "config_hash" not in table.column_names:
-        return {}
-    table = table.filter(pc.equal(table["config_hash"], config_hash))
-    rows: dict[str, dict] = {}
-    for row in table.to_pylist():
-        if row["prompt_id"] in inputs:
-            for name in ("started_at", "finished_at"):
-                if row.get(name) is not None:
-                    row[name] = row[name].timestamp()
-            rows.setdefault(row["prompt_id"], row)
-    return rows
-
-
 def _input_rows(prompts: Any) -> list[dict]:
     if isinstance(prompts, pa.Table):
         return prompts.to_pylist()
@@ -652,176 +346,222 @@ async def aregenerate_shard(
             await fleet_runner.close()
 
 
+@dataclass
+class _ShardRun:
+    """One ``aregenerate_shard`` run, in its steps: the inputs, what is resumed, the tasks, the dispatch over the
+    fleet (journaling each finished row), then the publish (or ``TooManyFailedPrompts``)."""
+
+    shard: str
+    store: Any
+    generation: GenerationConfig
+    journal: CompletionJournal
+    stats: GenerationStats
+    t_start: float
+    progress: Callable[[ProgressUpdate], None] | None = None
+    progress_interval_s: float = 5.0
+    order: list[str] = field(default_factory=list)  # distinct prompt ids, in input order
+    inputs: dict[str, dict] = field(default_factory=dict)
+    done_rows: dict[str, dict] = field(default_factory=dict)
+    failed: dict[str, dict] = field(default_factory=dict)
+    over_max_context: set[str] = field(default_factory=set)  # failed prompts whose first turn is over max_context_tokens
+    generated: dict[str, int] = field(default_factory=lambda: {"tokens": 0, "rows": 0, "prompt_tokens": 0})
+    probe: FleetProbe | None = None
+    flushes: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def config_hash(self) -> str:
+        return self.stats.config_hash
+
+    def read_inputs(self, prompts: Any) -> None:
+        """One task per distinct prompt_id, in input order; later duplicates are counted and dropped."""
+        for row in _input_rows(prompts):
+            pid = str(row["prompt_id"])
+            if pid in self.inputs:
+                self.stats.duplicates_dropped += 1
+                continue
+            self.inputs[pid] = row
+            self.order.append(pid)
+        self.stats.prompts_total = len(self.order)
+
+    async def resume(self) -> None:
+        """The rows already done with this config_hash: published ones, and the journal's (which win)."""
+        published = await asyncio.to_thread(published_rows, self.store, self.shard, self.config_hash, self.inputs)
+        journaled = {pid: r for pid, r in self.journal.load(self.config_hash).items() if pid in self.inputs}
+        self.done_rows = {**published, **journaled}
+        self.stats.prompts_resumed = len(self.done_rows)
+        self.stats.prompts_resumed_published = len(set(published) - set(journaled))
+
+    def _fail_unsent(self, pid: str, reason: str) -> None:
+        self.failed[pid] = {"prompt_id": pid, "reason": reason, "errors": [], "turns_done": 0, "attempts": 0,
+                            "config_hash": self.config_hash}
+
+    def tasks(self) -> list[Conversation]:
+        """A conversation for each prompt not done; a prompt that cannot be generated fails here, unsent."""
+        tasks: list[Conversation] = []
+        for pid in self.order:
+            if pid in self.done_rows:
+                continue
+            row = self.inputs[pid]
+            if row.get("agentic_turns"):
+                task = agentic_task(pid, row, self.generation, self.config_hash)
+                if isinstance(task, str):
+                    self._fail_unsent(pid, task)
+                else:
+                    tasks.append(task)
+                continue
+            turns = [str(t) for t in (row.get("user_turns") or [])][: self.generation.max_turns]
+            if not turns:
+                self._fail_unsent(pid, "no user turns")
+                continue
+            tasks.append(Conversation(pid, row.get("system") or None, turns, self.generation, self.config_hash))
+        return tasks
+
+    def emit_progress(self) -> None:
+        if self.progress is None:
+            return
+        elapsed = time.perf_counter() - self.t_start
+        n_done = len(self.done_rows)
+        rate = self.generated["rows"] / elapsed if elapsed > 0 else 0.0
+        remaining = self.stats.prompts_total - n_done - len(self.failed)
+        eta = remaining / rate if rate > 0 else (0.0 if remaining == 0 else None)
+        self.progress(ProgressUpdate(self.shard, n_done, self.stats.prompts_total, len(self.failed),
+                                     self.stats.prompts_resumed, self.generated["tokens"],
+                                     self.generated["tokens"] / elapsed if elapsed > 0 else 0.0, elapsed, eta))
+
+    def _schedule_flush(self) -> None:
+        t = asyncio.ensure_future(self.journal.flush())
+        self.flushes.add(t)
+        t.add_done_callback(self.flushes.discard)
+
+    def on_done(self, task: Conversation) -> None:
+        row = task.row()
+        self.done_rows[task.prompt_id] = row
+        self.generated["rows"] += 1
+        self.generated["tokens"] += row["completion_tokens_total"]
+        self.generated["prompt_tokens"] += sum(row["prompt_tokens"])
+        self.stats.turns_cut_to_context += task.turns_cut_to_context
+        self.stats.conversations_stopped_at_context += task.stopped_at_context
+        self.journal.add(row)
+        if self.journal.due:
+            self._schedule_flush()
+
+    def on_failed(self, task: Conversation, reason: str, errors: list[str]) -> None:
+        self.failed[task.prompt_id] = {"prompt_id": task.prompt_id, "reason": reason, "errors": errors[-5:],
+                                       "turns_done": len(task.results), "attempts": task.attempts,
+                                       "config_hash": self.config_hash}
+        self.stats.turns_cut_to_context += task.turns_cut_to_context
+        self.stats.prompts_failed_context_overflow += task.context_overflow
+        if task.over_max_context:
+            self.over_max_context.add(task.prompt_id)
+        else:
+            self.over_max_context.discard(task.prompt_id)
+
+    async def _ticker(self) -> None:
+        """Flushes the journal when due and reports progress every ``progress_interval_s``."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(min(1.0, self.progress_interval_s, self.journal.flush_interval_s))
+            if self.journal.due:
+                self._schedule_flush()
+            if time.monotonic() - last >= self.progress_interval_s:
+                last = time.monotonic()
+                self.emit_progress()
+
+    async def dispatch(self, fleet_runner: EngineFleet, tasks: list[Conversation],
+                       on_probe: Callable[[FleetProbe], None] | None) -> None:
+        """The tasks over the fleet; whatever finished is journaled, also when the run fails."""
+        tick = asyncio.ensure_future(self._ticker())
+        try:
+            async with fleet_runner:
+                self.probe = fleet_runner.probe
+                if on_probe is not None and self.probe is not None:  # the one probe of this run, before any work
+                    on_probe(self.probe)
+                run = await fleet_runner.run(tasks, on_done=self.on_done, on_failed=self.on_failed)  # type: ignore[arg-type]
+            self.stats.requests, self.stats.retries, self.stats.failovers = run.requests, run.retries, run.failovers
+            self.stats.dispatch_s = run.wall_s
+            self.stats.endpoints = {url: asdict(ep) for url, ep in run.endpoints.items()}
+        finally:
+            tick.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await tick
+            if self.flushes:
+                await asyncio.gather(*list(self.flushes), return_exceptions=True)
+            await self.journal.flush()
+
+    async def publish(self, keep_journal: bool, max_failed_ratio: float) -> CompletionsResult:
+        """The completions and failed tables written (the completions only when the failed share passes the gate),
+        the journal cleared when nothing failed, the stats completed; ``TooManyFailedPrompts`` when it does not."""
+        shard, stats = self.shard, self.stats
+        stats.journal_chunks_written = self.journal.chunks_written
+        rows = [self.done_rows[pid] for pid in self.order if pid in self.done_rows]
+        table = _rows_to_table(rows)
+        failed_rows = [self.failed[pid] for pid in self.order if pid in self.failed]
+        failed_table = pa.Table.from_pylist(failed_rows, schema=failed_schema())
+        # The ratio checks' rule (quality_gates): too many only when the 95% Wilson lower bound of the failed share
+        # exceeds max_failed_ratio, so one engine hiccup in a small shard does not fail it; no failure never does.
+        # Prompts longer than the config's max_context_tokens are the data's, not the engines': listed, not counted.
+        stats.prompts_over_max_context_tokens = over = sum(pid in self.over_max_context for pid in self.failed)
+        gated = len(failed_rows) - over
+        failed_gate = ratio_gate(gated, max(stats.prompts_total - over, gated), max_failed_ratio)
+        too_many = gated > 0 and not failed_gate.passed
+        if too_many:  # not published: the finished rows stay in the journal, earlier published ones where they are
+            digest = ""
+        else:
+            digest = await asyncio.to_thread(self.store.write_parquet, layout.completions(shard), table)
+        await asyncio.to_thread(self.store.write_parquet, layout.completions_failed(shard), failed_table)
+        if not failed_rows and not keep_journal:
+            await asyncio.to_thread(self.journal.clear)
+        self._final_stats(table, len(rows), len(failed_rows))
+        result = CompletionsResult(shard, table, failed_table, stats, self.probe, layout.completions(shard),
+                                   layout.completions_failed(shard), self.config_hash, digest)
+        if too_many:
+            reasons = "; ".join(f"{r['prompt_id']}: {r['reason'][:120]}" for r in failed_rows[:3])
+            counted = (f", {over} of them over max_context_tokens (not counted): {gated} of "
+                       f"{stats.prompts_total - over}" if over else "")
+            raise TooManyFailedPrompts(
+                f"[{shard}] {len(failed_rows)} of {stats.prompts_total} prompts failed{counted} "
+                f"({failed_gate.ratio:.1%}; 95% lower bound {failed_gate.lower:.1%} > max_failed_ratio "
+                f"{max_failed_ratio:.1%}); "
+                f"nothing published, {len(rows)} finished rows kept for the next run, which retries only the failed. "
+                f"Failed list: {layout.completions_failed(shard)}. First: {reasons}", result)
+        return result
+
+    def _final_stats(self, table: pa.Table, done: int, failed: int) -> None:
+        stats = self.stats
+        stats.prompts_done = done
+        stats.prompts_generated = self.generated["rows"]
+        stats.prompts_failed = failed
+        stats.finish_reasons, stats.empty_content, stats.empty_reasoning, stats.turns = turn_counts(
+            table, self.generation.enable_thinking)
+        _agentic_counts(table, stats)
+        stats.completion_tokens = self.generated["tokens"]
+        stats.prompt_tokens = self.generated["prompt_tokens"]
+        stats.wall_s = time.perf_counter() - self.t_start
+        stats.tokens_per_s = stats.completion_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
+        self.emit_progress()
+
+
 async def _regenerate(prompts: Any, shard: str, store: Any, fleet: EngineFleetConfig, generation: GenerationConfig,
                       tokenizer: Any, progress: Callable[[ProgressUpdate], None] | None,
                       on_probe: Callable[[FleetProbe], None] | None, progress_interval_s: float, flush_every: int,
                       flush_interval_s: float, keep_journal: bool, max_failed_ratio: float,
                       engines: Sequence[Engine] | None, t_start: float, fleet_runner: "EngineFleet | None",
                       seed_honoured: bool | None, target_fingerprint: str | None = None) -> CompletionsResult:
-    """The body of ``aregenerate_shard``; ``fleet_runner`` is the fleet already probed (a seed is set), else None."""
+    """The body of ``aregenerate_shard``, step by step (``_ShardRun``); ``fleet_runner`` is the fleet already
+    probed (a seed is set), else None."""
     config_hash = generation.config_hash(fleet.target_model, seed_honoured, target_fingerprint)
     stats = GenerationStats(shard=shard, config_hash=config_hash)
     if generation.seed is not None:
         stats.seed_effect = "honoured" if seed_honoured else "ignored"
     journal = CompletionJournal(store, shard, flush_every=flush_every, flush_interval_s=flush_interval_s)
-
-    # Inputs: one task per distinct prompt_id, in input order.
-    order: list[str] = []
-    inputs: dict[str, dict] = {}
-    for row in _input_rows(prompts):
-        pid = str(row["prompt_id"])
-        if pid in inputs:
-            stats.duplicates_dropped += 1
-            continue
-        inputs[pid] = row
-        order.append(pid)
-    stats.prompts_total = len(order)
-
-    published = await asyncio.to_thread(_published_rows, store, shard, config_hash, inputs)
-    journaled = {pid: r for pid, r in journal.load(config_hash).items() if pid in inputs}
-    done_rows: dict[str, dict] = {**published, **journaled}
-    stats.prompts_resumed = len(done_rows)
-    stats.prompts_resumed_published = len(set(published) - set(journaled))
-    failed: dict[str, dict] = {}
-    over_max_context: set[str] = set()  # failed prompts whose first turn is over max_context_tokens
-    tasks: list[_Conversation] = []
-    for pid in order:
-        if pid in done_rows:
-            continue
-        row = inputs[pid]
-        if row.get("agentic_turns"):
-            task = _agentic_task(pid, row, generation, config_hash)
-            if isinstance(task, str):
-                failed[pid] = {"prompt_id": pid, "reason": task, "errors": [], "turns_done": 0, "attempts": 0,
-                               "config_hash": config_hash}
-            else:
-                tasks.append(task)
-            continue
-        turns = [str(t) for t in (row.get("user_turns") or [])][: generation.max_turns]
-        if not turns:
-            failed[pid] = {"prompt_id": pid, "reason": "no user turns", "errors": [], "turns_done": 0, "attempts": 0,
-                           "config_hash": config_hash}
-            continue
-        tasks.append(_Conversation(pid, row.get("system") or None, turns, generation, config_hash))
-
-    generated = {"tokens": 0, "rows": 0, "prompt_tokens": 0}
-    probe: FleetProbe | None = None
-    bg: set[asyncio.Task] = set()
-
-    def emit_progress() -> None:
-        if progress is None:
-            return
-        elapsed = time.perf_counter() - t_start
-        n_done = len(done_rows)
-        rate = generated["rows"] / elapsed if elapsed > 0 else 0.0
-        remaining = stats.prompts_total - n_done - len(failed)
-        eta = remaining / rate if rate > 0 else (0.0 if remaining == 0 else None)
-        progress(ProgressUpdate(shard, n_done, stats.prompts_total, len(failed), stats.prompts_resumed,
-                                generated["tokens"], generated["tokens"] / elapsed if elapsed > 0 else 0.0,
-                                elapsed, eta))
-
-    def schedule_flush() -> None:
-        t = asyncio.ensure_future(journal.flush())
-        bg.add(t)
-        t.add_done_callback(bg.discard)
-
-    def on_done(task: _Conversation) -> None:  # type: ignore[override]
-        row = task.row()
-        done_rows[task.prompt_id] = row
-        generated["rows"] += 1
-        generated["tokens"] += row["completion_tokens_total"]
-        generated["prompt_tokens"] += sum(row["prompt_tokens"])
-        stats.turns_cut_to_context += task.turns_cut_to_context
-        stats.conversations_stopped_at_context += task.stopped_at_context
-        journal.add(row)
-        if journal.due:
-            schedule_flush()
-
-    def on_failed(task: _Conversation, reason: str, errors: list[str]) -> None:  # type: ignore[override]
-        failed[task.prompt_id] = {"prompt_id": task.prompt_id, "reason": reason, "errors": errors[-5:],
-                                  "turns_done": len(task.results), "attempts": task.attempts,
-                                  "config_hash": config_hash}
-        stats.turns_cut_to_context += task.turns_cut_to_context
-        stats.prompts_failed_context_overflow += task.context_overflow
-        if task.over_max_context:
-            over_max_context.add(task.prompt_id)
-        else:
-            over_max_context.discard(task.prompt_id)
-
-    async def ticker() -> None:
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(min(1.0, progress_interval_s, flush_interval_s))
-            if journal.due:
-                schedule_flush()
-            if time.monotonic() - last >= progress_interval_s:
-                last = time.monotonic()
-                emit_progress()
-
+    run = _ShardRun(shard, store, generation, journal, stats, t_start, progress, progress_interval_s)
+    run.read_inputs(prompts)
+    await run.resume()
+    tasks = run.tasks()
     if tasks:
         fleet_runner = fleet_runner or EngineFleet(fleet, _resolve_tokenizer(tokenizer, fleet), engines=engines)
-        tick = asyncio.ensure_future(ticker())
-        try:
-            async with fleet_runner:
-                probe = fleet_runner.probe
-                if on_probe is not None and probe is not None:  # the one probe of this run, before any work
-                    on_probe(probe)
-                run = await fleet_runner.run(tasks, on_done=on_done, on_failed=on_failed)  # type: ignore[arg-type]
-            stats.requests, stats.retries, stats.failovers = run.requests, run.retries, run.failovers
-            stats.dispatch_s = run.wall_s
-            stats.endpoints = {url: asdict(ep) for url, ep in run.endpoints.items()}
-        finally:
-            tick.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await tick
-            if bg:
-                await asyncio.gather(*list(bg), return_exceptions=True)
-            await journal.flush()  # whatever finished is kept, also when the run fails
-    stats.journal_chunks_written = journal.chunks_written
-
-    rows = [done_rows[pid] for pid in order if pid in done_rows]
-    table = _rows_to_table(rows)
-    failed_rows = [failed[pid] for pid in order if pid in failed]
-    failed_table = pa.Table.from_pylist(failed_rows, schema=failed_schema())
-    # The ratio checks' rule (quality_gates): too many only when the 95% Wilson lower bound of the failed share
-    # exceeds max_failed_ratio, so one engine hiccup in a small shard does not fail it; no failure never does.
-    # Prompts longer than the config's max_context_tokens are the data's, not the engines': listed, not counted.
-    stats.prompts_over_max_context_tokens = over = sum(pid in over_max_context for pid in failed)
-    gated = len(failed_rows) - over
-    failed_gate = ratio_gate(gated, max(stats.prompts_total - over, gated), max_failed_ratio)
-    too_many = gated > 0 and not failed_gate.passed
-    if too_many:  # not published: the finished rows stay in the journal, earlier published ones where they are
-        digest = ""
-    else:
-        digest = await asyncio.to_thread(store.write_parquet, layout.completions(shard), table)
-    await asyncio.to_thread(store.write_parquet, layout.completions_failed(shard), failed_table)
-    if not failed_rows and not keep_journal:
-        await asyncio.to_thread(journal.clear)
-
-    stats.prompts_done = len(rows)
-    stats.prompts_generated = generated["rows"]
-    stats.prompts_failed = len(failed_rows)
-    stats.finish_reasons, stats.empty_content, stats.empty_reasoning, stats.turns = turn_counts(
-        table, generation.enable_thinking)
-    _agentic_counts(table, stats)
-    stats.completion_tokens = generated["tokens"]
-    stats.prompt_tokens = generated["prompt_tokens"]
-    stats.wall_s = time.perf_counter() - t_start
-    stats.tokens_per_s = stats.completion_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
-    emit_progress()
-    result = CompletionsResult(shard, table, failed_table, stats, probe, layout.completions(shard),
-                               layout.completions_failed(shard), config_hash, digest)
-    if too_many:
-        reasons = "; ".join(f"{r['prompt_id']}: {r['reason'][:120]}" for r in failed_rows[:3])
-        counted = (f", {over} of them over max_context_tokens (not counted): {gated} of {stats.prompts_total - over}"
-                   if over else "")
-        raise TooManyFailedPrompts(
-            f"[{shard}] {len(failed_rows)} of {stats.prompts_total} prompts failed{counted} "
-            f"({failed_gate.ratio:.1%}; 95% lower bound {failed_gate.lower:.1%} > max_failed_ratio "
-            f"{max_failed_ratio:.1%}); "
-            f"nothing published, {len(rows)} finished rows kept for the next run, which retries only the failed. "
-            f"Failed list: {layout.completions_failed(shard)}. First: {reasons}", result)
-    return result
+        await run.dispatch(fleet_runner, tasks, on_probe)
+    return await run.publish(keep_journal, max_failed_ratio)
 
 
 @functools.wraps(aregenerate_shard, assigned=("__module__", "__annotations__"))
