@@ -7,14 +7,16 @@ directory (10 completions shards for the cross-partition scan). Each computation
 process, once per implementation, interleaved (before, after, before, after ...) ``--repeats`` times:
 
   quality_checks     the four sample checks (empty answers, thinking, truncation, schema row invariants)
-  turn_counts        the completions' finish reasons, empty answers/reasoning and turns; before: the loop over
-                     the rows as Python dicts (what the stage held; building the dicts is not timed)
+  turn_counts        the completions' finish reasons, empty answers/reasoning and turns (after: Arrow kernels);
+                     before: the loop over the rows as Python dicts (what the stage held; building the dicts
+                     is not timed)
   response_lengths   the response-length histogram (before: ``to_pylist`` and a list comprehension)
   measure_completions the plan's sums over every completions shard (before: one shard at a time in Arrow;
                      after: one lazy polars scan)
 
 "before" is the replaced implementation, kept only here as the peer; "after" is the library's. A child loads
-its input (not timed) and warms polars' runtime (in both arms: the code location runs polars anyway), then
+its input (not timed) and warms polars' runtime and pyarrow.compute's kernels (in both arms: the code location
+runs both anyway), then
 times the computation (best of ``--inner`` runs); its memory is the rise of its peak RSS (VmHWM, reset through
 /proc/self/clear_refs once the input is loaded) over its RSS then. ``speedup`` = before_s / after_s (best of the
 repeats).
@@ -237,9 +239,14 @@ def child(data: Path, computation: str, impl: str, inner: int) -> dict:
             lambda: C.response_length_histogram(arg, 2048))
     else:
         run = (lambda: before_measure(paths)) if impl == "before" else (lambda: after_measure(paths))
-    # polars' runtime (thread pool, allocator arenas) is warmed in both arms: the code location runs polars anyway
+    # polars' runtime (thread pool, allocator arenas) and pyarrow.compute's kernels are warmed in both arms: the
+    # code location runs both anyway
     pl.DataFrame({"a": [[1, 2]], "s": ["x"]}).lazy().select(pl.col("a").explode().sum(), pl.col("s").str.contains("^x$")
                                                             ).collect(engine="streaming")
+    warm = pc.list_flatten(pa.array([[{"role": "a", "content": " "}]]))
+    pc.sum(pc.and_(pc.fill_null(pc.equal(pc.struct_field(warm, "role"), "a"), False),
+                   pc.match_substring_regex(pc.struct_field(warm, "content"), "^ *$")))
+    pc.value_counts(pa.array(["x"])).to_pylist()
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from here: loading is not counted
     base = _rss_kib("VmRSS")
     best, result = float("inf"), None
