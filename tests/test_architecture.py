@@ -283,24 +283,20 @@ TEST_FOLDERS_OUTSIDE_THE_STAGES = {"library": PACKAGE, "dagster_project": DAGSTE
                                    "bench": PACKAGE.parent / "bench", "support": PACKAGE.parent / "tests" / "support"}
 # Library modules without a tests/<package>/test_<module>.py, and why (the file named exercises it).
 NO_TEST_MODULE = {
-    "dflash_assets/chart_data.py": "tested through tests/dagster_project/test_charts.py (chart numbers whose answer is known)",
     "dflash_assets/demo.py": "tested through tests/dagster_project/test_demo.py (`make demo`) and tests/test_end_to_end.py",
     "dflash_assets/stage_io.py": "data only (the plain types between the Pipes worker and the stage libraries)",
     "dflash_assets/pipes_worker.py": "tested through tests/dagster_project/test_pipes.py (its selftest and the GPU-host stages)",
-    "dflash_assets/store/layout.py": "tested through every stage test that reads the store, e.g. tests/prompts/test_ingest.py",
     "dflash_assets/store/schemas.py": "data only (Arrow schemas)",
     "dflash_assets/prompts/config.py": "tested through tests/prompts/test_ingest.py (IngestConfig)",
     "dflash_assets/prompts/corpus.py": "tested through tests/prompts/test_ingest.py",
     "dflash_assets/prompts/normalization.py": "tested through tests/prompts/test_ingest.py and tests/generation/test_tool_calls.py",
     "dflash_assets/prompts/quarantine.py": "tested through tests/prompts/test_ingest.py and tests/generation/test_tool_calls.py",
     "dflash_assets/prompts/shards.py": "tested through tests/prompts/test_ingest.py and tests/generation/test_tool_calls.py",
-    "dflash_assets/target_model/conventions.py": "tested through tests/drafter/test_serving_match.py and tests/embedded/test_smollm2.py",
     "dflash_assets/target_model/layer_capture.py": "tested through tests/hidden_states/test_capture.py (equal to HF "
                                                    "output_hidden_states) and tests/drafter/test_decoding.py",
     "dflash_assets/generation/stage.py": "tested through tests/generation/test_config.py and "
                                          "tests/dagster_project/assets/test_generation.py",
     "dflash_assets/tokenization/stage.py": "tested through tests/tokenization/test_samples.py",
-    "dflash_assets/hidden_states/batching.py": "tested through tests/hidden_states/test_capture.py",
     "dflash_assets/hidden_states/format.py": "tested through tests/hidden_states/test_capture.py (the v1 fixture in tests/data)",
     "dflash_assets/hidden_states/packing.py": "tested through tests/hidden_states/test_capture.py (no leak across packed samples)",
     "dflash_assets/hidden_states/stage.py": "tested through tests/hidden_states/test_capture.py and tests/store/test_manifest.py",
