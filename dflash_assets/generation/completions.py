@@ -476,7 +476,8 @@ class _ShardRun:
                 self.probe = fleet_runner.probe
                 if on_probe is not None and self.probe is not None:  # the one probe of this run, before any work
                     on_probe(self.probe)
-                run = await fleet_runner.run(tasks, on_done=self.on_done, on_failed=self.on_failed)  # type: ignore[arg-type]
+                run = await fleet_runner.run(tasks, on_done=self.on_done,  # type: ignore[arg-type]
+                                             on_failed=self.on_failed)
             self.stats.requests, self.stats.retries, self.stats.failovers = run.requests, run.retries, run.failovers
             self.stats.dispatch_s = run.wall_s
             self.stats.endpoints = {url: asdict(ep) for url, ep in run.endpoints.items()}

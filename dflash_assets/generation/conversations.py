@@ -14,7 +14,8 @@ import dataclasses
 import time
 from typing import Any
 
-from dflash_assets.generation.engines import ChatResult, ContextOverflow, Engine, GenerationConfig, json_dumps, json_loads
+from dflash_assets.generation.engines import (ChatResult, ContextOverflow, Engine, GenerationConfig, json_dumps,
+                                              json_loads)
 from dflash_assets.generation.tool_calls import calls_from_server, parse_qwen_tool_calls, same_calls
 
 __all__ = ["Conversation", "AgenticConversation", "agentic_task"]

@@ -356,43 +356,15 @@ def tokenize_completions(
     batches: list[pa.RecordBatch] = []
     totals = np.zeros(4, dtype=np.int64)  # truncated, tokens, loss_tokens, rendered_tokens
     verified = config.parity_samples <= 0
-    header, footer = config.assistant_header, config.end_of_turn
     agentic = 0
 
     for lo in range(0, table.num_rows, config.batch_size):
         conversations = messages_col.slice(lo, config.batch_size).to_pylist()
         row_tools = tools_col.slice(lo, config.batch_size).to_pylist() if tools_col is not None else None
-        rows, turns, texts, spans, features = [], [], [], [], []
-        for offset, messages in enumerate(conversations):
-            tools, tools_ok = _tools_of(row_tools[offset]) if row_tools is not None else (None, True)
-            for turn_index, msgs, reason in expand_conversation(messages, config.supervise):
-                if reason is None and not tools_ok:
-                    reason = "bad_tools"
-                if reason is None and has_tool_turns(msgs) and (msgs := _template_messages(msgs)) is None:
-                    reason = "bad_tool_call"
-                if reason is not None:
-                    dropped[reason] += 1
-                    continue
-                steps = supervised_steps(msgs)
-                checked = msgs[-1:] if steps == 1 else msgs[_after_last_query(msgs):]
-                if _markers_in(checked, (header, footer)):
-                    dropped["marker_in_response"] += 1
-                    continue
-                try:
-                    text = renderer(msgs, tools=tools)
-                except (TemplateError, TypeError, ValueError, KeyError):
-                    dropped["template_error"] += 1
-                    continue
-                span = _locate_spans(text, header, footer, steps)
-                if span is None:
-                    dropped["no_supervised_span"] += 1
-                    continue
-                agentic += steps > 1 or tools is not None or has_tool_turns(msgs)
-                rows.append(lo + offset)
-                turns.append(turn_index)
-                texts.append(text)
-                spans.append(span)
-                features.append(_step_features([m for m in msgs if m.get("role") == "assistant"][-steps:]))
+        rendered = _render_batch(conversations, row_tools, lo, renderer, config, dropped)
+        rows, turns, texts, spans = rendered.rows, rendered.turns, rendered.texts, rendered.spans
+        features = rendered.features
+        agentic += rendered.agentic
         if not texts:
             continue
         if not verified:
@@ -434,6 +406,58 @@ def tokenize_completions(
         agentic_samples=int(agentic),
     )
     return out, stats
+
+
+
+@dataclass
+class _RenderedBatch:
+    """The samples of one batch of conversations that rendered with a supervised span, in order."""
+
+    rows: list[int] = field(default_factory=list)  # the conversation's row in the table
+    turns: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    spans: list[list[int]] = field(default_factory=list)  # supervised character spans, flat (start, end, ...)
+    features: list[tuple[int, int, int, int]] = field(default_factory=list)
+    agentic: int = 0
+
+
+def _render_batch(conversations: list, row_tools: list | None, lo: int, renderer: ChatRenderer,
+                  config: TokenizeConfig, dropped: Counter) -> _RenderedBatch:
+    """Each conversation's samples (``expand_conversation``) rendered by the target's template and their supervised
+    spans located; a sample that cannot be is counted in ``dropped`` by reason (``DROP_REASONS``)."""
+    header, footer = config.assistant_header, config.end_of_turn
+    out = _RenderedBatch()
+    for offset, messages in enumerate(conversations):
+        tools, tools_ok = _tools_of(row_tools[offset]) if row_tools is not None else (None, True)
+        for turn_index, msgs, reason in expand_conversation(messages, config.supervise):
+            if reason is None and not tools_ok:
+                reason = "bad_tools"
+            if reason is None and has_tool_turns(msgs) and (msgs := _template_messages(msgs)) is None:
+                reason = "bad_tool_call"
+            if reason is not None:
+                dropped[reason] += 1
+                continue
+            steps = supervised_steps(msgs)
+            checked = msgs[-1:] if steps == 1 else msgs[_after_last_query(msgs):]
+            if _markers_in(checked, (header, footer)):
+                dropped["marker_in_response"] += 1
+                continue
+            try:
+                text = renderer(msgs, tools=tools)
+            except (TemplateError, TypeError, ValueError, KeyError):
+                dropped["template_error"] += 1
+                continue
+            span = _locate_spans(text, header, footer, steps)
+            if span is None:
+                dropped["no_supervised_span"] += 1
+                continue
+            out.agentic += steps > 1 or tools is not None or has_tool_turns(msgs)
+            out.rows.append(lo + offset)
+            out.turns.append(turn_index)
+            out.texts.append(text)
+            out.spans.append(span)
+            out.features.append(_step_features([m for m in msgs if m.get("role") == "assistant"][-steps:]))
+    return out
 
 
 def _after_last_query(messages: Sequence[Mapping[str, Any]]) -> int:
