@@ -20,7 +20,7 @@ from dagster_project.metadata import check_metadata, loss_tokens_chart, table_me
 from dagster_project.partitions import prompt_shards
 from dagster_project.resources import StoreParam, TargetParam
 from dagster_project.versions import code_version
-from dflash_assets.tokenization.quality import BLOCKING_CHECKS
+from dflash_assets.tokenization.quality import BLOCKING_CHECKS, check_descriptions
 from dflash_assets.tokenization.stage import tokenize_partition
 
 SEVERITY = {
@@ -30,20 +30,9 @@ SEVERITY = {
     "schema": dg.AssetCheckSeverity.ERROR,
 }
 # The ratio checks decide by one rule (dflash_assets.quality_gates): on the evidence of the shard, not on its
-# observed share alone, so one empty answer in a small shard does not fail it. The examples are at the defaults.
-CHECK_DESCRIPTIONS = {
-    "empty_response_ratio": "Share of samples whose supervised span is a stub (< min_loss_tokens) or whose visible "
-    "answer is empty. Fails only when the data show the share is over max_empty_ratio: the lower bound of its 95% "
-    "Wilson score interval is above it (at 2%: 1 empty in 23 passes, 2 in 23 fail; 87% stubs fail from 2 samples "
-    "up). A partition with no samples fails. Blocking: a failing partition never reaches the GPU stages.",
-    "thinking_ratio": "Share of samples with non-empty reasoning, when thinking was requested. Fails only when the "
-    "data show the share is under thinking_floor: the upper bound of its 95% Wilson score interval is below it "
-    "(at 90%: 18 of 23 with reasoning passes, 17 of 23 fails). A partition with no samples fails.",
-    "truncation_ratio": "Share of samples cut at max_length. Fails (a warning) only when the data show the share is "
-    "over truncation_ceiling: the lower bound of its 95% Wilson score interval is above it (at 5%: 3 cut in 23 "
-    "pass, 4 in 23 fail). A partition with no samples fails.",
-    "schema": "Column types, list lengths equal num_tokens, mask sums equal num_loss_tokens. Blocking.",
-}
+# observed share alone, so one empty answer in a small shard does not fail it. The descriptions' examples are
+# computed from the default thresholds.
+CHECK_DESCRIPTIONS = check_descriptions(TokenizeStageConfig().thresholds(thinking_requested=True))
 
 
 @dg.asset(

@@ -38,6 +38,7 @@ from dflash_assets.store import layout
 from dflash_assets.tokenization.samples import SAMPLES_SCHEMA
 
 __all__ = [
+    "check_descriptions",
     "BLOCKING_CHECKS",
     "LOSS_TOKEN_BIN_EDGES",
     "CheckOutcome",
@@ -247,6 +248,41 @@ class QualityThresholds:
     thinking_floor: float = 0.9
     truncation_ceiling: float = 0.05
     max_length: int | None = None
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:g}%"
+
+
+def check_descriptions(thresholds: QualityThresholds = QualityThresholds(), n: int = 23) -> dict[str, str]:
+    """Each check's description, its examples computed by the ratio rule (``quality_gates.ratio_gate``) at these
+    thresholds on a partition of ``n`` samples, so the words always say what the thresholds do."""
+    def ceiling_example(threshold: float) -> tuple[int, int]:  # the most that pass, the fewest that fail
+        passing = max(k for k in range(n + 1) if ratio_gate(k, n, threshold, CEILING).passed)
+        return passing, passing + 1
+
+    empty_ok, empty_bad = ceiling_example(thresholds.max_empty_ratio)
+    stub_share = 0.87  # the share of stub answers found in a real corpus (the failure these checks prevent)
+    stubs_fail_from = next(m for m in range(1, 10_000)
+                           if not ratio_gate(int(stub_share * m), m, thresholds.max_empty_ratio, CEILING).passed)
+    thinking_ok = min(k for k in range(n + 1) if ratio_gate(k, n, thresholds.thinking_floor, FLOOR).passed)
+    cut_ok, cut_bad = ceiling_example(thresholds.truncation_ceiling)
+    return {
+        "empty_response_ratio": "Share of samples whose supervised span is a stub (< min_loss_tokens) or whose "
+        "visible answer is empty. Fails only when the data show the share is over max_empty_ratio: the lower bound "
+        f"of its 95% Wilson score interval is above it (at {_pct(thresholds.max_empty_ratio)}: {empty_ok} empty in "
+        f"{n} {'passes' if empty_ok == 1 else 'pass'}, {empty_bad} in {n} fail; {_pct(stub_share)} stubs fail from {stubs_fail_from} samples up). A "
+        "partition with no samples fails. Blocking: a failing partition never reaches the GPU stages.",
+        "thinking_ratio": "Share of samples with non-empty reasoning, when thinking was requested. Fails only when "
+        "the data show the share is under thinking_floor: the upper bound of its 95% Wilson score interval is below "
+        f"it (at {_pct(thresholds.thinking_floor)}: {thinking_ok} of {n} with reasoning passes, {thinking_ok - 1} of "
+        f"{n} fails). A partition with no samples fails.",
+        "truncation_ratio": "Share of samples cut at max_length. Fails (a warning) only when the data show the share "
+        "is over truncation_ceiling: the lower bound of its 95% Wilson score interval is above it (at "
+        f"{_pct(thresholds.truncation_ceiling)}: {cut_ok} cut in {n} pass, {cut_bad} in {n} fail). A partition "
+        "with no samples fails.",
+        "schema": "Column types, list lengths equal num_tokens, mask sums equal num_loss_tokens. Blocking.",
+    }
 
 
 def evaluate_quality(table: pa.Table, thresholds: QualityThresholds = QualityThresholds()) -> dict[str, CheckOutcome]:

@@ -264,3 +264,25 @@ def test_tokenized_samples_decides_its_ratio_checks_on_evidence(qwen_tokenizer_t
     else:
         with pytest.raises(QualityGateFailed, match="over the 2.00% threshold with 95% confidence"):
             require_quality_gate(store, shard)
+
+
+@pytest.mark.parametrize("settings", [{}, {"max_empty_ratio": 0.2, "thinking_floor": 0.5, "truncation_ceiling": 0.3}])
+def test_check_descriptions_are_built_from_the_thresholds_they_describe(settings):
+    """Each description's example is the ratio rule's verdict at these thresholds: the counts it names as passing
+    pass, and one more (one fewer, for the floor) fails."""
+    from dflash_assets.quality_gates import ratio_gate
+    from dflash_assets.tokenization.quality import QualityThresholds, check_descriptions
+
+    thresholds = QualityThresholds(**settings)
+    text = check_descriptions(thresholds)
+    pct = lambda x: f"{x * 100:g}%"  # noqa: E731
+    ok, bad = map(int, re.search(r"at [\d.]+%: (\d+) empty in 23 pass(?:es)?, (\d+) in 23 fail",
+                                 text["empty_response_ratio"]).groups())
+    assert f"at {pct(thresholds.max_empty_ratio)}:" in text["empty_response_ratio"]
+    assert ratio_gate(ok, 23, thresholds.max_empty_ratio).passed
+    assert not ratio_gate(bad, 23, thresholds.max_empty_ratio).passed
+    ok = int(re.search(r": (\d+) of 23 with reasoning passes", text["thinking_ratio"]).group(1))
+    assert ratio_gate(ok, 23, thresholds.thinking_floor, "floor").passed
+    assert not ratio_gate(ok - 1, 23, thresholds.thinking_floor, "floor").passed
+    ok, bad = map(int, re.search(r": (\d+) cut in 23 pass, (\d+) in 23 fail", text["truncation_ratio"]).groups())
+    assert bad == ok + 1 and not ratio_gate(bad, 23, thresholds.truncation_ceiling).passed
