@@ -39,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_assets.drafter.decontamination import EvalText, read_benchmark_prompts, turn_matches
+from dflash_assets.drafter.decontamination import EvalText, Match, read_benchmark_prompts, turn_matches
 from dflash_assets.generation.self_prompts import SampledConversation, SelfPromptSampling, UserTurnSampler
 from dflash_assets.prompts.config import IngestConfig
 from dflash_assets.prompts.corpus import list_shard_keys, load_corpus_index, read_corpus_shard
@@ -326,8 +326,14 @@ def _record(shard: str, index: int, system: str | None, turns: Sequence[str], an
 class _Filter:
     """The filters of one partition, applied sample by sample in index order (the first occurrence is kept)."""
 
-    def __init__(self, store: Any, shard: str, config: SelfPromptsConfig, eval_prompts: Sequence[EvalText]):
-        self.shard, self.config, self.eval_prompts = shard, config, eval_prompts
+    def __init__(self, store: Any, shard: str, config: SelfPromptsConfig, samples: pa.Table,
+                 eval_prompts: Sequence[EvalText]):
+        self.shard, self.config = shard, config
+        rows = samples.select(["sample_index", "user_turns"]).to_pylist()
+        self.contaminated: dict[int, Match] = {}  # sample index -> its first turn matching a benchmark prompt
+        for m in turn_matches(eval_prompts, ((shard, str(r["sample_index"]), t) for r in rows
+                                             for t in r["user_turns"])) if eval_prompts else ():
+            self.contaminated.setdefault(int(m.train_id), m)
         self.hashes, self.index = _dedup_sources(store, shard, config.near_duplicate_threshold,
                                                  config.against_corpus)
         self.ingest = IngestConfig()
@@ -362,11 +368,9 @@ class _Filter:
         near = self.index.query(signature)
         if near is not None:
             return "near_duplicate", f"Jaccard {near.jaccard:.2f} with {near.key}"
-        if self.eval_prompts:
-            found = turn_matches(self.eval_prompts, [(self.shard, prompt.prompt_id, t) for t in turns])
-            if found:
-                m = found[0]
-                return "contaminated", f"{m.kind} match of {m.origin} prompt {m.eval_id}"
+        m = self.contaminated.get(row["sample_index"])
+        if m is not None and m.train_text in turns:
+            return "contaminated", f"{m.kind} match of {m.origin} prompt {m.eval_id}"
         where = f"{SOURCE}:{self.shard}/{prompt.prompt_id}"
         self.hashes[first_hash] = where
         self.index.add(where, signature)
@@ -387,7 +391,7 @@ def generate_self_prompts(store: Any, shard: str, spec: Any, config: SelfPrompts
     config_hash = config.config_hash(spec.generation_fingerprint())
     samples, n_batches, resumed, generated, seconds = _sample(store, shard, spec, config, config_hash, on_batch, log)
     eval_prompts = [p for f in benchmark_files for p in read_benchmark_prompts(f)]
-    keep = _Filter(store, shard, config, eval_prompts)
+    keep = _Filter(store, shard, config, samples, eval_prompts)
     builder = ShardBuilder(shard, None, config.samples)
     lineage: dict[str, list] = {"sample_index": [], "answers": [], "new_tokens": [], "config_hash": []}
     rejected: dict[str, list] = {f.name: [] for f in QUARANTINE_SCHEMA}
