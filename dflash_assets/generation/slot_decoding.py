@@ -105,11 +105,11 @@ def kv_bytes_per_position(model: Any) -> int:
     return 2 * cfg.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
 
 
-def slots_for_memory(model: Any, slot_len: int, memory_bytes: int, *, share: float = 0.45,
+def slots_for_memory(per_position_bytes: int, slot_len: int, memory_bytes: int, *, share: float = 0.45,
                      most: int = 1024, fewest: int = 8) -> int:
-    """The most slots (a power of two between `fewest` and `most`) whose KV cache of `slot_len` positions fits
-    in `share` of `memory_bytes`."""
-    fit = int(share * memory_bytes) // max(1, kv_bytes_per_position(model) * slot_len)
+    """The most slots (a power of two between `fewest` and `most`) whose KV cache of `slot_len` positions, at
+    `per_position_bytes` a position (`kv_bytes_per_position`), fits in `share` of `memory_bytes`."""
+    fit = int(share * memory_bytes) // max(1, per_position_bytes * slot_len)
     slots = fewest
     while slots * 2 <= min(fit, most):
         slots *= 2

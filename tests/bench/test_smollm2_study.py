@@ -127,8 +127,12 @@ def test_training_with_no_time_left_says_so(study, tmp_path):
 SMOLLM2_SHAPE = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}
 
 
-@pytest.mark.parametrize("memory_mib, rows", [(81_559, 512), (143_771, 1024), (40_960, 256), (1_024, 9)])
-def test_rows_a_call_fit_the_card(study, memory_mib, rows):
-    """SmolLM2's KV cache is 23,040 bytes a token; at its widest a row holds 2,048 prompt + 256 new tokens (53 MB);
-    45% of an 80 GB H100 holds 720 rows (the bucket below: 512), of a 141 GB H200 1,278 (1,024)."""
-    assert study.batch_rows_for_memory(SMOLLM2_SHAPE, memory_mib * 2**20, 256, 0.45) == rows
+@pytest.mark.parametrize("memory_mib, rows", [(81_559, 1024), (143_771, 1024), (40_960, 512), (1_024, 16)])
+def test_slots_fit_the_card(study, memory_mib, rows):
+    """SmolLM2's KV cache is 23,040 bytes a position; a main slot of 1,024 positions takes 23.6 MB: 45% of an 80 GB
+    H100 holds 1,630 (at most 1,024 are used), of a 40 GB card 819 (the power of two below: 512)."""
+    from dflash_assets.generation.slot_decoding import slots_for_memory
+
+    per_position = study.kv_bytes_of_config(SMOLLM2_SHAPE)
+    assert per_position == 23_040
+    assert slots_for_memory(per_position, 1024, memory_mib * 2**20, share=0.45) == rows

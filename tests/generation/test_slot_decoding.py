@@ -145,9 +145,9 @@ def test_slots_for_memory_fits_the_share_asked():
     model = _model("llama")
     per_position = kv_bytes_per_position(model)
     assert per_position == 2 * 3 * 2 * 16 * 4  # keys and values, 3 layers, 2 KV heads, 16 dims, float32
-    slots = slots_for_memory(model, 1000, 100 * per_position * 1000, share=0.5)
+    slots = slots_for_memory(per_position, 1000, 100 * per_position * 1000, share=0.5)
     assert slots == 32  # 50 slots fit: the largest power of two below
-    assert slots_for_memory(model, 1000, 0) == 8  # never below the floor
+    assert slots_for_memory(per_position, 1000, 0) == 8  # never below the floor
 
 
 # -- through the in-process engine: the real tiny target, its tokenizer and chat template --------------------
