@@ -297,8 +297,6 @@ NO_TEST_MODULE = {
     "dflash_assets/generation/stage.py": "tested through tests/generation/test_config.py and "
                                          "tests/dagster_project/assets/test_generation.py",
     "dflash_assets/tokenization/stage.py": "tested through tests/tokenization/test_samples.py",
-    "dflash_assets/hidden_states/packing.py": "tested through tests/hidden_states/test_capture.py (no leak across packed samples)",
-    "dflash_assets/hidden_states/stage.py": "tested through tests/hidden_states/test_capture.py and tests/store/test_manifest.py",
     "dflash_assets/drafter/data.py": "tested through tests/drafter/test_model.py and tests/drafter/test_training.py",
     "dflash_assets/drafter/loss.py": "tested through tests/drafter/test_model.py and tests/drafter/test_training.py",
     "dflash_assets/drafter/stages.py": "tested through tests/drafter/test_promotion.py, tests/drafter/test_refresh.py "
