@@ -296,7 +296,6 @@ NO_TEST_MODULE = {
                                                    "output_hidden_states) and tests/drafter/test_decoding.py",
     "dflash_assets/generation/stage.py": "tested through tests/generation/test_config.py and "
                                          "tests/dagster_project/assets/test_generation.py",
-    "dflash_assets/tokenization/stage.py": "tested through tests/tokenization/test_samples.py",
     "dflash_assets/drafter/data.py": "tested through tests/drafter/test_model.py and tests/drafter/test_training.py",
     "dflash_assets/drafter/loss.py": "tested through tests/drafter/test_model.py and tests/drafter/test_training.py",
     "dflash_assets/drafter/stages.py": "tested through tests/drafter/test_promotion.py, tests/drafter/test_refresh.py "

@@ -7,8 +7,8 @@ import dataclasses
 import json
 
 import pytest
-from safetensors import safe_open
 import torch
+from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from dflash_assets.hidden_states import batching, stage
