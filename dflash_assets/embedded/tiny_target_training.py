@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -412,27 +412,12 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
     in_pos[in_ids] = torch.arange(len(in_ids))
     out_pos = torch.full((vocab,), -1, dtype=torch.long)
     out_pos[out_ids] = torch.arange(len(out_ids))
-    others = torch.ones(vocab, dtype=torch.bool)
-    others[out_ids] = False
-    other_ids = others.nonzero().squeeze(1)
     gen = torch.Generator().manual_seed(cfg.seed)
-    rest_ids = other_ids[torch.randperm(len(other_ids), generator=gen)[: cfg.rest_sample]]
-    rest_rows = head_full.detach()[rest_ids].clone()  # [K, H], frozen
-    log_rest_scale = math.log(len(other_ids) / len(rest_ids))
+    rest_rows, log_rest_scale = _rest_rows(head_full, out_ids, cfg.rest_sample, gen)
 
     emb = torch.nn.Parameter(emb_full.detach()[in_ids].clone())  # [n_in, H]
     head = torch.nn.Parameter(head_full.detach()[out_ids].clone())  # [n_out, H]
-    for p in model.parameters():
-        p.requires_grad_(False)
-    body = model.model
-    if cfg.qk_norm_init != 1.0:
-        with torch.no_grad():
-            for name, p in body.named_parameters():
-                if name.endswith(("q_norm.weight", "k_norm.weight")):
-                    p.fill_(cfg.qk_norm_init)
-    body_params = [p for name, p in body.named_parameters() if "embed_tokens" not in name]
-    for p in body_params:
-        p.requires_grad_(True)
+    body, body_params = _trainable_body(model, cfg.qk_norm_init)
     params = body_params + [emb, head]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
 
@@ -454,16 +439,7 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
             if not order:
                 order = torch.randperm(len(batches), generator=gen).tolist()
             batch = [samples[i] for i in batches[order.pop()]]
-        T = max(len(s.ids) for s in batch)
-        ids = torch.full((len(batch), T), 0, dtype=torch.long)
-        mask = torch.zeros((len(batch), T), dtype=torch.long)
-        sup = torch.zeros((len(batch), T), dtype=torch.bool)  # position predicts a supervised token
-        weight = torch.ones((len(batch), T))  # weight of the token predicted at each position
-        for b, s in enumerate(batch):
-            ids[b, : len(s.ids)] = torch.tensor(s.ids)
-            mask[b, : len(s.ids)] = 1
-            sup[b, s.start - 1 : len(s.ids) - 1] = True
-            weight[b, [p - 1 for p in s.format_pos]] = cfg.format_weight
+        ids, mask, sup, weight = _batch_tensors(batch, cfg.format_weight)
         targets = ids[:, 1:][sup[:, :-1]]
         weight = weight[sup]
         inputs = ids
@@ -498,13 +474,58 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
         p.requires_grad_(False)
     tail = losses[-20:]
     return ChatFormatReport(
-        settings=asdict(cfg),
-        num_samples=len(samples),
-        num_input_ids=len(in_ids),
-        num_output_ids=len(out_ids),
+        settings=asdict(cfg), num_samples=len(samples), num_input_ids=len(in_ids), num_output_ids=len(out_ids),
         num_long_context_samples=len(long_samples),
         supervised_tokens=sum(len(s.ids) - s.start for s in samples + long_samples),
-        initial_loss=round(losses[0], 4),
-        final_loss=round(sum(tail) / len(tail), 4),
+        initial_loss=round(losses[0], 4), final_loss=round(sum(tail) / len(tail), 4),
         losses=[round(v, 4) for v in losses[::25]],
     )
+
+
+def _rest_rows(head_full: Any, out_ids: Any, rest_sample: int, gen: Any) -> tuple[Any, float]:
+    """The frozen lm_head rows of a random sample of the untrained ids ([K, H]) and log(#untrained / K): the "rest"
+    term of `_train`'s softmax."""
+    import torch
+
+    others = torch.ones(head_full.shape[0], dtype=torch.bool)
+    others[out_ids] = False
+    other_ids = others.nonzero().squeeze(1)
+    rest_ids = other_ids[torch.randperm(len(other_ids), generator=gen)[:rest_sample]]
+    return head_full.detach()[rest_ids].clone(), math.log(len(other_ids) / len(rest_ids))
+
+
+def _trainable_body(model: Any, qk_norm_init: float) -> tuple[Any, list]:
+    """The decoder body with every weight but the embedding trainable (q_norm/k_norm set to `qk_norm_init`); the
+    rest of the model frozen."""
+    import torch
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    body = model.model
+    if qk_norm_init != 1.0:
+        with torch.no_grad():
+            for name, p in body.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.fill_(qk_norm_init)
+    body_params = [p for name, p in body.named_parameters() if "embed_tokens" not in name]
+    for p in body_params:
+        p.requires_grad_(True)
+    return body, body_params
+
+
+def _batch_tensors(batch: list, format_weight: float) -> tuple[Any, Any, Any, Any]:
+    """Right-padded ids [B, T], their attention mask, the positions that predict a supervised token, and the weight
+    of the token predicted at each position (`format_weight` on the format tokens)."""
+    import torch
+
+    T = max(len(s.ids) for s in batch)
+    ids = torch.full((len(batch), T), 0, dtype=torch.long)
+    mask = torch.zeros((len(batch), T), dtype=torch.long)
+    sup = torch.zeros((len(batch), T), dtype=torch.bool)
+    weight = torch.ones((len(batch), T))
+    for b, s in enumerate(batch):
+        ids[b, : len(s.ids)] = torch.tensor(s.ids)
+        mask[b, : len(s.ids)] = 1
+        sup[b, s.start - 1 : len(s.ids) - 1] = True
+        weight[b, [p - 1 for p in s.format_pos]] = format_weight
+    return ids, mask, sup, weight
