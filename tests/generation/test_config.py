@@ -1,34 +1,15 @@
 """The target's identity in completions' ``config_hash``: two target directories of the same basename (one weight
 byte apart) never share a hash, so a fine-tune written in place or a new revision under the same name regenerates
-instead of resuming the old target's rows; the basename-only form stays for remote engines (no local dir). Model ids
-compared across their spellings (`normalize_model_id`), and the hash tracking every sampling setting."""
+instead of resuming the old target's rows (through the stage: test_stage.py); the basename-only form stays for
+remote engines (no local dir). Model ids compared across their spellings (`normalize_model_id`), and the hash
+tracking every sampling setting."""
 
 from __future__ import annotations
 
-import shutil
-
-import pyarrow as pa
 import pytest
 
 from dflash_assets.generation.config import GenerationConfig, normalize_model_id
-from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
-from dflash_assets.generation.stage import regenerate_partition
-from dflash_assets.store import layout
 from dflash_assets.target_model.spec import TargetModelSpec
-from tests.support.sglang_loopback import LoopbackServer
-
-
-@pytest.fixture
-def two_targets(tiny_dense_target, tmp_path):
-    """``a/m`` and ``b/m``: copies of the tiny target; b has one weight byte changed (past the safetensors header)."""
-    a, b = tmp_path / "a" / "m", tmp_path / "b" / "m"
-    shutil.copytree(tiny_dense_target, a)
-    shutil.copytree(tiny_dense_target, b)
-    weights = b / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-1] ^= 0xFF
-    weights.write_bytes(bytes(data))
-    return TargetModelSpec(model_path=str(a), dtype="float32"), TargetModelSpec(model_path=str(b), dtype="float32")
 
 
 def test_same_basename_other_weights_other_config_hash(two_targets):
@@ -63,27 +44,6 @@ def test_fingerprint_follows_config_tokenizer_and_template_not_layers(two_target
         (root / name).write_text(original)
         assert a.generation_fingerprint() == base, name
     assert TargetModelSpec(model_path="Qwen/Qwen3.6-27B").generation_fingerprint() is None  # hub id: nothing to sample
-
-
-def test_resume_does_not_reuse_rows_of_another_target_of_the_same_name(two_targets, local_store):
-    a, b = two_targets
-    rows = [{"prompt_id": f"p{i}", "system": None, "user_turns": [f"question {i}"]} for i in range(3)]
-    local_store.write_parquet(layout.raw_prompts("s"), pa.Table.from_pylist(rows))
-    gen = GenerationConfig(max_new_tokens=16)
-
-    def fleet(srv, spec):
-        return EngineFleetConfig(target_model=spec.model_path, backoff_initial_s=0.01,
-                                 endpoints=[EndpointConfig(url=srv.url, max_concurrency=2)])
-
-    with LoopbackServer(model_path=a.model_path) as srv:
-        first = regenerate_partition(local_store, "s", a, fleet(srv, a), generation=gen)
-        same = regenerate_partition(local_store, "s", a, fleet(srv, a), generation=gen)
-        assert srv.stats.generate_requests == 3 and same.stats.prompts_resumed == 3  # same dir: rows reused
-        other = regenerate_partition(local_store, "s", b, fleet(srv, b), generation=gen)
-        assert srv.stats.generate_requests == 6  # b/m: everything regenerated, nothing resumed
-    assert first.config_hash == same.config_hash == gen.config_hash(a.model_path, None, a.generation_fingerprint())
-    assert other.stats.prompts_resumed == 0 and other.config_hash != first.config_hash
-    assert set(other.table["config_hash"].to_pylist()) == {other.config_hash}
 
 
 @pytest.mark.parametrize("a,b", [
