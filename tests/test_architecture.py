@@ -292,8 +292,6 @@ NO_TEST_MODULE = {
     "dflash_assets/prompts/normalization.py": "tested through tests/prompts/test_ingest.py and tests/generation/test_tool_calls.py",
     "dflash_assets/prompts/quarantine.py": "tested through tests/prompts/test_ingest.py and tests/generation/test_tool_calls.py",
     "dflash_assets/prompts/shards.py": "tested through tests/prompts/test_ingest.py and tests/generation/test_tool_calls.py",
-    "dflash_assets/target_model/layer_capture.py": "tested through tests/hidden_states/test_capture.py (equal to HF "
-                                                   "output_hidden_states) and tests/drafter/test_decoding.py",
     "dflash_assets/drafter/data.py": "tested through tests/drafter/test_model.py and tests/drafter/test_training.py",
     "dflash_assets/drafter/loss.py": "tested through tests/drafter/test_model.py and tests/drafter/test_training.py",
     "dflash_assets/drafter/stages.py": "tested through tests/drafter/test_promotion.py, tests/drafter/test_refresh.py "
