@@ -301,8 +301,6 @@ NO_TEST_MODULE = {
     "dflash_assets/embedded/engine.py": "tested through tests/dagster_project/test_ui_browser.py (the embedded default "
                                         "generating under dagster dev) and tests/dagster_project/test_deployment.py",
     "dflash_assets/embedded/tiny_target_training.py": "tested through tests/embedded/test_tiny_targets.py",
-    "dflash_assets/planning/measurements.py": "tested through tests/planning/test_costs.py and tests/generation/test_fleet.py",
-    "dflash_assets/planning/stage.py": "tested through tests/planning/test_costs.py",
 }
 
 

@@ -122,30 +122,6 @@ def test_generation_cost_from_a_pilot_and_a_throughput():
     assert given.wall_s == pytest.approx(2_742_000)
 
 
-def test_tokens_per_sample_take_the_prompt_lengths_of_the_whole_corpus(tmp_path):
-    """A pilot of a few prompts measures what generation adds; the corpus's own prompt text (all of it, column by
-    column) gives the rest: a corpus of longer prompts than the pilot's gets longer samples."""
-    import pyarrow as pa
-
-    from dflash_assets.planning.measurements import PilotMeasure, measure_prompts
-    from dflash_assets.store import layout
-    from dflash_assets.store.backends import LocalStore
-
-    pilot = PilotMeasure(prompts=4, done=4, failed=0, turns=8, completion_tokens=800, prompt_tokens=400,
-                         wall_s=1.0, dispatch_s=1.0, concurrency=2, sample_tokens=1_200, user_chars=400,
-                         user_tokens=100)
-    assert pilot.tokens_per_sample == 300
-    assert pilot.scaled_tokens_per_sample(100.0) == pytest.approx(300)  # the same prompt lengths as the pilot's
-    assert pilot.scaled_tokens_per_sample(1_000.0) == pytest.approx((1_200 - 100) / 4 + 1_000 * 100 / 400)
-    assert pilot.scaled_tokens_per_sample(None) == 300
-    store = LocalStore(tmp_path / "store")
-    store.write_parquet(layout.raw_prompts("s0"), pa.Table.from_pylist([
-        {"system": "ab", "user_turns": ["abc", "defg", "hij"], "num_user_turns": 3},
-        {"system": None, "user_turns": ["x" * 10], "num_user_turns": 1}]))
-    seen = measure_prompts(store, max_turns=2)
-    assert seen.user_chars == 2 + 3 + 4 + 10 and seen.user_chars_per_prompt == 9.5  # the first 2 user turns
-
-
 def test_drafter_defaults_follow_the_recipe():
     from dflash_assets.drafter.recipe import DrafterRecipe
 
@@ -231,45 +207,3 @@ def test_generation_plan_asset_shows_the_whole_cost_plan_from_a_pilot(tmp_path, 
     assert "exceeds the budget" in meta["plan"] and "| captured layers |" in meta["plan"]
     assert runs["none"]["recommendation"] == "offline" and "budget_gb" not in runs["none"]
     assert meta["capture_gpu_hours"] > 0 and meta["online_train_gpu_hours_per_epoch"] > meta["capture_gpu_hours"]
-
-
-def test_the_stage_functions_run_prompts_plan_completions_and_samples_without_dagster(tmp_path, tiny_dense_target):
-    """The Python API (docs/python-api.md) as plain calls over one store. Before any completions the plan's figures fall back
-    to the raw prompts (turns, the burst's requests) and max_new_tokens (output per turn); after one partition is
-    regenerated they come from its completions."""
-    from dflash_assets.generation.config import GenerationConfig
-    from dflash_assets.generation.fleet import EndpointConfig, EngineFleetConfig
-    from dflash_assets.generation.stage import regenerate_partition
-    from dflash_assets.planning.stage import plan_corpus
-    from dflash_assets.prompts.ingest import ingest_prompt_source, materialize_prompt_shard
-    from dflash_assets.store.backends import LocalStore
-    from dflash_assets.target_model.spec import TargetModelSpec
-    from tests.support.sglang_loopback import LoopbackServer
-    from dflash_assets.tokenization.stage import tokenize_partition
-
-    source = tmp_path / "prompts.jsonl"
-    source.write_text("".join(f'{{"messages": [{{"role": "user", "content": "Prompt {i}"}}]}}\n' for i in range(6)))
-    store = LocalStore(tmp_path / "store")
-    (shard,) = ingest_prompt_source(str(source), store).shard_keys
-    materialize_prompt_shard(store, shard)
-    spec = TargetModelSpec(model_path=str(tiny_dense_target), dtype="float32")
-    generation = GenerationConfig(max_new_tokens=16, enable_thinking=spec.thinking())
-    probe = {"probe_requests": 4, "probe_max_new_tokens": 8}
-    with LoopbackServer(model_path=str(tiny_dense_target)) as engine:
-        fleet = EngineFleetConfig(endpoints=[EndpointConfig(url=engine.url, kind="sglang", max_concurrency=2)],
-                                  target_model=spec.model_path)
-        before = plan_corpus(store, spec, fleet, generation=generation, **probe)
-        done = regenerate_partition(store, shard, spec, fleet, generation=generation)
-        after = plan_corpus(store, spec, fleet, generation=generation, **probe)
-    samples = tokenize_partition(store, shard, spec)
-    assert before.metadata["conversations"] == 6 and before.metadata["turns_source"] == "raw_prompts"
-    assert before.metadata["output_tokens_source"] == "max_new_tokens"
-    assert before.metadata["burst_prompts"] == "raw_prompts"
-    assert before.metadata["output_tokens_per_turn"] == 16.0
-    assert done.stats.prompts_done == 6 and store.exists(done.output_key)
-    assert after.metadata["turns_source"] == "completions" and after.metadata["output_tokens_source"] == "completions"
-    assert after.metadata["tokens_per_sample_source"] == "completions"
-    assert after.metadata["burst_prompts"] == "completions"
-    assert after.metadata["output_tokens_per_turn"] == pytest.approx(done.stats.completion_tokens / done.stats.turns,
-                                                                     abs=0.05)
-    assert samples.stats.conversations == 6 and "Cost plan" in after.markdown()
