@@ -300,7 +300,6 @@ NO_TEST_MODULE = {
     "dflash_assets/embedded/defaults.py": "tested through tests/target_model/test_spec.py and tests/embedded/test_smollm2.py",
     "dflash_assets/embedded/engine.py": "tested through tests/dagster_project/test_ui_browser.py (the embedded default "
                                         "generating under dagster dev) and tests/dagster_project/test_deployment.py",
-    "dflash_assets/embedded/tiny_target_training.py": "tested through tests/embedded/test_tiny_targets.py",
 }
 
 
