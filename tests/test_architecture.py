@@ -297,9 +297,6 @@ NO_TEST_MODULE = {
     "dflash_assets/drafter/stages.py": "tested through tests/drafter/test_promotion.py, tests/drafter/test_refresh.py "
                                        "and tests/test_end_to_end.py",
     "dflash_assets/drafter/state.py": "tested through tests/drafter/test_training.py (resume) and tests/store/test_manifest.py",
-    "dflash_assets/embedded/defaults.py": "tested through tests/target_model/test_spec.py and tests/embedded/test_smollm2.py",
-    "dflash_assets/embedded/engine.py": "tested through tests/dagster_project/test_ui_browser.py (the embedded default "
-                                        "generating under dagster dev) and tests/dagster_project/test_deployment.py",
 }
 
 
