@@ -296,7 +296,9 @@ def test_demo_on_smollm2_passes_its_checks_and_reports_an_untrained_baseline(tmp
     assert done.returncode == 0, console
     assert "SmolLM2-135M-Instruct" in done.stdout and "Traceback" not in console
     summary = done.stdout[done.stdout.index("\nSummary\n"):]
-    assert re.search(r"shard-00000 .* 4/4 passed", summary) and re.search(r"shard-00001 .* 4/4 passed", summary)
+    # every check of each shard passed (the first shard also runs self_generated_prompts' check)
+    for shard in ("shard-00000", "shard-00001"):
+        assert re.search(shard + r" .* (\d+)/\1 passed", summary), summary
     assert re.search(r"tau \d\.\d{3} \(untrained drafter: \d\.\d{3}\)", summary), summary
     import dagster as dg
 
