@@ -74,15 +74,15 @@ class IngestConfig(dg.Config):
         description="Prompt source: a local path or s3:// URI (ShareGPT JSON, JSONL, Parquet; .gz/.zst ok). "
         "Default: $DFLASH_PROMPT_SOURCE, else the embedded ShareGPT file.",
     )
-    max_prompts_per_shard: int = Field(default=_default(LibIngestConfig, "max_prompts_per_shard"), description="At most this many prompts per prompt_shards partition.")
-    max_record_chars: int = Field(default=_default(LibIngestConfig, "max_record_chars"), description="Records longer than this are quarantined as oversize.")
+    max_prompts_per_shard: int = Field(default=_default(LibIngestConfig, "max_prompts_per_shard"), ge=1, description="At most this many prompts per prompt_shards partition.")
+    max_record_chars: int = Field(default=_default(LibIngestConfig, "max_record_chars"), ge=1, description="Records longer than this are quarantined as oversize.")
     leading_assistant: LeadingAssistant = Field(
         default=LeadingAssistant(_default(LibIngestConfig, "leading_assistant")),
         description="Conversations that start with an assistant turn: 'drop' the leading assistant turns "
         "(counted) or 'quarantine' the record.",
     )
     limit: Optional[int] = Field(
-        default=_default(LibIngestConfig, "limit"), description="Keep only the first N valid prompts (for demos). Counts still cover the whole source."
+        default=_default(LibIngestConfig, "limit"), ge=1, description="Keep only the first N valid prompts (for demos). Counts still cover the whole source."
     )
 
     def resolved_source(self) -> str:
@@ -333,6 +333,12 @@ class PromptMixConfig(dg.Config):
         description="Other sources by weight against the corpus shard (1.0): {'self_generated': 0.25} adds a "
         "quarter as many of the partition's self-generated prompts (its first kept ones) as the "
         "shard holds. Empty: the corpus shard alone.")
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, value: dict[str, float]) -> dict[str, float]:
+        check_weights(value, [SELF_SOURCE])  # known sources, none negative, the corpus 1.0: a bad mix fails naming it
+        return value
 
     def checked(self) -> dict[str, float]:
         return check_weights(self.weights, [SELF_SOURCE])

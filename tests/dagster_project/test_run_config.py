@@ -1,11 +1,13 @@
 """Run-config fields with few valid values are enums: the launchpad offers the choices, a run with another value
-fails at launch naming the field, and the code versions hashed from the defaults did not move."""
+fails at launch naming the field, and the code versions hashed from the defaults did not move. Bounded fields and
+the prompt mix's weights fail naming the field and value."""
 
 import dagster as dg
 import pytest
+from pydantic import ValidationError
 
 from dagster_project.assets.prompts import prompt_corpus
-from dagster_project.config import DrafterEvalConfig, IngestConfig, TokenizeStageConfig
+from dagster_project.config import DrafterEvalConfig, IngestConfig, PromptMixConfig, TokenizeStageConfig
 from dagster_project.resources import StoreResource
 from dagster_project.versions import code_version
 from dflash_assets.tokenization.samples import SUPERVISE_MODES
@@ -42,3 +44,21 @@ def test_the_library_gets_plain_strings_and_the_code_versions_are_unchanged():
 def test_the_eval_payload_holds_the_plain_dtype_name():
     dumped = DrafterEvalConfig(dtype="bfloat16").model_dump()["dtype"]
     assert dumped == "bfloat16" and type(dumped) is str  # what the GPU host's torch_dtype reads
+
+
+@pytest.mark.parametrize("config,values,named", [
+    (PromptMixConfig, {"weights": {"web": 1.0}}, "unknown prompt sources.*web"),
+    (PromptMixConfig, {"weights": {"self_generated": -0.5}}, "weights must be >= 0"),
+    (PromptMixConfig, {"weights": {"corpus": 2.0}}, "corpus's weight is the unit"),
+    (IngestConfig, {"max_prompts_per_shard": 0}, "max_prompts_per_shard"),
+    (IngestConfig, {"limit": 0}, "limit"),
+])
+def test_a_run_config_out_of_bounds_fails_naming_the_field(config, values, named):
+    with pytest.raises(ValidationError, match=named) as e:
+        config(**values)
+    assert next(iter(values)) in str(e.value)
+
+
+def test_a_mix_in_bounds_is_kept_as_given():
+    assert PromptMixConfig(weights={"corpus": 1.0, "self_generated": 0.25}).checked() == {"self_generated": 0.25}
+    assert IngestConfig(limit=None).to_library().limit is None
