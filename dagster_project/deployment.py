@@ -6,7 +6,7 @@ with ``deployment_resource``: a run cannot change them through run config
 (its validation refuses any ``resources:`` config). ``SETTINGS`` lists every
 variable, once; docs/deployment.md's table is checked against it (both live in
 ``profile.py``, which reads and parses the environment; this module builds
-the resources from it).
+the resources from it, and reads no variable itself).
 
 - ``local`` (the embedded default; no setting needed): a store directory
   under ``$DAGSTER_HOME`` (or ``$DFLASH_STORE``), GPU stages as local
@@ -30,12 +30,11 @@ names for its URL (that setting holds names and paths, never a key).
 Settings that are lists (hosts, engine URLs) are read when definitions load,
 and a cluster profile with one missing fails right there, naming it.
 
-Reads: environment variables only. Writes nothing.
+Reads: the settings ``profile.py`` parses from the environment. Writes nothing.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 
@@ -72,7 +71,7 @@ def store_for_profile(profile: Profile) -> StoreResource:
     if profile == "cluster":
         require_settings(profile)
         # boto3 reads AWS_ENDPOINT_URL / AWS_DEFAULT_REGION / credentials itself, on every host.
-        return StoreResource(uri=os.environ["DFLASH_STORE"].strip())
+        return StoreResource(uri=env_text("DFLASH_STORE"))
     return StoreResource()  # $DFLASH_STORE, else $DAGSTER_HOME/dflash-store, else ./.dflash/store
 
 
@@ -83,9 +82,9 @@ def target_for_profile(profile: Profile) -> TargetModelResource:
 
 def engine_api_key() -> str | None:
     """The engines' bearer token: ``DFLASH_ENGINE_API_KEY``, else the file ``DFLASH_ENGINE_API_KEY_FILE`` names."""
-    if key := os.environ.get("DFLASH_ENGINE_API_KEY", "").strip():
+    if key := env_text("DFLASH_ENGINE_API_KEY"):
         return key
-    if path := os.environ.get("DFLASH_ENGINE_API_KEY_FILE", "").strip():
+    if path := env_text("DFLASH_ENGINE_API_KEY_FILE"):
         try:
             return open(path, encoding="utf-8").read().strip() or None
         except OSError as e:
@@ -106,7 +105,7 @@ def engine_api_key_sources(endpoints: list[str], default_kind: str) -> dict[str,
     """
     urls = {endpoint_kind_and_url(e, default_kind)[1].rstrip("/") for e in endpoints}
     sources: dict[str, str] = {}
-    for i, entry in enumerate(split_list(os.environ.get("DFLASH_ENGINE_API_KEYS")), 1):
+    for i, entry in enumerate(split_list(env_text("DFLASH_ENGINE_API_KEYS")), 1):
         endpoint, sep, source = entry.partition("=")
         url = endpoint_kind_and_url(endpoint, default_kind)[1].rstrip("/")
         if not sep or not url:
@@ -128,7 +127,7 @@ def engines_for_profile(profile: Profile) -> EngineFleetResource:
     """
     if profile == "cluster":
         require_settings(profile)
-    endpoints = split_list(os.environ.get("DFLASH_ENGINE_URLS"))
+    endpoints = split_list(env_text("DFLASH_ENGINE_URLS"))
     default_kind = default_engine_kind(profile)
     optional = {}  # unset variables keep the resource's defaults, which are the library's
     if env_text("DFLASH_ENGINE_CONCURRENCY"):
@@ -155,20 +154,20 @@ def engines_for_profile(profile: Profile) -> EngineFleetResource:
 
 
 def gpu_launcher_for_profile(profile: Profile) -> GpuHostLauncher:
-    paths = {"scratch_dir": os.environ.get("DFLASH_GPU_SCRATCH_DIR", "").strip() or None,
-             "work_dir": os.environ.get("DFLASH_DRAFTER_WORK_DIR", "").strip() or None,
+    paths = {"scratch_dir": env_text("DFLASH_GPU_SCRATCH_DIR"),
+             "work_dir": env_text("DFLASH_DRAFTER_WORK_DIR"),
              "timeout_s": env_number("DFLASH_GPU_STAGE_TIMEOUT_S", DEFAULT_STAGE_TIMEOUT_S)}
     if profile == "local":
         return GpuHostLauncher(**paths)  # a local subprocess of this interpreter
     require_settings(profile)
-    prefix = shlex.split(os.environ.get("DFLASH_GPU_LAUNCH") or DEFAULT_GPU_LAUNCH)
-    env = dict(item.split("=", 1) for item in shlex.split(os.environ.get("DFLASH_GPU_ENV", "")) if "=" in item)
+    prefix = shlex.split(env_text("DFLASH_GPU_LAUNCH") or DEFAULT_GPU_LAUNCH)
+    env = dict(item.split("=", 1) for item in shlex.split(env_text("DFLASH_GPU_ENV") or "") if "=" in item)
     return GpuHostLauncher(
         command_prefix=prefix,
-        hosts=split_list(os.environ.get("DFLASH_GPU_HOSTS")),
+        hosts=split_list(env_text("DFLASH_GPU_HOSTS")),
         remote_shell=env_flag("DFLASH_GPU_REMOTE_SHELL", True),
-        python=os.environ.get("DFLASH_GPU_PYTHON") or "python3",
-        workdir=os.environ.get("DFLASH_GPU_WORKDIR") or None,
+        python=env_text("DFLASH_GPU_PYTHON") or "python3",
+        workdir=env_text("DFLASH_GPU_WORKDIR"),
         env=env,
         **paths,
     )

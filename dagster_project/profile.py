@@ -29,6 +29,7 @@ __all__ = [
     "missing_settings",
     "require_settings",
     "split_list",
+    "benchmark_prompt_files",
     "env_flag",
     "env_number",
     "env_text",
@@ -134,6 +135,11 @@ def env_number(name: str, default: float, cast=float):
 
 def env_text(name: str) -> str | None:
     return os.environ.get(name, "").strip() or None
+
+
+def benchmark_prompt_files() -> list[str]:
+    """``DFLASH_BENCHMARK_PROMPTS``: the benchmark prompt files kept out of training data, separated by ``os.pathsep``."""
+    return [p.strip() for p in (env_text("DFLASH_BENCHMARK_PROMPTS") or "").split(os.pathsep) if p.strip()]
 
 
 def target_settings() -> dict[str, Any]:

@@ -381,3 +381,15 @@ def test_make_ui_serves_make_demos_target_unless_told_otherwise(monkeypatch, tmp
     monkeypatch.delenv("DFLASH_TARGET_MODEL")
     monkeypatch.setenv("DFLASH_PROFILE", "cluster")
     assert ui.target_settings("smollm2") == {}
+
+
+def test_benchmark_prompt_files_are_read_by_the_settings_module(monkeypatch, tmp_path):
+    import os
+
+    from dagster_project.profile import benchmark_prompt_files
+
+    monkeypatch.delenv("DFLASH_BENCHMARK_PROMPTS", raising=False)
+    assert benchmark_prompt_files() == []
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    monkeypatch.setenv("DFLASH_BENCHMARK_PROMPTS", f"{a}{os.pathsep}{os.pathsep} {b}")
+    assert benchmark_prompt_files() == [str(a), str(b)]  # empty entries dropped, blanks around a path too
