@@ -11,15 +11,16 @@ row ends, as one ``generate`` call per batch does.
 On CUDA the decode step (the model's forward over (slots, 1) tokens, the attention mask built from each row's
 position, the logits) is captured as a CUDA graph and replayed: a small target's step is then bound by the GPU,
 not by Python launching a few hundred kernels. A step attends over the smallest view of the cache (a power of two
-from 256 positions, or the whole slot) that holds every live row's position, one graph per view. Sampling (greedy, or temperature / top-p / top-k per row)
-runs after the graph. Greedy decoding gives the tokens an unpadded ``generate`` of each prompt alone gives, up
-to floating-point ties (tested on CPU).
+from 256 positions, or the whole slot) that holds every live row's position, one graph per view. Sampling
+(greedy, or temperature / top-p / top-k per row) runs after the graph. Greedy decoding gives the tokens an
+unpadded ``generate`` of each prompt alone gives, up to floating-point ties (tested on CPU).
 
-`SlotScheduler` feeds a decoder from an asyncio loop: requests are queued from the loop, one long task on the
-model's worker thread admits and decodes them while any are pending or live, and each answer is handed back
-to the loop as its row ends.
+`SlotScheduler` feeds decoders from an asyncio loop: requests are queued from the loop, one long task on the
+model's worker thread admits and decodes them while any are pending or live (each request to the decoder with
+the shortest slots that hold it, every busy decoder stepped in turn), and each answer is handed back to the loop
+as its row ends.
 
-Reads a loaded model; writes nothing. Imports only torch (the GPU path needs nothing else).
+Reads a loaded model; writes nothing. Imports torch and the standard library only.
 """
 
 from __future__ import annotations
