@@ -289,7 +289,6 @@ NO_TEST_MODULE = {
     "dflash_assets/store/schemas.py": "data only (Arrow schemas)",
     "dflash_assets/prompts/config.py": "tested through tests/prompts/test_ingest.py (IngestConfig)",
     "dflash_assets/prompts/corpus.py": "tested through tests/prompts/test_ingest.py",
-    "dflash_assets/prompts/normalization.py": "tested through tests/prompts/test_ingest.py and tests/generation/test_tool_calls.py",
     "dflash_assets/prompts/quarantine.py": "tested through tests/prompts/test_ingest.py and tests/generation/test_tool_calls.py",
     "dflash_assets/prompts/shards.py": "tested through tests/prompts/test_ingest.py and tests/generation/test_tool_calls.py",
     "dflash_assets/drafter/data.py": "tested through tests/drafter/test_model.py and tests/drafter/test_training.py",
