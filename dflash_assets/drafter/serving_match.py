@@ -108,20 +108,36 @@ def _int(value: Any) -> int | None:
 def check_serving_match(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo], served: ServedTarget,
                         provenance: Mapping[str, Any] | None = None,
                         trained_block_size: int | None = None) -> MatchReport:
-    """Every rule below; ``report.problems`` says what differs (empty: the checkpoint matches)."""
+    """Every rule, in order (one ``_check_*`` each, citing the SGLang source it follows); ``report.problems`` says
+    what differs (empty: the checkpoint matches)."""
     r = MatchReport()
     dc = config.get("dflash_config") or {}
     if not isinstance(dc, Mapping):
         r.problems.append(f"dflash_config must be a mapping, got {type(dc).__name__}")
         dc = {}
 
-    # -- architecture: dflash.py:1317 EntryClass, dflash_utils.py:469
+    _check_architecture(r, config)
+    n_layers = _check_num_hidden_layers(r, config)
+    hidden = _check_hidden_size(r, config, served)
+    _check_block_size(r, config, dc, served, trained_block_size)
+    ids = _check_target_layers(r, config, dc, served)
+    _check_mask_token(r, config, dc, served)
+    _check_tensors(r, tensors, dc, n_layers, hidden, ids)
+    _check_dtype(r, config, tensors)
+    _check_training_data(r, provenance, served)
+    return r
+
+
+def _check_architecture(r: MatchReport, config: Mapping[str, Any]) -> None:
+    # architecture: dflash.py:1317 EntryClass, dflash_utils.py:469
     r.checked.append("architectures")
     if DRAFT_ARCHITECTURE not in (config.get("architectures") or []):
         r.problems.append(f"architectures is {config.get('architectures')!r}: SGLang loads a DFlash draft only as "
                           f"{DRAFT_ARCHITECTURE!r}")
 
-    # -- num_hidden_layers: dflash_utils.py:595-599 (int >= 1); layer_types one per layer: dflash.py:166-176
+
+def _check_num_hidden_layers(r: MatchReport, config: Mapping[str, Any]) -> int:
+    # num_hidden_layers: dflash_utils.py:595-599 (int >= 1); layer_types one per layer: dflash.py:166-176
     r.checked.append("num_hidden_layers")
     n_layers = _int(config.get("num_hidden_layers"))
     if n_layers is None or n_layers < 1:
@@ -130,16 +146,23 @@ def check_serving_match(config: Mapping[str, Any], tensors: Mapping[str, TensorI
     layer_types = config.get("layer_types")
     if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != n_layers):
         r.problems.append(f"layer_types must list one entry per draft layer ({n_layers}), got {layer_types!r}")
+    return n_layers
 
-    # -- hidden size: the draft embeds with the target's embedding (dflash.py:857-866) and projects
+
+def _check_hidden_size(r: MatchReport, config: Mapping[str, Any], served: ServedTarget) -> int | None:
+    # hidden size: the draft embeds with the target's embedding (dflash.py:857-866) and projects
     #    K target hidden states of hidden_size each (dflash.py:830-841)
     r.checked.append("hidden_size")
     hidden = _int(config.get("hidden_size"))
     if hidden != served.hidden_size:
         r.problems.append(f"hidden_size {config.get('hidden_size')!r} differs from the served target's "
                           f"{served.hidden_size}")
+    return hidden
 
-    # -- block size: dflash_utils.py:608-616 (dflash_config.block_size, else top-level; int >= 1; default 16 at
+
+def _check_block_size(r: MatchReport, config: Mapping[str, Any], dc: Mapping[str, Any], served: ServedTarget,
+                      trained_block_size: int | None) -> None:
+    # block size: dflash_utils.py:608-616 (dflash_config.block_size, else top-level; int >= 1; default 16 at
     #    dflash.py:703); the server's --speculative-num-draft-tokens wins with only a warning
     #    (dflash_worker_v2.py:507-520), so a different value there silently changes the block the drafter sees
     r.checked.append("block_size")
@@ -158,7 +181,10 @@ def check_serving_match(config: Mapping[str, Any], tensors: Mapping[str, TensorI
                           f"drafter was trained with block size {resolved_block}")
     r.facts["block_size"] = resolved_block
 
-    # -- target layers: dflash_utils.py:656-675 (non-empty list of ints), 556-585 (each < num_target_layers,
+
+def _check_target_layers(r: MatchReport, config: Mapping[str, Any], dc: Mapping[str, Any],
+                         served: ServedTarget) -> list[int]:
+    # target layers: dflash_utils.py:656-675 (non-empty list of ints), 556-585 (each < num_target_layers,
     #    from dflash_config or top level, 600-607). SGLang makes the target capture the layers the checkpoint
     #    names, so a list that differs from the deployment's layers means the drafter was trained for another
     #    target configuration than the one this deployment caches, evaluates and serves with
@@ -183,8 +209,11 @@ def check_serving_match(config: Mapping[str, Any], tensors: Mapping[str, TensorI
         if ntl is not None and ntl != served.num_layers:
             r.problems.append(f"num_target_layers {ntl} differs from the served target's {served.num_layers} layers")
     r.facts["target_layer_ids"] = ids
+    return ids
 
-    # -- mask token: dflash_utils.py:677-701 (mask_token a non-empty string, default <|MASK|>; mask_token_id a
+
+def _check_mask_token(r: MatchReport, config: Mapping[str, Any], dc: Mapping[str, Any], served: ServedTarget) -> None:
+    # mask token: dflash_utils.py:677-701 (mask_token a non-empty string, default <|MASK|>; mask_token_id a
     #    non-negative int); dflash_worker_v2.py:1399-1421 (id < the target's vocab; equal to the tokenizer's id
     #    of mask_token when the tokenizer has that token)
     r.checked.append("mask_token_id")
@@ -206,7 +235,10 @@ def check_serving_match(config: Mapping[str, Any], tensors: Mapping[str, TensorI
                               f"{mask_token!r} (SGLang refuses to start)")
     r.facts["mask_token_id"] = mask_id
 
-    # -- weights: dflash.py:674-678 names the tensors the checkpoint provides; load_weights (886-985) skips a
+
+def _check_tensors(r: MatchReport, tensors: Mapping[str, TensorInfo], dc: Mapping[str, Any], n_layers: int,
+                   hidden: int | None, ids: list[int]) -> None:
+    # weights: dflash.py:674-678 names the tensors the checkpoint provides; load_weights (886-985) skips a
     #    name it does not know (945-946), so an embedding or lm_head in the checkpoint is silently dropped and
     #    the target's are used: a drafter that trained its own would be served with the wrong ones
     r.checked.append("tensors")
@@ -233,7 +265,9 @@ def check_serving_match(config: Mapping[str, Any], tensors: Mapping[str, TensorI
         r.problems.append(f"fc.weight has shape {list(fc.shape)}, SGLang expects [{hidden}, {len(ids) * hidden}] "
                           f"for {len(ids)} target layers of hidden size {hidden}")
 
-    # -- dtype: one float dtype (FP16/BF16/FP32, dflash.py:125-129) in every tensor, the one config.json names
+
+def _check_dtype(r: MatchReport, config: Mapping[str, Any], tensors: Mapping[str, TensorInfo]) -> None:
+    # dtype: one float dtype (FP16/BF16/FP32, dflash.py:125-129) in every tensor, the one config.json names
     r.checked.append("dtype")
     dtypes = sorted({t.dtype for t in tensors.values()})
     bad = [d for d in dtypes if d not in FLOAT_DTYPES]
@@ -246,7 +280,9 @@ def check_serving_match(config: Mapping[str, Any], tensors: Mapping[str, TensorI
         r.problems.append(f"config.json says dtype {declared!r} but the tensors are {dtypes[0]}")
     r.facts["dtype"] = dtypes
 
-    # -- the data the drafter learnt from: chat template and thinking mode equal the served target's
+
+def _check_training_data(r: MatchReport, provenance: Mapping[str, Any] | None, served: ServedTarget) -> None:
+    # the data the drafter learnt from: chat template and thinking mode equal the served target's
     r.checked.append("chat_template_and_thinking")
     target = (provenance or {}).get("target") or {}
     if not target:
@@ -261,7 +297,6 @@ def check_serving_match(config: Mapping[str, Any], tensors: Mapping[str, TensorI
                               f"served target's {served.thinking!r} ({served.source})")
     r.facts["served"] = {"model_path": served.model_path, "template_hash": served.template_hash,
                          "thinking": served.thinking, "source": served.source}
-    return r
 
 
 def served_target_from_spec(spec: Any, *, num_draft_tokens: int | None = None,
