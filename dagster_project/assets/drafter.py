@@ -28,24 +28,21 @@ and the final one) by slice, against the family's promoted checkpoint (``dflash_
 the winner is written to ``drafter_promoted/<family>/manifest.json``, which the serving side reads.
 """
 
-import os
-
 import dagster as dg
 
 from dagster_project.config import DrafterEvalConfig, DrafterTrainingConfig, GenerationStageConfig
 from dagster_project.metadata import check_metadata, render_pipes_result
 from dagster_project.partitions import drafter_recipes
 from dagster_project.pipes import GpuLauncherParam, check_specs_for
+from dagster_project.profile import benchmark_prompt_files
 from dagster_project.resources import StoreParam, TargetParam
 from dagster_project.versions import code_version
+from dflash_assets.drafter.checkpoint_checks import (decontamination_outcome, not_run_after, preflight_outcome,
+                                                     preflight_report, serving_match_outcome)
 from dflash_assets.drafter.decontamination import recipe_decontamination
-from dflash_assets.drafter.serving_match import checkpoint_serving_match, served_target_from_spec
-from dflash_assets.drafter.stages import load_recipe, preflight_key, training_shards
-
-
-def benchmark_prompt_files() -> list[str]:
-    """The deployment's benchmark prompt files (``DFLASH_BENCHMARK_PROMPTS``, separated by ``os.pathsep``)."""
-    return [p for p in os.environ.get("DFLASH_BENCHMARK_PROMPTS", "").split(os.pathsep) if p.strip()]
+from dflash_assets.drafter.serving_match import served_target_from_spec
+from dflash_assets.drafter.stages import load_recipe, training_shards
+from dflash_assets.stage_io import CheckOutcome
 
 
 def completions_settings(context: dg.AssetExecutionContext, shards: list[str], thinking: bool) -> list[dict]:
@@ -63,25 +60,6 @@ def completions_settings(context: dg.AssetExecutionContext, shards: list[str], t
             if cfg:
                 configs.append(GenerationStageConfig(**cfg))
     return [c.to_library(enable_thinking=t).model_dump(mode="json") for c in configs for t in (thinking, not thinking)]
-
-
-def preflight_report(store, recipe: str, run_id: str) -> dict | None:
-    """This run's preflight report (``drafter_preflight/<recipe>.json``), or None (not written by this run)."""
-    key = preflight_key(recipe)
-    report = store.read_json(key) if store.exists(key) else None
-    return report if report is not None and report.get("run") == run_id else None
-
-
-def preflight_check(report: dict | None, requested: bool, why: str = "") -> dg.AssetCheckResult:
-    """The ``preflight`` check from its report; not run (a warning) when the run config turned it off."""
-    if report is None:
-        why = why or ("not run: preflight is off in this run's config" if not requested
-                      else "no report from the training stage")
-        return dg.AssetCheckResult(check_name="preflight", passed=False, severity=dg.AssetCheckSeverity.WARN,
-                                   metadata=check_metadata({"summary": why}))
-    values = {k: v for k, v in report.items() if k not in ("run", "recipe")}
-    return dg.AssetCheckResult(check_name="preflight", passed=bool(report.get("passed")),
-                               severity=dg.AssetCheckSeverity.ERROR, metadata=check_metadata(values))
 
 
 @dg.asset(
@@ -112,19 +90,13 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainin
     """A trained DFlash drafter (``DFlashDraftModel``): model.safetensors + config.json + provenance.json."""
     st, spec = store.open(), target.spec()
     shards = training_shards(st, load_recipe(st, context.partition_key))
-    decontamination = recipe_decontamination(st, shards, benchmark_files=benchmark_prompt_files())
-    decon_check = dg.AssetCheckResult(check_name="decontamination", passed=decontamination.passed,
-                                      severity=dg.AssetCheckSeverity.ERROR,
-                                      metadata=check_metadata(decontamination.to_dict()))
+    decontamination = decontamination_outcome(
+        recipe_decontamination(st, shards, benchmark_files=benchmark_prompt_files()))
     if not decontamination.passed:  # no GPU time for a recipe whose evaluation would be contaminated
-        yield decon_check
-        yield preflight_check(None, False, "not run: decontamination failed first")
-        yield dg.AssetCheckResult(check_name="serving_match", passed=False, severity=dg.AssetCheckSeverity.ERROR,
-                                  metadata=check_metadata({"problems": [
-                                      "not checked: decontamination failed, so no checkpoint was trained"]}))
-        raise dg.Failure(description=f"decontamination: {decontamination.summary()}", allow_retries=False)
+        yield from map(_check_result, [decontamination, *not_run_after("decontamination")])
+        raise dg.Failure(description=f"decontamination: {decontamination.description}", allow_retries=False)
     provenance_inputs = {
-        "decontamination": decontamination.to_dict(),
+        "decontamination": dict(decontamination.metadata),
         "generation_settings": completions_settings(context, shards, spec.thinking()),
         "dagster_code_versions": {k.to_user_string(): v for k, v in context.assets_def.code_versions_by_key.items()},
     }
@@ -133,26 +105,22 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainin
     try:
         trained = gpu_launcher.run(context, "drafter_checkpoint", payload, store).get_materialize_result()
     except Exception:
-        report = preflight_report(st, context.partition_key, context.run_id)
-        if report is None or report.get("passed"):
+        preflight = preflight_outcome(preflight_report(st, context.partition_key, context.run_id), config.preflight)
+        if preflight.passed or preflight.severity == "WARN":  # the failure is not the preflight's
             raise
-        yield decon_check
-        yield preflight_check(report, config.preflight)
-        yield dg.AssetCheckResult(check_name="serving_match", passed=False, severity=dg.AssetCheckSeverity.ERROR,
-                                  metadata=check_metadata({"problems": [
-                                      "not checked: the preflight failed, so no checkpoint was trained"]}))
-        raise dg.Failure(description=report.get("summary", "preflight failed"), allow_retries=False) from None
+        yield from map(_check_result, [decontamination, preflight, *not_run_after("preflight")])
+        raise dg.Failure(description=preflight.description or "preflight failed", allow_retries=False) from None
     yield render_pipes_result(trained)
-    yield decon_check
-    yield preflight_check(preflight_report(st, context.partition_key, context.run_id), config.preflight)
-    try:
-        match = checkpoint_serving_match(st, context.partition_key, served_target_from_spec(spec))
-        passed, values = match.passed, {"problems": match.problems or ["none"], "checked": match.checked, **match.facts}
-    except (OSError, ValueError) as e:  # the served target or the checkpoint cannot be read here: not a match
-        passed, values = False, {"problems": [f"{type(e).__name__}: {e}"]}
-    yield dg.AssetCheckResult(check_name="serving_match", passed=passed, severity=dg.AssetCheckSeverity.ERROR,
-                              metadata=check_metadata(values))
+    preflight = preflight_outcome(preflight_report(st, context.partition_key, context.run_id), config.preflight)
+    match = serving_match_outcome(st, context.partition_key, served_target_from_spec(spec))
+    yield from map(_check_result, [decontamination, preflight, match])
 
+
+def _check_result(outcome: CheckOutcome) -> dg.AssetCheckResult:
+    """A library check outcome as Dagster's check result."""
+    return dg.AssetCheckResult(check_name=outcome.name, passed=outcome.passed,
+                               severity=dg.AssetCheckSeverity[outcome.severity],
+                               metadata=check_metadata(dict(outcome.metadata)))
 
 @dg.asset(
     deps=[drafter_checkpoint],

@@ -106,8 +106,8 @@ def test_the_demo_recipe_passes_on_the_demo_target(tmp_path, tiny_dense_target):
 
 def test_train_recipe_stops_before_the_long_run_and_leaves_the_report(mini, tmp_path):
     """train_recipe(preflight=True) on a recipe whose layers are not its cache's: PreflightFailed before any
-    training step, the report in the store under this run's id, nothing published; the asset's check reads it."""
-    from dagster_project.assets.drafter import preflight_check, preflight_report
+    training step, the report in the store under this run's id, nothing published; the check reads it."""
+    from dflash_assets.drafter.checkpoint_checks import preflight_outcome, preflight_report
     from dflash_assets.drafter.preflight import PreflightFailed
     from dflash_assets.drafter.stages import preflight_key, save_recipe, train_recipe
     from dflash_assets.store.backends import LocalStore
@@ -125,6 +125,6 @@ def test_train_recipe_stops_before_the_long_run_and_leaves_the_report(mini, tmp_
     assert report["run"] == "run-1" and report["passed"] is False and report["layer_ids"]["drafter"] == [2, 4]
     assert not store.list("drafter_checkpoint") and not list((tmp_path / "work").glob("*/state"))
     assert preflight_report(store, "mini-v1", "run-2") is None  # another run's report is not this run's
-    check = preflight_check(preflight_report(store, "mini-v1", "run-1"), True)
-    assert check.passed is False and "cached features" in check.metadata["summary"].value
-    assert preflight_check(None, False).severity.value == "WARN"
+    check = preflight_outcome(preflight_report(store, "mini-v1", "run-1"), True)
+    assert check.passed is False and "cached features" in check.metadata["summary"]
+    assert preflight_outcome(None, False).severity == "WARN"
