@@ -135,22 +135,7 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
     shards = training_shards(store, recipe)
     if not shards:
         raise FileNotFoundError(f"recipe {name!r}: no training data in the store yet")
-    source = None
-    if recipe.cache_limit_gb and not recipe.online and str(getattr(store, "uri", "")).startswith("s3://"):
-        # parts stay in the store; at most cache_limit_gb of them on this host's disk at once
-        from dflash_assets.hidden_states.part_cache import BoundedPartCache
-
-        entries = _cache_entries(store, recipe, shards)
-        files = [e["key"] for e in entries]
-        source = BoundedPartCache(store, files, int(recipe.cache_limit_gb * 1e9),
-                                  sizes={e["key"]: e["bytes"] for e in entries},
-                                  cache_dir=Path(work_dir or default_work_dir()) / "parts")
-        data_sig = [(Path(e["key"]).name, e["bytes"]) for e in entries]
-        log(f"recipe {name}: parts read through a local cache of at most {recipe.cache_limit_gb} GB "
-            f"({sum(e['bytes'] for e in entries) / 1e9:.3f} GB of parts in the store)")
-    else:
-        files = _training_files(store, recipe, shards)
-        data_sig = [(Path(f).name, Path(f).stat().st_size) for f in files]
+    files, source, data_sig = _training_inputs(store, recipe, shards, work_dir, log)
     # The work dir is keyed by the recipe, its data and the trainer's code (and torch), so changed data or
     # a changed trainer never resumes (or re-publishes) a stale run.
     data_tag = content_key(data_sig, length=8)
@@ -190,18 +175,7 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         on_save(step, tokens, drafter)
         (curve_dir / f"curve-step-{step:08d}.json").write_text(json.dumps(curve[-1]))
 
-    init_weights, warm_start = None, None
-    if recipe.init_from == "promoted":  # a refresh: start from the family's promoted drafter
-        from dflash_assets.drafter.promotion import read_promoted
-
-        promoted = read_promoted(store, recipe.family_name)
-        if promoted is None:
-            log(f"recipe {name}: init_from promoted, but {recipe.family_name} has none yet: random init")
-        else:
-            init_weights = work / "init" / "model.safetensors"
-            init_weights.parent.mkdir(parents=True, exist_ok=True)
-            init_weights.write_bytes(store.read_bytes(promoted["files"]["model.safetensors"]))
-            warm_start = {"recipe": promoted["recipe"], "checkpoint": promoted["checkpoint"], "tau": promoted["tau"]}
+    init_weights, warm_start = _warm_start(store, recipe, work, log)
     preflight_summary = "not run" if not preflight else _preflight(
         store, recipe, files if source is None else [store.local_path(files[0])], target, work, device,
         preflight_run, log)
@@ -227,29 +201,19 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
     if result.checkpoint_dir is None:
         raise RuntimeError(f"recipe {name}: stopped at step {result.steps}/{result.total_steps} before the end; "
                            f"run again to resume from {result.state_dir}")
-    metrics = result.to_metadata()
-    metrics_path = Path(result.checkpoint_dir).parent / "train_metrics.json"
-    curve, best = _mark_curve(curve, result)
-    metrics_path.write_text(json.dumps({**metrics, "losses": result.losses, "recipe": recipe.to_dict(),
-                                        "shards": shards, "target": target.model_path, "curve": curve,
-                                        "best_checkpoint": best, "objective": objective_of(recipe)},
-                                       indent=2, default=str))
-    # every file under a new version, the manifest last: a kill never leaves a new model beside an old config
-    legacy = [layout.drafter_checkpoint_file(name, f) for f in (*CHECKPOINT_FILES, "train_metrics.json")]
-    from dflash_assets.drafter.provenance import PROVENANCE_FILE, build_provenance, provenance_summary, write_provenance
+    prefix, metrics, provenance, curve, best = _publish_checkpoint(
+        store, recipe, shards, target, result, curve, curve_dir, provenance_inputs)
+    return _train_metadata(store, recipe, shards, result, metrics, curve, best, preflight_summary, prefix,
+                           provenance, warm_start)
 
-    provenance = build_provenance(store, recipe, shards, target,
-                                  checkpoint_files={f: Path(result.checkpoint_dir) / f for f in CHECKPOINT_FILES},
-                                  training={"steps": result.steps, "sequence_tokens": result.sequence_tokens},
-                                  **(provenance_inputs or {}))
-    provenance_path = write_provenance(metrics_path.parent / PROVENANCE_FILE, provenance)
-    manifest = publish_files(
-        store, layout.drafter_checkpoint_manifest(name), layout.drafter_checkpoint_prefix(name),
-        {**{f: Path(result.checkpoint_dir) / f for f in CHECKPOINT_FILES}, "train_metrics.json": metrics_path,
-         PROVENANCE_FILE: provenance_path, **{c["file"]: curve_dir / c["file"] for c in curve}},
-        extra={"recipe": name, "recipe_fingerprint": recipe.fingerprint()},
-        stale=[k for k in legacy if store.exists(k)])
-    prefix = f"{layout.drafter_checkpoint_prefix(name)}/{manifest['version']}"
+
+def _train_metadata(store: Any, recipe: Any, shards: list[str], result: Any, metrics: dict, curve: list[dict],
+                    best: dict | None, preflight_summary: str, prefix: str, provenance: dict,
+                    warm_start: dict | None) -> dict[str, Any]:
+    """What ``train_recipe`` returns: the run's figures, its chart data and where its checkpoint is."""
+    from dflash_assets.drafter.provenance import provenance_summary
+
+    name = recipe.name
     losses = result.losses
     return {
         "recipe": name, "recipe_fingerprint": recipe.fingerprint(), "shards": shards,
@@ -276,6 +240,81 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         **({"warm_start": warm_start} if warm_start else {}),
         **({"part_cache": result.data_stats} if result.data_stats else {}),
     }
+
+
+def _training_inputs(store: Any, recipe: Any, shards: list[str], work_dir: str | None,
+                     log: Callable[[str], None]) -> tuple[list, Any, list]:
+    """The recipe's training files, the bounded part cache they are read through (an s3 store with
+    ``cache_limit_gb``: the parts stay in the store), and the (name, size) signature of its data."""
+    name = recipe.name
+    source = None
+    if recipe.cache_limit_gb and not recipe.online and str(getattr(store, "uri", "")).startswith("s3://"):
+        # parts stay in the store; at most cache_limit_gb of them on this host's disk at once
+        from dflash_assets.hidden_states.part_cache import BoundedPartCache
+
+        entries = _cache_entries(store, recipe, shards)
+        files = [e["key"] for e in entries]
+        source = BoundedPartCache(store, files, int(recipe.cache_limit_gb * 1e9),
+                                  sizes={e["key"]: e["bytes"] for e in entries},
+                                  cache_dir=Path(work_dir or default_work_dir()) / "parts")
+        data_sig = [(Path(e["key"]).name, e["bytes"]) for e in entries]
+        log(f"recipe {name}: parts read through a local cache of at most {recipe.cache_limit_gb} GB "
+            f"({sum(e['bytes'] for e in entries) / 1e9:.3f} GB of parts in the store)")
+    else:
+        files = _training_files(store, recipe, shards)
+        data_sig = [(Path(f).name, Path(f).stat().st_size) for f in files]
+    return files, source, data_sig
+
+
+def _warm_start(store: Any, recipe: Any, work: Path,
+                log: Callable[[str], None]) -> tuple[Path | None, dict | None]:
+    """``init_from: promoted``: the family's promoted drafter's weights (copied under ``work``) and what it was;
+    (None, None) otherwise, or when the family has none yet (random init)."""
+    name = recipe.name
+    init_weights, warm_start = None, None
+    if recipe.init_from == "promoted":  # a refresh: start from the family's promoted drafter
+        from dflash_assets.drafter.promotion import read_promoted
+
+        promoted = read_promoted(store, recipe.family_name)
+        if promoted is None:
+            log(f"recipe {name}: init_from promoted, but {recipe.family_name} has none yet: random init")
+        else:
+            init_weights = work / "init" / "model.safetensors"
+            init_weights.parent.mkdir(parents=True, exist_ok=True)
+            init_weights.write_bytes(store.read_bytes(promoted["files"]["model.safetensors"]))
+            warm_start = {"recipe": promoted["recipe"], "checkpoint": promoted["checkpoint"], "tau": promoted["tau"]}
+    return init_weights, warm_start
+
+
+def _publish_checkpoint(store: Any, recipe: Any, shards: list[str], target: Any, result: Any, curve: list[dict],
+                        curve_dir: Path, provenance_inputs: dict[str, Any] | None) -> tuple:
+    """train_metrics.json and provenance.json written beside the checkpoint, then every file published under a
+    new version with the manifest last; (its prefix, the metrics, the provenance, the curve, the best point)."""
+    name = recipe.name
+    metrics = result.to_metadata()
+    metrics_path = Path(result.checkpoint_dir).parent / "train_metrics.json"
+    curve, best = _mark_curve(curve, result)
+    metrics_path.write_text(json.dumps({**metrics, "losses": result.losses, "recipe": recipe.to_dict(),
+                                        "shards": shards, "target": target.model_path, "curve": curve,
+                                        "best_checkpoint": best, "objective": objective_of(recipe)},
+                                       indent=2, default=str))
+    # every file under a new version, the manifest last: a kill never leaves a new model beside an old config
+    legacy = [layout.drafter_checkpoint_file(name, f) for f in (*CHECKPOINT_FILES, "train_metrics.json")]
+    from dflash_assets.drafter.provenance import PROVENANCE_FILE, build_provenance, provenance_summary, write_provenance
+
+    provenance = build_provenance(store, recipe, shards, target,
+                                  checkpoint_files={f: Path(result.checkpoint_dir) / f for f in CHECKPOINT_FILES},
+                                  training={"steps": result.steps, "sequence_tokens": result.sequence_tokens},
+                                  **(provenance_inputs or {}))
+    provenance_path = write_provenance(metrics_path.parent / PROVENANCE_FILE, provenance)
+    manifest = publish_files(
+        store, layout.drafter_checkpoint_manifest(name), layout.drafter_checkpoint_prefix(name),
+        {**{f: Path(result.checkpoint_dir) / f for f in CHECKPOINT_FILES}, "train_metrics.json": metrics_path,
+         PROVENANCE_FILE: provenance_path, **{c["file"]: curve_dir / c["file"] for c in curve}},
+        extra={"recipe": name, "recipe_fingerprint": recipe.fingerprint()},
+        stale=[k for k in legacy if store.exists(k)])
+    prefix = f"{layout.drafter_checkpoint_prefix(name)}/{manifest['version']}"
+    return prefix, metrics, provenance, curve, best
 
 
 def preflight_key(name: str) -> str:
