@@ -221,14 +221,9 @@ class SlotDecoder:
     def idle(self) -> bool:
         return not self.pending and self.live_rows == 0
 
-    def run(self, should_stop: Callable[[], bool] = lambda: False,
-            poll: Callable[[], None] = lambda: None) -> None:
-        """Decode until no request is pending or live (or `should_stop()`); `poll()` runs before each step and may
-        `submit` more."""
-        while True:
-            poll()
-            if should_stop() or self.idle():
-                return
+    def run(self) -> None:
+        """Decode until no request is pending or live."""
+        while not self.idle():
             self.step()
 
     # -- one step ----------------------------------------------------------------------------------------------
