@@ -405,13 +405,7 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
         raise ValueError("no training samples could be built from the ShareGPT file")
     emb_full = model.get_input_embeddings().weight
     head_full = model.get_output_embeddings().weight
-    vocab = head_full.shape[0]
-    in_ids = torch.tensor(sorted({i for s in samples + long_samples for i in s.ids}))
-    out_ids = torch.tensor(sorted({i for s in samples + long_samples for i in s.ids[s.start :]}))
-    in_pos = torch.full((vocab,), -1, dtype=torch.long)
-    in_pos[in_ids] = torch.arange(len(in_ids))
-    out_pos = torch.full((vocab,), -1, dtype=torch.long)
-    out_pos[out_ids] = torch.arange(len(out_ids))
+    in_ids, in_pos, out_ids, out_pos = _trained_rows(samples + long_samples, head_full.shape[0])
     gen = torch.Generator().manual_seed(cfg.seed)
     rest_rows, log_rest_scale = _rest_rows(head_full, out_ids, cfg.rest_sample, gen)
 
@@ -431,14 +425,7 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
     order: list[int] = []
     long_order: list[int] = []
     for step in range(cfg.steps):
-        if long_samples and cfg.long_context_every and step % cfg.long_context_every == cfg.long_context_every - 1:
-            if not long_order:
-                long_order = torch.randperm(len(long_samples), generator=gen).tolist()
-            batch = [long_samples[long_order.pop()]]
-        else:
-            if not order:
-                order = torch.randperm(len(batches), generator=gen).tolist()
-            batch = [samples[i] for i in batches[order.pop()]]
+        batch = _next_batch(step, samples, long_samples, batches, order, long_order, cfg, gen)
         ids, mask, sup, weight = _batch_tensors(batch, cfg.format_weight)
         targets = ids[:, 1:][sup[:, :-1]]
         weight = weight[sup]
@@ -480,6 +467,35 @@ def _train(model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", cfg: ChatFo
         initial_loss=round(losses[0], 4), final_loss=round(sum(tail) / len(tail), 4),
         losses=[round(v, 4) for v in losses[::25]],
     )
+
+
+def _trained_rows(samples: list[_Sample], vocab: int) -> tuple[Any, Any, Any, Any]:
+    """The ids whose embedding rows `_train` trains (every id of the samples) and whose lm_head rows it trains (the
+    ids of the supervised spans), each with its map from a token id to its row among them (-1: not trained)."""
+    import torch
+
+    in_ids = torch.tensor(sorted({i for s in samples for i in s.ids}))
+    out_ids = torch.tensor(sorted({i for s in samples for i in s.ids[s.start :]}))
+    in_pos = torch.full((vocab,), -1, dtype=torch.long)
+    in_pos[in_ids] = torch.arange(len(in_ids))
+    out_pos = torch.full((vocab,), -1, dtype=torch.long)
+    out_pos[out_ids] = torch.arange(len(out_ids))
+    return in_ids, in_pos, out_ids, out_pos
+
+
+def _next_batch(step: int, samples: list[_Sample], long_samples: list[_Sample], batches: list[list[int]],
+                order: list[int], long_order: list[int], cfg: ChatFormatTraining, gen: Any) -> list[_Sample]:
+    """Step ``step``'s batch: every ``long_context_every``-th step one long-context sample, else a batch of
+    ``batches``; each drawn from a random order, redrawn when used up (``order`` and ``long_order`` are consumed)."""
+    import torch
+
+    if long_samples and cfg.long_context_every and step % cfg.long_context_every == cfg.long_context_every - 1:
+        if not long_order:
+            long_order.extend(torch.randperm(len(long_samples), generator=gen).tolist())
+        return [long_samples[long_order.pop()]]
+    if not order:
+        order.extend(torch.randperm(len(batches), generator=gen).tolist())
+    return [samples[i] for i in batches[order.pop()]]
 
 
 def _rest_rows(head_full: Any, out_ids: Any, rest_sample: int, gen: Any) -> tuple[Any, float]:
