@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_assets.prompts.config import IngestConfig
@@ -27,7 +28,7 @@ from dflash_assets.prompts.records import (
     TOOL,
     USER,
     content_text,
-    nfc,
+    merge_system,
     parse_turns,
     read_record_fields,
     record_conversation,
@@ -291,121 +292,158 @@ def _normalize_agentic_record(record: dict, config: IngestConfig, index: int) ->
     tools, why = _parse_tools(record, config)
     if why is not None:
         return Rejection("bad_tools", why)
-    declared = {t["function"]["name"] for t in tools} if tools else set()
-    systems: list[str] = [] if top_system is None else [top_system]
-    events: list[dict] = []
-    roles: list[str] = []
-    started = has_user = False
-    leading = empty_user = 0
-    merged = False
-    last: str | None = None  # user | calls | tool | answer
-    open_calls = 0  # calls of the last call step still without a result
+    walk = _AgenticTurns({t["function"]["name"] for t in tools} if tools else set(), config.max_json_depth,
+                         [] if top_system is None else [top_system])
     for parsed in parse_turns(turns, _AGENTIC_ROLES, where, unknown):
         if parsed.__class__ is Rejection:
             return parsed
-        i, turn, kind, name, content = parsed
-        roles.append(name)
+        rejection = walk.take(*parsed)
+        if rejection is not None:
+            return rejection
+    return _agentic_prompt(record, config, index, walk, tools, unknown, len(turns))
+
+
+@dataclass
+class _AgenticTurns:
+    """A walk over an agentic record's turns, one :meth:`take` a turn: the events kept (user turns, call steps,
+    tool results) and what the rules need on the way (the last step, the calls still without a result)."""
+
+    declared: set[str]  # the names of the record's tools
+    max_json_depth: int
+    systems: list[str]  # the top-level system field, then the system turns
+    events: list[dict] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)
+    started: bool = False  # a non-system turn was seen
+    has_user: bool = False
+    leading: int = 0  # turns before the first user turn (dropped, tool results too)
+    empty_user: int = 0
+    merged: bool = False  # user turns merged
+    last: str | None = None  # user | calls | tool | answer
+    open_calls: int = 0  # calls of the last call step still without a result
+
+    def take(self, i: int, turn: dict, kind: str, name: str, content: Any) -> Rejection | None:
+        """One parsed turn: kept, dropped, or the record's rejection."""
+        self.roles.append(name)
         if kind == SYSTEM:
-            if started:
+            if self.started:
                 return Rejection("late_system_turn", f"system turn at position {i}")
             text = content_text(content) if content is not MISSING else None
             if text is None:
                 return Rejection("non_string_content", f"turn {i} (system) content is a {type(content).__name__}")
-            systems.append(text)
-            continue
-        started = True
-        if kind != USER and not has_user:  # before the first user turn: dropped, tool results too
-            leading += 1
-            continue
+            self.systems.append(text)
+            return None
+        self.started = True
+        if kind != USER and not self.has_user:  # before the first user turn: dropped, tool results too
+            self.leading += 1
+            return None
         if kind == USER:
-            text = content_text(content) if content is not MISSING else None
-            if text is None:
-                return Rejection("non_string_content", f"turn {i} (user) content is a {type(content).__name__}")
-            text = unicode_normalize("NFC", text).strip()
-            if not text:
-                empty_user += 1
-                continue
-            if open_calls:
-                return Rejection("missing_tool_result", f"turn {i}: a user turn before the results of "
-                                                        f"{open_calls} tool call(s)")
-            has_user = True
-            if last == "user":
-                events[-1]["content"] += "\n\n" + text
-                merged = True
-            else:
-                events.append({"role": "user", "content": text})
-            last = "user"
-        elif kind in (ASSISTANT, CALL):
-            if open_calls:
-                return Rejection("missing_tool_result", f"turn {i}: an assistant turn before the results of "
-                                                        f"{open_calls} tool call(s)")
-            if (kind == ASSISTANT and content is not MISSING and content is not None
-                    and content_text(content) is None):
-                return Rejection("non_string_content", f"turn {i} ({name}) content is a {type(content).__name__}")
-            raw = _raw_calls(kind, turn, None if content is MISSING else content, i, config.max_json_depth)
-            if isinstance(raw, str):
-                return Rejection("bad_tool_call", raw)
-            if not raw:
-                last = "answer"
-                continue
-            calls = []
-            call_of_id: dict[str, int] = {}  # call id -> the first call of this turn that carries it
-            for k, one in enumerate(raw):
-                call = _call_of(one, f"turn {i} call {k}", config.max_json_depth)
-                if isinstance(call, str):
-                    return Rejection("bad_tool_call", call)
-                if call["id"] is not None:
-                    if call["id"] in call_of_id:
-                        return Rejection("duplicate_tool_call_id",
-                                         f"turn {i}: calls {call_of_id[call['id']]} and {k} both have id "
-                                         f"{call['id'][:60]!r}")
-                    call_of_id[call["id"]] = k
-                if not declared:
-                    return Rejection("bad_tools", f"turn {i} calls {call['name']!r} but the record defines no tools")
-                if call["name"] not in declared:
-                    return Rejection("bad_tool_call", f"turn {i} calls {call['name']!r}, not among the record's tools")
-                calls.append(call)
-            events.append({"role": "assistant", "tool_calls": calls})
-            last, open_calls = "calls", len(calls)
-        else:  # a tool result
-            if not open_calls:
-                return Rejection("orphan_tool_result", f"turn {i}: a tool result with no tool call before it"
-                                 if last not in ("calls", "tool") else f"turn {i}: more tool results than calls")
-            if content is MISSING:
-                return Rejection("bad_turn", f"turn {i} has no content")
-            text = content_text(content)
-            if text is None and isinstance(content, (dict, list)):
-                text = json.dumps(content, ensure_ascii=False)
-            if text is None:
-                return Rejection("non_string_content", f"turn {i} ({name}) content is a {type(content).__name__}")
-            event: dict[str, Any] = {"role": "tool", "content": unicode_normalize("NFC", text).strip()}
-            for key in ("tool_call_id", "name"):
-                if isinstance(turn.get(key), str) and turn[key]:
-                    event[key] = turn[key]
-            events.append(event)
-            open_calls -= 1
-            last = "tool"
+            return self._user(i, content)
+        if kind in (ASSISTANT, CALL):
+            return self._call_step(i, turn, kind, name, content)
+        return self._tool_result(i, turn, name, content)
 
-    if not has_user:
-        return Rejection("no_user_turn", f"no non-empty user turn ({len(turns)} turns)")
-    if open_calls and last == "tool":
-        return Rejection("missing_tool_result", f"the conversation ends before the results of {open_calls} tool call(s)")
-    if leading and config.leading_assistant == "quarantine":
-        return Rejection("assistant_first", f"{leading} assistant or tool turn(s) before the first user turn")
+    def _user(self, i: int, content: Any) -> Rejection | None:
+        text = content_text(content) if content is not MISSING else None
+        if text is None:
+            return Rejection("non_string_content", f"turn {i} (user) content is a {type(content).__name__}")
+        text = unicode_normalize("NFC", text).strip()
+        if not text:
+            self.empty_user += 1
+            return None
+        if self.open_calls:
+            return Rejection("missing_tool_result", f"turn {i}: a user turn before the results of "
+                                                    f"{self.open_calls} tool call(s)")
+        self.has_user = True
+        if self.last == "user":
+            self.events[-1]["content"] += "\n\n" + text
+            self.merged = True
+        else:
+            self.events.append({"role": "user", "content": text})
+        self.last = "user"
+        return None
 
-    notes = ["agentic"]
-    system_parts = [p for p in (nfc(s) for s in systems) if p]
-    system = "\n\n".join(system_parts) if system_parts else None
-    if len(system_parts) > 1:
-        notes.append("system_turns_merged")
-    if systems and not system_parts:
-        notes.append("empty_system_dropped")
-    if empty_user:
+    def _call_step(self, i: int, turn: dict, kind: str, name: str, content: Any) -> Rejection | None:
+        """An assistant turn: its text is dropped; its calls, if any, become a call step awaiting their results."""
+        if self.open_calls:
+            return Rejection("missing_tool_result", f"turn {i}: an assistant turn before the results of "
+                                                    f"{self.open_calls} tool call(s)")
+        if kind == ASSISTANT and content is not MISSING and content is not None and content_text(content) is None:
+            return Rejection("non_string_content", f"turn {i} ({name}) content is a {type(content).__name__}")
+        raw = _raw_calls(kind, turn, None if content is MISSING else content, i, self.max_json_depth)
+        if isinstance(raw, str):
+            return Rejection("bad_tool_call", raw)
+        if not raw:
+            self.last = "answer"
+            return None
+        calls = _checked_calls(raw, i, self.declared, self.max_json_depth)
+        if calls.__class__ is Rejection:
+            return calls
+        self.events.append({"role": "assistant", "tool_calls": calls})
+        self.last, self.open_calls = "calls", len(calls)
+        return None
+
+    def _tool_result(self, i: int, turn: dict, name: str, content: Any) -> Rejection | None:
+        if not self.open_calls:
+            return Rejection("orphan_tool_result", f"turn {i}: a tool result with no tool call before it"
+                             if self.last not in ("calls", "tool") else f"turn {i}: more tool results than calls")
+        if content is MISSING:
+            return Rejection("bad_turn", f"turn {i} has no content")
+        text = content_text(content)
+        if text is None and isinstance(content, (dict, list)):
+            text = json.dumps(content, ensure_ascii=False)
+        if text is None:
+            return Rejection("non_string_content", f"turn {i} ({name}) content is a {type(content).__name__}")
+        event: dict[str, Any] = {"role": "tool", "content": unicode_normalize("NFC", text).strip()}
+        for key in ("tool_call_id", "name"):
+            if isinstance(turn.get(key), str) and turn[key]:
+                event[key] = turn[key]
+        self.events.append(event)
+        self.open_calls -= 1
+        self.last = "tool"
+        return None
+
+
+def _checked_calls(raw: list, i: int, declared: set[str], max_depth: int) -> list[dict] | Rejection:
+    """Turn ``i``'s raw calls parsed (:func:`_call_of`), each naming a declared tool, no call id given twice."""
+    calls = []
+    call_of_id: dict[str, int] = {}  # call id -> the first call of this turn that carries it
+    for k, one in enumerate(raw):
+        call = _call_of(one, f"turn {i} call {k}", max_depth)
+        if isinstance(call, str):
+            return Rejection("bad_tool_call", call)
+        if call["id"] is not None:
+            if call["id"] in call_of_id:
+                return Rejection("duplicate_tool_call_id",
+                                 f"turn {i}: calls {call_of_id[call['id']]} and {k} both have id {call['id'][:60]!r}")
+            call_of_id[call["id"]] = k
+        if not declared:
+            return Rejection("bad_tools", f"turn {i} calls {call['name']!r} but the record defines no tools")
+        if call["name"] not in declared:
+            return Rejection("bad_tool_call", f"turn {i} calls {call['name']!r}, not among the record's tools")
+        calls.append(call)
+    return calls
+
+
+def _agentic_prompt(record: dict, config: IngestConfig, index: int, walk: _AgenticTurns, tools: list[dict] | None,
+                    unknown: set[str], num_turns: int) -> Prompt | Rejection:
+    """The walked conversation's end checks, notes, size check and id -> the :class:`Prompt`."""
+    if not walk.has_user:
+        return Rejection("no_user_turn", f"no non-empty user turn ({num_turns} turns)")
+    if walk.open_calls and walk.last == "tool":
+        return Rejection("missing_tool_result",
+                         f"the conversation ends before the results of {walk.open_calls} tool call(s)")
+    if walk.leading and config.leading_assistant == "quarantine":
+        return Rejection("assistant_first", f"{walk.leading} assistant or tool turn(s) before the first user turn")
+
+    system, system_notes = merge_system(walk.systems)
+    notes = ["agentic", *system_notes]
+    if walk.empty_user:
         notes.append("empty_user_turns_dropped")
-    if merged:
+    if walk.merged:
         notes.append("user_turns_merged")
-    if leading:
+    if walk.leading:
         notes.append("leading_assistant_dropped")
+    events = walk.events
     user_turns = tuple(e["content"] for e in events if e["role"] == "user")
     tools_json = json.dumps(tools, ensure_ascii=False) if tools else None
     turns_json = json.dumps(events, ensure_ascii=False)
@@ -427,9 +465,9 @@ def _normalize_agentic_record(record: dict, config: IngestConfig, index: int) ->
         system=system,
         user_turns=user_turns,
         **record_provenance(record, config, index),
-        starts_mid_conversation=leading > 0,
+        starts_mid_conversation=walk.leading > 0,
         prompt_chars=chars,
-        roles=tuple(roles),
+        roles=tuple(walk.roles),
         notes=tuple(notes),
         tools=tools_json,
         agentic_turns=turns_json,

@@ -44,10 +44,10 @@ from dflash_assets.prompts.corpus import (
     shard_name,
     shard_number,
 )
-from dflash_assets.prompts.normalization import Rejection, normalize_record
+from dflash_assets.prompts.normalization import Prompt, Rejection, normalize_record
 from dflash_assets.prompts.quarantine import QuarantineWriter
 from dflash_assets.prompts.shards import ShardBuilder
-from dflash_assets.prompts.sources import SourceItem, read_source, source_label
+from dflash_assets.prompts.sources import SourceItem, SourceSummary, read_source, source_label
 from dflash_assets.store import layout
 
 # Re-exported for callers that import it from here (tests/planning/test_costs.py). Its home is
@@ -226,56 +226,134 @@ def ingest_prompt_source(source_uri: Any, store: Any, config: IngestConfig | Non
 
 def _ingest(source_uri: Any, store: Any, config: IngestConfig, s3_client: Any, source: str, run: str,
             quarantine: QuarantineWriter, staged: list[str]) -> IngestReport:
+    """The steps of :func:`ingest_prompt_source`, in order: read the corpus, read and assign the source, stage
+    the last shard and the manifest, commit, publish the quarantine, write the report, collect garbage."""
     t0 = time.perf_counter()
     index = load_corpus_index(store)
     generation = index.generation + 1
-    cap = config.max_prompts_per_shard
+    old_manifest = store.read_parquet(index.manifest_key) if index.manifest_key else None
+    in_corpus = set(old_manifest.column("prompt_id").to_pylist()) if old_manifest is not None else set()
+    assign = _ShardAssigner.open(store, index, config, generation, run, staged)
+    tally, summary = _read_and_assign(source_uri, store, config, s3_client, source, quarantine, in_corpus, assign)
 
-    if index.manifest_key:
-        old_manifest = store.read_parquet(index.manifest_key)
-        in_corpus = set(old_manifest.column("prompt_id").to_pylist())
-    else:
-        old_manifest = None
-        in_corpus = set()
+    quarantine_key = layout.corpus_quarantine(source)
+    if tally.valid == 0:
+        quarantine.publish(store, quarantine_key)
+        raise _no_valid_prompts(store, summary, tally, quarantine, quarantine_key)
+    assign.flush()
 
-    shards = dict(index.shards)
-    next_shard = max((shard_number(k) for k in shards), default=-1) + 1
-    last = shard_name(next_shard - 1) if shards else None
-    if last is not None and config.fill_last_shard and shards[last].num_prompts < cap:  # fill it first
-        builder = ShardBuilder(last, store.read_parquet(shards[last].key), cap)
-    else:
-        builder = ShardBuilder(shard_name(next_shard), None, cap)
-        next_shard += 1
+    new_manifest = assign.manifest(old_manifest)
+    manifest_key = layout.corpus_manifest(generation, run)
+    staged.append(manifest_key)
+    store.write_parquet(manifest_key, new_manifest)
 
-    new_ids: list[str] = []
-    new_shard_of: list[str] = []
-    new_shards: list[str] = []
-    changed_shards: list[str] = []
+    seconds = time.perf_counter() - t0
+    sources = dict(index.sources)
+    sources[source] = {"uri": summary.uri, "generation": generation, "valid": tally.valid,
+                       "new_prompts": len(new_manifest) - (old_manifest.num_rows if old_manifest is not None else 0)}
+    new_index = CorpusIndex(generation, manifest_key, assign.shards, sources, run)
+    commit_corpus_index(store, new_index, based_on=index, source=source)  # raises ConcurrentIngestError
+    quarantine.publish(store, quarantine_key)
 
-    def flush(b: ShardBuilder) -> None:
+    report = _report(summary, source, generation, tally, quarantine, assign, new_prompts=sources[source]["new_prompts"],
+                     kept_not_in_source=len(in_corpus) - tally.existing, corpus_prompts=new_manifest.num_rows,
+                     quarantine_key=quarantine_key, seconds=seconds)
+    store.write_json(layout.corpus_report(source), report.as_dict())
+    collect_garbage(store, new_index, index)
+    return report
+
+
+@dataclass
+class _ShardAssigner:
+    """New prompts -> shards: fills the highest-numbered shard (when ``fill_last_shard`` and it has room), then
+    opens new ones; stages each shard that gained prompts under this run's keys and records its new entry."""
+
+    store: Any
+    generation: int
+    run: str
+    cap: int
+    staged: list[str]  # objects this run wrote (removed if it does not commit)
+    shards: dict[str, ShardEntry]  # the corpus's shards, then with this run's staged ones
+    next_shard: int
+    builder: ShardBuilder
+    new_ids: list[str] = field(default_factory=list)
+    new_shard_of: list[str] = field(default_factory=list)
+    new_shards: list[str] = field(default_factory=list)
+    changed_shards: list[str] = field(default_factory=list)  # shards that existed before and gained prompts
+
+    @classmethod
+    def open(cls, store: Any, index: CorpusIndex, config: IngestConfig, generation: int, run: str,
+             staged: list[str]) -> _ShardAssigner:
+        shards = dict(index.shards)
+        cap = config.max_prompts_per_shard
+        next_shard = max((shard_number(k) for k in shards), default=-1) + 1
+        last = shard_name(next_shard - 1) if shards else None
+        if last is not None and config.fill_last_shard and shards[last].num_prompts < cap:  # fill it first
+            builder = ShardBuilder(last, store.read_parquet(shards[last].key), cap)
+        else:
+            builder = ShardBuilder(shard_name(next_shard), None, cap)
+            next_shard += 1
+        return cls(store, generation, run, cap, staged, shards, next_shard, builder)
+
+    def add(self, p: Prompt, source: str, index: int) -> None:
+        if self.builder.free <= 0:
+            self.flush()
+            self.builder = ShardBuilder(shard_name(self.next_shard), None, self.cap)
+            self.next_shard += 1
+        self.builder.add(p, source, index, self.generation)
+        self.new_ids.append(p.prompt_id)
+        self.new_shard_of.append(self.builder.shard)
+
+    def flush(self) -> None:
+        """Stage the current shard, if it gained prompts."""
+        b = self.builder
         if not b.added:
             return
         table = b.table()
         data = _parquet_bytes(table)
-        key = layout.corpus_staged_shard(generation, b.shard, run)
-        staged.append(key)
-        store.write_bytes(key, data)
-        (changed_shards if b.shard in shards else new_shards).append(b.shard)
-        shards[b.shard] = ShardEntry(key, table.num_rows, hashlib.sha256(data).hexdigest(), generation)
+        key = layout.corpus_staged_shard(self.generation, b.shard, self.run)
+        self.staged.append(key)
+        self.store.write_bytes(key, data)
+        (self.changed_shards if b.shard in self.shards else self.new_shards).append(b.shard)
+        self.shards[b.shard] = ShardEntry(key, table.num_rows, hashlib.sha256(data).hexdigest(), self.generation)
 
+    def manifest(self, old_manifest: pa.Table | None) -> pa.Table:
+        """The old manifest's rows, then one row per new prompt (its shard, this generation)."""
+        new = pa.table({"prompt_id": self.new_ids, "shard": self.new_shard_of,
+                        "generation": pa.array([self.generation] * len(self.new_ids), pa.int32())},
+                       schema=MANIFEST_SCHEMA)
+        self.new_ids, self.new_shard_of = [], []
+        return new if old_manifest is None else pa.concat_tables([old_manifest.cast(MANIFEST_SCHEMA), new])
+
+
+@dataclass
+class _Tally:
+    """What the read of a source counted."""
+
+    records: int = 0
+    valid: int = 0
+    duplicates: int = 0
+    existing: int = 0  # valid prompts already in the corpus
+    agentic: int = 0
+    limit_reached: bool = False
+    notes: Counter[str] = field(default_factory=Counter)
+    roles: Counter[str] = field(default_factory=Counter)
+    unknown_fields: Counter[str] = field(default_factory=Counter)
+
+
+def _read_and_assign(source_uri: Any, store: Any, config: IngestConfig, s3_client: Any, source: str,
+                     quarantine: QuarantineWriter, in_corpus: set[str],
+                     assign: _ShardAssigner) -> tuple[_Tally, SourceSummary]:
+    """Read the source record by record: quarantine what cannot be read or normalized, count duplicates within the
+    source, assign each new valid prompt a shard (until ``config.limit`` valid prompts)."""
+    tally = _Tally()
     seen: set[str] = set()
-    notes: Counter[str] = Counter()
-    roles: Counter[str] = Counter()
-    unknown_fields: Counter[str] = Counter()
-    records = valid = duplicates = existing = agentic = 0
-    limit_reached = False
-
     reader = read_source(source_uri, s3_client=s3_client, store=store,
                          max_raw_record_chars=config.max_raw_record_chars)
     with reader:
         item: SourceItem
         for item in reader:
-            records += 1
+            tally.records += 1
             if item.problem is not None:
                 quarantine.add(item.index, item.problem, item.detail, raw=item.raw, raw_chars=item.raw_chars,
                                byte_offset=item.byte_offset)
@@ -288,97 +366,73 @@ def _ingest(source_uri: Any, store: Any, config: IngestConfig, s3_client: Any, s
             if isinstance(p, Rejection):
                 quarantine.add(item.index, p.reason, p.detail, record=item.record, byte_offset=item.byte_offset)
                 continue
-            unknown_fields.update(p.unknown_fields)
+            tally.unknown_fields.update(p.unknown_fields)
             if p.prompt_id in seen:
-                duplicates += 1
+                tally.duplicates += 1
                 continue
             seen.add(p.prompt_id)
-            valid += 1
-            agentic += p.agentic_turns is not None
-            notes.update(p.notes)
-            roles.update(p.roles)
+            tally.valid += 1
+            tally.agentic += p.agentic_turns is not None
+            tally.notes.update(p.notes)
+            tally.roles.update(p.roles)
             if p.prompt_id in in_corpus:
-                existing += 1
+                tally.existing += 1
             else:
-                if builder.free <= 0:
-                    flush(builder)
-                    builder = ShardBuilder(shard_name(next_shard), None, cap)
-                    next_shard += 1
-                builder.add(p, source, item.index, generation)
-                new_ids.append(p.prompt_id)
-                new_shard_of.append(builder.shard)
-            if config.limit is not None and valid >= config.limit:
-                limit_reached = True
+                assign.add(p, source, item.index)
+            if config.limit is not None and tally.valid >= config.limit:
+                tally.limit_reached = True
                 break
-    summary = reader.summary
-    del seen
+    return tally, reader.summary
 
-    quarantine_key = layout.corpus_quarantine(source)
-    if valid == 0:
-        quarantine.publish(store, quarantine_key)
-        counts = ", ".join(f"{k}={v}" for k, v in quarantine.counts.most_common()) or "none"
-        why = f"{records} records read; quarantined: {counts}"
-        if summary.truncated:
-            why += f"; source truncated at byte {summary.truncated_at_byte}"
-        if summary.parse_error:
-            why += f"; {summary.parse_error}"
-        raise NoValidPromptsError(
-            f"no valid prompt in {summary.uri} ({summary.format}, {summary.compression}): {why}. "
-            f"Rejected records are in {store.url(quarantine_key)}; the corpus is unchanged."
-        )
-    flush(builder)
 
-    new_manifest = pa.table({"prompt_id": new_ids, "shard": new_shard_of,
-                             "generation": pa.array([generation] * len(new_ids), pa.int32())},
-                            schema=MANIFEST_SCHEMA)
-    del new_ids, new_shard_of
-    if old_manifest is not None:
-        new_manifest = pa.concat_tables([old_manifest.cast(MANIFEST_SCHEMA), new_manifest])
-    manifest_key = layout.corpus_manifest(generation, run)
-    staged.append(manifest_key)
-    store.write_parquet(manifest_key, new_manifest)
+def _no_valid_prompts(store: Any, summary: SourceSummary, tally: _Tally, quarantine: QuarantineWriter,
+                      quarantine_key: str) -> NoValidPromptsError:
+    """The error of an ingest that found no valid prompt: what was read, the quarantine counts, the damage."""
+    counts = ", ".join(f"{k}={v}" for k, v in quarantine.counts.most_common()) or "none"
+    why = f"{tally.records} records read; quarantined: {counts}"
+    if summary.truncated:
+        why += f"; source truncated at byte {summary.truncated_at_byte}"
+    if summary.parse_error:
+        why += f"; {summary.parse_error}"
+    return NoValidPromptsError(
+        f"no valid prompt in {summary.uri} ({summary.format}, {summary.compression}): {why}. "
+        f"Rejected records are in {store.url(quarantine_key)}; the corpus is unchanged."
+    )
 
-    seconds = time.perf_counter() - t0
-    sources = dict(index.sources)
-    sources[source] = {"uri": summary.uri, "generation": generation, "valid": valid, "new_prompts": len(new_manifest)
-                       - (old_manifest.num_rows if old_manifest is not None else 0)}
-    new_index = CorpusIndex(generation, manifest_key, shards, sources, run)
-    commit_corpus_index(store, new_index, based_on=index, source=source)  # raises ConcurrentIngestError
-    quarantine.publish(store, quarantine_key)
 
-    new_prompts = sources[source]["new_prompts"]
-    report = IngestReport(
+def _report(summary: SourceSummary, source: str, generation: int, tally: _Tally, quarantine: QuarantineWriter,
+            assign: _ShardAssigner, *, new_prompts: int, kept_not_in_source: int, corpus_prompts: int,
+            quarantine_key: str, seconds: float) -> IngestReport:
+    shards = assign.shards
+    return IngestReport(
         source_uri=summary.uri,
         source_name=source,
         source_format=summary.format,
         compression=summary.compression,
         generation=generation,
-        records_read=records,
-        valid=valid,
-        duplicates=duplicates,
+        records_read=tally.records,
+        valid=tally.valid,
+        duplicates=tally.duplicates,
         quarantined=dict(sorted(quarantine.counts.items())),
         truncated=summary.truncated,
         truncated_at_byte=summary.truncated_at_byte,
         parse_error=summary.parse_error,
         json_arrays=summary.json_arrays,
-        limit_reached=limit_reached,
+        limit_reached=tally.limit_reached,
         new_prompts=new_prompts,
-        existing_prompts=existing,
-        kept_not_in_source=len(in_corpus) - existing,
-        corpus_prompts=new_manifest.num_rows,
+        existing_prompts=tally.existing,
+        kept_not_in_source=kept_not_in_source,
+        corpus_prompts=corpus_prompts,
         shard_keys=sorted(shards),
         shard_sizes={k: shards[k].num_prompts for k in sorted(shards)},
-        new_shards=sorted(new_shards),
-        changed_shards=sorted(changed_shards),
-        notes=dict(sorted(notes.items())),
-        roles=dict(sorted(roles.items())),
+        new_shards=sorted(assign.new_shards),
+        changed_shards=sorted(assign.changed_shards),
+        notes=dict(sorted(tally.notes.items())),
+        roles=dict(sorted(tally.roles.items())),
         quarantine_key=quarantine_key,
         seconds=round(seconds, 3),
-        agentic_prompts=agentic,
+        agentic_prompts=tally.agentic,
         damage=summary.damage,
         stopped_at_compressed_byte=summary.stopped_at_compressed_byte,
-        unknown_fields=dict(sorted(unknown_fields.items())),
+        unknown_fields=dict(sorted(tally.unknown_fields.items())),
     )
-    store.write_json(layout.corpus_report(source), report.as_dict())
-    collect_garbage(store, new_index, index)
-    return report

@@ -20,6 +20,7 @@ writes nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_assets.prompts.agentic import AGENTIC_ROLE_MAP, agentic_prompt_id, is_agentic, normalize_agentic_record
@@ -36,7 +37,7 @@ from dflash_assets.prompts.records import (
     TURN_FIELDS,
     USER,
     content_text,
-    nfc,
+    merge_system,
     parse_turns,
     prompt_id,
     read_record_fields,
@@ -115,14 +116,28 @@ def normalize_record(record: Any, config: IngestConfig | None = None, *, index: 
         return fields
     top_system, record_unknown = fields
     unknown: set[str] = set(record_unknown)
+    chat = _plain_turns(turns, where, unknown, [] if top_system is None else [top_system])
+    if chat.__class__ is Rejection:
+        return chat
+    return _plain_prompt(record, config, index, chat, unknown, len(turns))
 
-    systems: list[str] = [] if top_system is None else [top_system]
-    runs: list[list[str]] = []  # user turns; a run has no assistant turn inside
+
+@dataclass
+class _PlainTurns:
+    """A plain chat's turns as read: system texts, runs of user turns (a run has no assistant turn inside), roles."""
+
+    systems: list[str]  # the top-level system field, then the leading system turns
+    runs: list[list[str]] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)
+    leading_assistant: int = 0  # assistant turns before the first user turn
+    empty_user: int = 0
+
+
+def _plain_turns(turns: list, where: str, unknown: set[str], systems: list[str]) -> _PlainTurns | Rejection:
+    """Read a plain chat's turns in order; a turn without text content or a late system turn rejects the record."""
+    chat = _PlainTurns(systems)
     run: list[str] | None = None
-    roles: list[str] = []
     started = False  # a non-system turn was seen
-    leading_assistant = 0
-    empty_user = 0
     for parsed in parse_turns(turns, ROLE_MAP, where, unknown):
         if parsed.__class__ is Rejection:
             return parsed
@@ -132,43 +147,44 @@ def normalize_record(record: Any, config: IngestConfig | None = None, *, index: 
         text = content if content.__class__ is str else content_text(content)
         if text is None:
             return Rejection("non_string_content", f"turn {i} ({name}) content is a {type(content).__name__}")
-        roles.append(name)
+        chat.roles.append(name)
         if kind == SYSTEM:
             if started:
                 return Rejection("late_system_turn", f"system turn at position {i}")
-            systems.append(text)
+            chat.systems.append(text)
         elif kind == USER:
             started = True
             text = unicode_normalize("NFC", text).strip()
             if not text:
-                empty_user += 1
+                chat.empty_user += 1
                 continue
             if run is None:
                 run = []
-                runs.append(run)
+                chat.runs.append(run)
             run.append(text)
         else:
             started = True
-            if not runs:
-                leading_assistant += 1
+            if not chat.runs:
+                chat.leading_assistant += 1
             run = None
+    return chat
 
+
+def _plain_prompt(record: dict, config: IngestConfig, index: int, chat: _PlainTurns, unknown: set[str],
+                  num_turns: int) -> Prompt | Rejection:
+    """The read chat's checks (a user turn, the leading-assistant policy), notes, size check and id -> the
+    :class:`Prompt`."""
+    runs, leading_assistant = chat.runs, chat.leading_assistant
     if not runs:
-        kinds = {ROLE_MAP[r] for r in roles}
+        kinds = {ROLE_MAP[r] for r in chat.roles}
         what = ("system-only" if kinds == {SYSTEM} else "assistant-only" if USER not in kinds
                 else "user turns are empty")
-        return Rejection("no_user_turn", f"{what} ({len(turns)} turns)")
+        return Rejection("no_user_turn", f"{what} ({num_turns} turns)")
     if leading_assistant and config.leading_assistant == "quarantine":
         return Rejection("assistant_first", f"{leading_assistant} assistant turn(s) before the first user turn")
 
-    notes = []
-    system_parts = [p for p in (nfc(s) for s in systems) if p]
-    system = "\n\n".join(system_parts) if system_parts else None
-    if len(system_parts) > 1:
-        notes.append("system_turns_merged")
-    if systems and not system_parts:
-        notes.append("empty_system_dropped")
-    if empty_user:
+    system, notes = merge_system(chat.systems)
+    if chat.empty_user:
         notes.append("empty_user_turns_dropped")
     if any(len(r) > 1 for r in runs):
         notes.append("user_turns_merged")
@@ -191,7 +207,7 @@ def normalize_record(record: Any, config: IngestConfig | None = None, *, index: 
         **record_provenance(record, config, index),
         starts_mid_conversation=leading_assistant > 0,
         prompt_chars=chars,
-        roles=tuple(roles),
+        roles=tuple(chat.roles),
         notes=tuple(notes),
         unknown_fields=tuple(sorted(unknown)),
     )

@@ -1,5 +1,6 @@
 """One source record's fields and turns, as every normalizer reads them: the prompt and rejection types, the role
-table, the one turn parser, content text, the record's own fields and provenance, and prompt ids.
+table, the one turn parser, content text, the merged system prompt, the record's own fields and provenance, and
+prompt ids.
 
 Reads the record it is given; writes nothing.
 """
@@ -96,6 +97,19 @@ unicode_normalize = unicodedata.normalize
 
 def nfc(text: str) -> str:
     return unicode_normalize("NFC", text).strip()
+
+
+def merge_system(systems: list[str]) -> tuple[str | None, list[str]]:
+    """The system prompt of a record's system texts (each NFC-normalized and stripped, the empty ones dropped, the
+    rest joined by a blank line; None when none is left) and its notes: ``system_turns_merged`` (more than one
+    kept), ``empty_system_dropped`` (some given, none kept)."""
+    parts = [p for p in (nfc(s) for s in systems) if p]
+    notes = []
+    if len(parts) > 1:
+        notes.append("system_turns_merged")
+    if systems and not parts:
+        notes.append("empty_system_dropped")
+    return ("\n\n".join(parts) if parts else None), notes
 
 
 def content_text(content: Any) -> str | None:

@@ -239,6 +239,35 @@ codecs.register_error("dflash.surrogateescape", _counting_surrogateescape)
 # --- readers -----------------------------------------------------------------
 
 
+class _TextWindow:
+    """The JSON array reader's sliding window of decoded text over a byte stream: ``buf[pos:]`` is left to parse,
+    ``fed`` counts the bytes handed to the decoder (from the stream's start), ``dirty`` says whether any of them was
+    invalid UTF-8 (then each record's span is checked)."""
+
+    def __init__(self, stream: Any, leading_bytes: int):
+        self.f = stream
+        self.dec = codecs.getincrementaldecoder("utf-8")("dflash.surrogateescape")
+        self.fed = leading_bytes
+        self.buf, self.pos, self.eof, self.dirty = "", 0, False, False
+        self.refill()
+        self.pos = 1 if self.buf.startswith("\ufeff") else 0
+
+    def refill(self) -> None:
+        """Read a chunk: the window becomes what was left to parse plus the chunk's text."""
+        data = self.f.read(_CHUNK)
+        self.fed += len(data)
+        self.eof = not data
+        errors_before = getattr(_decode_errors, "count", 0)
+        self.buf = self.buf[self.pos:] + self.dec.decode(data, final=self.eof)
+        self.pos = 0
+        self.dirty = self.dirty or getattr(_decode_errors, "count", 0) != errors_before
+
+    def byte_offset(self, p: int) -> int:
+        """The stream offset of ``buf[p]``."""
+        pending = len(self.dec.getstate()[0])
+        return self.fed - pending - len(self.buf[p:].encode("utf-8", "surrogateescape"))
+
+
 class SourceReader:
     """Iterate the items of one source; ``summary`` says what was found.
 
@@ -383,126 +412,123 @@ class SourceReader:
             d = self._decompressor
             raise SourceFormatError(f"source {self.summary.uri}: {d.error}; {consequence}")
 
-    # JSON array: a sliding window of decoded text, parsed one element at a time.
+    # JSON array: a sliding window of decoded text (`_TextWindow`), parsed one element at a time.
     # Arrays one after another ("[...][...]", or one array per line) are read as one
     # source and counted in `json_arrays`; anything else after a closing ']' is
     # one `trailing_data` problem item and ends the read.
     def _iter_json_array(self) -> Iterator[SourceItem]:
-        f = self._stream
-        dec = codecs.getincrementaldecoder("utf-8")("dflash.surrogateescape")
+        w = _TextWindow(self._stream, self._leading_bytes)
+        self._stream_bytes = w.fed
         raw_decode = json.JSONDecoder().raw_decode
         lookahead = max(_CHUNK // 4, 1)
-        fed = self._leading_bytes  # bytes handed to the decoder, counted from the stream's start
-        eof = False
-        errors_before = getattr(_decode_errors, "count", 0)
-        data = f.read(_CHUNK)
-        fed += len(data)
-        self._stream_bytes = fed
-        eof = not data
-        buf = dec.decode(data, final=eof)
-        dirty = getattr(_decode_errors, "count", 0) != errors_before  # invalid bytes: check each record span
-        pos = 1 if buf.startswith("\ufeff") else 0
         index = 0
         in_array = False
-
-        def byte_offset(p: int) -> int:
-            pending = len(dec.getstate()[0])
-            return fed - pending - len(buf[p:].encode("utf-8", "surrogateescape"))
-
         while True:
-            pos = _SKIP.match(buf, pos).end()
+            w.pos = _SKIP.match(w.buf, w.pos).end()
             # Refill before the window runs low: a failed raw_decode at the end of a
             # large window costs a scan of it (JSONDecodeError counts its lines).
-            need_more = pos >= len(buf) or (not eof and len(buf) - pos < lookahead)
+            need_more = w.pos >= len(w.buf) or (not w.eof and len(w.buf) - w.pos < lookahead)
             if not need_more and not in_array:
-                if buf[pos] == "[":
+                if w.buf[w.pos] == "[":
                     in_array = True
                     self.summary.json_arrays += 1
-                    pos += 1
+                    w.pos += 1
                     continue
-                off = byte_offset(pos)
-                raw = buf[pos : pos + _RAW_SNIPPET]
-                rest = fed - off
-                while data := f.read(_CHUNK):  # count what is left, keep none of it
-                    rest += len(data)
-                    fed += len(data)
-                self._stream_bytes = fed
-                self.summary.parse_error = (f"{rest} bytes of trailing data from byte {off}, after the JSON "
-                                            "array's closing ']'; not read as records")
-                yield SourceItem(index, problem="trailing_data", detail=self.summary.parse_error,
-                                 raw=_snippet(raw), raw_chars=rest, byte_offset=off)
+                yield self._trailing_data(w, index)
                 return
             if not need_more:
-                if buf[pos] == "]":
+                if w.buf[w.pos] == "]":
                     in_array = False
-                    pos += 1
+                    w.pos += 1
                     continue
-                incomplete = False
-                try:
-                    obj, end = raw_decode(buf, pos)
-                    need_more = end >= len(buf) and not eof  # a number could go on
-                except RecursionError:  # nested deeper than the parser's stack: skip the record
-                    end = _value_end(buf, pos)
-                    if end is not None:
-                        detail = (f"nested deeper than the JSON parser's recursion limit "
-                                  f"({sys.getrecursionlimit()})")
-                        yield SourceItem(index, problem="nested_too_deep", detail=detail,
-                                         raw=_snippet(buf[pos:end]), raw_chars=end - pos,
-                                         byte_offset=byte_offset(pos))
-                        index += 1
-                        pos = end
-                        continue
-                    incomplete = True
-                except json.JSONDecodeError as e:
-                    incomplete = _looks_incomplete(e, buf)
-                    if not incomplete:
-                        off = byte_offset(pos)
-                        raw = buf[pos : pos + _RAW_SNIPPET]
-                        self.summary.parse_error = f"{e.msg} at byte {off} (record {index}); reading stopped"
-                        yield SourceItem(index, problem="malformed_json", detail=self.summary.parse_error,
-                                         raw=_snippet(raw), raw_chars=len(buf) - pos, byte_offset=off)
-                        return
-                if incomplete:
-                    if eof:
-                        off = byte_offset(pos)
-                        self.summary.truncated = True
-                        self.summary.truncated_at_byte = off
-                        self.summary.truncated_tail_bytes = fed - off
-                        return
-                    if len(buf) - pos > self.max_raw:  # do not pull a whole broken file into memory
-                        off = byte_offset(pos)
-                        self.summary.parse_error = (f"record {index} at byte {off} is longer than "
-                                                    f"{self.max_raw} chars; reading stopped")
-                        yield SourceItem(index, problem="oversize", detail=self.summary.parse_error,
-                                         raw=_snippet(buf[pos:]), raw_chars=len(buf) - pos, byte_offset=off)
-                        return
-                    need_more = True
-                    obj = end = None
+                step, value, end = self._parse_element(w, index, raw_decode)
+                if step == "stop":
+                    if value is not None:
+                        yield value
+                    return
+                if step == "skip":
+                    yield value
+                    index += 1
+                    w.pos = end
+                    continue
+                need_more = step == "more"
             if need_more:
-                if eof:
+                if w.eof:
                     if in_array:  # ran out between elements: no closing ']'
                         self.summary.truncated = True
-                        self.summary.truncated_at_byte = byte_offset(pos)
+                        self.summary.truncated_at_byte = w.byte_offset(w.pos)
                     return
-                data = f.read(_CHUNK)
-                fed += len(data)
-                self._stream_bytes = fed
-                eof = not data
-                errors_before = getattr(_decode_errors, "count", 0)
-                buf = buf[pos:] + dec.decode(data, final=eof)
-                pos = 0
-                dirty = dirty or getattr(_decode_errors, "count", 0) != errors_before
+                w.refill()
+                self._stream_bytes = w.fed
                 continue
-            if dirty and _SURROGATE.search(buf, pos, end):
-                yield SourceItem(index, problem="invalid_utf8", detail="invalid UTF-8 bytes in record",
-                                 raw=_snippet(buf[pos:end]), raw_chars=end - pos, byte_offset=byte_offset(pos))
-            elif end - pos > self.max_raw:
-                yield SourceItem(index, problem="oversize", detail=f"record is {end - pos} chars > {self.max_raw}",
-                                 raw=_snippet(buf[pos:end]), raw_chars=end - pos, byte_offset=byte_offset(pos))
-            else:
-                yield SourceItem(index, record=obj)
+            yield self._element_item(w, index, value, end)
             index += 1
-            pos = end
+            w.pos = end
+
+    def _trailing_data(self, w: _TextWindow, index: int) -> SourceItem:
+        """Something other than an array after a closing ']': one ``trailing_data`` item (what is left of the
+        stream is counted, none of it kept)."""
+        off = w.byte_offset(w.pos)
+        raw = w.buf[w.pos : w.pos + _RAW_SNIPPET]
+        rest = w.fed - off
+        while data := w.f.read(_CHUNK):
+            rest += len(data)
+            w.fed += len(data)
+        self._stream_bytes = w.fed
+        self.summary.parse_error = (f"{rest} bytes of trailing data from byte {off}, after the JSON "
+                                    "array's closing ']'; not read as records")
+        return SourceItem(index, problem="trailing_data", detail=self.summary.parse_error,
+                          raw=_snippet(raw), raw_chars=rest, byte_offset=off)
+
+    def _parse_element(self, w: _TextWindow, index: int, raw_decode: Any) -> tuple[str, Any, int | None]:
+        """The array element at the window's position: ``("record", obj, end)``; ``("skip", item, end)`` for one
+        nested deeper than the parser's stack; ``("more", None, None)`` when it may go on past the window; ``("stop",
+        item or None, None)`` when reading ends at it (malformed JSON, an element longer than ``max_raw`` that does
+        not end in the window, a cut file: ``truncated``)."""
+        buf, pos = w.buf, w.pos
+        try:
+            obj, end = raw_decode(buf, pos)
+            if end >= len(buf) and not w.eof:  # a number could go on
+                return "more", None, None
+            return "record", obj, end
+        except RecursionError:  # nested deeper than the parser's stack: skip the record
+            end = _value_end(buf, pos)
+            if end is not None:
+                detail = f"nested deeper than the JSON parser's recursion limit ({sys.getrecursionlimit()})"
+                return "skip", SourceItem(index, problem="nested_too_deep", detail=detail, raw=_snippet(buf[pos:end]),
+                                          raw_chars=end - pos, byte_offset=w.byte_offset(pos)), end
+        except json.JSONDecodeError as e:
+            if not _looks_incomplete(e, buf):
+                off = w.byte_offset(pos)
+                self.summary.parse_error = f"{e.msg} at byte {off} (record {index}); reading stopped"
+                return "stop", SourceItem(index, problem="malformed_json", detail=self.summary.parse_error,
+                                          raw=_snippet(buf[pos : pos + _RAW_SNIPPET]), raw_chars=len(buf) - pos,
+                                          byte_offset=off), None
+        # incomplete: the element goes on past the window
+        if w.eof:
+            off = w.byte_offset(pos)
+            self.summary.truncated = True
+            self.summary.truncated_at_byte = off
+            self.summary.truncated_tail_bytes = w.fed - off
+            return "stop", None, None
+        if len(buf) - pos > self.max_raw:  # do not pull a whole broken file into memory
+            off = w.byte_offset(pos)
+            self.summary.parse_error = (f"record {index} at byte {off} is longer than {self.max_raw} chars; "
+                                        "reading stopped")
+            return "stop", SourceItem(index, problem="oversize", detail=self.summary.parse_error,
+                                      raw=_snippet(buf[pos:]), raw_chars=len(buf) - pos, byte_offset=off), None
+        return "more", None, None
+
+    def _element_item(self, w: _TextWindow, index: int, obj: Any, end: int) -> SourceItem:
+        """A parsed element: its record, or an ``invalid_utf8`` or ``oversize`` problem item."""
+        pos = w.pos
+        if w.dirty and _SURROGATE.search(w.buf, pos, end):
+            return SourceItem(index, problem="invalid_utf8", detail="invalid UTF-8 bytes in record",
+                              raw=_snippet(w.buf[pos:end]), raw_chars=end - pos, byte_offset=w.byte_offset(pos))
+        if end - pos > self.max_raw:
+            return SourceItem(index, problem="oversize", detail=f"record is {end - pos} chars > {self.max_raw}",
+                              raw=_snippet(w.buf[pos:end]), raw_chars=end - pos, byte_offset=w.byte_offset(pos))
+        return SourceItem(index, record=obj)
 
     def _iter_jsonl(self) -> Iterator[SourceItem]:
         f = self._stream
