@@ -338,25 +338,13 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
     """
     if engine not in ("serve", "inprocess"):
         raise ValueError(f"engine must be 'serve' or 'inprocess', not {engine!r}")
-    import dagster as dg
-
-    from dagster_project.definitions import defs
-    from dagster_project.partitions import register_recipe
     from dagster_project.deployment import get_profile, store_for_profile
+    from dagster_project.definitions import defs
     from dagster_project.resources import EngineFleetResource, TargetModelResource, deployment_resource
-    from dflash_assets.embedded.defaults import embedded_default_target, embedded_engine_server
-    from dflash_assets.generation.server import local_engine_server
 
     t_start = time.time()
-    report = progress or (lambda stage: log.info(stage.line()))
     summary = DemoSummary(shards=[], failed_shards=[], recipe=None, tau=None, drafter_ok=False)
-    if engine == "inprocess":
-        label = "inprocess://" + Path(target or embedded_default_target()).name
-        server, endpoint = contextlib.nullcontext(), f"transformers:{label}"
-    else:
-        server = (embedded_engine_server("transformers", port=0) if target is None  # the tiny target, on 127.0.0.1
-                  else local_engine_server("transformers", target, port=0, dtype="float32"))
-        log.info("starting the engine: %s", server.command)
+    server, endpoint = _engine(engine, target)
     with server:
         if engine == "serve":
             endpoint = f"openai:{server.url}"
@@ -365,26 +353,9 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
             EngineFleetResource(endpoints=[endpoint], max_concurrency=engine_concurrency))}
         if target is not None:
             resources["target"] = deployment_resource(TargetModelResource(model_path=str(target), dtype="float32"))
+        runs = _DemoRuns(instance, resources, summary, progress or (lambda stage: log.info(stage.line())))
 
-        metadata: dict[tuple[str, str], dict[str, Any]] = {}  # (asset, partition) -> its materialization's values
-
-        def materialize(selection: list[str], partition: str | None, run_config: dict[str, Any]) -> list[StageRun]:
-            result = dg.materialize(defs.assets, selection=selection, partition_key=partition, instance=instance,
-                                    resources=resources, run_config={**run_config, **QUIET_CONSOLE},
-                                    raise_on_error=False)
-            for asset in selection:
-                for m in result.asset_materializations_for_node(asset):
-                    metadata[(asset, partition or "")] = {k: getattr(v, "value", v) for k, v in m.metadata.items()}
-            stages = _stage_results(instance, result, selection, partition or "")
-            for stage in stages:
-                summary.stages.append(stage)
-                report(stage)
-            checks = _check_outcomes(result)
-            if checks:
-                summary.checks.setdefault(partition or "", []).extend(checks)
-            return stages
-
-        corpus = materialize(["prompt_corpus"], None, {"ops": {"prompt_corpus": {"config": {
+        corpus = runs.materialize(["prompt_corpus"], None, {"ops": {"prompt_corpus": {"config": {
             "limit": prompts, "max_prompts_per_shard": shard_size}}}})
         if corpus[0].status != "ok":
             summary.failures.append(f"prompt_corpus failed: {corpus[0].error}. Nothing else ran.")
@@ -392,7 +363,7 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
             return summary
         summary.shards = sorted(instance.get_dynamic_partitions("prompt_shards"))
         if self_prompts:  # the target writes prompts itself for the first shard (seeded: the same ones each run)
-            [own] = materialize(["self_generated_prompts"], summary.shards[0], {"ops": {"self_generated_prompts": {
+            [own] = runs.materialize(["self_generated_prompts"], summary.shards[0], {"ops": {"self_generated_prompts": {
                 "config": {"samples": self_prompts, "batch_size": self_prompts, "max_new_tokens": 64,
                            "seed": seed, "device": "cpu"}}}})
             if own.status != "ok":
@@ -401,48 +372,110 @@ def run_demo(instance: dg.DagsterInstance, *, prompts: int = 16, shard_size: int
                                         "self_generated_prompts -> Checks).")
         if pilot_prompts:  # the cost plan before any completions, from a pilot of real prompts
             completions_config = demo_run_config(max_new_tokens, max_turns, seed)["ops"]["completions"]["config"]
-            materialize(["generation_plan"], None, {"ops": {"generation_plan": {"config": {
+            runs.materialize(["generation_plan"], None, {"ops": {"generation_plan": {"config": {
                 "pilot_prompts": pilot_prompts, "completions": completions_config}}}})
-        for shard in summary.shards:
-            stages = materialize(PER_SHARD_ASSETS, shard, demo_run_config(max_new_tokens, max_turns, seed,
-                                                                          max_empty_ratio))
-            if not summary.answers and any(s.asset == "completions" and s.status == "ok" for s in stages):
-                summary.answers = first_answers(store.open(), shard)
-                for user, answer in summary.answers:
-                    log.info("    %s", answer_line(user, answer))
-            if any(s.status != "ok" for s in stages):
-                summary.failed_shards.append(shard)
-                summary.failures += _explain_shard(shard, stages, summary.checks.get(shard, []))
-        plan = metadata.get(("generation_plan", ""))
-        if plan is not None:
-            summary.plan_checks = plan_checks(plan, {s: metadata.get(("completions", s), {}) for s in summary.shards},
-                                              store.open())
-            for check in summary.plan_checks:
-                log.info(check.line().strip())
+        _per_shard_runs(runs, store, demo_run_config(max_new_tokens, max_turns, seed, max_empty_ratio))
     good = [s for s in summary.shards if s not in summary.failed_shards]
     if drafter and not good:
         summary.failures.append("no shard passed its checks, so no drafter was trained.")
     elif drafter:
-        recipe = demo_recipe(good)
-        register_recipe(instance, store.open(), recipe)
-        summary.recipe = recipe.name
-        stages = materialize(DRAFTER_ASSETS, recipe.name, {"ops": {"drafter_eval": {"config": {
-            "num_prompts": eval_prompts, "max_new_tokens": eval_new_tokens}}}})
-        summary.drafter_ok = all(s.status == "ok" for s in stages)
-        summary.tau = next((s.tau for s in stages if s.asset == "drafter_eval" and s.tau is not None), None)
-        for check in summary.checks.get(recipe.name, []):
-            if not check.passed:
-                summary.failures.append(f"recipe {recipe.name}: check {check.name} failed: {check.description}. "
-                                        f"See it in the UI (make ui -> drafter_eval -> Checks).")
-        for stage in stages:
-            if stage.status != "ok":
-                summary.failures.append(f"{stage.asset} of recipe {recipe.name} {stage.status}: "
-                                        f"{stage.error or 'an upstream step failed'}. See the run in the UI (make ui).")
-        if baseline and summary.drafter_ok:
-            summary.tau_untrained = untrained_tau(store.open(), recipe.name, target, eval_prompts, eval_new_tokens)
-            log.info("untrained drafter: tau %.3f on the same held-out prompts", summary.tau_untrained)
+        _drafter_runs(runs, store, good, target, eval_prompts, eval_new_tokens, baseline)
     summary.wall_s = time.time() - t_start
     return summary
+
+
+def _engine(engine: str, target: str | None) -> tuple[Any, str | None]:
+    """The engine's server (a context manager; none for "inprocess") and its endpoint (for "serve", known once the
+    server has started: None here)."""
+    from dflash_assets.embedded.defaults import embedded_default_target, embedded_engine_server
+    from dflash_assets.generation.server import local_engine_server
+
+    if engine == "inprocess":
+        label = "inprocess://" + Path(target or embedded_default_target()).name
+        return contextlib.nullcontext(), f"transformers:{label}"
+    server = (embedded_engine_server("transformers", port=0) if target is None  # the tiny target, on 127.0.0.1
+              else local_engine_server("transformers", target, port=0, dtype="float32"))
+    log.info("starting the engine: %s", server.command)
+    return server, None
+
+
+class _DemoRuns:
+    """Runs of the code location's assets in one instance with the demo's resources: each run's stages go to the
+    summary and to ``report`` as it ends, its check outcomes to the summary, its materializations' metadata to
+    ``metadata``."""
+
+    def __init__(self, instance: dg.DagsterInstance, resources: dict[str, Any], summary: DemoSummary,
+                 report: Callable[[StageRun], None]):
+        self.instance, self.resources, self.summary, self.report = instance, resources, summary, report
+        self.metadata: dict[tuple[str, str], dict[str, Any]] = {}  # (asset, partition) -> its materialization's values
+
+    def materialize(self, selection: list[str], partition: str | None, run_config: dict[str, Any]) -> list[StageRun]:
+        import dagster as dg
+
+        from dagster_project.definitions import defs
+
+        result = dg.materialize(defs.assets, selection=selection, partition_key=partition, instance=self.instance,
+                                resources=self.resources, run_config={**run_config, **QUIET_CONSOLE},
+                                raise_on_error=False)
+        for asset in selection:
+            for m in result.asset_materializations_for_node(asset):
+                self.metadata[(asset, partition or "")] = {k: getattr(v, "value", v) for k, v in m.metadata.items()}
+        stages = _stage_results(self.instance, result, selection, partition or "")
+        for stage in stages:
+            self.summary.stages.append(stage)
+            self.report(stage)
+        checks = _check_outcomes(result)
+        if checks:
+            self.summary.checks.setdefault(partition or "", []).extend(checks)
+        return stages
+
+
+def _per_shard_runs(runs: _DemoRuns, store: Any, run_config: dict[str, Any]) -> None:
+    """One run of the per-shard assets for each shard (the first answers logged once some shard has
+    completions; a shard with a stage not ok is a failed shard, explained), then the cost plan against them."""
+    summary = runs.summary
+    for shard in summary.shards:
+        stages = runs.materialize(PER_SHARD_ASSETS, shard, run_config)
+        if not summary.answers and any(s.asset == "completions" and s.status == "ok" for s in stages):
+            summary.answers = first_answers(store.open(), shard)
+            for user, answer in summary.answers:
+                log.info("    %s", answer_line(user, answer))
+        if any(s.status != "ok" for s in stages):
+            summary.failed_shards.append(shard)
+            summary.failures += _explain_shard(shard, stages, summary.checks.get(shard, []))
+    plan = runs.metadata.get(("generation_plan", ""))
+    if plan is not None:
+        summary.plan_checks = plan_checks(plan, {s: runs.metadata.get(("completions", s), {}) for s in summary.shards},
+                                          store.open())
+        for check in summary.plan_checks:
+            log.info(check.line().strip())
+
+
+def _drafter_runs(runs: _DemoRuns, store: Any, good: list[str], target: str | None, eval_prompts: int,
+                  eval_new_tokens: int, baseline: bool) -> None:
+    """Register the recipe of the good shards, train and measure its drafter (failed checks and stages explained),
+    and with ``baseline`` an untrained drafter's tau on the same held-out prompts."""
+    from dagster_project.partitions import register_recipe
+
+    summary = runs.summary
+    recipe = demo_recipe(good)
+    register_recipe(runs.instance, store.open(), recipe)
+    summary.recipe = recipe.name
+    stages = runs.materialize(DRAFTER_ASSETS, recipe.name, {"ops": {"drafter_eval": {"config": {
+        "num_prompts": eval_prompts, "max_new_tokens": eval_new_tokens}}}})
+    summary.drafter_ok = all(s.status == "ok" for s in stages)
+    summary.tau = next((s.tau for s in stages if s.asset == "drafter_eval" and s.tau is not None), None)
+    for check in summary.checks.get(recipe.name, []):
+        if not check.passed:
+            summary.failures.append(f"recipe {recipe.name}: check {check.name} failed: {check.description}. "
+                                    f"See it in the UI (make ui -> drafter_eval -> Checks).")
+    for stage in stages:
+        if stage.status != "ok":
+            summary.failures.append(f"{stage.asset} of recipe {recipe.name} {stage.status}: "
+                                    f"{stage.error or 'an upstream step failed'}. See the run in the UI (make ui).")
+    if baseline and summary.drafter_ok:
+        summary.tau_untrained = untrained_tau(store.open(), recipe.name, target, eval_prompts, eval_new_tokens)
+        log.info("untrained drafter: tau %.3f on the same held-out prompts", summary.tau_untrained)
 
 
 # -- reading a run back -----------------------------------------------------------------------
