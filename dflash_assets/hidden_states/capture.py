@@ -282,16 +282,7 @@ def capture_batches(model: nn.Module, samples: Sequence[TokenizedSample], batche
         with torch.inference_mode(), packed_attention(model), LayerCapture(model, layer_ids) as cap:
             width = cap.hidden_size * len(cap.layer_ids)
             dtype = model.dtype
-            if cuda:
-                torch.cuda.set_device(device)
-                compute = torch.cuda.current_stream(device)
-                copy_stream = torch.cuda.Stream(device)
-                gpu_bufs: list[torch.Tensor | None] = [None, None]
-                copy_done: list[Any] = [None, None]
-                host_bufs: list[torch.Tensor | None] = [None] * (queue_depth + 1)
-                free: queue.Queue = queue.Queue()
-                for k in range(queue_depth + 1):
-                    free.put(k)
+            staging = _CudaStaging(device, queue_depth) if cuda else None
             for step, batch in enumerate(batches):
                 if stop is not None and stop.is_set():
                     break
@@ -299,35 +290,14 @@ def capture_batches(model: nn.Module, samples: Sequence[TokenizedSample], batche
                     raise writer.error
                 inputs = _batch_inputs(samples, batch, device, hybrid)
                 n = inputs.num_tokens
-                if not cuda:
+                if staging is None:
                     target = torch.empty(n, width, dtype=dtype, device=device)
                     _forward(cap, inputs, target)
                     t0 = time.perf_counter()
                     writer.q.put((None, target, batch, lambda: None))  # blocks when the writer is behind
                     stats.wait_for_writer_s += time.perf_counter() - t0
                 else:
-                    slot = step % 2
-                    if copy_done[slot] is not None:  # the D2H of batch step-2 may still read this buffer
-                        compute.wait_event(copy_done[slot])
-                    if gpu_bufs[slot] is None or gpu_bufs[slot].shape[0] < n:
-                        gpu_bufs[slot] = torch.empty(n, width, dtype=dtype, device=device)
-                    gbuf = gpu_bufs[slot][:n]
-                    _forward(cap, inputs, gbuf)
-                    t0 = time.perf_counter()
-                    k = free.get()  # backpressure: a pinned buffer the writer has finished with
-                    stats.wait_for_writer_s += time.perf_counter() - t0
-                    if host_bufs[k] is None or host_bufs[k].shape[0] < n:
-                        host_bufs[k] = torch.empty(n, width, dtype=dtype, pin_memory=True)
-                    computed = torch.cuda.Event()
-                    computed.record(compute)
-                    with torch.cuda.stream(copy_stream):
-                        copy_stream.wait_event(computed)
-                        host = host_bufs[k][:n]
-                        host.copy_(gbuf, non_blocking=True)
-                        done = torch.cuda.Event()
-                        done.record(copy_stream)
-                    copy_done[slot] = done
-                    writer.q.put((done, host, batch, lambda k=k: free.put(k)))
+                    staging.forward_and_hand_over(step, cap, inputs, batch, width, dtype, writer, stats)
                 stats.batches += 1
                 stats.tokens += n
     finally:
@@ -339,6 +309,52 @@ def capture_batches(model: nn.Module, samples: Sequence[TokenizedSample], batche
     if writer.error is not None:
         raise writer.error
     return stats
+
+
+class _CudaStaging:
+    """:func:`capture_batches`'s buffers on CUDA: two GPU staging buffers (one per step parity), a ring of
+    ``queue_depth + 1`` pinned host buffers (indices in ``free`` when the writer is done with them) and a copy
+    stream; each grows to the largest batch it has held."""
+
+    def __init__(self, device: torch.device, queue_depth: int):
+        torch.cuda.set_device(device)
+        self.device = device
+        self.compute = torch.cuda.current_stream(device)
+        self.copy_stream = torch.cuda.Stream(device)
+        self.gpu_bufs: list[torch.Tensor | None] = [None, None]
+        self.copy_done: list[Any] = [None, None]
+        self.host_bufs: list[torch.Tensor | None] = [None] * (queue_depth + 1)
+        self.free: queue.Queue = queue.Queue()
+        for k in range(queue_depth + 1):
+            self.free.put(k)
+
+    def forward_and_hand_over(self, step: int, cap: LayerCapture, inputs: _Inputs, batch: Batch, width: int,
+                              dtype: torch.dtype, writer: _WriterThread, stats: WorkerStats) -> None:
+        """Run batch ``step`` into its GPU buffer, copy it to a free pinned buffer on the copy stream (after a CUDA
+        event), and queue it to the writer with that copy's event; waits only for a free pinned buffer."""
+        n = inputs.num_tokens
+        slot = step % 2
+        if self.copy_done[slot] is not None:  # the D2H of batch step-2 may still read this buffer
+            self.compute.wait_event(self.copy_done[slot])
+        if self.gpu_bufs[slot] is None or self.gpu_bufs[slot].shape[0] < n:
+            self.gpu_bufs[slot] = torch.empty(n, width, dtype=dtype, device=self.device)
+        gbuf = self.gpu_bufs[slot][:n]
+        _forward(cap, inputs, gbuf)
+        t0 = time.perf_counter()
+        k = self.free.get()  # backpressure: a pinned buffer the writer has finished with
+        stats.wait_for_writer_s += time.perf_counter() - t0
+        if self.host_bufs[k] is None or self.host_bufs[k].shape[0] < n:
+            self.host_bufs[k] = torch.empty(n, width, dtype=dtype, pin_memory=True)
+        computed = torch.cuda.Event()
+        computed.record(self.compute)
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(computed)
+            host = self.host_bufs[k][:n]
+            host.copy_(gbuf, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        self.copy_done[slot] = done
+        writer.q.put((done, host, batch, lambda k=k: self.free.put(k)))
 
 # ---------------------------------------------------------------------------
 # A partition: plan, budget, files, workers
