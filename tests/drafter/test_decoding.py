@@ -192,30 +192,6 @@ def test_drafter_eval_learning_curve_is_drawn_as_a_chart_in_dagster():
     assert set(cfg) <= set(inspect.signature(eval_recipe).parameters)
 
 
-def test_heldout_prompts_are_disjoint_from_training_by_id_and_by_text(tmp_path, tiny_dense_target):
-    """ShareGPT repeats first turns under new ids: a held-out prompt whose text a trained shard holds is skipped."""
-    import pyarrow as pa
-
-    from dflash_assets.drafter.recipe import DrafterRecipe
-    from dflash_assets.drafter.stages import heldout_prompts
-    from dflash_assets.store import layout
-    from dflash_assets.store.backends import LocalStore
-    from dflash_assets.target_model.spec import TargetModelSpec
-
-    store = LocalStore(tmp_path / "store")
-
-    def shard(name, rows):
-        store.write_parquet(layout.raw_prompts(name), pa.Table.from_pylist(
-            [{"prompt_id": pid, "system": None, "user_turns": turns, "category": None} for pid, turns in rows]))
-
-    shard("shard-00000", [("a", ["hi", "tell me more"]), ("b", ["write a poem"])])
-    shard("shard-00001", [("c", ["hi"]), ("d", ["tell me more"]), ("e", ["what is 2+2?"])])
-    recipe = DrafterRecipe(name="r", partitions=("shard-00000",), online=True)
-    prompts, held_out = heldout_prompts(store, recipe, TargetModelSpec(model_path=str(tiny_dense_target)), 8)
-    assert held_out and [p.prompt_id for p in prompts] == ["e"]  # c and d repeat trained user turns
-    assert prompts[0].category == "unknown" and len(prompts[0].input_ids) > 0
-
-
 def test_evaluation_dtype_is_one_rule():
     """float32 on a CPU, bfloat16 on a GPU, else the dtype asked for (by name or dtype); a bad name is refused."""
     from dflash_assets.drafter.decoding import evaluation_dtype

@@ -222,26 +222,3 @@ def test_learning_curve_by_slice_is_drawn_as_a_chart_with_one_line_per_slice():
     assert "2 slices; last checkpoint: tools:with 1.50, tools:without 1.90." in value.md_str
 
 
-def test_same_weights_compares_tensors_not_bytes(local_store, tmp_path):
-    import torch
-    from safetensors.torch import save_file
-
-    from dflash_assets.drafter.stages import _same_weights
-
-    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
-    variants = {
-        "first": (tensors, {"format": "pt", "recipe": "x"}),
-        "header": (tensors, {"recipe": "x", "format": "pt", "note": "saved again"}),
-        "value": ({**tensors, "b": torch.full((4,), 2.0, dtype=torch.bfloat16)}, {"format": "pt"}),
-        "dtype": ({**tensors, "a": tensors["a"].double()}, {"format": "pt"}),
-        "names": ({"a": tensors["a"]}, {"format": "pt"}),
-    }
-    for name, (ts, meta) in variants.items():
-        save_file(ts, str(tmp_path / f"{name}.safetensors"), metadata=meta)
-        local_store.upload_file(f"w/{name}.safetensors", tmp_path / f"{name}.safetensors")
-    local_store.write_bytes("w/garbage.safetensors", b"not a safetensors file")
-    assert _same_weights(local_store, "w/first.safetensors", "w/header.safetensors")
-    for other in ("value", "dtype", "names", "garbage", "missing"):
-        assert not _same_weights(local_store, "w/first.safetensors", f"w/{other}.safetensors"), other
-    assert not _same_weights(local_store, None, "w/first.safetensors")
-

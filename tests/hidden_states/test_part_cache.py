@@ -1,4 +1,5 @@
-"""Training through a bounded local cache of store parts, and online samples streamed by row group.
+"""Training through a bounded local cache of store parts (the plan's windows and online samples streamed by row
+group are tests/drafter/test_data.py's).
 
 Parts live in a real S3 endpoint (moto's ThreadedMotoServer on 127.0.0.1); the
 cache limit is smaller than two parts, so training must evict and fetch again.
@@ -7,12 +8,9 @@ cache limit is smaller than two parts, so training must evict and fetch again.
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dflash_assets.drafter.data import BatchPlan, ParquetSamples
 from dflash_assets.drafter.recipe import DrafterRecipe
 from dflash_assets.drafter.training import train_drafter
 from dflash_assets.hidden_states.part_cache import BoundedPartCache, PartTooLarge
@@ -70,49 +68,12 @@ def test_training_through_a_cache_smaller_than_two_parts_matches_local_files(par
     assert not list((tmp_path / "parts").iterdir())  # the local parts went with the cache
 
 
-def test_windowed_plan_reads_one_window_of_parts_at_a_time():
-    r = recipe(batch_size=3, epochs=2)
-    groups = np.repeat(np.arange(6), 5)  # 6 parts of 5 samples
-    plan = BatchPlan(len(groups), r, world=1, rank=0, groups=groups, group_bytes=np.full(6, 100), window_bytes=200)
-    for epoch in range(2):
-        perm = plan.permutation(epoch)
-        assert sorted(perm.tolist()) == list(range(30))  # every sample once per epoch
-        seen = groups[perm]
-        windows = [set(seen[i:i + 10].tolist()) for i in range(0, 30, 10)]
-        assert all(len(w) == 2 for w in windows) and set().union(*windows) == set(range(6))
-    order = plan.sample_order(0, plan.total_steps)
-    assert len(order) == plan.total_steps * 3
-    assert order.tolist() == [i for s in range(plan.total_steps) for i in plan.indices(s)[1]]
-    unbounded = BatchPlan(30, r, world=1, rank=0)
-    assert unbounded.permutation(0).tolist() == np.random.default_rng([r.seed, 0, 7]).permutation(30).tolist()
-
-
 def test_a_part_larger_than_the_limit_is_refused_before_training(parts, s3_store, tmp_path):
     f = parts["files"][0]
     s3_store.upload_file("hidden_state_cache/big/v1/big.safetensors", f)
     with pytest.raises(PartTooLarge, match=r"hidden_state_cache/big/v1/big.safetensors, is 0\.0\d+ GB.*cache_limit_gb"):
         BoundedPartCache(s3_store, ["hidden_state_cache/big/v1/big.safetensors"], f.stat().st_size - 1,
                          cache_dir=tmp_path)
-
-
-def test_online_samples_stream_by_row_group_within_a_memory_bound(tmp_path):
-    rng = np.random.default_rng(0)
-    rows = [(rng.integers(0, 1000, n).tolist(), (rng.random(n) > 0.3).astype(int).tolist())
-            for n in rng.integers(20, 60, 40)]
-    table = pa.table({"input_ids": pa.array([r[0] for r in rows], pa.list_(pa.int32())),
-                      "loss_mask": pa.array([r[1] for r in rows], pa.list_(pa.int8()))})
-    path = tmp_path / "samples.parquet"
-    pq.write_table(table, path, row_group_size=5)  # 8 row groups
-    one_group = ParquetSamples._decoded_bytes(5 * 60, 5)
-    data = ParquetSamples([path], max_length=32, block_size=4, max_bytes=2 * one_group)
-    assert len(data.group_bytes) == 8 and len(data) == 40
-    for i in range(len(data)):
-        s = data[i]
-        ids, lm = rows[i]
-        assert s.input_ids.dtype == np.int64 and s.input_ids.tolist() == ids[:32]
-        assert s.loss_mask.tolist() == [bool(x) for x in lm[:32]]
-        assert data._held <= data.max_bytes and len(data._cache) < 8  # a few row groups, never the file
-        assert all(v[1].dtype == np.int32 for v in data._cache.values())  # held as int32, not int64
 
 
 class CountingStore:
