@@ -1,4 +1,4 @@
-"""Shared fixtures: a store in a temp dir, an S3 store on moto's server, tiny targets."""
+"""Shared fixtures: a store in a temp dir, an S3 store on moto's server, tiny targets, the tiny demo's one run."""
 
 from __future__ import annotations
 
@@ -55,6 +55,16 @@ def tiny_dense_target():
     from dflash_assets.embedded.tiny_targets import tiny_target_path
 
     return tiny_target_path("dense")
+
+
+@pytest.fixture(scope="session")
+def tiny_demo(tmp_path_factory, moto_endpoint, tiny_dense_target):
+    """``make demo`` of the tiny target on S3, run once per session (tests/demo_run.py): its readers need
+    ``@pytest.mark.timeout(1700)``, since the first of them waits for the run."""
+    from tests.demo_run import run_shared_demo
+
+    return run_shared_demo(tmp_path_factory.mktemp("tiny-demo"), moto_endpoint,
+                           str(tmp_path_factory.getbasetemp()))
 
 
 @pytest.fixture(scope="session")

@@ -3,32 +3,30 @@
 These run the tiny target (`--target tiny`, the thinking format); `tests/embedded/test_smollm2.py` runs the
 default, SmolLM2. The demo passes every check of its own (blocking and not) on a fresh home, prints one line
 per stage, the first answers and a summary table, and nothing else (no Dagster DEBUG events, no alembic lines,
-no tracebacks, no warnings); the full logs stay in the Dagster instance. It does so with the tiny target built
-by this CPU's own kernels and by a second kernel level (`ATEN_CPU_CAPABILITY`), since the trained bytes differ
-between them. When a check fails (here: every answer cut at 8 new tokens, so the
-reasoning never closes and every answer is empty), its last lines say which check failed on which partition,
-what that means and what to do, and the exit status is 1.
+no tracebacks, no warnings); the full logs stay in the Dagster instance. That run is the session's one tiny demo
+(the `tiny_demo` fixture, tests/demo_run.py: its store on S3), which the other whole-graph tests read too.
+
+The tiny target's trained bytes differ between CPU kernel levels, and so do its answers: under a second level
+(`ATEN_CPU_CAPABILITY`) the demo's per-shard stages, at the demo's own sizes, build their own tiny target and pass
+every check. When a check fails (here: every answer cut at 8 new tokens, so the reasoning never closes and every
+answer is empty), its last lines say which check failed on which partition, what that means and what to do, and
+the exit status is 1.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import dagster as dg
 import pytest
 
+from tests.demo_run import REPO, run_demo_command
+
 STAGE_LINE = re.compile(r"^  (shard-\d{5}|demo-v1|) +(\w+) +(ok|failed|skipped) +(\d+ s|-)")
-
-
-def run_demo_command(home: Path, *args: str, timeout: int = 1500,
-                     env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "DFLASH_STORE")} | (env_extra or {})
-    return subprocess.run([sys.executable, "-m", "dagster_project.demo", "--home", str(home), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(__file__).parents[2])
 
 
 def assert_quiet(console: str) -> None:
@@ -46,16 +44,10 @@ def second_kernel_level() -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1700)  # above run_demo_command's own 1500 s: the second level builds its tiny target first
-@pytest.mark.parametrize("kernels", ["native", "second"])
-def test_demo_passes_every_check_with_a_short_console(tmp_path, tiny_dense_target, kernels):
-    home = tmp_path / "home"
-    # "second": the demo's process builds and uses its own tiny target (the cache key names the kernel level)
-    env_extra = {"ATEN_CPU_CAPABILITY": second_kernel_level()} if kernels == "second" else None
-    # the demo caps oneDNN to that level itself (cap_onednn_to_kernel_level): else torch 2.13 fails bfloat16
-    # attention on a CPU with AMX
-    done = run_demo_command(home, "--target", "tiny", env_extra=env_extra)
-    console = done.stdout + done.stderr
+@pytest.mark.timeout(1700)  # the first reader of tiny_demo waits for the demo's run
+def test_demo_passes_every_check_with_a_short_console(tiny_demo):
+    done = tiny_demo.done
+    console = tiny_demo.console
     assert done.returncode == 0, console
     assert_quiet(console)
     assert len(re.findall(r"^    Q: .+  A: .+", done.stdout, re.M)) == 2, done.stdout  # the target's first answers
@@ -77,11 +69,11 @@ def test_demo_passes_every_check_with_a_short_console(tmp_path, tiny_dense_targe
     assert re.search(r"shard-00001 +ok \d+ s +ok \d+ s +ok \d+ s +ok \d+ s +4/4 passed", summary), summary
     checks = re.search(r"checks: (\d+)/(\d+) passed on 2 shards and recipe demo-v1; failed shards: none", summary)
     assert checks and checks[1] == checks[2] and int(checks[2]) >= 8, summary  # 4 per shard, the drafter's too
-    assert re.search(r"tau \d\.\d{3}", summary) and "make ui" in summary and str(home / "dflash-store") in summary
+    assert re.search(r"tau \d\.\d{3}", summary) and "make ui" in summary and tiny_demo.store_uri in summary
     assert summary.rstrip().endswith("OK: every stage succeeded and every check passed.")
 
     # The console was quiet; the instance kept everything, Dagster's DEBUG events included.
-    with dg.DagsterInstance.from_ref(dg._core.instance.ref.InstanceRef.from_dir(str(home))) as instance:
+    with tiny_demo.instance() as instance:
         runs = instance.get_runs()
         assert len(runs) == 5 and all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)  # + generation_plan
         levels = {e.level for r in runs for e in instance.all_logs(r.run_id)}
@@ -94,6 +86,55 @@ def test_demo_passes_every_check_with_a_short_console(tmp_path, tiny_dense_targe
         # the tiny target's demo gate (TARGET_DEFAULTS): its empty answers depend on the kernels that built it
         assert len(empty) == 2 and all(float(getattr(m["threshold"], "value", m["threshold"])) == 0.10
                                        for m in empty), empty
+
+
+# The demo's per-shard stages in a process of their own, so that ATEN_CPU_CAPABILITY (read when torch loads) and
+# the oneDNN cap the demo sets (cap_onednn_to_kernel_level) hold in it and in every process it starts.
+PER_SHARD_DEMO = """
+import json, sys
+from dflash_assets.embedded.tiny_targets import cap_onednn_to_kernel_level
+cap_onednn_to_kernel_level()
+import dagster as dg
+from dagster_project.demo import TARGET_DEFAULTS, run_demo
+from dagster_project.resources import StoreResource
+from dflash_assets.embedded.defaults import embedded_default_target
+tiny = TARGET_DEFAULTS["tiny"]
+target = embedded_default_target()
+with dg.instance_for_test() as instance:
+    summary = run_demo(instance, prompts=tiny["prompts"], shard_size=tiny["shard_size"],
+                       max_new_tokens=tiny["max_new_tokens"], max_empty_ratio=tiny["max_empty_ratio"],
+                       engine=tiny["engine"], engine_concurrency=2, pilot_prompts=0, drafter=False,
+                       store=StoreResource(uri=sys.argv[1]))
+print(json.dumps({"target": str(target), "summary": summary.to_dict()}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_second_kernel_level_builds_its_own_target_whose_shards_pass_every_check(tmp_path, tiny_dense_target):
+    """The demo's shards, as `make demo --target tiny` runs them (its prompts, shard size, new tokens, engine and
+    gate), under a second CPU kernel level: that process builds its own tiny target (the cache key names the
+    level), whose trained bytes and answers differ, and every check of both shards passes. The part that
+    depends on the kernel level ends there: the target's build and format check, `transformers serve`, the
+    answers and their gate, the hidden states. The drafter's stages, which read the cache whatever built it,
+    and the console run once, in the session's demo (`test_demo_passes_every_check_with_a_short_console`)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "DFLASH_STORE")}
+    done = subprocess.run([sys.executable, "-c", PER_SHARD_DEMO, str(tmp_path / "store")], capture_output=True,
+                          text=True, timeout=1100, cwd=REPO, env={**env, "ATEN_CPU_CAPABILITY": second_kernel_level()})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["target"] != str(tiny_dense_target)  # its own build, under its own cache key
+    summary = result["summary"]
+    assert summary["ok"] and summary["shards"] == ["shard-00000", "shard-00001"], summary["failures"]
+    assert summary["failed_shards"] == [] and summary["recipe"] is None  # no drafter: the session's demo trains one
+    stages = [(s["partition"], s["asset"], s["status"]) for s in summary["stages"]]
+    assert [a for p, a, _ in stages if p == "shard-00001"] == ["raw_prompts", "completions", "tokenized_samples",
+                                                              "hidden_state_cache"]
+    assert len(stages) == 9 and all(status == "ok" for _, _, status in stages), stages  # + prompt_corpus
+    for shard in summary["shards"]:
+        checks = summary["checks"][shard]
+        assert len(checks) == 4 and all(c["passed"] for c in checks.values()), (shard, checks)
+        assert "empty_response_ratio" in checks and checks["empty_response_ratio"]["blocking"]
 
 
 @pytest.mark.slow
