@@ -13,6 +13,7 @@ Reads nothing; prints one JSON object on stdout (progress on stderr) and, with -
 Needs only torch (+ triton on GPU), numpy, safetensors. See BENCHMARKS.md.
 
     python bench/drafter_training.py                       # H200: batch 1, 2, 4 (+ 2 GPUs if present)
+    python bench/drafter_training.py --dims smollm2-135m --batch-sizes 48 --seq 512 --anchors 384 --profile
     python bench/drafter_training.py --quick               # CPU smoke test
 """
 
@@ -42,6 +43,9 @@ from dflash_assets.drafter.loss import dflash_block_mask, drafter_forward_loss, 
 SPECFORGE_TOK_S = {1: 14_000, 2: 15_700, 4: 16_600}  # SpecForge's own trainer, one H200 (BENCHMARKS.md, drafter)
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, vocab_size=151_936, num_target_layers=36, mask_token_id=151_669)
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                    vocab_size=49_152, num_target_layers=30, mask_token_id=49_151)  # the GPU study's target
+DIMS = {"qwen3-8b": QWEN3_8B, "smollm2-135m": SMOLLM2_135M}
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             vocab_size=1024, num_target_layers=8, mask_token_id=1023)
 
@@ -184,6 +188,8 @@ def run_batch_size(b: int, args, cfg: DrafterConfig, device, world: int = 1) -> 
         res["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if args.breakdown and world == 1:
         res["breakdown_ms"] = breakdown(model, head, opt, batches[0], cfg, device, kw)
+    if args.profile and world == 1:
+        res["profile"] = profile_steps(step, device)
     del drafter
     model = head = opt = batches = None  # free them (a `del` leaves names undefined for step())
     if cuda:
@@ -237,6 +243,29 @@ def breakdown(model, head, opt, batch: Batch, cfg, device, kw) -> dict[str, floa
     return {k: round(v, 3) for k, v in res.items()}
 
 
+def profile_steps(step, device, steps: int = 3, top: int = 25) -> dict:
+    """torch.profiler over `steps` steps: the wall time, the device's busy time and the kernels that take it
+    (self device time per step, top `top`): where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    t = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            step(i)
+        _sync(device)
+    wall = (time.perf_counter() - t) / steps * 1e3
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    busy = sum(getattr(e, attr) for e in events) / 1e3 / steps
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    return {"wall_ms_per_step": round(wall, 2), "busy_ms_per_step": round(busy, 2),
+            "top": [{"name": e.key[:120], "ms_per_step": round(getattr(e, attr) / 1e3 / steps, 3),
+                     "calls_per_step": e.count // steps} for e in events[:top]]}
+
+
 def check_attention_paths(cfg: DrafterConfig, device, quick: bool) -> dict[str, float]:
     """Loss and gradients of the flex BlockMask path against the SDPA bool-mask path, same weights and
     batch, bf16 autocast on GPU: relative differences (bf16 rounding is ~1e-3..1e-2)."""
@@ -271,7 +300,7 @@ def ddp_worker(args) -> None:
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
-    cfg = drafter_config(TINY if args.quick else QWEN3_8B, args.layers, args.block)
+    cfg = drafter_config(TINY if args.quick else DIMS[args.dims], args.layers, args.block)
     for b in args.batch_sizes:
         if cuda:
             torch._dynamo.reset()
@@ -287,7 +316,7 @@ def ddp_worker(args) -> None:
 def two_gpu_section(args, single: dict[int, dict]) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(Path(__file__).resolve()), "--ddp-worker", "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--seq", str(args.seq), "--anchors", str(args.anchors), "--attention", args.attention,
+           "--seq", str(args.seq), "--anchors", str(args.anchors), "--attention", args.attention, "--dims", args.dims,
            "--batch-sizes", *map(str, args.batch_sizes), *(["--quick"] if args.quick else []),
            *(["--no-compile"] if not args.compile else [])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -317,7 +346,7 @@ def end_to_end(args) -> dict:
 
     cuda = torch.cuda.is_available() and not args.quick
     dev = "cuda" if cuda else "cpu"
-    dims = dict(TINY if args.quick else QWEN3_8B)
+    dims = dict(TINY if args.quick else DIMS[args.dims])
     H, V, L = dims["hidden_size"], dims["vocab_size"], dims["num_target_layers"]
     root = Path(tempfile.mkdtemp(prefix="dflash-e2e-"))
     target = root / "target"
@@ -387,6 +416,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (compilation happens here)")
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--anchors", type=int, default=None)
+    p.add_argument("--dims", choices=sorted(DIMS), default="qwen3-8b", help="the target's shapes (hidden, heads, vocab)")
+    p.add_argument("--profile", action="store_true", help="also profile a few steps: the kernels a step spends on")
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--attention", choices=["flex", "sdpa"], default=None)
@@ -424,7 +455,7 @@ def main(argv=None) -> int:
             Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
         return 0
     device = torch.device("cuda" if cuda else "cpu")
-    cfg = drafter_config(TINY if args.quick else QWEN3_8B, args.layers, args.block)
+    cfg = drafter_config(TINY if args.quick else DIMS[args.dims], args.layers, args.block)
     result = {
         "bench": "dflash drafter training", "quick": args.quick,
         "device": device.type, "machine": machine_info("torch", "transformers", "safetensors", "numpy"), "gpu": gpu_info(),
@@ -467,7 +498,7 @@ def main(argv=None) -> int:
             result["compile_error"] = f"{type(e).__name__}: {e}"[:2000]
             r = run_batch_size(b, args, cfg, device)
         r["mfu"] = r["achieved_tflops_per_gpu"] * 1e12 / peak
-        if not args.quick and b in SPECFORGE_TOK_S:
+        if not args.quick and args.dims == "qwen3-8b" and b in SPECFORGE_TOK_S:
             r["specforge_tokens_per_s"] = SPECFORGE_TOK_S[b]
             r["speedup_vs_specforge"] = r["tokens_per_s"] / SPECFORGE_TOK_S[b]
         single[b] = r
