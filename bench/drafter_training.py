@@ -258,7 +258,9 @@ def profile_steps(step, device, steps: int = 3, top: int = 25) -> dict:
         _sync(device)
     wall = (time.perf_counter() - t) / steps * 1e3
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    kernels = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    # on a GPU, the kernels themselves (a CPU op that launched one carries its time too: counted once)
+    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0 and (not cuda or e.device_type == kernels)]
     busy = sum(getattr(e, attr) for e in events) / 1e3 / steps
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
     return {"wall_ms_per_step": round(wall, 2), "busy_ms_per_step": round(busy, 2),
