@@ -18,9 +18,10 @@ Runs the product's own stage functions (those the Dagster assets call) on one ma
 
 Training first runs the preflight (``drafter.preflight``; ``--no-preflight`` skips it) and estimates tau on held-out
 prompts while it trains (``drafter.tau_estimate``: ``--tau-prompts`` of them, every ``--tau-every`` steps), marking
-the best checkpoint. ``--objective dpace`` trains with D-PACE under the recipe ``smollm2-study-dpace``: run it after a
-dflash study with the same DIR and the drafter stages run again beside the first recipe's, on the same shards, for the
-same training budget (``--no-time-budget``: both train ``--epochs`` whole, on equal tokens); ``study.json``'s
+the best checkpoint. Training uses the recipe's default objective, D-PACE; ``--objective dflash`` trains the decayed
+cross-entropy under the recipe ``smollm2-study-dflash``: run it after a study with the same DIR and the drafter stages
+run again beside the first recipe's, on the same shards, for the same training budget (``--no-time-budget``: both
+train ``--epochs`` whole, on equal tokens); ``study.json``'s
 ``recipes`` puts them side by side.
 
 Progress goes to stderr. Each stage writes ``DIR/reports/<stage>.json``; ``DIR/study.json`` gathers the figures
@@ -49,6 +50,7 @@ from bench.machine import gpu_info, machine_info  # noqa: E402
 STABLE_TARGET = "SmolLM2-135M-Instruct"  # the name completions hash the target by (see `stable_target_link`)
 STAGES = ("prompts", "target", "generate", "train", "eval")
 DEFAULT_RECIPE = "smollm2-study"
+DEFAULT_OBJECTIVE = "dpace"  # the drafter recipe's default (tests check they agree)
 
 
 def stage_id(args, stage: str) -> str:
@@ -60,9 +62,9 @@ def stage_id(args, stage: str) -> str:
 
 
 def recipe_name(args) -> str:
-    """``--recipe``, else the default of ``--objective``: smollm2-study (dflash), smollm2-study-dpace."""
-    objective = getattr(args, "objective", "dflash")
-    return args.recipe or (DEFAULT_RECIPE if objective == "dflash" else f"{DEFAULT_RECIPE}-{objective}")
+    """``--recipe``, else the default of ``--objective``: smollm2-study (dpace), smollm2-study-dflash."""
+    objective = getattr(args, "objective", DEFAULT_OBJECTIVE)
+    return args.recipe or (DEFAULT_RECIPE if objective == DEFAULT_OBJECTIVE else f"{DEFAULT_RECIPE}-{objective}")
 
 
 def log(message: str) -> None:
@@ -502,9 +504,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quality gate (blocking): greedy SmolLM2 answers greetings in a few tokens")
     g = p.add_argument_group("drafter recipe")
     g.add_argument("--recipe", default=None, help=f"the recipe's name (default {DEFAULT_RECIPE}, and "
-                   f"{DEFAULT_RECIPE}-dpace for --objective dpace): a second name trains and evaluates beside the first "
+                   f"{DEFAULT_RECIPE}-dflash for --objective dflash): a second name trains and evaluates beside the first "
                    "in the same --out, on the same shards")
-    g.add_argument("--objective", choices=["dflash", "dpace"], default="dflash",
+    g.add_argument("--objective", choices=["dflash", "dpace"], default=DEFAULT_OBJECTIVE,
                    help="the training objective (recipe field objective)")
     g.add_argument("--dpace-alpha", type=float, default=0.5, help="D-PACE's smoothing of the label probabilities")
     g.add_argument("--tau-prompts", type=int, default=16, help="held-out prompts tau is estimated on while training "

@@ -152,10 +152,12 @@ class DrafterRecipe:
     # "promoted": start from the family's promoted drafter's weights when its shapes match (a refresh after the
     # target changed); None: random init.
     init_from: str | None = None
-    # The training objective (``loss``): "dflash", the cross-entropy decayed by block position (gamma); "dpace", each
-    # position's cross-entropy weighted by its expected contribution to the acceptance length (``loss.dpace_weights``,
-    # the drafter's probabilities of the labels smoothed as (1 - dpace_alpha) * p + dpace_alpha).
-    objective: str = "dflash"
+    # The training objective (``loss``): "dpace", each position's cross-entropy weighted by its expected contribution
+    # to the acceptance length (``loss.dpace_weights``, the drafter's probabilities of the labels smoothed as
+    # (1 - dpace_alpha) * p + dpace_alpha); "dflash", the cross-entropy decayed by block position (gamma). dpace is
+    # the default: at equal training tokens it reached the higher held-out tau (BENCHMARKS.md, "Training objectives").
+    # A stored recipe that names no objective reads as dflash (``from_dict``), the objective it was trained with.
+    objective: str = "dpace"
     dpace_alpha: float = 0.5
     # tau while training (``tau_estimate``): the expected acceptance length on held-out prompts, teacher-forced along
     # the target's greedy continuations, every tau_every steps (None: at every saved state) and at the end, on
@@ -190,10 +192,11 @@ class DrafterRecipe:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DrafterRecipe":
         """The recipe of a stored JSON object: every field checked (`recipe_fields_model`), all problems in one
-        RecipeError, before anything is built."""
+        RecipeError, before anything is built. A recipe stored without an objective was trained with dflash, and
+        reads so (its fingerprint and work dir are found again)."""
+        d = {"objective": "dflash", **d}
         defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
         check_recipe_fields({**defaults, **d})
-        d = dict(d)
         for k in ("partitions", "target_layer_ids"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
@@ -207,7 +210,7 @@ class DrafterRecipe:
         for unset in ("cache_limit_gb", "family", "init_from", "early_stop_patience"):
             if d.get(unset) is None:
                 d.pop(unset, None)
-        if d.pop("objective") != "dflash":  # the default objective (and its unused alpha) is left out
+        if d.pop("objective") != "dflash":  # dflash (and its unused alpha) is left out: stored recipes keep their hash
             d["objective"] = self.objective
         else:
             d.pop("dpace_alpha")

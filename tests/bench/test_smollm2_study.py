@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_assets.drafter.recipe import DrafterRecipe
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--prompts", "12", "--shard-size", "4", "--max-new-tokens", "12", "--max-turns", "1",
         "--min-loss-tokens", "1", "--max-empty-ratio", "1.0", "--gen-concurrency", "8", "--gen-batch-rows", "8",
@@ -85,7 +87,7 @@ def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
     assert json.loads(second.stdout)["evaluation"]["tau"] == ev["tau"]  # the figures are printed too
 
     training = figures["training"]
-    assert training["objective"].startswith("dflash") and training["preflight"].startswith("preflight passed")
+    assert training["objective"] == "dpace (alpha 0.5)" and training["preflight"].startswith("preflight passed")
     assert training["tau_while_training"] and training["best_checkpoint"].startswith("step ")
     assert training["stop_reason"].startswith("completed")
 
@@ -95,25 +97,26 @@ def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
                for stage in ("prompts", "target", "generate", "train", "eval"))
     assert json.loads((out / "study.json").read_text())["evaluation"] == ev
 
-    dpace = run_study(out, "--objective", "dpace", "--no-preflight")  # beside the first, on the same shards
-    assert dpace.returncode == 0, dpace.stderr[-4000:]
-    assert "generate: done before, skipped" in dpace.stderr and "train-smollm2-study-dpace: starting" in dpace.stderr
+    dflash = run_study(out, "--objective", "dflash", "--no-preflight")  # beside the first, on the same shards
+    assert dflash.returncode == 0, dflash.stderr[-4000:]
+    assert "generate: done before, skipped" in dflash.stderr and "train-smollm2-study-dflash: starting" in dflash.stderr
     both = json.loads((out / "study.json").read_text())
-    assert both["training"]["recipe"] == "smollm2-study-dpace" and both["training"]["objective"] == "dpace (alpha 0.5)"
-    assert set(both["recipes"]) == {"smollm2-study", "smollm2-study-dpace"}
-    assert both["recipes"]["smollm2-study"]["tau"] == ev["tau"] and both["recipes"]["smollm2-study-dpace"]["lossless"]
+    assert both["training"]["recipe"] == "smollm2-study-dflash" and both["training"]["objective"].startswith("dflash")
+    assert set(both["recipes"]) == {"smollm2-study", "smollm2-study-dflash"}
+    assert both["recipes"]["smollm2-study"]["tau"] == ev["tau"] and both["recipes"]["smollm2-study-dflash"]["lossless"]
 
 
 def test_a_second_objective_has_its_own_drafter_stages(study, tmp_path):
     parse = study.build_parser().parse_args
-    plain, dpace = parse(["--out", str(tmp_path)]), parse(["--out", str(tmp_path), "--objective", "dpace"])
-    assert study.recipe_name(plain) == "smollm2-study" and study.recipe_name(dpace) == "smollm2-study-dpace"
+    plain, dflash = parse(["--out", str(tmp_path)]), parse(["--out", str(tmp_path), "--objective", "dflash"])
+    assert study.recipe_name(plain) == "smollm2-study" and study.recipe_name(dflash) == "smollm2-study-dflash"
     assert [study.stage_id(plain, s) for s in study.STAGES] == list(study.STAGES)
-    assert [study.stage_id(dpace, s) for s in ("generate", "train", "eval")] == [
-        "generate", "train-smollm2-study-dpace", "eval-smollm2-study-dpace"]
-    recipe = study.drafter_recipe(dpace, ["shard-00000"])
-    assert (recipe.name, recipe.objective, recipe.dpace_alpha, recipe.tau_prompts) == ("smollm2-study-dpace", "dpace",
-                                                                                       0.5, 16)
+    assert [study.stage_id(dflash, s) for s in ("generate", "train", "eval")] == [
+        "generate", "train-smollm2-study-dflash", "eval-smollm2-study-dflash"]
+    recipe = study.drafter_recipe(dflash, ["shard-00000"])
+    assert (recipe.name, recipe.objective, recipe.tau_prompts) == ("smollm2-study-dflash", "dflash", 16)
+    default = study.drafter_recipe(plain, ["shard-00000"])
+    assert (default.objective, default.dpace_alpha) == (DrafterRecipe(name="x").objective, 0.5) == ("dpace", 0.5)
 
 
 def test_training_with_no_time_left_says_so(study, tmp_path):

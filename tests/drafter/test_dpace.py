@@ -3,6 +3,8 @@ and a tiny drafter trained with each objective on the CPU."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -60,11 +62,11 @@ def test_reweighted_cross_entropy_matches_autograd(chunk):
 
 
 def test_objective_is_a_recipe_field_checked_and_fingerprinted():
-    base = DrafterRecipe(name="r")
-    assert base.objective == "dflash" and base.dpace_alpha == 0.5
-    assert DrafterRecipe(name="r", dpace_alpha=0.2).fingerprint() == base.fingerprint()  # unused by dflash
+    base = DrafterRecipe(name="r", objective="dflash")
+    assert DrafterRecipe(name="r").objective == "dpace" and base.dpace_alpha == 0.5  # dpace is the default
+    assert DrafterRecipe(name="r", objective="dflash", dpace_alpha=0.2).fingerprint() == base.fingerprint()  # unused
     dpace = DrafterRecipe(name="r", objective="dpace")
-    assert dpace.fingerprint() != base.fingerprint()
+    assert dpace.fingerprint() != base.fingerprint() and DrafterRecipe(name="r").fingerprint() == dpace.fingerprint()
     assert DrafterRecipe(name="r", objective="dpace", dpace_alpha=0.3).fingerprint() != dpace.fingerprint()
     assert DrafterRecipe.from_dict(dpace.to_dict()) == dpace
     with pytest.raises(ValueError, match="objective must be one of dflash, dpace"):
@@ -84,12 +86,21 @@ def test_both_objectives_train_a_tiny_drafter(mini, tmp_path, objective):
 
 
 def test_existing_recipes_keep_their_fingerprints():
-    """Fingerprints recorded before the objective and the tau estimate's fields existed: the new fields at their
-    defaults (and the estimate's settings without an early stop) change none of them."""
+    """Recipes stored before the objective and the tau estimate's fields existed read as dflash (what they were
+    trained with) and keep their recorded fingerprints; the estimate's settings without an early stop change none."""
     from dflash_assets.demo import demo_recipe
 
-    assert demo_recipe(["shard-00000", "shard-00001"]).fingerprint() == "6c420d4fa3ade25f"
-    assert DrafterRecipe(name="x").fingerprint() == "440042d13df2be48"
-    assert DrafterRecipe(name="y", partitions=("a",), target_layer_ids=(1, 2), online=True, cache_limit_gb=2.0,
-                         init_from="promoted").fingerprint() == "3c5f08cf7a113303"
-    assert DrafterRecipe(name="x", tau_every=7, tau_prompts=3, tau_new_tokens=9).fingerprint() == "440042d13df2be48"
+    def stored(recipe: DrafterRecipe) -> DrafterRecipe:  # its JSON as written before the fields existed
+        d = recipe.to_dict()
+        for k in ("objective", "dpace_alpha", "tau_every", "tau_prompts", "tau_new_tokens", "early_stop_patience"):
+            d.pop(k)
+        return DrafterRecipe.from_dict(json.loads(json.dumps(d)))
+
+    assert stored(demo_recipe(["shard-00000", "shard-00001"])).fingerprint() == "6c420d4fa3ade25f"
+    assert stored(DrafterRecipe(name="x")).fingerprint() == "440042d13df2be48"
+    assert stored(DrafterRecipe(name="y", partitions=("a",), target_layer_ids=(1, 2), online=True, cache_limit_gb=2.0,
+                                init_from="promoted")).fingerprint() == "3c5f08cf7a113303"
+    assert DrafterRecipe(name="x", objective="dflash", tau_every=7, tau_prompts=3,
+                         tau_new_tokens=9).fingerprint() == "440042d13df2be48"
+    assert stored(DrafterRecipe(name="x")).objective == "dflash"
+    assert DrafterRecipe(name="x").fingerprint() != "440042d13df2be48"  # a recipe made now trains dpace

@@ -25,10 +25,13 @@ def test_the_preflight_recipe_keeps_what_must_be_proven():
     assert (p.epochs, p.batch_size, p.online, p.partitions, p.tau_prompts) == (50, 2, False, (), 0)
 
 
-def test_the_mini_recipe_passes(mini):
-    res = run_preflight(mini_recipe(), [mini["cache"]], mini["target_dir"], device="cpu")
+@pytest.mark.parametrize("objective", ["dpace", "dflash"])
+def test_the_mini_recipe_passes(mini, objective):
+    res = run_preflight(mini_recipe(objective=objective), [mini["cache"]], mini["target_dir"], device="cpu")
     assert res.passed and res.lossless and res.tau == res.tau_max == 8.0, res.to_metadata()
-    assert min(res.train_accuracy_by_position) == 1.0 and res.problems == []
+    # dpace weighs a position by the chance a draft survives to it: the block's last positions are memorized last
+    # (decoding every prompt at tau = B is what passes)
+    assert min(res.train_accuracy_by_position) >= (1.0 if objective == "dflash" else 0.9) and res.problems == []
     assert res.layer_ids == {"data": [1, 3], "drafter": [1, 3]}
 
 
@@ -42,7 +45,8 @@ def test_a_label_shifted_by_one_fails_and_names_the_labels(mini, monkeypatch):
     monkeypatch.setattr(loss, "block_labels", shifted)
     res = run_preflight(mini_recipe(), [mini["cache"]], mini["target_dir"], device="cpu")
     assert not res.passed and res.tau < 3.0, res.to_metadata()
-    assert min(res.train_accuracy_by_position) > 0.95  # it learned the labels it was given
+    train = res.train_accuracy_by_position
+    assert sum(train) / len(train) > 0.95  # it learned the labels it was given
     forced = res.forced_accuracy_by_position  # against the next tokens (the mini target repeats itself at times)
     assert sum(forced) / len(forced) < 0.75
     assert "loss.block_labels" in res.problems[0], res.problems

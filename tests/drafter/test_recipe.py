@@ -12,8 +12,9 @@ from dflash_assets.store.backends import LocalStore
 SHARDS = ["shard-00000", "shard-00001", "shard-00002"]
 # Fingerprints recorded with the recipe code before the fields were checked by pydantic: the work dirs and
 # checkpoints of these recipes are found again. The values are kept as given (an int lr stays an int in the hash).
+# A stored recipe names its objective, or reads as dflash.
 RECORDED = {
-    "demo": (demo_recipe(SHARDS).to_dict(), "402ea7012389e60f"),
+    "demo": ({**demo_recipe(SHARDS).to_dict(), "objective": "dflash"}, "402ea7012389e60f"),
     "smollm2-study": ({"name": "smollm2-study", "block_size": 16, "num_layers": 5, "epochs": 30, "lr": 1e-3,
                        "max_length": 2048, "max_anchors": 512, "batch_size": 48, "weight_decay": 0.0,
                        "partitions": SHARDS, "online": True, "save_every": 600, "compile": False,

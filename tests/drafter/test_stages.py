@@ -38,7 +38,8 @@ def test_training_shards_are_the_selection_else_every_shard_with_samples(local_s
 
 
 def test_objective_and_dtype_names():
-    assert objective_of(DrafterRecipe(name="r")) == "dflash (gamma 7)"
+    assert objective_of(DrafterRecipe(name="r", objective="dflash")) == "dflash (gamma 7)"
+    assert objective_of(DrafterRecipe(name="r")) == "dpace (alpha 0.5)"
     assert objective_of(DrafterRecipe(name="r", objective="dpace", dpace_alpha=0.25)) == "dpace (alpha 0.25)"
     assert torch_dtype(None) is None and torch_dtype("bfloat16") == torch.bfloat16
 
