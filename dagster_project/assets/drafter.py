@@ -42,14 +42,13 @@ from dflash_assets.drafter.checkpoint_checks import (decontamination_outcome, no
 from dflash_assets.drafter.decontamination import recipe_decontamination
 from dflash_assets.drafter.serving_match import served_target_from_spec
 from dflash_assets.drafter.stages import load_recipe, training_shards
+from dflash_assets.generation.config import GenerationConfig, candidate_settings
 from dflash_assets.stage_io import CheckOutcome
 
 
-def completions_settings(context: dg.AssetExecutionContext, shards: list[str], thinking: bool) -> list[dict]:
-    """Sampling settings that may have made the trained shards' completions: the defaults and the run config of
-    each run that last materialized one of them. provenance.json keeps those whose config_hash is found."""
-    configs = [GenerationStageConfig()]
-    runs = set()
+def completions_run_configs(context: dg.AssetExecutionContext, shards: list[str]) -> list[GenerationConfig]:
+    """The generation config of each run that last materialized one of ``shards``' completions (Dagster's records)."""
+    configs, runs = [], set()
     for shard in shards:
         records = context.instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[shard]), limit=1).records
@@ -58,8 +57,8 @@ def completions_settings(context: dg.AssetExecutionContext, shards: list[str], t
             run = context.instance.get_run_by_id(records[0].run_id)
             cfg = ((run.run_config or {}).get("ops") or {}).get("completions", {}).get("config") if run else None
             if cfg:
-                configs.append(GenerationStageConfig(**cfg))
-    return [c.to_library(enable_thinking=t).model_dump(mode="json") for c in configs for t in (thinking, not thinking)]
+                configs.append(GenerationStageConfig(**cfg).to_library(enable_thinking=False))
+    return configs
 
 
 @dg.asset(
@@ -97,7 +96,7 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, config: DrafterTrainin
         raise dg.Failure(description=f"decontamination: {decontamination.description}", allow_retries=False)
     provenance_inputs = {
         "decontamination": dict(decontamination.metadata),
-        "generation_settings": completions_settings(context, shards, spec.thinking()),
+        "generation_settings": candidate_settings(completions_run_configs(context, shards), spec.thinking()),
         "dagster_code_versions": {k.to_user_string(): v for k, v in context.assets_def.code_versions_by_key.items()},
     }
     payload = {**config.to_stage_payload(work_dir=gpu_launcher.work_dir), "target": spec.model_dump(),

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dflash_assets.cache_keys import content_key
 
-__all__ = ["GenerationConfig", "hf_generation_settings", "normalize_model_id"]
+__all__ = ["GenerationConfig", "candidate_settings", "hf_generation_settings", "normalize_model_id"]
 
 
 class GenerationConfig(BaseModel):
@@ -72,6 +72,20 @@ class GenerationConfig(BaseModel):
         if self.seed is not None:
             payload["seed_honoured"] = bool(seed_honoured)
         return content_key(payload)
+
+
+def candidate_settings(ran: list[GenerationConfig], thinking: bool) -> list[dict[str, Any]]:
+    """The sampling settings that may have made a set of completions, as provenance records them: the defaults,
+    then each config a run that last wrote one of the shards asked for (``ran``, duplicates left out), each in the
+    target's thinking mode and the other (a run config may turn it either way). The drafter's provenance keeps those
+    whose ``config_hash`` its samples carry."""
+    out: list[dict[str, Any]] = []
+    for config in [GenerationConfig(), *ran]:
+        for mode in (thinking, not thinking):
+            settings = config.model_copy(update={"enable_thinking": mode}).model_dump(mode="json")
+            if settings not in out:
+                out.append(settings)
+    return out
 
 
 def hf_generation_settings(gen: GenerationConfig) -> dict[str, Any]:

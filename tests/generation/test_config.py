@@ -66,3 +66,17 @@ def test_config_hash_tracks_every_setting_and_target():
     assert g.config_hash("t") != GenerationConfig(temperature=0.7).config_hash("t")
     assert g.config_hash("t") != GenerationConfig(enable_thinking=False).config_hash("t")
     assert g.config_hash("/m/Qwen3-8B") == g.config_hash("Qwen/Qwen3-8B")  # normalized target id
+
+
+def test_candidate_settings_are_the_defaults_and_each_run_in_both_thinking_modes():
+    from dflash_assets.generation.config import candidate_settings
+
+    greedy = GenerationConfig(temperature=0.0, max_new_tokens=64)
+    got = candidate_settings([greedy, greedy.model_copy()], thinking=True)
+    assert [(s["temperature"], s["max_new_tokens"], s["enable_thinking"]) for s in got] == [
+        (0.6, GenerationConfig().max_new_tokens, True), (0.6, GenerationConfig().max_new_tokens, False),
+        (0.0, 64, True), (0.0, 64, False)]  # the same run config twice is listed once
+    assert {GenerationConfig(**s).config_hash("m") for s in got} == {
+        c.config_hash("m") for c in (GenerationConfig(enable_thinking=True), GenerationConfig(enable_thinking=False),
+                                     greedy.model_copy(update={"enable_thinking": True}),
+                                     greedy.model_copy(update={"enable_thinking": False}))}
