@@ -13,6 +13,7 @@ transformers, numpy (+ triton on GPU). Prints one JSON object on stdout; progres
 
     python bench/online_training.py            # one GPU: batch 1, 2, 4
     python bench/online_training.py --quick    # tiny shapes on CPU (smoke test)
+    python bench/online_training.py --dims smollm2-135m --batch-sizes 48 --seq 512 --anchors 384
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def target_config(quick: bool):
-    from transformers import Qwen3Config
+def target_config(quick: bool, dims: str = "qwen3-8b"):
+    from transformers import LlamaConfig, Qwen3Config
 
+    if dims == "smollm2-135m" and not quick:  # the GPU study's target (SmolLM2-135M-Instruct's config)
+        return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                           rope_parameters={"rope_type": "default", "rope_theta": 100_000.0}, tie_word_embeddings=True)
     if quick:
         return Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
@@ -76,6 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--anchors", type=int, default=None)
+    p.add_argument("--dims", choices=["qwen3-8b", "smollm2-135m"], default="qwen3-8b", help="the target's shapes")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--no-compile", dest="compile", action="store_false")
@@ -91,7 +97,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoModelForCausalLM
 
-    tcfg = target_config(args.quick)
+    tcfg = target_config(args.quick, args.dims)
     L, H = tcfg.num_hidden_layers, tcfg.hidden_size
     layer_ids = dflash_target_layer_ids(L, 5 if not args.quick else 2)
     t0 = time.perf_counter()
@@ -110,7 +116,7 @@ def main(argv=None) -> int:
               attention="flex" if cuda else "sdpa", grad_clip=1.0, compiled_loss=compile_ok)
     result = {"bench": "online DFlash training (capture + train in one process)", "quick": args.quick,
               "device": "cuda" if cuda else "cpu", "machine": machine_info("torch", "transformers", "safetensors", "numpy"), "gpu": gpu_info(),
-              "config": {"target_layers": L, "hidden": H, "captured": layer_ids, "seq": seq, "anchors": anchors,
+              "config": {"dims": args.dims, "target_layers": L, "hidden": H, "captured": layer_ids, "seq": seq, "anchors": anchors,
                          "drafter_layers": dcfg.num_hidden_layers, "block": dcfg.block_size, "dtype": str(dtype),
                          "compile": compile_ok, "steps": steps, "warmup": warmup},
               "batches": []}
