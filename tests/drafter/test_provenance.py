@@ -1,8 +1,8 @@
 """Provenance in every checkpoint and `dflash inspect`.
 
 `build_provenance` on a store filled by the real ingest, with completions Parquet in the real schema whose
-`config_hash` comes from `GenerationConfig.config_hash`; then the whole demo graph (tiny target, in-process
-engine): the published checkpoint's manifest names `provenance.json`, which records the trained partitions,
+`config_hash` comes from `GenerationConfig.config_hash`; then the whole demo graph (the session's tiny demo on
+S3, the `tiny_demo` fixture): the published checkpoint's manifest names `provenance.json`, which records the trained partitions,
 the target's identity, the completions' engine and the demo's own sampling settings, the recipe, code
 versions and the decontamination result; the blocking `decontamination` and `serving_match` checks pass; and
 `dflash inspect` prints it from a directory and from the store.
@@ -135,35 +135,36 @@ def test_dflash_inspect_prints_a_directory_or_a_store_recipe(trained_store, tmp_
 
 
 @pytest.mark.slow
-def test_the_demo_graph_publishes_provenance_and_passes_the_new_checks(tmp_path, tiny_dense_target, capsys):
-    from dagster_project.demo import run_demo
-    from dagster_project.resources import StoreResource
-    from dflash_assets.store.backends import LocalStore
+@pytest.mark.timeout(1700)  # the first reader of tiny_demo waits for the demo's run
+def test_the_demo_graph_publishes_provenance_and_passes_the_new_checks(tiny_demo, capsys, monkeypatch):
+    from dagster_project.demo import TARGET_DEFAULTS
 
-    store_dir = tmp_path / "store"
-    with dg.instance_for_test() as instance:
-        summary = run_demo(instance, prompts=8, shard_size=4, max_new_tokens=32, max_turns=1, eval_prompts=2,
-                           eval_new_tokens=16, store=StoreResource(uri=str(store_dir)), engine="inprocess",
-                           pilot_prompts=0)
-        assert summary.drafter_ok, summary.failures
-        checks = {c.name: c for c in summary.checks["demo-v1"]}
+    assert tiny_demo.done.returncode == 0, tiny_demo.console
+    with tiny_demo.instance() as instance:
+        evaluations = [e.dagster_event.event_specific_data for r in instance.get_runs()
+                       for e in instance.all_logs(r.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)]
+        checks = {e.asset_check_key.name: e for e in evaluations}  # the drafter's checks: one recipe, demo-v1
         assert checks["decontamination"].passed and checks["serving_match"].passed, checks
         event = instance.get_latest_materialization_event(dg.AssetKey("drafter_checkpoint")).asset_materialization
         shown = event.metadata["provenance"].value
         assert shown["thinking"] is True and shown["partitions_trained"] == 1
+        shards = sorted(instance.get_dynamic_partitions("prompt_shards"))
 
-    store = LocalStore(store_dir)
+    store = tiny_demo.store()
     files = layout.drafter_checkpoint_files(store, "demo-v1")
     assert {"model.safetensors", "config.json", "train_metrics.json", PROVENANCE_FILE} <= set(files)
     doc = json.loads(store.read_bytes(files[PROVENANCE_FILE]))
-    assert doc["partitions"]["shards"] == [summary.shards[0]]
-    assert doc["decontamination"]["passed"] is True and doc["decontamination"]["eval_prompts"] == 4
+    assert doc["partitions"]["shards"] == [shards[0]]
+    assert doc["decontamination"]["passed"] is True
+    assert doc["decontamination"]["eval_prompts"] == TARGET_DEFAULTS["tiny"]["shard_size"]  # the held-out shard
     (hashes,) = [v["config_hashes"] for v in doc["completions"].values()]
     (settings,) = [g["settings"] for g in hashes.values()]
-    assert settings is not None and settings["max_new_tokens"] == 32  # the demo's run config, found by its hash
+    # the demo's run config, found by its hash
+    assert settings is not None and settings["max_new_tokens"] == TARGET_DEFAULTS["tiny"]["max_new_tokens"]
     import hashlib
 
     for name in ("model.safetensors", "config.json"):  # the provenance describes the files published with it
         assert doc["checkpoint_files"][name] == hashlib.sha256(store.read_bytes(files[name])).hexdigest()
-    assert cli_main(["inspect", str(store_dir), "--recipe", "demo-v1"]) == 0
+    monkeypatch.setenv("AWS_ENDPOINT_URL", tiny_demo.endpoint)  # `dflash inspect` builds its own S3 client
+    assert cli_main(["inspect", tiny_demo.store_uri, "--recipe", "demo-v1"]) == 0
     assert "decontamination: passed" in capsys.readouterr().out
