@@ -171,27 +171,3 @@ def test_demo_generates_in_process_when_asked(tmp_path, tiny_dense_target, monke
     assert table.num_rows == 6 and set(table["endpoint"].to_pylist()) == {f"inprocess://{tiny_dense_target}"}
     with pytest.raises(ValueError, match="engine must be"):
         run_demo(instance, engine="vllm")
-
-
-@pytest.mark.slow
-def test_demo_has_smollm2_write_prompts_for_the_first_shard(tmp_path, monkeypatch):
-    """`self_prompts`: SmolLM2 writes prompts for the first shard; its blocking check passes, raw_prompts is the
-    corpus shard alone."""
-    from dagster_project.demo import run_demo
-    from dagster_project.resources import StoreResource
-    from dflash_assets.embedded.smollm2 import smollm2_target_path
-    from dflash_assets.store.backends import LocalStore
-
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
-    store = StoreResource(uri=str(tmp_path / "store"))
-    with dg.instance_for_test() as instance:
-        summary = run_demo(instance, prompts=4, shard_size=4, max_new_tokens=16, max_turns=1, drafter=False,
-                           pilot_prompts=0, store=store, engine="inprocess", target=smollm2_target_path(),
-                           self_prompts=16)
-    assert summary.ok, summary.failures
-    [own] = [s for s in summary.stages if s.asset == "self_generated_prompts"]
-    assert own.status == "ok" and "of 16 written" in own.numbers
-    assert any(c.name == "self_generated_quality" and c.passed for c in summary.checks["shard-00000"])
-    stored = LocalStore(str(tmp_path / "store"))
-    assert stored.read_parquet("self_generated_prompts/shard-00000.parquet").num_rows >= 4
-    assert stored.read_parquet("raw_prompts/shard-00000.parquet").num_rows == 4

@@ -281,7 +281,9 @@ def test_engine_command_has_no_reasoning_parser_for_a_non_thinking_target(smollm
 @pytest.mark.slow
 def test_demo_on_smollm2_passes_its_checks_and_reports_an_untrained_baseline(tmp_path, smollm2_target):
     """`python -m dagster_project.demo --target smollm2` end to end (tiny sizes): the non-thinking target's
-    checks pass (thinking_ratio as not applicable), the drafter is lossless, and the untrained tau is beside."""
+    checks pass (thinking_ratio as not applicable), the drafter is lossless, and the untrained tau is beside.
+    SmolLM2 writes 16 prompts for the first shard (`--self-prompts`): their blocking check passes and
+    raw_prompts is the corpus shard alone."""
     import os
     import re
     import subprocess
@@ -290,7 +292,8 @@ def test_demo_on_smollm2_passes_its_checks_and_reports_an_untrained_baseline(tmp
 
     env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "DFLASH_STORE")}
     done = subprocess.run([sys.executable, "-m", "dagster_project.demo", "--home", str(tmp_path / "home"),
-                           "--target", "smollm2", "--prompts", "4", "--shard-size", "2", "--max-new-tokens", "24"],
+                           "--target", "smollm2", "--prompts", "4", "--shard-size", "2", "--max-new-tokens", "24",
+                           "--self-prompts", "16"],
                           capture_output=True, text=True, timeout=1500, env=env, cwd=Path(__file__).parents[2])
     console = done.stdout + done.stderr
     assert done.returncode == 0, console
@@ -300,6 +303,12 @@ def test_demo_on_smollm2_passes_its_checks_and_reports_an_untrained_baseline(tmp
     for shard in ("shard-00000", "shard-00001"):
         assert re.search(shard + r" .* (\d+)/\1 passed", summary), summary
     assert re.search(r"tau \d\.\d{3} \(untrained drafter: \d\.\d{3}\)", summary), summary
+    assert re.search(r"^  shard-00000 +self_generated_prompts +ok .* of 16 written", done.stdout, re.M), done.stdout
+    from dflash_assets.store.backends import LocalStore
+
+    stored = LocalStore(tmp_path / "home" / "dflash-store")
+    assert stored.read_parquet("self_generated_prompts/shard-00000.parquet").num_rows >= 4
+    assert stored.read_parquet("raw_prompts/shard-00000.parquet").num_rows == 2  # the corpus shard alone
     import dagster as dg
 
     with dg.DagsterInstance.from_ref(dg._core.instance.ref.InstanceRef.from_dir(str(tmp_path / "home"))) as instance:
@@ -307,5 +316,7 @@ def test_demo_on_smollm2_passes_its_checks_and_reports_an_untrained_baseline(tmp
                        for e in instance.all_logs(r.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)]
     thinking = [e for e in evaluations if e.asset_check_key.name == "thinking_ratio"]
     assert len(thinking) == 2 and all(e.passed and "not applicable" in (e.description or "") for e in thinking)
+    own = [e for e in evaluations if e.asset_check_key.name == "self_generated_quality"]
+    assert len(own) == 1 and own[0].passed
     lossless = [e for e in evaluations if e.asset_check_key.name == "lossless"]
     assert len(lossless) == 1 and lossless[0].passed
