@@ -4,7 +4,9 @@
 its console and exit status). ``run_shared_demo`` runs it once on the tiny target (``--target tiny``: the thinking
 format, ``transformers serve`` on 127.0.0.1, the demo's own sizes) with its store on S3 (moto's server on
 127.0.0.1, ``DFLASH_STORE=s3://...`` and ``AWS_ENDPOINT_URL``, as a cluster sets them): every stage, the GPU
-stages' Pipes subprocesses included, reaches the data only through S3. ``DemoRun`` gives the tests its console,
+stages' Pipes subprocesses included, reaches the data only through S3. Its training states go to its own
+directory (``DFLASH_DRAFTER_WORK_DIR``), so the drafter trains from scratch, preflight included, however warm
+``DFLASH_CACHE`` is. ``DemoRun`` gives the tests its console,
 its Dagster instance (the home's SQLite instance, read only) and its store; a test reads them and writes nothing.
 """
 
@@ -74,6 +76,7 @@ def run_shared_demo(root: Path, endpoint: str, prompt_source_roots: str) -> Demo
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=SHARED_BUCKET)
     home = root / "home"
     done = run_demo_command(home, "--target", "tiny", env_extra={
-        "DFLASH_STORE": SHARED_STORE, "AWS_ENDPOINT_URL": endpoint, "DFLASH_PROMPT_SOURCE_ROOTS": prompt_source_roots})
+        "DFLASH_STORE": SHARED_STORE, "AWS_ENDPOINT_URL": endpoint, "DFLASH_PROMPT_SOURCE_ROOTS": prompt_source_roots,
+        "DFLASH_DRAFTER_WORK_DIR": str(root / "train")})
     (root / "console.txt").write_text(f"exit status {done.returncode}\n{done.stdout}{done.stderr}")  # for a reader
     return DemoRun(home=home, done=done, store_uri=SHARED_STORE, endpoint=endpoint)
