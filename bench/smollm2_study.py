@@ -46,11 +46,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: `python bench/smollm2_study.py`
 
 from bench.machine import gpu_info, machine_info  # noqa: E402
+from dflash_assets.drafter.recipe import DrafterRecipe  # noqa: E402
 
 STABLE_TARGET = "SmolLM2-135M-Instruct"  # the name completions hash the target by (see `stable_target_link`)
 STAGES = ("prompts", "target", "generate", "train", "eval")
 DEFAULT_RECIPE = "smollm2-study"
-DEFAULT_OBJECTIVE = "dpace"  # the drafter recipe's default (tests check they agree)
+DEFAULT_OBJECTIVE = DrafterRecipe.__dataclass_fields__["objective"].default  # the recipe's own default
 
 
 def stage_id(args, stage: str) -> str:
@@ -301,8 +302,6 @@ def generate_stage(args, study: Study) -> dict:
 
 
 def drafter_recipe(args, shards: list[str]):
-    from dflash_assets.drafter.recipe import DrafterRecipe
-
     return DrafterRecipe(name=recipe_name(args), block_size=args.block_size, num_layers=args.drafter_layers,
                          epochs=args.epochs, lr=args.lr, max_length=args.max_length, max_anchors=args.max_anchors,
                          batch_size=args.batch_size, weight_decay=args.weight_decay, partitions=tuple(shards),
