@@ -10,6 +10,14 @@ from dflash_assets.store.backends import LocalStore, S3Store
 from tests.ports import free_port
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test``: two workers, ``--dist loadgroup``), the readers of the tiny demo run on
+    one worker, so the demo runs once per suite, not once per worker."""
+    for item in items:
+        if "tiny_demo" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("tiny_demo"))
+
+
 @pytest.fixture(autouse=True)
 def prompt_sources_under_tmp(tmp_path_factory, monkeypatch):
     """The test session is the deployment: a run may ingest sources under pytest's temp dirs.
