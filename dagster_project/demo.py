@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from dagster_project import profile
 from dflash_assets.demo import (CHECK_ADVICE, PlanCheck, answer_line, demo_recipe, first_answers,
                                          plan_checks, untrained_tau)
 from dflash_assets.stage_io import CheckOutcome
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
         write_instance_yaml(home, "local")
     os.environ["DAGSTER_HOME"] = str(home)
-    os.environ.setdefault("DFLASH_STORE", str(home / "dflash-store"))
+    store = os.environ.setdefault("DFLASH_STORE", str(home / "dflash-store"))
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # Transformers' bars, here and in the stage workers
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TQDM_DISABLE", "1")  # plain tqdm bars too (the GGUF conversion's)
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                                max_empty_ratio=args.max_empty_ratio, self_prompts=args.self_prompts,
                                progress=lambda s: print(s.line(), flush=True))
     summary.wall_s = time.time() - t0
-    print(summary_table(summary, store=os.environ["DFLASH_STORE"], home=home))
+    print(summary_table(summary, store=store, home=home))
     return 0 if summary.ok else 1
 
 
@@ -193,7 +194,7 @@ def demo_target_settings(target: Path) -> dict[str, str]:
     engine is configured, the in-process Transformers engine. ``make ui`` sets the same, so the UI's code
     versions match the demo's materializations and a partition re-run there uses the same target."""
     settings = {"DFLASH_TARGET_MODEL": str(target), "DFLASH_TARGET_DTYPE": "float32"}
-    if not os.environ.get("DFLASH_ENGINE_URLS"):
+    if not profile.env_text("DFLASH_ENGINE_URLS"):
         settings["DFLASH_ENGINE_URLS"] = f"transformers:inprocess://{Path(target).name}"
     return settings
 

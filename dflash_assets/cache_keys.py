@@ -36,6 +36,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from dflash_assets import settings
 from dflash_assets.atomic_write import write_atomic
 
 PACKAGE = "dflash_assets"
@@ -43,9 +44,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent  # where `dflash_assets.<name>` so
 
 
 def default_cache_root() -> Path:
-    """Cache root shared by dflash-assets: `$DFLASH_CACHE`, else `~/.cache/dflash-assets`."""
-    env = os.environ.get("DFLASH_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dflash-assets"
+    """Cache root shared by dflash-assets: `$DFLASH_CACHE`, else `~/.cache/dflash-assets` (:mod:`dflash_assets.settings`)."""
+    return settings.cache_root()
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import signal
 import sys
 from typing import Callable
+
+from dflash_assets import settings
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
@@ -88,11 +89,11 @@ def _run_engine(args: argparse.Namespace) -> int:
     from dflash_assets.embedded.defaults import embedded_engine_server
     from dflash_assets.generation.server import local_engine_server
 
-    if os.environ.get("DFLASH_TARGET") and not os.environ.get("DFLASH_TARGET_MODEL") and not args.target:
+    if settings.legacy_target_only() and not args.target:
         print("DFLASH_TARGET is not read: set DFLASH_TARGET_MODEL (the name every part of dflash-assets reads), "
               "or pass --target", file=sys.stderr)
         return 2
-    target = args.target or os.environ.get("DFLASH_TARGET_MODEL") or None
+    target = args.target or settings.target_model()
     kind = args.kind or ("sglang" if target else "transformers")
     extra = [a for a in (args.extra or []) if a != "--"]
     options = dict(port=args.port, host=args.host, tp=args.tp, served_model_name=args.served_model_name,

@@ -17,7 +17,7 @@ DAGSTER = PACKAGE.parent / "dagster_project"
 # Each top-level unit of the library and its floor: a unit may import only units on its floor or below.
 FLOORS = {
     "store": 0, "cache_keys": 0, "torch_compile": 0, "chart_data": 0, "stage_io": 0, "quality_gates": 0,  # foundations
-    "bundle": 0, "atomic_write": 0,
+    "bundle": 0, "atomic_write": 0, "settings": 0,
     "prompts": 1,
     "target_model": 2,
     "generation": 3,
@@ -352,3 +352,33 @@ def test_every_library_module_has_a_test_module_or_a_reason():
     missing += [f"{rel}: names {name}, which does not exist" for rel, reason in NO_TEST_MODULE.items()
                 for name in re.findall(r"tests/[\w/]+\.py", reason) if not (PACKAGE.parent / name).is_file()]
     assert missing == []
+
+
+# The modules that read the project's settings from the environment: the library's and the Dagster layer's.
+SETTINGS_MODULES = {"dflash_assets/settings.py", "dagster_project/profile.py"}
+
+
+def _environment_reads(path: Path) -> list[str]:
+    """``DFLASH_*`` names read in `path`: ``os.environ.get(name)``, ``os.getenv(name)``, ``os.environ[name]``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        key = None
+        if isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if (f.attr == "get" and ast.unparse(f.value).endswith("environ")) or ast.unparse(f) == "os.getenv":
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
+                and ast.unparse(node.value).endswith("environ"):
+            key = node.slice
+        if isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value.startswith("DFLASH_"):
+            found.append(f"{path.relative_to(PACKAGE.parent).as_posix()}:{node.lineno} reads {key.value}")
+    return found
+
+
+def test_settings_are_read_in_the_settings_modules_only():
+    """A ``DFLASH_*`` variable is read in dflash_assets/settings.py or dagster_project/profile.py only, so each
+    setting has one parser, one default and one place a reader finds it."""
+    reads = [r for root in (PACKAGE, DAGSTER) for path in sorted(root.rglob("*.py"))
+             if path.relative_to(PACKAGE.parent).as_posix() not in SETTINGS_MODULES for r in _environment_reads(path)]
+    assert reads == []
+    assert _environment_reads(DAGSTER / "profile.py"), "the check finds the reads it looks for"

@@ -47,6 +47,7 @@ from typing import Any, BinaryIO, Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_assets import settings
 from dflash_assets.atomic_write import atomic_path, fsync_dir
 from dflash_assets.store.manifest import remove_stale_scratch, scratch_prefix
 
@@ -54,12 +55,8 @@ __all__ = ["Store", "LocalStore", "S3Store", "open_store", "default_store_uri", 
 
 
 def default_store_uri() -> str:
-    """``$DFLASH_STORE``, else ``$DAGSTER_HOME/dflash-store``, else ``./.dflash/store``."""
-    if uri := os.environ.get("DFLASH_STORE"):
-        return uri
-    if home := os.environ.get("DAGSTER_HOME"):
-        return str(Path(home) / "dflash-store")
-    return str(Path(".dflash/store").resolve())
+    """``$DFLASH_STORE``, else ``$DAGSTER_HOME/dflash-store``, else ``./.dflash/store`` (:mod:`dflash_assets.settings`)."""
+    return settings.store_uri()
 
 
 class Store(Protocol):
@@ -267,7 +264,7 @@ def s3_client(endpoint_url: str | None = None) -> Any:
     """
     import boto3
 
-    return boto3.client("s3", endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None)
+    return boto3.client("s3", endpoint_url=endpoint_url or settings.s3_endpoint_url())
 
 
 class S3Store(_StoreHelpers):
