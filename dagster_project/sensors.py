@@ -205,37 +205,6 @@ def _refresh_runs(instance: dg.DagsterInstance, fingerprint: str) -> dict[str, l
     return runs
 
 
-def _family_states(context: dg.SensorEvaluationContext, st: Any, materialized: dict[str, dict[str, Any]],
-                   drafter: dict[str, dict[str, Any]],
-                   registered: dict[str, str]) -> tuple[list[Any], dict[str, list[str]]]:
-    """The refresh's view of each drafter family with a promoted drafter (its registered recipes, their latest
-    materializations, the recipe registered for this target), and the shards that family's promoted recipe trained
-    on when it names none (all of ``hidden_state_cache``'s). A recipe that cannot be read is logged and left out."""
-    from dflash_assets.drafter.promotion import read_promoted
-    from dflash_assets.drafter.refresh import DRAFTER_ASSETS, FamilyState
-    from dflash_assets.drafter.stages import load_recipe
-
-    families: dict[str, list[str]] = {}
-    for recipe_name in sorted(context.instance.get_dynamic_partitions(drafter_recipes.name)):
-        try:
-            families.setdefault(load_recipe(st, recipe_name).family_name, []).append(recipe_name)
-        except (FileNotFoundError, ValueError, TypeError) as e:
-            context.log.warning(f"recipe {recipe_name}: cannot read it ({e}); left out of the refresh")
-    states, trained = [], {}
-    for family, recipes in sorted(families.items()):
-        promoted = read_promoted(st, family)
-        if promoted is None:
-            continue
-        promoted_recipe = load_recipe(st, promoted["recipe"]).to_dict()
-        if not promoted_recipe.get("partitions"):
-            trained[family] = sorted(materialized["hidden_state_cache"])
-        states.append(FamilyState(
-            family, promoted_recipe, tuple(recipes),
-            {r: {a: drafter[a][r][0] for a in DRAFTER_ASSETS if r in drafter[a]} for r in recipes},
-            registered.get(family)))
-    return states, trained
-
-
 def build_target_refresh_sensor(
     name: str = "target_refresh_sensor",
     *,
@@ -262,9 +231,10 @@ def build_target_refresh_sensor(
         "check). One step per tick; logs what it waits for.",
     )
     def _sensor(context: dg.SensorEvaluationContext, store: StoreParam, target: TargetParam):
+        from dflash_assets.drafter.promotion import read_promoted
         from dflash_assets.drafter.recipe import DrafterRecipe
-        from dflash_assets.drafter.refresh import DRAFTER_ASSETS, SHARD_CHAIN, plan_refresh
-        from dflash_assets.drafter.stages import save_recipe
+        from dflash_assets.drafter.refresh import DRAFTER_ASSETS, SHARD_CHAIN, family_states, plan_refresh
+        from dflash_assets.drafter.stages import load_recipe, save_recipe
 
         st, instance = store.open(), context.instance
         fingerprint = target.fingerprint()
@@ -275,7 +245,9 @@ def build_target_refresh_sensor(
         materialized = {a: _latest_by_partition(instance, a) for a in SHARD_CHAIN}
         drafter = {a: _latest_by_partition(instance, a) for a in DRAFTER_ASSETS}
 
-        states, trained = _family_states(context, st, materialized, drafter, registered)
+        states, trained = family_states(
+            context.instance.get_dynamic_partitions(drafter_recipes.name), lambda name: load_recipe(st, name),
+            lambda family: read_promoted(st, family), materialized, drafter, registered, context.log.warning)
         plan = plan_refresh(current, materialized, states, trained)
 
         runs = _refresh_runs(instance, fingerprint)

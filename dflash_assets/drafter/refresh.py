@@ -20,18 +20,18 @@ The order, per tick:
    has its refresh when one of its recipes has ``drafter_eval`` at the current code version.
 3. Done when no shard has work and every family has its refresh.
 
-Reads and writes nothing.
+Reads and writes nothing: the sensor passes the store's readers to ``family_states``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["SHARD_CHAIN", "STAGE_OF", "ShardRun", "FamilyState", "RefreshPlan", "shard_work", "next_recipe",
-           "plan_refresh"]
+           "family_states", "plan_refresh"]
 
 SHARD_CHAIN = ("completions", "tokenized_samples", "hidden_state_cache")
 STAGE_OF = {"completions": "prepare", "tokenized_samples": "prepare", "hidden_state_cache": "hidden_states"}
@@ -124,6 +124,36 @@ def next_recipe(promoted: Mapping[str, Any], family: str, names: Iterable[str]) 
     if recipe.get("family") is None and re.sub(r"-v\d+$", "", recipe["name"]) != family:
         recipe["family"] = family
     return recipe
+
+
+def family_states(recipe_names: Iterable[str], load_recipe: Callable[[str], Any],
+                  read_promoted: Callable[[str], Mapping[str, Any] | None], materialized: Materialized,
+                  drafter: Materialized, registered: Mapping[str, str],
+                  warn: Callable[[str], None]) -> tuple[list[FamilyState], dict[str, list[str]]]:
+    """The refresh's view of each drafter family with a promoted drafter, and the shards each family's promoted
+    recipe trained on when it names none (every shard of ``hidden_state_cache``).
+
+    ``recipe_names``: the registered recipes; ``load_recipe(name)``: a recipe (``family_name``, ``to_dict()``);
+    ``read_promoted(family)``: the family's promoted manifest or None; ``drafter``: the drafter assets'
+    latest materializations by recipe; ``registered``: family -> the recipe this refresh registered already. A
+    recipe that cannot be read is reported through ``warn`` and left out; a family with no promoted drafter too."""
+    families: dict[str, list[str]] = {}
+    for name in sorted(recipe_names):
+        try:
+            families.setdefault(load_recipe(name).family_name, []).append(name)
+        except (FileNotFoundError, ValueError, TypeError) as e:
+            warn(f"recipe {name}: cannot read it ({e}); left out of the refresh")
+    states, trained = [], {}
+    for family, recipes in sorted(families.items()):
+        promoted = read_promoted(family)
+        if promoted is None:
+            continue
+        promoted_recipe = load_recipe(promoted["recipe"]).to_dict()
+        if not promoted_recipe.get("partitions"):
+            trained[family] = sorted(materialized.get("hidden_state_cache", {}))
+        versions = {r: {a: drafter[a][r][0] for a in DRAFTER_ASSETS if r in drafter.get(a, {})} for r in recipes}
+        states.append(FamilyState(family, promoted_recipe, tuple(recipes), versions, registered.get(family)))
+    return states, trained
 
 
 def plan_refresh(current: Mapping[str, str], materialized: Materialized, families: Iterable[FamilyState],

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.drafter.refresh import FamilyState, next_recipe, plan_refresh, shard_work
+from dflash_assets.drafter.recipe import DrafterRecipe
+from dflash_assets.drafter.refresh import FamilyState, family_states, next_recipe, plan_refresh, shard_work
 
 NEW = {"completions": "1-new", "tokenized_samples": "1-newt", "hidden_state_cache": "1-newh",
        "drafter_checkpoint": "1-newd", "drafter_eval": "1-newe"}
@@ -31,6 +32,29 @@ OLD = {k: v.replace("new", "old") for k, v in NEW.items()}
 def mats(versions: dict[str, str], shards: list[str], t0: float = 0.0) -> dict:
     return {a: {s: (versions[a], t0 + i) for s in shards}
             for i, a in enumerate(("completions", "tokenized_samples", "hidden_state_cache"))}
+
+
+def test_family_states_keep_promoted_families_and_report_unreadable_recipes():
+    recipes = {"demo-v1": DrafterRecipe(name="demo-v1"), "demo-v2": DrafterRecipe(name="demo-v2"),
+               "solo-v1": DrafterRecipe(name="solo-v1", partitions=["s1"])}
+    promoted = {"demo": {"recipe": "demo-v1"}}
+
+    def load(name: str) -> DrafterRecipe:
+        if name == "broken":
+            raise ValueError("not a recipe")
+        return recipes[name]
+
+    warnings: list[str] = []
+    drafter = {"drafter_checkpoint": {"demo-v1": ("1-oldd", 1.0)}, "drafter_eval": {"demo-v1": ("1-olde", 2.0)}}
+    states, trained = family_states([*recipes, "broken"], load, promoted.get, mats(OLD, ["s0", "s2"]), drafter,
+                                    {"demo": "demo-v2"}, warnings.append)
+    assert warnings == ["recipe broken: cannot read it (not a recipe); left out of the refresh"]
+    (state,) = states  # solo has no promoted drafter: not part of the refresh
+    assert (state.family, state.recipes, state.refresh_recipe) == ("demo", ("demo-v1", "demo-v2"), "demo-v2")
+    assert state.promoted_recipe == recipes["demo-v1"].to_dict()
+    assert state.drafter_versions == {"demo-v1": {"drafter_checkpoint": "1-oldd", "drafter_eval": "1-olde"},
+                                      "demo-v2": {}}
+    assert trained == {"demo": ["s0", "s2"]}  # the promoted recipe names no shards: every cached one
 
 
 def test_stale_shards_go_stage_by_stage_and_the_family_waits_for_its_trained_shards():
