@@ -332,10 +332,9 @@ def test_settings_table_covers_every_variable_read():
     sources = [*(REPO / "dflash_assets").rglob("*.py"), *(REPO / "dagster_project").rglob("*.py")]
     read = set()
     for path in sources:
-        read |= set(re.findall(r'environ(?:\.get)?\(\s*"(DFLASH_[A-Z_]+)"', path.read_text()))
+        read |= set(re.findall(r'(?:environ(?:\.get)?|_value|env_text)\(\s*"(DFLASH_[A-Z_]+)"', path.read_text()))
         read |= set(re.findall(r'EnvVar\("(DFLASH_[A-Z_]+)"\)', path.read_text()))
-    assert {"DFLASH_STORE", "DFLASH_TARGET_MODEL", "DFLASH_ENGINE_URLS"} <= read  # the scan finds them
-    read -= {"DFLASH_TARGET"}  # read by the CLI only to refuse the old name with a pointer to DFLASH_TARGET_MODEL
+    assert {"DFLASH_STORE", "DFLASH_TARGET_MODEL", "DFLASH_ENGINE_URLS", "DFLASH_CACHE"} <= read  # the scan finds them
     assert read <= set(deployment.SETTINGS)
     readme = (REPO / "docs" / "deployment.md").read_text()
     assert [name for name in sorted(set(deployment.SETTINGS) | read) if f"| `{name}`" not in readme] == []
