@@ -9,11 +9,18 @@ Reports tokens/s (sequence tokens), step time, peak memory, a per-phase breakdow
 a bf16 matmul peak measured in the same run; compares with SpecForge's trainer (14.0K / 15.7K /
 16.6K tok/s at batch 1 / 2 / 4 on the same GPU). `--quick` runs tiny shapes on CPU.
 
+`--varied` also trains on samples of varied lengths (long-tailed like chat data: mean ~390 tokens,
+at most 2,048; see `varied_lengths`), collated by the library's `collate` as training does, in
+the padded layout (one row per sample, padded to the longest) and the packed one (all samples'
+blocks and context in one row) in the same run: tokens/s, MFU over real tokens' FLOPs, the padded
+shares and the widths each layout met.
+
 Reads nothing; prints one JSON object on stdout (progress on stderr) and, with --out, writes it.
 Needs only torch (+ triton on GPU), numpy, safetensors. See BENCHMARKS.md.
 
     python bench/drafter_training.py                       # H200: batch 1, 2, 4 (+ 2 GPUs if present)
     python bench/drafter_training.py --dims smollm2-135m --batch-sizes 48 --seq 512 --anchors 384 --profile
+    python bench/drafter_training.py --dims smollm2-135m --batch-sizes 48 --anchors 384 --varied-only
     python bench/drafter_training.py --quick               # CPU smoke test
 """
 
@@ -37,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from bench.machine import gpu_info, machine_info  # noqa: E402
 from dflash_assets.target_model.conventions import dflash_target_layer_ids  # noqa: E402
 from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, TargetHead  # noqa: E402
-from dflash_assets.drafter.data import Batch, sample_anchors  # noqa: E402
+from dflash_assets.drafter.data import Batch, Sample, collate, sample_anchors  # noqa: E402
 from dflash_assets.drafter.loss import dflash_block_mask, drafter_forward_loss, head_cross_entropy, train_step  # noqa: E402
 
 SPECFORGE_TOK_S = {1: 14_000, 2: 15_700, 4: 16_600}  # SpecForge's own trainer, one H200 (BENCHMARKS.md, drafter)
@@ -55,7 +62,9 @@ FLOP_FORMULA = (
     "(b*S) x layers x k,v (2*H*nkv*hd); fc x2 (forward, grad-weight; its input needs no grad): b*S*n*H*H; "
     "frozen lm_head x2 (forward, grad-input): rows x H x V with rows = labelled block positions; "
     "attention x3 (forward, 2x backward): layers x sum over blocks of B*(anchor+B) visible keys x nh*hd x 2 "
-    "(QK^T and PV). Embedding lookups, norms, RoPE, softmax and the optimizer are not counted."
+    "(QK^T and PV). Embedding lookups, norms, RoPE, softmax and the optimizer are not counted. Only real "
+    "tokens count: kept blocks, real context tokens, labelled rows, each block's own keys and context before "
+    "its anchor; padding (blocks, context slots, masked keys) is computed but not counted."
 )
 
 
@@ -87,16 +96,20 @@ def make_batch(b: int, S: int, N: int, cfg: DrafterConfig, device, dtype, rng: n
 
 
 def step_flops(cfg: DrafterConfig, batch: Batch) -> dict[str, float]:
+    """FLOPs of one step over the batch's real tokens (`FLOP_FORMULA`), in either layout."""
     H, I, L, B = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.block_size
     nh, nkv, hd, V, n = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size, len(cfg.target_layer_ids)
-    b, S = batch.input_ids.shape
-    N = batch.anchors.shape[1]
-    tq = b * N * B
-    rows = b * N * (B - 1)  # every label is in the loss here (anchors <= S - B, loss mask after the prompt)
-    visible = float((batch.anchors.float() + B).sum()) * B  # (query, key) pairs per head and layer
+    keep, anchors = batch.keep.cpu(), batch.anchors.cpu()
+    rows_of = batch.block_sample.cpu() if batch.packed else torch.arange(keep.shape[0])[:, None].expand_as(keep)
+    lm = batch.loss_mask.cpu()
+    at = (anchors[keep][:, None] + torch.arange(1, B)).clamp(max=lm.shape[1] - 1)
+    rows = int(lm[rows_of[keep][:, None], at].sum())  # labelled block positions
+    tq = int(keep.sum()) * B  # real block tokens
+    ctx = batch.num_tokens  # real context tokens
+    visible = float((anchors[keep].float() + B).sum()) * B  # (query, key) pairs per head and layer
     return {
-        "drafter_linear": 3 * 2 * L * (tq * (2 * H * nh * hd + 2 * H * nkv * hd + 3 * H * I) + b * S * 2 * H * nkv * hd),
-        "fc": 2 * 2 * b * S * n * H * H,
+        "drafter_linear": 3 * 2 * L * (tq * (2 * H * nh * hd + 2 * H * nkv * hd + 3 * H * I) + ctx * 2 * H * nkv * hd),
+        "fc": 2 * 2 * ctx * n * H * H,
         "lm_head": 2 * 2 * rows * H * V,
         "attention": 3 * 2 * L * visible * nh * hd * 2,
     }
@@ -294,6 +307,86 @@ def check_attention_paths(cfg: DrafterConfig, device, quick: bool) -> dict[str, 
     return res
 
 
+def varied_samples(n: int, cfg: DrafterConfig, max_len: int, rng: np.random.Generator, dtype) -> list[Sample]:
+    """Samples of long-tailed lengths like chat data (log-normal, median 260, mean ~390 tokens, cut to
+    [32, max_len]), the first 30% of each a prompt without loss, random features."""
+    lengths = np.clip(rng.lognormal(np.log(260), 0.9, n), 32, max_len).astype(int)
+    out = []
+    for T in lengths:
+        lm = np.ones(T, dtype=bool)
+        lm[: int(T * 0.3)] = False
+        out.append(Sample(rng.integers(0, cfg.vocab_size - 1, T), lm,
+                          torch.from_numpy(rng.standard_normal((T, len(cfg.target_layer_ids) * cfg.hidden_size),
+                                                               dtype=np.float32)).to(dtype)))
+    return out
+
+
+def varied_lengths(args, cfg: DrafterConfig, device, peak: float) -> dict:
+    """The same varied-length batches in the padded and the packed layout, as `BatchLoader` collates them (on a
+    GPU: widths multiples of 128 and bucketed, compiled layers), each layout from the same initial weights: a first
+    pass over the batches (compiling each new width), then `--varied-passes` timed passes. tokens/s over real
+    sequence tokens; MFU over real tokens' FLOPs (`step_flops`) against the measured matmul peak."""
+    cuda = torch.device(device).type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    B, b = cfg.block_size, args.varied_batch
+    rng = np.random.default_rng(0)
+    groups = []
+    for _ in range(args.varied_batches):
+        samples = varied_samples(b, cfg, args.varied_max_length, rng, dtype)
+        groups.append((samples, [sample_anchors(s.loss_mask, B, args.anchors, rng) for s in samples]))
+    kw = dict(block_size=B, mask_token_id=cfg.mask_token_id, gamma=7.0, attention=args.attention, grad_clip=1.0,
+              compiled_loss=args.compile)
+    out = {"batch_size": b, "batches": args.varied_batches, "max_length": args.varied_max_length,
+           "anchors": args.anchors, "mean_length": float(np.mean([len(s.input_ids) for g in groups for s in g[0]]))}
+    for layout in ("padded", "packed"):
+        batches = [collate(smp, anc, seq_multiple=128 if cuda else 1, anchor_multiple=max(1, 128 // B) if cuda else 1,
+                           bucket=cuda and args.compile, packed=layout == "packed").to(device) for smp, anc in groups]
+        if cuda:
+            torch._dynamo.reset()
+        drafter, model, head, opt = build(cfg, device, args.compile, 1)
+        losses = []
+
+        def run_pass():
+            for bt in batches:
+                stats, w = train_step(model, head, opt, bt, bt.hidden, **kw)
+                losses.append(float(stats[0] / w))
+
+        t = time.perf_counter()
+        run_pass()
+        _sync(device)
+        first_s = time.perf_counter() - t
+        t, cpu_t = time.perf_counter(), time.process_time()
+        for _ in range(args.varied_passes):
+            run_pass()
+        _sync(device)
+        timed_s, cpu_s = time.perf_counter() - t, time.process_time() - cpu_t
+        tokens = sum(bt.num_tokens for bt in batches) * args.varied_passes
+        flops = sum(sum(step_flops(cfg, bt).values()) for bt in batches) * args.varied_passes
+        blocks = sum(int(bt.keep.sum()) for bt in batches)
+        out[layout] = {
+            "tokens_per_s": tokens / timed_s, "step_s_mean": timed_s / (len(batches) * args.varied_passes),
+            # this process's CPU seconds per step: on a CPU shared with other work, steadier than the wall clock
+            "process_s_per_step": cpu_s / (len(batches) * args.varied_passes),
+            "achieved_tflops": flops / timed_s / 1e12, "mfu": flops / timed_s / peak, "first_pass_s": first_s,
+            "padded_block_share": 1 - blocks / sum(bt.block_slots for bt in batches),
+            "padded_context_share": 1 - sum(bt.num_tokens for bt in batches) / sum(bt.context_slots for bt in batches),
+            "widths": sorted({(bt.context_slots, bt.block_slots) for bt in batches}),
+            "first_losses": [round(x, 5) for x in losses[:3]],
+        }
+        if cuda:
+            out[layout]["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.reset_peak_memory_stats(device)
+        log(f"varied lengths, {layout}: " + json.dumps(out[layout]))
+        del drafter, model, head, opt, batches
+        if cuda:
+            torch.cuda.empty_cache()
+    # the first step starts from the same weights and batch: the layouts give the same loss (bf16 rounding on a GPU)
+    out["first_loss_rel_diff"] = abs(out["packed"]["first_losses"][0] - out["padded"]["first_losses"][0]) / abs(
+        out["padded"]["first_losses"][0])
+    out["packed_speedup"] = out["packed"]["tokens_per_s"] / out["padded"]["tokens_per_s"]
+    return out
+
+
 def ddp_worker(args) -> None:
     """Inside torchrun: every rank trains its own batch; rank 0 prints one JSON line per batch size."""
     cuda = torch.cuda.is_available()
@@ -434,6 +527,12 @@ def main(argv=None) -> int:
     p.add_argument("--e2e-only", action="store_true", help="only the end-to-end run")
     p.add_argument("--e2e-sequences", type=int, default=None)
     p.add_argument("--e2e-batch", type=int, default=2)
+    p.add_argument("--varied", action="store_true", help="also train on varied lengths, padded against packed")
+    p.add_argument("--varied-only", action="store_true", help="only the varied-length comparison")
+    p.add_argument("--varied-batch", type=int, default=None, help="samples per batch (default: the first batch size)")
+    p.add_argument("--varied-batches", type=int, default=None, help="distinct batches (default 12, quick 3)")
+    p.add_argument("--varied-passes", type=int, default=2, help="timed passes over them")
+    p.add_argument("--varied-max-length", type=int, default=None, help="longest sample (default 2048, quick 768)")
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available() and not args.quick
@@ -450,6 +549,9 @@ def main(argv=None) -> int:
         return 0
 
     args.e2e_sequences = args.e2e_sequences or (12 if args.quick else 48)
+    args.varied_batch = args.varied_batch or args.batch_sizes[0]
+    args.varied_batches = args.varied_batches or (3 if args.quick else 12)
+    args.varied_max_length = args.varied_max_length or (768 if args.quick else 2048)
     if args.e2e_only:
         res = {"end_to_end": end_to_end(args)}
         print(json.dumps(res, indent=2))
@@ -473,6 +575,13 @@ def main(argv=None) -> int:
     peak = matmul_peak(device, args.quick)
     result["matmul_peak_tflops"] = peak / 1e12
     log(f"matmul peak {peak / 1e12:.1f} TFLOP/s on {result['device']}")
+    if args.varied_only:
+        result["varied_lengths"] = varied_lengths(args, cfg, device, peak)
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return 0
 
     try:
         result["attention_path_check"] = check_attention_paths(cfg, device, args.quick)
@@ -515,6 +624,12 @@ def main(argv=None) -> int:
             result["two_gpu"] = two_gpu_section(args, single)
         except Exception as e:
             result["two_gpu"] = {"error": f"{type(e).__name__}: {e}"}
+    if args.varied:
+        log("varied lengths: padded against packed")
+        try:
+            result["varied_lengths"] = varied_lengths(args, cfg, device, peak)
+        except Exception as e:
+            result["varied_lengths"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
     if args.e2e:
         log("end-to-end train_drafter run")
         try:

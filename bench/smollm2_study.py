@@ -376,10 +376,14 @@ def train_stage(args, study: Study) -> dict:
     flops = training_flops(recipe, Path(spec.model_path), train)
     peak = peak_tflops(args.device)
     tflops = flops["flops_per_sequence_token"] * train["tokens_per_s"] / 1e12
+    # the padding training computed besides (the FLOPs above count real tokens only)
+    padding = {k: train.get(k) for k in ("padded_block_share", "padded_context_share")}
     mfu = {**flops, "tokens_per_s": train["tokens_per_s"], "tflops": round(tflops, 1), "peak_tflops": peak,
-           "mfu": round(tflops / peak, 4) if peak else None}
+           "mfu": round(tflops / peak, 4) if peak else None, **padding}
     log(f"train: {train['steps']} steps, {train['sequence_tokens'] / 1e6:.1f}M sequence tokens, "
-        f"{train['tokens_per_s']:.0f} tok/s" + (f", MFU {mfu['mfu']:.1%} of a measured {peak} TFLOP/s" if peak else ""))
+        f"{train['tokens_per_s']:.0f} tok/s" + (f", MFU {mfu['mfu']:.1%} of a measured {peak} TFLOP/s" if peak else "")
+        + f", padding {padding['padded_block_share'] or 0:.1%} of block tokens, "
+          f"{padding['padded_context_share'] or 0:.1%} of context tokens")
     return {"recipe": recipe.to_dict(), "drafter_checkpoint": train, "mfu": mfu}
 
 
@@ -409,7 +413,8 @@ def summary(args, study: Study) -> dict:
                                                "tokens_per_s")},
         "training": {"recipe": train.get("recipe", {}).get("name"), **{k: ckpt.get(k) for k in (
             "objective", "steps", "sequence_tokens", "tokens_per_s", "final_loss", "tau_while_training",
-            "best_checkpoint", "stop_reason", "preflight")}, "mfu": train.get("mfu", {}).get("mfu"),
+            "best_checkpoint", "stop_reason", "preflight", "padded_block_share", "padded_context_share")},
+            "mfu": train.get("mfu", {}).get("mfu"),
             "peak_tflops": train.get("mfu", {}).get("peak_tflops")},
         "evaluation": {k: ev.get(k) for k in ("tau", "lossless", "num_prompts", "held_out", "acceptance_by_position",
                                               "learning_curve")},

@@ -7,7 +7,9 @@ files, or a bounded local cache of store parts, see
 from Parquet, streamed by row group (int32 ids, a few decoded row groups at a
 time, never the corpus in memory). Picks anchors, plans which samples each
 rank sees at each step (:class:`BatchPlan`, a pure function of seed, epoch and
-step), and collates batches in a background thread (:class:`BatchLoader`).
+step), and collates batches in a background thread (:class:`BatchLoader`):
+packed by default, the blocks and context tokens of all samples one after
+another, so that no sample is padded to the longest (:class:`Batch`).
 Writes nothing. Imports numpy and torch (pyarrow lazily).
 """
 
@@ -179,44 +181,91 @@ def anchor_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
 
 @dataclass
 class Batch:
+    """A training batch in one of two layouts.
+
+    Padded (one row per sample): ``hidden`` (b, S, n*H), ``anchors``/``keep`` (b, N), each row padded to the
+    batch's longest sample and largest anchor count. Packed (``packed``): the blocks of all samples in one row,
+    ``anchors``/``keep``/``block_sample`` (1, nb), and the samples' context tokens one after another,
+    ``hidden`` (1, Sc, n*H) with ``ctx_index`` (1, Sc) naming each slot's sample row and position; padding only
+    at the ends, up to a width of the totals. ``input_ids``/``loss_mask`` are (b, S) rows in both layouts."""
+
     input_ids: torch.Tensor  # (b, S) int64
     loss_mask: torch.Tensor  # (b, S) bool
-    hidden: torch.Tensor | None  # (b, S, n*H)
-    anchors: torch.Tensor  # (b, N) int64, sorted per row; 0 where not kept
-    keep: torch.Tensor  # (b, N) bool, False for padding blocks
+    hidden: torch.Tensor | None  # padded (b, S, n*H); packed (1, Sc, n*H); None in online mode
+    anchors: torch.Tensor  # (b, N) int64 sorted per row, or packed (1, nb) positions in their samples; 0 where not kept
+    keep: torch.Tensor  # (b, N) or (1, nb) bool, False for padding blocks
     num_tokens: int  # real sequence tokens in the batch
+    block_sample: torch.Tensor | None = None  # packed: (1, nb) int64, the sample row of each block (0 for padding)
+    ctx_start: torch.Tensor | None = None  # packed: (b,) int64, where each sample's context starts in the row
+    ctx_index: torch.Tensor | None = None  # packed: (1, Sc) int64, sample * S + position of each slot (0: padding)
+
+    @property
+    def packed(self) -> bool:
+        return self.block_sample is not None
+
+    @property
+    def block_slots(self) -> int:
+        """Blocks computed, padding included (real ones: ``keep.sum()``)."""
+        return self.anchors.numel()
+
+    @property
+    def context_slots(self) -> int:
+        """Context tokens the drafter computes, padding included (real ones: ``num_tokens``)."""
+        return self.ctx_index.shape[1] if self.packed else self.input_ids.numel()
+
+    def pack_context(self, features: torch.Tensor) -> torch.Tensor:
+        """Per-sample rows (b, S, F) -> this batch's context layout: packed (1, Sc, F), else unchanged."""
+        if not self.packed:
+            return features
+        return features.reshape(-1, features.shape[-1]).index_select(0, self.ctx_index[0])[None]
 
     def to(self, device, non_blocking: bool = True) -> "Batch":
         mv = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return Batch(mv(self.input_ids), mv(self.loss_mask), mv(self.hidden), mv(self.anchors), mv(self.keep), self.num_tokens)
+        return Batch(mv(self.input_ids), mv(self.loss_mask), mv(self.hidden), mv(self.anchors), mv(self.keep),
+                     self.num_tokens, mv(self.block_sample), mv(self.ctx_start), mv(self.ctx_index))
 
 
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def bucket_width(n: int, multiple: int = 1) -> int:
+def bucket_width(n: int, multiple: int = 1, steps: int = 2) -> int:
     """The padded width for `n`: the smallest of multiple x {1, 2, 3, 4, 6, 8, 12, 16, ...} (powers of two and
     1.5 x powers of two) that holds it. Batches then come in a few widths (about two per doubling), so a
-    compiled step is reused instead of recompiled for every new width, at most 1.5x of padding past `multiple`."""
+    compiled step is reused instead of recompiled for every new width, at most 1.5x of padding past `multiple`.
+    `steps` widths per doubling (a power of two): 4 gives {.., 8, 10, 12, 14, 16, 20, ..}, at most 1.25x."""
     units = max(1, -(-int(n) // multiple))
     width = 1
     while width < units:
         power = 1 << (width.bit_length() - 1)  # the largest power of two <= width
-        width = power * 3 // 2 if width == power and power >= 2 else power * 2
+        width += max(1, power // steps)
     return width * multiple
 
 
+# Widths per doubling of a packed batch's totals (its context tokens, its blocks). A total over many samples
+# varies little from step to step (a relative spread of about the samples' own over sqrt(batch)), so few widths
+# appear, and a width wastes at most a quarter, a tenth on average.
+PACKED_STEPS_PER_DOUBLING = 4
+
+
 def collate(samples: list[Sample], anchors: list[np.ndarray], seq_multiple: int = 1,
-            anchor_multiple: int = 1, pin: bool = False, bucket: bool = False) -> Batch:
+            anchor_multiple: int = 1, pin: bool = False, bucket: bool = False, packed: bool = False) -> Batch:
     """Pad sequences (right) and anchor lists into a batch; padding never enters the loss. With `bucket`, the
-    widths are rounded up to `bucket_width`'s few sizes (compiled graphs are reused across batches)."""
+    widths are rounded up to `bucket_width`'s few sizes (compiled graphs are reused across batches). With
+    `packed`, the blocks and the context tokens of all samples go one after another in one row (`Batch`), padded
+    only at the end, to a width of the totals (`PACKED_STEPS_PER_DOUBLING` widths per doubling with `bucket`)."""
     b = len(samples)
     width = bucket_width if bucket else _round_up
     S = width(max(len(s.input_ids) for s in samples), seq_multiple)
-    N = width(max(len(a) for a in anchors), anchor_multiple)
     ids = torch.zeros(b, S, dtype=torch.long)
     lm = torch.zeros(b, S, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        ids[i, : len(s.input_ids)] = torch.from_numpy(s.input_ids)
+        lm[i, : len(s.input_ids)] = torch.from_numpy(s.loss_mask)
+    num_tokens = sum(len(s.input_ids) for s in samples)
+    if packed:
+        return _collate_packed(samples, anchors, ids, lm, num_tokens, seq_multiple, anchor_multiple, pin, bucket)
+    N = width(max(len(a) for a in anchors), anchor_multiple)
     anc = torch.zeros(b, N, dtype=torch.long)
     keep = torch.zeros(b, N, dtype=torch.bool)
     hidden = None
@@ -224,17 +273,48 @@ def collate(samples: list[Sample], anchors: list[np.ndarray], seq_multiple: int 
         h0 = samples[0].hidden
         hidden = torch.zeros(b, S, h0.shape[-1], dtype=h0.dtype, pin_memory=pin)
     for i, (s, a) in enumerate(zip(samples, anchors)):
-        T = len(s.input_ids)
-        ids[i, :T] = torch.from_numpy(s.input_ids)
-        lm[i, :T] = torch.from_numpy(s.loss_mask)
         anc[i, : len(a)] = torch.from_numpy(a.astype(np.int64))
         keep[i, : len(a)] = True
         if hidden is not None:
-            hidden[i, :T] = s.hidden
+            hidden[i, : len(s.input_ids)] = s.hidden
     if pin:
         ids, lm, anc, keep = ids.pin_memory(), lm.pin_memory(), anc.pin_memory(), keep.pin_memory()
-    return Batch(ids, lm, hidden, anc, keep, sum(len(s.input_ids) for s in samples))
+    return Batch(ids, lm, hidden, anc, keep, num_tokens)
 
+
+def _collate_packed(samples, anchors, ids, lm, num_tokens: int, seq_multiple: int, anchor_multiple: int, pin: bool,
+                    bucket: bool) -> Batch:
+    """The packed layout of `collate`: blocks (1, nb) and context slots (1, Sc), sample after sample."""
+    S = ids.shape[1]
+    lengths = [len(s.input_ids) for s in samples]
+    counts = [len(a) for a in anchors]
+    if bucket:
+        Sc = bucket_width(num_tokens, seq_multiple, PACKED_STEPS_PER_DOUBLING)
+        nb = bucket_width(sum(counts), anchor_multiple, PACKED_STEPS_PER_DOUBLING)
+    else:
+        Sc, nb = _round_up(num_tokens, seq_multiple), _round_up(max(sum(counts), 1), anchor_multiple)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    ctx_index = torch.zeros(1, Sc, dtype=torch.long)
+    ctx_index[0, :num_tokens] = torch.from_numpy(np.concatenate(
+        [i * S + np.arange(T, dtype=np.int64) for i, T in enumerate(lengths)]))
+    real = sum(counts)
+    anc = torch.zeros(1, nb, dtype=torch.long)
+    anc[0, :real] = torch.from_numpy(np.concatenate([a.astype(np.int64) for a in anchors]))
+    keep = torch.zeros(1, nb, dtype=torch.bool)
+    keep[0, :real] = True
+    block_sample = torch.zeros(1, nb, dtype=torch.long)
+    block_sample[0, :real] = torch.from_numpy(np.repeat(np.arange(len(samples), dtype=np.int64), counts))
+    hidden = None
+    if samples[0].hidden is not None:
+        h0 = samples[0].hidden
+        hidden = torch.zeros(1, Sc, h0.shape[-1], dtype=h0.dtype, pin_memory=pin)
+        for s, start, T in zip(samples, starts.tolist(), lengths):
+            hidden[0, start:start + T] = s.hidden
+    ctx_start = torch.from_numpy(starts)
+    if pin:
+        ids, lm, anc, keep = ids.pin_memory(), lm.pin_memory(), anc.pin_memory(), keep.pin_memory()
+        block_sample, ctx_start, ctx_index = block_sample.pin_memory(), ctx_start.pin_memory(), ctx_index.pin_memory()
+    return Batch(ids, lm, hidden, anc, keep, num_tokens, block_sample, ctx_start, ctx_index)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,10 +387,12 @@ class BatchPlan:
 
 
 class BatchLoader:
-    """Collates the plan's batches in a background thread, ``depth`` steps ahead of training."""
+    """Collates the plan's batches in a background thread, ``depth`` steps ahead of training, in the packed
+    layout (`Batch`; ``packed=False``: one padded row per sample)."""
 
-    def __init__(self, data, plan: BatchPlan, start_step: int, stop_step: int, cuda: bool, depth: int = 2):
-        self.data, self.plan, self.cuda = data, plan, cuda
+    def __init__(self, data, plan: BatchPlan, start_step: int, stop_step: int, cuda: bool, depth: int = 2,
+                 packed: bool = True):
+        self.data, self.plan, self.cuda, self.packed = data, plan, cuda, packed
         self.start = start_step
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.closed = False
@@ -327,11 +409,11 @@ class BatchLoader:
             samples.append(self.data[i])
         anchors = [sample_anchors(s.loss_mask, r.block_size, r.max_anchors, anchor_rng(r.seed, epoch, i))
                    for s, i in zip(samples, idx)]
-        # flex tiles are 128 wide: pad S and N*B to multiples of 128 on GPU
+        # flex tiles are 128 wide: pad the context and the blocks (N*B) to multiples of 128 on GPU
         # compiled: widths bucketed, so the compiled layers see a few shapes and are not recompiled every step
         return collate(samples, anchors, seq_multiple=128 if self.cuda else 1,
                        anchor_multiple=max(1, 128 // r.block_size) if self.cuda else 1, pin=self.cuda,
-                       bucket=self.cuda and r.compile)
+                       bucket=self.cuda and r.compile, packed=self.packed)
 
     def _run(self, start: int, stop: int):
         try:

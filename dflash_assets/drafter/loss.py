@@ -1,8 +1,10 @@
 """The DFlash training objective: block layout, attention masks, the frozen head's cross-entropy, one step.
 
 Per sequence: blocks of [anchor token, MASK x (B-1)] at the anchors' positions;
-a block sees the target context strictly before its anchor and itself
-(dense mask for SDPA, a BlockMask for flex_attention); labels are the next
+a block sees its sequence's target context strictly before its anchor and itself
+(dense mask for SDPA, a BlockMask for flex_attention), in either batch layout
+(``data.Batch``: one padded row per sequence, or all blocks and contexts packed
+in one row, where a block's context is its own sequence's stretch of the row); labels are the next
 B-1 tokens weighted by exp(-(k-1)/gamma) (objective ``dflash``) or by their
 expected contribution to the acceptance length (objective ``dpace``,
 ``dpace_weights``); the cross-entropy against the frozen ``lm_head`` is computed
@@ -17,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from dflash_assets.drafter.data import Batch
-from dflash_assets.drafter.model import TargetHead, create_block_mask
+from dflash_assets.drafter.model import SegmentedMask, TargetHead, create_block_mask
 
-__all__ = ["block_layout", "block_labels", "dpace_weights", "dflash_dense_mask", "dflash_block_mask", "head_cross_entropy",
-           "HeadCrossEntropy", "head_cross_entropy_reweighted", "default_chunk_rows", "StepOutput", "drafter_forward_loss", "train_step"]
+__all__ = ["block_layout", "block_labels", "dpace_weights", "dflash_dense_mask", "dflash_segmented_mask",
+           "dflash_block_mask", "head_cross_entropy", "HeadCrossEntropy", "head_cross_entropy_reweighted",
+           "default_chunk_rows", "StepOutput", "drafter_forward_loss", "train_step"]
 
 
 def block_layout(input_ids, anchors, keep, block_size: int, mask_token_id: int):
@@ -61,67 +64,101 @@ def dpace_weights(p: torch.Tensor, valid: torch.Tensor, alpha: float = 0.5) -> t
     return survive.flip(-1).cumsum(-1).flip(-1) * valid
 
 
-def dflash_dense_mask(anchors, keep, S: int, block_size: int) -> torch.Tensor:
+def _context_range(anchors, keep, starts=None):
+    """The context keys [lo, hi) each block sees, (b, N) each: its sample's tokens before its anchor (`starts`:
+    where each block's sample begins among the context keys, packed layout; None: at 0). Empty where not kept."""
+    lo = torch.zeros_like(anchors) if starts is None else starts
+    zero = torch.zeros_like(anchors)
+    return torch.where(keep, lo, zero), torch.where(keep, lo + anchors, zero)
+
+
+def dflash_dense_mask(anchors, keep, S: int, block_size: int, starts=None) -> torch.Tensor:
     """Bool mask (b, 1, N*B, S+N*B): [context | blocks] keys visible to each block query (SDPA)."""
     b, N = anchors.shape
     B = block_size
     dev = anchors.device
+    lo, hi = _context_range(anchors, keep, starts)
     q_blk = torch.arange(N * B, device=dev) // B  # (Q,)
     kv = torch.arange(S + N * B, device=dev)  # (KV,)
-    anchor_q = anchors[:, q_blk]  # (b, Q)
-    keep_q = keep[:, q_blk]  # (b, Q)
-    ctx = (kv[None, None, :] < anchor_q[:, :, None]) & (kv < S) & keep_q[:, :, None]  # before anchor
+    ctx = (kv < S) & (kv >= lo[:, q_blk, None]) & (kv < hi[:, q_blk, None])  # (b, Q, KV): before the anchor
     own = (kv >= S) & ((kv - S).div(B, rounding_mode="floor") == q_blk[:, None])  # same block
     return (ctx | own[None])[:, None]
 
 
-def _dflash_mask_mod(anchors, keep, S: int, block_size: int):
+def dflash_segmented_mask(anchors, keep, block_sample, ctx_start, S: int, block_size: int,
+                          tile: int = 128) -> SegmentedMask:
+    """The visibility of `dflash_dense_mask` for a packed row (1, nb), in pieces for SDPA: runs of at most
+    tile / B blocks of one sample, each seeing that sample's context up to its last anchor and its own blocks'
+    keys. What SDPA computes then grows with the visible keys (as flex's tiles do), not with the square of the
+    row (one dense mask over it), nor with every block's keys for every query (a padded row's dense mask)."""
+    B, G = block_size, max(1, tile // block_size)
+    runs, counts = torch.unique_consecutive(block_sample[0], return_counts=True)
+    seen = torch.where(keep, anchors, torch.zeros_like(anchors))[0].tolist()
+    pieces, first = [], 0
+    for i, n in zip(runs.tolist(), counts.tolist()):
+        c0 = int(ctx_start[i])
+        for j in range(first, first + n, G):
+            e = min(j + G, first + n)
+            c = max(seen[j:e])  # context keys [c0, c0 + c) are seen by some block of the piece
+            pieces.append((j * B, e * B, c0, c0 + c, dflash_dense_mask(anchors[:, j:e], keep[:, j:e], c, B)))
+        first += n
+    return SegmentedMask(S, pieces)
+
+
+def _dflash_mask_mod(anchors, keep, S: int, block_size: int, starts=None):
     """mask_mod over [context (S) | blocks] keys. Only tensors are closed over (S and N as 0-d
     tensors), so a compiled graph is reused across steps instead of specializing on their values."""
     B = block_size
     S_t = torch.tensor(S, device=anchors.device)
     last = torch.tensor(anchors.shape[1] - 1, device=anchors.device)
+    lo, hi = _context_range(anchors, keep, starts)
 
     def mask_mod(bi, h, q_idx, kv_idx):
         blk = torch.minimum(q_idx // B, last)
-        ctx = (kv_idx < S_t) & (kv_idx < anchors[bi, blk]) & keep[bi, blk]
+        ctx = (kv_idx < S_t) & (kv_idx >= lo[bi, blk]) & (kv_idx < hi[bi, blk])
         own = (kv_idx >= S_t) & ((kv_idx - S_t) // B == blk)
         return ctx | own
 
     return mask_mod
 
 
-def dflash_block_mask(anchors, keep, S: int, block_size: int, tile: int = 128):
+def dflash_block_mask(anchors, keep, S: int, block_size: int, tile: int = 128, starts=None):
     """The same visibility as `dflash_dense_mask`, as a flex_attention BlockMask (built once per step).
 
     When the layout is tile aligned (S and N*B multiples of the 128 tile, B dividing it) the tile
-    lists are computed directly from the anchors: for the G = tile/B blocks of a query tile,
-    context tiles below min(anchor) are full, those below max(anchor) partial, plus the one
-    diagonal tile holding those blocks' own keys. Otherwise `create_block_mask` evaluates the mask.
+    lists are computed directly from each block's context range [lo, hi) (`_context_range`): for the
+    G = tile/B blocks of a query tile, context tiles inside every range are full, the others that meet
+    some range partial, plus the one diagonal tile holding those blocks' own keys. Otherwise
+    `create_block_mask` evaluates the mask.
     """
     b, N = anchors.shape
     B, T = block_size, tile
     Q, KV = N * B, S + N * B
-    mask_mod = _dflash_mask_mod(anchors, keep, S, B)
+    mask_mod = _dflash_mask_mod(anchors, keep, S, B, starts)
     if S % T or Q % T or T % B:
         return create_block_mask(mask_mod, B=b, H=None, Q_LEN=Q, KV_LEN=KV, device=anchors.device)
     from torch.nn.attention.flex_attention import BlockMask
 
     n_q, n_kv, G = Q // T, KV // T, T // B
-    a = anchors.view(b, n_q, G)
+    lo, hi = (x.view(b, n_q, G) for x in _context_range(anchors, keep, starts))
     k = keep.view(b, n_q, G)
-    a_min = torch.where(k, a, torch.full_like(a, KV)).amin(-1)  # (b, n_q)
-    a_max = torch.where(k, a, torch.zeros_like(a)).amax(-1)
-    n_full = torch.where(k.all(-1), a_min // T, torch.zeros_like(a_min))  # tiles every query sees fully
-    n_part = (a_max + T - 1) // T - n_full  # tiles some query sees in part
+    p1 = (torch.where(k, hi, torch.zeros_like(hi)).amax(-1) + T - 1) // T  # past the last tile any block sees
+    p0 = torch.minimum(torch.where(k, lo, torch.full_like(lo, KV)).amin(-1) // T, p1)  # the first
+    f0 = (torch.where(k, lo, torch.zeros_like(lo)).amax(-1) + T - 1) // T  # tiles [f0, f1) every block sees whole
+    f1 = torch.where(k, hi, torch.full_like(hi, KV)).amin(-1) // T
+    has_full = k.all(-1) & (f1 > f0)
+    f0, f1 = torch.where(has_full, f0, p1), torch.where(has_full, f1, p1)
+    n_left, n_right = f0 - p0, p1 - f1  # partial tiles: [p0, f0) and [f1, p1)
+    n_part = n_left + n_right
     idx = torch.arange(n_kv, device=anchors.device)
     diag = (S // T + torch.arange(n_q, device=anchors.device))[None, :, None]  # own-block tile
-    kv_indices = torch.where(idx < n_part[..., None], n_full[..., None] + idx,
-                             torch.where(idx == n_part[..., None], diag, torch.zeros_like(idx)))
-    full_indices = idx.expand(b, n_q, n_kv)
+    kv_indices = torch.where(idx < n_left[..., None], p0[..., None] + idx,
+                             torch.where(idx < n_part[..., None], f1[..., None] + idx - n_left[..., None],
+                                         torch.where(idx == n_part[..., None], diag, torch.zeros_like(idx))))
+    full_indices = (f0[..., None] + idx).clamp(max=n_kv - 1)
     i32 = torch.int32
     return BlockMask.from_kv_blocks(
-        (n_part + 1)[:, None].to(i32), kv_indices[:, None].to(i32), n_full[:, None].to(i32),
+        (n_part + 1)[:, None].to(i32), kv_indices[:, None].to(i32), (f1 - f0)[:, None].to(i32),
         full_indices[:, None].to(i32).contiguous(), BLOCK_SIZE=T, mask_mod=mask_mod, seq_lengths=(Q, KV))
 
 
@@ -233,26 +270,50 @@ class StepOutput:
     count_by_pos: torch.Tensor  # (B-1,)
 
 
+def _step_inputs(batch: Batch, hidden, B: int, mask_token_id: int, gamma: float, attention: str):
+    """What the drafter's forward takes, per layout: (labels (rows, B-1), weights, block ids, position ids of
+    [context | blocks], mask, context features). Packed (`Batch.packed`): the samples' rows are read as one long
+    row, each block's anchor shifted to its sample's place in it, and a block sees its own sample's context."""
+    S = batch.input_ids.shape[1]
+    anchors, keep = batch.anchors, batch.keep
+    if not batch.packed:
+        ids, lm, rows_at, starts, ctx_len = batch.input_ids, batch.loss_mask, anchors, None, S
+        ctx_pos = torch.arange(S, device=anchors.device).expand(ids.shape[0], S)
+    else:
+        ids, lm = batch.input_ids.reshape(1, -1), batch.loss_mask.reshape(1, -1)
+        rows_at = batch.block_sample * S + anchors  # (1, nb): the anchors in the samples' rows read as one
+        starts = batch.ctx_start[batch.block_sample]  # (1, nb): where each block's sample begins in the context
+        ctx_pos, ctx_len = batch.ctx_index % S, batch.ctx_index.shape[1]
+    labels, w = block_labels(ids, lm, rows_at, keep, B, gamma)
+    noise_ids, _ = block_layout(ids, rows_at, keep, B, mask_token_id)
+    block_pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).view(anchors.shape[0], -1)
+    position_ids = torch.cat([ctx_pos, block_pos], dim=1)  # (b, S + N*B)
+    if attention == "flex":
+        mask = dflash_block_mask(anchors, keep, ctx_len, B, starts=starts)
+    elif batch.packed:  # SDPA in pieces: one dense mask over the packed row would cost the square of the row
+        mask = dflash_segmented_mask(anchors, keep, batch.block_sample, batch.ctx_start, ctx_len, B)
+    else:
+        mask = dflash_dense_mask(anchors, keep, ctx_len, B)
+    if batch.packed and tuple(hidden.shape[:2]) != (1, ctx_len):
+        hidden = batch.pack_context(hidden)  # per-sample rows (online features) -> the packed context
+    return labels, w, noise_ids, position_ids, mask, hidden
+
+
 def drafter_forward_loss(drafter, head: TargetHead, batch: Batch, *, block_size: int, mask_token_id: int,
                          gamma: float, attention: str = "sdpa", hidden=None, compiled_loss: bool = False,
                          objective: str = "dflash", dpace_alpha: float = 0.5) -> StepOutput:
-    """One training forward on a device batch: blocks, mask, drafter, chunked head CE (weights by `objective`)."""
+    """One training forward on a device batch: blocks, mask, drafter, chunked head CE (weights by `objective`).
+
+    `hidden`: the context features, per-sample rows (b, S, n*H) or already in the batch's layout (default
+    `batch.hidden`). Either layout of a batch (`Batch`) gives the same loss, block by block."""
     B = block_size
-    hidden = batch.hidden if hidden is None else hidden  # (b, S, n*H)
-    b, S = batch.input_ids.shape
-    N = batch.anchors.shape[1]
+    hidden = batch.hidden if hidden is None else hidden
+    b, N = batch.anchors.shape
     # labels first: selecting the rows that carry one syncs with the host, cheapest before the forward
-    labels, w = block_labels(batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, B, gamma)
+    labels, w, noise_ids, position_ids, mask, hidden = _step_inputs(batch, hidden, B, mask_token_id, gamma, attention)
     labels, w = labels.reshape(-1), w.reshape(-1)  # (b*N*(B-1),)
     sel = torch.nonzero(w > 0).squeeze(1)
     k = torch.arange(B - 1, device=w.device).repeat(b * N).index_select(0, sel)  # block position - 1
-    noise_ids, block_pos = block_layout(batch.input_ids, batch.anchors, batch.keep, B, mask_token_id)
-    ctx_pos = torch.arange(S, device=block_pos.device).expand(b, S)
-    position_ids = torch.cat([ctx_pos, block_pos], dim=1)  # (b, S + N*B)
-    if attention == "flex":
-        mask = dflash_block_mask(batch.anchors, batch.keep, S, B)
-    else:
-        mask = dflash_dense_mask(batch.anchors, batch.keep, S, B)
     x = head.embed(noise_ids)  # (b, N*B, H)
     out = drafter(x, hidden, position_ids, mask)  # (b, N*B, H)
     rows = out.view(b, N, B, -1)[:, :, 1:].reshape(-1, out.shape[-1])  # (b*N*(B-1), H): predictions k=1..B-1

@@ -274,10 +274,32 @@ def _flex(q, k, v, block_mask):
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
+class SegmentedMask:
+    """Attention over a packed row in pieces (SDPA), for training batches that pack many sequences in one row.
+
+    The first `context` keys are context, the rest one per query. Each piece ``(q0, q1, c0, c1, mask)`` is a run of
+    queries [q0, q1) that sees context keys [c0, c1) and its own queries' keys, by a bool mask
+    (1, 1, q1 - q0, c1 - c0 + q1 - q0): only what a piece can see is computed, where one dense mask over the row
+    would set every query against every key."""
+
+    def __init__(self, context: int, pieces: list):
+        self.context, self.pieces = context, pieces
+
+    def attend(self, q, k, v) -> torch.Tensor:
+        S, out = self.context, []
+        for q0, q1, c0, c1, mask in self.pieces:
+            kk = torch.cat([k[:, :, c0:c1], k[:, :, S + q0:S + q1]], dim=2)
+            vv = torch.cat([v[:, :, c0:c1], v[:, :, S + q0:S + q1]], dim=2)
+            out.append(F.scaled_dot_product_attention(q[:, :, q0:q1], kk, vv, attn_mask=mask, enable_gqa=True))
+        return torch.cat(out, dim=2)
+
+
 def attend(q, k, v, mask) -> torch.Tensor:
-    """q (b, nh, tq, hd), k/v (b, nkv, tk, hd); mask: BlockMask (flex), bool (b,1,tq,tk) or None."""
+    """q (b, nh, tq, hd), k/v (b, nkv, tk, hd); mask: BlockMask (flex), bool (b,1,tq,tk), SegmentedMask or None."""
     if BlockMask is not None and isinstance(mask, BlockMask):
         return _flex(q, k, v, mask)
+    if isinstance(mask, SegmentedMask):
+        return mask.attend(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -365,8 +387,8 @@ class DFlashDrafter(nn.Module):
     x: (b, tq, H) embeddings of block tokens ([anchor, MASK...] per block, blocks concatenated).
     target_hidden: (b, tc, n*H) raw target features of the context tokens.
     position_ids: (b, tc + tq) absolute positions of [context | block tokens].
-    mask: None (every query sees everything: inference), a bool (b, 1, tq, tc+tq) mask (SDPA) or a
-    flex `BlockMask` over the same (query, key) layout.
+    mask: None (every query sees everything: inference), a bool (b, 1, tq, tc+tq) mask (SDPA), a
+    flex `BlockMask` over the same (query, key) layout, or a `SegmentedMask` (SDPA in pieces, packed batches).
     """
 
     def __init__(self, config: DrafterConfig):
@@ -577,6 +599,6 @@ def load_drafter(ckpt_dir: str | Path, device=None, dtype: torch.dtype | None = 
 __all__ = [
     "DFlashDrafter", "DrafterConfig", "DraftCache", "TargetHead", "attend",
     "drafter_state_dict", "load_drafter", "load_target_config",
-    "load_target_tensors", "loss_gamma", "save_drafter", "BlockMask",
+    "load_target_tensors", "loss_gamma", "save_drafter", "BlockMask", "SegmentedMask",
     "create_block_mask",
 ]

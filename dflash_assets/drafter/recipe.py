@@ -237,6 +237,8 @@ class TrainResult:
     data_stats: dict[str, Any] = field(default_factory=dict)  # the bounded part cache's counters, when one was used
     draft_tokens: int = 0  # block tokens trained (anchors x block size, all ranks), this invocation
     sequence_tokens: int = 0  # sequence tokens trained (all ranks), this invocation
+    draft_slots: int = 0  # block tokens computed, padding included (all ranks), this invocation
+    context_slots: int = 0  # context tokens computed, padding included (all ranks), this invocation
     # tau while training: one {"step", "tokens", "tau", "acceptance_by_position", ...} per evaluation, over every
     # invocation (a resume keeps the earlier ones); best: the evaluation with the highest tau (its step is the
     # checkpoint marked best)
@@ -263,6 +265,9 @@ class TrainResult:
             "num_sequences": self.num_sequences,
             "world_size": self.world_size,
             "draft_tokens_per_sequence_token": self.draft_tokens / self.sequence_tokens if self.sequence_tokens else 0.0,
+            # the share of the computed block and context tokens that was padding (0: none, or nothing trained)
+            "padded_block_share": 1.0 - self.draft_tokens / self.draft_slots if self.draft_slots else 0.0,
+            "padded_context_share": 1.0 - self.sequence_tokens / self.context_slots if self.context_slots else 0.0,
             "tau_history": self.tau_history,
             "best": self.best,
             "stop_reason": self.stop_reason,

@@ -151,7 +151,9 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
             log(f"step {m['step']}: {m['step_s'] * 1000:.0f} ms/step after warm-up (the last "
                 f"{m['window_step_s'] * 1000:.0f}): {m['total_steps']} steps fit the time budget")
         elif m["step"] % log_every == 0 or m["step"] == 1:
-            log(f"step {m['step']}: loss {m['loss']:.4f}, lr {m['lr']:.2e}, {m.get('tokens_per_s', 0):.0f} tok/s")
+            log(f"step {m['step']}: loss {m['loss']:.4f}, lr {m['lr']:.2e}, {m.get('tokens_per_s', 0):.0f} tok/s, "
+                f"padding {m.get('padded_block_share', 0):.1%} of block tokens, "
+                f"{m.get('padded_context_share', 0):.1%} of context tokens")
 
     curve_dir = work / "curve"
     curve: list[dict[str, Any]] = []
@@ -222,6 +224,9 @@ def _train_metadata(store: Any, recipe: Any, shards: list[str], result: Any, met
         "tokens_per_s": round(float(result.tokens_per_s), 1), "mean_accuracy": round(float(metrics["mean_accuracy"]), 4),
         "sequence_tokens": result.sequence_tokens,
         "draft_tokens_per_sequence_token": round(float(metrics["draft_tokens_per_sequence_token"]), 3),
+        # the share of the block and context tokens computed that was padding (the packed layout keeps it small)
+        "padded_block_share": round(float(metrics["padded_block_share"]), 4),
+        "padded_context_share": round(float(metrics["padded_context_share"]), 4),
         "resumed_from_step": result.resumed_from_step if result.resumed_from_step is not None else 0,
         "wall_s": round(result.wall_s, 1), "num_sequences": result.num_sequences,
         # Chart data: [step, mean loss] points (at most 200), and accuracy at block positions k = 1..B-1.

@@ -215,6 +215,8 @@ class _Progress:
     tokens_before: int = 0  # sequence tokens trained by earlier invocations (resume)
     tokens_seen: int = 0  # this invocation
     draft_tokens: int = 0
+    draft_slots: int = 0  # block tokens computed, padding included (this invocation)
+    context_slots: int = 0  # context tokens computed, padding included (this invocation)
     stop_reason: str = ""
 
     @property
@@ -324,6 +326,7 @@ def train_drafter(
     on_save: Callable[[int, int, DFlashDrafter], None] | None = None,
     init_weights: str | Path | None = None,
     heldout: HeldoutSlice | Callable[[DrafterConfig], HeldoutSlice | None] | None = None,
+    packed: bool = True,
 ) -> TrainResult:
     """Train (or continue training) a drafter; see the module docstring for what is read and written.
 
@@ -348,6 +351,10 @@ def train_drafter(
     makes one (None: no estimate). Every ``recipe.tau_every`` steps (default ``save_every``) and at the end,
     rank 0 estimates tau on it, a state is saved there, the best estimate is kept (``TrainResult.best``), and with
     ``recipe.early_stop_patience`` the run ends when it has not improved for that many evaluations.
+    packed: batches in the packed layout (``data.Batch``: every sample's blocks and context in one row, no sample
+    padded to the longest), else one padded row per sample (always so with SDPA on a GPU); the same losses either
+    way, so the recipe does not name it. The padded shares of what was computed are in the result (``padded_block_share``,
+    ``padded_context_share``) and in each step's log.
     """
     t_start = time.perf_counter()
     rank, world, local_rank = _dist_info()
@@ -361,6 +368,8 @@ def train_drafter(
     if world > 1:
         dist.barrier()
     attention = recipe.attention if recipe.attention != "auto" else ("flex" if cuda else "sdpa")
+    # packed SDPA attends piece by piece (loss.dflash_segmented_mask): right for a CPU, not for a GPU's launches
+    packed = packed and not (cuda and attention == "sdpa")
     B = recipe.block_size
     data = open_training_data(data_files, recipe, source=source)
     if len(data) == 0:
@@ -378,7 +387,7 @@ def train_drafter(
         total = schedule["total"] = int(_resume(progress, src, parts, scheduler, device, recipe, world, watch) or total)
     tau_on = heldout is not None and recipe.tau_prompts > 0  # known alike on every rank (rank 0 holds the slice)
     t_loop = _train_loop(recipe, parts, data, plan, scheduler, schedule, progress, watch, tau_on, state_root,
-                         device, attention, world, rank, max_steps, source, time_budget_s, log, on_save)
+                         device, attention, world, rank, max_steps, source, time_budget_s, log, on_save, packed)
     total = schedule["total"]
     data_stats = source.stats.as_dict() if hasattr(source, "stats") else {}
     if source is not None and hasattr(source, "close"):
@@ -398,13 +407,14 @@ def train_drafter(
         losses=progress.losses, tokens_per_s=progress.tokens_seen / max(t_loop, 1e-9), accuracy_by_position=acc,
         resumed_from_step=progress.resumed_from, wall_s=time.perf_counter() - t_start, num_sequences=len(data),
         world_size=world, config=parts.config.to_hf_dict(), data_stats=data_stats, draft_tokens=progress.draft_tokens,
-        sequence_tokens=progress.tokens_seen, tau_history=watch.history if watch else [],
+        sequence_tokens=progress.tokens_seen, draft_slots=progress.draft_slots, context_slots=progress.context_slots,
+        tau_history=watch.history if watch else [],
         best=watch.best if watch else None, stop_reason=progress.stop_reason)
 
 
 def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedule, progress: _Progress,
                 watch: TauWatch | None, tau_on: bool, state_root: Path, device, attention: str, world: int, rank: int,
-                max_steps, source, time_budget_s, log, on_save) -> float:
+                max_steps, source, time_budget_s, log, on_save, packed: bool = True) -> float:
     """Steps from `progress.step` to the plan's end (or max_steps, or an early stop); returns the loop's seconds."""
     B, cuda = recipe.block_size, device.type == "cuda"
     total = schedule["total"]
@@ -412,7 +422,7 @@ def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedul
     if source is not None and hasattr(source, "set_schedule") and progress.step < stop:
         to_cache = np.asarray([source.part_index(k) for k in data.group_keys], dtype=np.int32)
         source.set_schedule(to_cache[data.groups[plan.sample_order(progress.step, stop)]])
-    loader = BatchLoader(data, plan, progress.step, stop, cuda) if progress.step < stop else None
+    loader = BatchLoader(data, plan, progress.step, stop, cuda, packed=packed) if progress.step < stop else None
     t_loop = time.perf_counter()
     budget = _BudgetCut(time_budget_s, progress.step, plan.total_steps, t_loop)
     while progress.step < stop:
@@ -435,22 +445,28 @@ def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedul
             if log is not None and rank == 0:
                 log({"step": step, "total_steps": total, "budget": True, "step_s": budget_pace(budget.window_paces),
                      "window_step_s": budget.window_paces[-1]})
-        # metrics over the global batch
-        stats = torch.cat([stats, torch.tensor([float(batch.num_tokens), float(cpu_batch.keep.sum()) * B],
+        # metrics over the global batch: real tokens (sequence, draft), then what was computed (padding included)
+        stats = torch.cat([stats, torch.tensor([float(batch.num_tokens), float(cpu_batch.keep.sum()) * B,
+                                                float(cpu_batch.block_slots * B), float(cpu_batch.context_slots)],
                                                device=device)])
         if world > 1:
             dist.all_reduce(stats)
         stats = stats.cpu()
         step_loss = float(stats[0] / w_total.cpu().clamp_min(1e-6))
         progress.losses.append(step_loss)
-        progress.tokens_seen += int(stats[-2])
-        progress.draft_tokens += int(stats[-1])
+        tokens, drafted, draft_slots, context_slots = (int(x) for x in stats[-4:])
+        progress.tokens_seen += tokens
+        progress.draft_tokens += drafted
+        progress.draft_slots += draft_slots
+        progress.context_slots += context_slots
         epoch = (step - 1) // plan.steps_per_epoch
         progress.count(epoch, stats, B)
         if log is not None and rank == 0:
             el = time.perf_counter() - t_loop
-            log({"step": step, "total_steps": total, "epoch": epoch, "loss": step_loss, "tokens": int(stats[-2]),
+            log({"step": step, "total_steps": total, "epoch": epoch, "loss": step_loss, "tokens": tokens,
                  "lr": scheduler.get_last_lr()[0], "tokens_per_s": progress.tokens_seen / max(el, 1e-9),
+                 "padded_block_share": 1.0 - drafted / max(draft_slots, 1),
+                 "padded_context_share": 1.0 - tokens / max(context_slots, 1),
                  "acc_by_pos": (stats[1:B] / stats[B : 2 * B - 1].clamp_min(1)).tolist()})
         # on the plan's grid and at its end (not at max_steps), the same on every rank: each saves a state there
         evaluated = tau_on and (step % (recipe.tau_every or recipe.save_every) == 0 or step == total)

@@ -81,6 +81,8 @@ def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
     assert figures["stages_done"] == ["prompts", "target", "generate", "train", "eval"]
     assert figures["training"]["steps"] > 0 and figures["training"]["sequence_tokens"] > 0
     assert figures["training"]["mfu"] is None  # no GPU peak to set it against on a CPU
+    # packed batches, widths not rounded on a CPU: no padding computed
+    assert figures["training"]["padded_block_share"] == figures["training"]["padded_context_share"] == 0.0
     ev = figures["evaluation"]
     assert ev["held_out"] and ev["lossless"] and ev["num_prompts"] == 2 and ev["tau"] >= 1.0
     assert figures["speedup"]["num_prompts"] == 1 and figures["speedup"]["target_tokens_per_s"] > 0

@@ -123,4 +123,5 @@ def test_a_recipe_opens_parquet_online_and_the_cache_otherwise_and_the_loader_co
         n = len(data[i].input_ids)
         assert batch.input_ids[row, :n].tolist() == data[i].input_ids.tolist()
         want = sample_anchors(data[i].loss_mask, 4, 3, anchor_rng(online.seed, 0, i))
-        assert batch.anchors[row, :len(want)].tolist() == want.tolist()
+        assert batch.anchors[batch.block_sample == row].tolist() == want.tolist()  # packed: one row of blocks
+    assert batch.packed and bool(batch.keep.all()) and batch.context_slots == 22  # on a CPU: no padding at all
