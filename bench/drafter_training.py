@@ -343,6 +343,7 @@ def varied_lengths(args, cfg: DrafterConfig, device, peak: float) -> dict:
                            bucket=cuda and args.compile, packed=layout == "packed").to(device) for smp, anc in groups]
         if cuda:
             torch._dynamo.reset()
+            torch.cuda.reset_peak_memory_stats(device)
         drafter, model, head, opt = build(cfg, device, args.compile, 1)
         losses = []
 
@@ -375,7 +376,6 @@ def varied_lengths(args, cfg: DrafterConfig, device, peak: float) -> dict:
         }
         if cuda:
             out[layout]["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            torch.cuda.reset_peak_memory_stats(device)
         log(f"varied lengths, {layout}: " + json.dumps(out[layout]))
         del drafter, model, head, opt, batches
         if cuda:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_assets.drafter.data import PACKED_STEPS_PER_DOUBLING, Sample, bucket_width, collate, sample_anchors
+from dflash_assets.drafter.data import (PACKED_BLOCK_WIDTHS_PER_DOUBLING, PACKED_CONTEXT_WIDTHS_PER_DOUBLING, Sample,
+                                        bucket_width, collate, sample_anchors)
 from dflash_assets.drafter.loss import (_dflash_mask_mod, dflash_block_mask, dflash_dense_mask, dflash_segmented_mask,
                                         drafter_forward_loss)
 from dflash_assets.drafter.model import DFlashDrafter, attend
@@ -71,9 +72,9 @@ def test_every_anchor_is_trained_once_with_few_widths():
     want = [(i, int(a)) for i, a in enumerate(anchors) for a in a]
     assert kept == want  # every anchor once, sample by sample, in order
     assert not b.keep[0, len(want):].any() and b.block_slots % 8 == 0 and b.context_slots % 128 == 0
-    assert b.block_slots == bucket_width(len(want), 8, PACKED_STEPS_PER_DOUBLING) < 1.25 * len(want) + 8
+    assert b.block_slots == bucket_width(len(want), 8, PACKED_BLOCK_WIDTHS_PER_DOUBLING) < 1.25 * len(want) + 8
     T = sum(len(s.input_ids) for s in samples)
-    assert b.num_tokens == T and T <= b.context_slots < 1.25 * T + 128
+    assert b.num_tokens == T <= b.context_slots == bucket_width(T, 128, PACKED_CONTEXT_WIDTHS_PER_DOUBLING) < 2 * T
     for i, s in enumerate(samples):  # each sample's features sit at its start, then the next sample's
         start = int(b.ctx_start[i])
         torch.testing.assert_close(b.hidden[0, start:start + len(s.input_ids)], s.hidden, rtol=0, atol=0)
@@ -81,8 +82,10 @@ def test_every_anchor_is_trained_once_with_few_widths():
                                                                            for t in range(len(s.input_ids))]
     padded = collate(samples, anchors, seq_multiple=128, anchor_multiple=8, bucket=True)
     assert padded.block_slots > 2 * b.block_slots  # the padded layout computes every sample at the largest count
-    widths = {bucket_width(n, 8, PACKED_STEPS_PER_DOUBLING) for n in range(800, 1600)}
+    widths = {bucket_width(n, 8, PACKED_BLOCK_WIDTHS_PER_DOUBLING) for n in range(800, 1600)}
     assert sorted(widths) == [8 * k for k in (112, 128, 160, 192, 224)]  # four widths per doubling
+    assert {bucket_width(n, 128, PACKED_CONTEXT_WIDTHS_PER_DOUBLING) for n in range(5000, 20000)} == {
+        128 * 64, 128 * 128, 128 * 256}  # powers of two
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
