@@ -14,7 +14,8 @@ Runs the product's own stage functions (those the Dagster assets call) on one ma
 4. ``train``: ``drafter_checkpoint`` of the recipe (online: the target's features computed per batch), for the time
    left before the evaluation's reserve, saving a state every ``--save-every`` steps.
 5. ``eval``: ``drafter_eval``: tau on held-out prompts (float32, lossless checked), the batch-1 speed-up (target
-   alone against speculative, same prompts) and tau along the learning curve.
+   alone against speculative, same prompts) in float32 eager and as a server decodes (bfloat16, static caches, a
+   CUDA graph per step on both sides), and tau along the learning curve.
 
 Training first runs the preflight (``drafter.preflight``; ``--no-preflight`` skips it) and estimates tau on held-out
 prompts while it trains (``drafter.tau_estimate``: ``--tau-prompts`` of them, every ``--tau-every`` steps), marking
@@ -393,7 +394,8 @@ def eval_stage(args, study: Study) -> dict:
 
     ev = eval_recipe(store_of(args.out), recipe_name(args), target_spec(args), num_prompts=args.eval_prompts,
                      max_new_tokens=args.eval_new_tokens, device=args.device, log=log, dtype="float32",
-                     speed_prompts=args.speed_prompts, curve_prompts=args.curve_prompts,
+                     speed_prompts=args.speed_prompts, serving_speed_prompts=args.serving_speed_prompts,
+                     curve_prompts=args.curve_prompts,
                      workers=args.eval_workers or (4 if args.device == "cuda" else 1))
     log(f"eval: tau {ev['tau']:.3f} over {ev['num_prompts']} held-out prompts, lossless {ev['lossless']}")
     return {"recipe": recipe_name(args), "drafter_eval": ev}
@@ -404,7 +406,7 @@ def summary(args, study: Study) -> dict:
     gen, train = study.report("generate"), study.report(stage_id(args, "train"))
     ev = study.report(stage_id(args, "eval")).get("drafter_eval", {})
     ckpt = train.get("drafter_checkpoint", {})
-    speed = ev.get("decode_speed") or {}
+    speed, served = ev.get("decode_speed") or {}, ev.get("serving_speed") or {}
     return {
         "bench": "SmolLM2-135M-Instruct drafter study (bench/smollm2_study.py)",
         "machine": machine_info("torch", "transformers", "safetensors", "numpy", "pyarrow", "pydantic"),
@@ -420,6 +422,9 @@ def summary(args, study: Study) -> dict:
                                               "learning_curve")},
         "speedup": {k: speed.get(k) for k in ("speedup", "target_tokens_per_s", "speculative_tokens_per_s",
                                               "num_prompts")},
+        "serving_speedup": {k: served.get(k) for k in ("speedup", "target_tokens_per_s", "speculative_tokens_per_s",
+                                                       "tau", "outputs_equal", "num_prompts", "graphs", "dtype",
+                                                       "skipped")},
         "recipes": recipes_compared(study),
     }
 
@@ -539,6 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-prompts", type=int, default=64)
     g.add_argument("--eval-new-tokens", type=int, default=128)
     g.add_argument("--speed-prompts", type=int, default=16, help="prompts timed at batch 1 (0: no speed-up)")
+    g.add_argument("--serving-speed-prompts", type=int, default=16,
+                   help="prompts timed at batch 1 as a server decodes: bfloat16, CUDA graphs (0: none)")
     g.add_argument("--curve-prompts", type=int, default=4, help="prompts tau is measured on at each saved state")
     g.add_argument("--eval-workers", type=int, default=0, help="decoding processes (0: 4 on a GPU, 1 on a CPU)")
     return p

@@ -230,6 +230,10 @@ class DrafterEvalConfig(dg.Config):
 
     speed_prompts: int = Field(default=_default(eval_recipe, "speed_prompts"), ge=0, description="Also time batch-1 decoding, target alone vs "
                                "speculative, on this many of the prompts (metadata decode_speed).")
+    serving_speed_prompts: int = Field(default=_default(eval_recipe, "serving_speed_prompts"), ge=0,
+                                       description="Also time batch-1 decoding as a server runs it (bfloat16, static "
+                                       "caches, a CUDA graph per step on both sides) on this many of the prompts "
+                                       "(metadata serving_speed).")
     curve_prompts: int = Field(default=_default(eval_recipe, "curve_prompts"), ge=0, description="Also measure tau of the run's learning-curve "
                                "checkpoints on this many prompts (metadata learning_curve).")
     workers: int = Field(default=_default(eval_recipe, "workers"), ge=1, le=64, json_schema_extra={"output": False},

@@ -420,10 +420,38 @@ def heldout_prompts(store: Any, recipe: DrafterRecipe, target: Any, num_prompts:
     return prompts, selection.held_out
 
 
+def _serving_speed(target: Any, drafter_dir: str, prompts: list[Any], device: str | None, max_new_tokens: int,
+                   stop: list[int], log: Callable[[str], None]) -> dict[str, Any]:
+    """Batch-1 decoding as a server runs it (``graph_decoding.graph_decode_speed``): a bfloat16 copy of the target
+    and the drafter, static caches, one CUDA graph per step on both sides; or why this target cannot."""
+    from dflash_assets.drafter.decoding import load_target
+    from dflash_assets.drafter.graph_decoding import graph_decode_speed
+    from dflash_assets.drafter.model import load_drafter
+
+    model = load_target(target.model_path, device, "bfloat16")
+    param = next(model.parameters())
+    drafter = load_drafter(drafter_dir, device=param.device, dtype=param.dtype)
+    try:
+        speed = graph_decode_speed(model, drafter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop)
+    except ValueError as e:  # not a full-attention target, an attention implementation that takes no mask
+        log(f"serving-speed decoding skipped: {e}")
+        return {"skipped": str(e)}
+    finally:
+        del model, drafter
+        if param.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+    log(f"batch-1 decode as served ({'CUDA graphs' if speed['graphs'] else 'eager'}, {speed['dtype']}): "
+        f"{speed['target_tokens_per_s']:.1f} tok/s target alone, {speed['speculative_tokens_per_s']:.1f} tok/s "
+        f"speculative ({speed['speedup']:.2f}x), {speed['outputs_equal']}/{speed['num_prompts']} outputs equal")
+    return speed
+
+
 def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, max_new_tokens: int = 128,
                 device: str | None = None, log: Callable[[str], None] = logger.info, dtype: str | None = None,
                 speed_prompts: int = 0, curve_prompts: int = 0, promotion_margin: float | None = None,
-                workers: int = 1) -> dict[str, Any]:
+                workers: int = 1, serving_speed_prompts: int = 0) -> dict[str, Any]:
     """Acceptance length tau of the recipe's checkpoint on held-out prompts, and the lossless check.
 
     ``promotion_margin``: also decide promotion (``drafter.promotion``): the run's checkpoints (the learning-curve
@@ -432,7 +460,9 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
 
     ``dtype``: the target's (and drafter's) precision (default: ``decoding.evaluation_dtype``'s; float32 makes
     the lossless check exact). ``speed_prompts``: also time decoding at batch 1 on that many of the prompts,
-    target alone against speculative (``decode_speed``). ``curve_prompts``: also measure tau of the training
+    target alone against speculative (``decode_speed``). ``serving_speed_prompts``: also time them as a server
+    decodes: bfloat16, static caches, a CUDA graph per step on both sides (``graph_decoding``; eager on a CPU),
+    reported as ``serving_speed``; a target that path cannot run reports why. ``curve_prompts``: also measure tau of the training
     run's learning-curve checkpoints (``train_recipe``) on that many prompts: the learning curve.
 
     ``workers``: decode the prompts in that many processes of this host, each with its own copy of the target
@@ -479,6 +509,8 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
                                  stop_token_ids=stop)
             log(f"recipe {name}: batch-1 decode {speed['target_tokens_per_s']:.1f} tok/s target alone, "
                 f"{speed['speculative_tokens_per_s']:.1f} tok/s speculative ({speed['speedup']:.2f}x)")
+        serving = _serving_speed(target, tmp, prompts[:serving_speed_prompts], device, max_new_tokens, stop, log) \
+            if serving_speed_prompts > 0 else None
         if curve_prompts > 0:
             curve = _learning_curve(store, files, tmp, prompts[:curve_prompts], evaluate, log)
         promotion = None
@@ -487,7 +519,8 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
                                  promotion_margin, evaluate, log)
     metrics = result.to_metadata()
     store.write_json(layout.drafter_eval(name), {**metrics, "per_prompt": result.per_prompt, "held_out": held_out,
-                                                 "decode_speed": speed, "learning_curve": curve})
+                                                 "decode_speed": speed, "serving_speed": serving,
+                                                 "learning_curve": curve})
     counts = result.acceptance_length_counts + [0] * (recipe.block_size + 1 - len(result.acceptance_length_counts))
     by_cat = "\n".join(["| category | tau |", "| --- | ---: |"]
                        + [f"| {c} | {t:.3f} |" for c, t in sorted(result.tau_by_category.items())])
@@ -499,6 +532,7 @@ def eval_recipe(store: Any, name: str, target: Any, *, num_prompts: int = 16, ma
         "acceptance_by_position": [round(x, 4) for x in share_at_least(counts)],
         "wall_s": round(float(result.wall_s), 1), "workers": workers,
         **({"decode_speed": speed} if speed is not None else {}),
+        **({"serving_speed": serving} if serving is not None else {}),
         # Chart data: [sequence tokens trained, tau on the first curve_prompts prompts] per saved checkpoint.
         **({"learning_curve": [[c["tokens"], c["tau"]] for c in curve]} if curve else {}),
         # Chart data: {slice: [[tokens, tau], ...]} over the curve checkpoints (and tau by slice of the final one).

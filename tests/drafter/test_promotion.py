@@ -202,7 +202,10 @@ def test_eval_recipe_promotes_the_first_checkpoint_and_not_one_that_does_not_bea
     assert all(store.exists(key) for key in read_promoted(store, "demo")["files"].values())
 
     second = eval_recipe(store, "demo-v2", spec, num_prompts=3, max_new_tokens=6, device="cpu", dtype="float32",
-                         promotion_margin=0.05)
+                         promotion_margin=0.05, serving_speed_prompts=2)
+    served = second["serving_speed"]  # the served path (bfloat16, static caches; eager on a CPU) beside tau
+    assert (served["num_prompts"], served["dtype"], served["graphs"]) == (2, "bfloat16", False)
+    assert served["target_tokens"] == served["speculative_tokens"] == 12 and served["speedup"] > 0
     p = second["promotion"]
     assert p["remeasured_previous"] is True and p["previous_recipe"] == "demo-v1"
     assert p["tau_delta"] == round(p["candidate_tau"] - p["previous_tau"], 4)
