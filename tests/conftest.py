@@ -10,9 +10,10 @@ from dflash_assets.store.backends import LocalStore, S3Store
 from tests.ports import free_port
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group marks into work units
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``make test``: two workers, ``--dist loadgroup``), the readers of the tiny demo run on
-    one worker, so the demo runs once per suite, not once per worker."""
+    one worker, so the demo runs once per suite, not once per worker (tests/test_suite_workers.py)."""
     for item in items:
         if "tiny_demo" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("tiny_demo"))
