@@ -55,14 +55,11 @@ demo: $(SMOLLM2_STAMP)
 demo-tiny: $(STAMP)
 	$(BIN)/python -m dagster_project.demo --target tiny
 
-# Two pytest workers (pytest-xdist); the tests that read the shared tiny demo run on one of them.
-# TEST_WORKERS=0 runs the suite in one process.
-TEST_WORKERS ?= 2
 test: $(STAMP) $(SMOLLM2_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP) $(SMOLLM2_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m 'not slow'
+	$(BIN)/python -m pytest -q -m 'not slow'
 
 # The UI on make demo's target (SmolLM2) unless DFLASH_TARGET_MODEL is set; `make ui-tiny` on the tiny target.
 ui: $(SMOLLM2_STAMP)

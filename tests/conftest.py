@@ -10,19 +10,6 @@ from dflash_assets.store.backends import LocalStore, S3Store
 from tests.ports import free_port
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group marks into work units
-def pytest_collection_modifyitems(config, items):
-    """Work units for ``make test``'s two pytest-xdist workers (``--dist loadgroup``): the readers of the tiny demo
-    form one unit, so the demo runs once per suite (tests/test_suite_workers.py); every other test goes with its
-    module, so a module's fixtures (a ``dagster dev``, a trained drafter) are set up on one worker only. Modules
-    with slow tests come first: the longest units start early and the two workers end together."""
-    for item in items:
-        group = "tiny_demo" if "tiny_demo" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-    slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)
-
-
 @pytest.fixture(autouse=True)
 def prompt_sources_under_tmp(tmp_path_factory, monkeypatch):
     """The test session is the deployment: a run may ingest sources under pytest's temp dirs.

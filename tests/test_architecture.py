@@ -298,7 +298,6 @@ TOP_LEVEL_TESTS = {
     "test_end_to_end.py": "the demo graph through Dagster, every stage",
     "test_lock.py": "constraints.txt against pyproject.toml",
     "test_trust_boundaries.py": "what a run may read and where secrets go, across the Dagster layer and the library",
-    "test_suite_workers.py": "make test's pytest-xdist workers: the shared tiny demo's readers on one of them",
 }
 # Test folders named other than a package of dflash_assets: `library` holds the tests of dflash_assets' top-level
 # modules (dflash_assets/cache_keys.py -> tests/library/test_cache_keys.py); the Dagster layer mirrors its own tree;
