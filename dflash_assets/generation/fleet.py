@@ -282,10 +282,12 @@ def _status_row(ep: EndpointConfig, engine: Engine, probe: EngineProbe, config: 
 
 def _router_rows(ep: EndpointConfig, row: EndpointStatus, workers: tuple[RouterWorker, ...],
                  config: EngineFleetConfig) -> tuple[EndpointStatus, list[RouterWorkerStatus]]:
-    """A router endpoint's row judged by its workers (``router_verdict``), and one row per worker."""
+    """A router endpoint's row judged by its workers (``router_verdict``), and one row per worker, by URL (the
+    router lists them in no fixed order; the probe's table stays the same from one probe to the next)."""
     alias = ep.served_model_name or config.served_model_name
     rows = [RouterWorkerStatus(row.endpoint, w.url, w.model_id, w.healthy, w.load,
-                               serves_target(w.names, config.target_model, alias) is not None) for w in workers]
+                               serves_target(w.names, config.target_model, alias) is not None)
+            for w in sorted(workers, key=lambda w: w.url)]
     return router_verdict(row, rows, config.target_model), rows
 
 
