@@ -230,11 +230,23 @@ def decode_speed(target, drafter: DFlashDrafter, prompts: Sequence[EvalPrompt], 
     synchronized before and after each), alternating which goes first. Tokens/s = new tokens / seconds, summed
     over the prompts. `outputs_equal` counts prompts where both produced the same tokens (lossless)."""
     dev = next(target.parameters()).device
-    drafter = drafter.to(dev, next(target.parameters()).dtype)
-    dec = SpeculativeDecoder(target, drafter)
+    dec = SpeculativeDecoder(target, drafter.to(dev, next(target.parameters()).dtype))
+    return compare_decode_speed(
+        target, prompts, max_new_tokens,
+        lambda ids: greedy_generate(target, ids, max_new_tokens, stop_token_ids),
+        lambda ids: dec.generate(ids, max_new_tokens, stop_token_ids))
+
+
+def compare_decode_speed(target, prompts: Sequence[EvalPrompt], max_new_tokens: int,
+                         run_target: Callable[[Sequence[int]], list[int]],
+                         run_speculative: Callable[[Sequence[int]], SpecOutput]) -> dict[str, Any]:
+    """The timing rule every speed-up follows: one untimed warm-up of each path on the first prompt; then,
+    prompt by prompt, both timed (the device synchronized before and after each), alternating which goes first;
+    tokens/s summed over the prompts; `outputs_equal`: prompts where both wrote the same tokens."""
+    dev = next(target.parameters()).device
     if prompts:
-        greedy_generate(target, prompts[0].input_ids, max_new_tokens, stop_token_ids)
-        dec.generate(prompts[0].input_ids, max_new_tokens, stop_token_ids)
+        run_target(prompts[0].input_ids)
+        run_speculative(prompts[0].input_ids)
     seconds = {"target": 0.0, "speculative": 0.0}
     tokens = {"target": 0, "speculative": 0}
     equal, verifications = 0, 0
@@ -244,9 +256,9 @@ def decode_speed(target, drafter: DFlashDrafter, prompts: Sequence[EvalPrompt], 
             _synchronize(dev)
             t0 = time.perf_counter()
             if which == "target":
-                outs[which] = greedy_generate(target, p.input_ids, max_new_tokens, stop_token_ids)
+                outs[which] = run_target(p.input_ids)
             else:
-                so = dec.generate(p.input_ids, max_new_tokens, stop_token_ids)
+                so = run_speculative(p.input_ids)
                 outs[which] = so.output_ids
                 verifications += len(so.acceptance_lengths)
             _synchronize(dev)

@@ -23,12 +23,12 @@ Reads loaded models; writes nothing. Imports torch and the library (transformers
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Sequence
 
 import torch
 
-from dflash_assets.drafter.decoding import EvalPrompt, SpecOutput, _cache_kwarg, _logits_kwargs, _synchronize
+from dflash_assets.drafter.decoding import (EvalPrompt, SpecOutput, _cache_kwarg, _logits_kwargs,
+                                            compare_decode_speed)
 from dflash_assets.drafter.model import DFlashDrafter, TargetHead
 from dflash_assets.generation.slot_decoding import unsupported_reason
 from dflash_assets.target_model.layer_capture import LayerCapture
@@ -293,14 +293,6 @@ class GraphSpeculativeDecoder:
         return SpecOutput(out[:max_new_tokens], lengths)
 
 
-def _timed(device, fn):
-    _synchronize(device)
-    t0 = time.perf_counter()
-    result = fn()
-    _synchronize(device)
-    return result, time.perf_counter() - t0
-
-
 @torch.inference_mode()
 def graph_decode_speed(target, drafter: DFlashDrafter, prompts: Sequence[EvalPrompt], *, max_new_tokens: int,
                        stop_token_ids: Sequence[int] = (), graphs: bool | None = None) -> dict[str, Any]:
@@ -310,34 +302,10 @@ def graph_decode_speed(target, drafter: DFlashDrafter, prompts: Sequence[EvalPro
     also captures the graphs of the views it meets); then, prompt by prompt, both are timed (the device
     synchronized before and after each), alternating which goes first. `outputs_equal` counts prompts where both
     produced the same tokens (lossless)."""
-    dev, dtype = next(target.parameters()).device, next(target.parameters()).dtype
     max_len = max((len(p.input_ids) for p in prompts), default=1) + max_new_tokens
     base = GraphTargetDecoder(target, max_len, graphs)
     spec = GraphSpeculativeDecoder(target, drafter, max_len, graphs)
-    if prompts:
-        base.generate(prompts[0].input_ids, max_new_tokens, stop_token_ids)
-        spec.generate(prompts[0].input_ids, max_new_tokens, stop_token_ids)
-    seconds = {"target": 0.0, "speculative": 0.0}
-    tokens = {"target": 0, "speculative": 0}
-    equal, verifications = 0, 0
-    for i, p in enumerate(prompts):
-        outs = {}
-        for which in (("target", "speculative") if i % 2 == 0 else ("speculative", "target")):
-            if which == "target":
-                outs[which], s = _timed(dev, lambda: base.generate(p.input_ids, max_new_tokens, stop_token_ids))
-            else:
-                so, s = _timed(dev, lambda: spec.generate(p.input_ids, max_new_tokens, stop_token_ids))
-                outs[which] = so.output_ids
-                verifications += len(so.acceptance_lengths)
-            seconds[which] += s
-            tokens[which] += len(outs[which])
-        equal += outs["target"] == outs["speculative"]
-    rate = {k: tokens[k] / seconds[k] if seconds[k] > 0 else 0.0 for k in seconds}
-    return {"num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "device": dev.type,
-            "dtype": str(dtype).replace("torch.", ""), "graphs": base.core.graphs.enabled,
-            "target_tokens_per_s": round(rate["target"], 2), "speculative_tokens_per_s": round(rate["speculative"], 2),
-            "speedup": round(rate["speculative"] / rate["target"], 3) if rate["target"] else 0.0,
-            "target_tokens": tokens["target"], "speculative_tokens": tokens["speculative"],
-            "target_s": round(seconds["target"], 3), "speculative_s": round(seconds["speculative"], 3),
-            "tau": round((tokens["speculative"] - len(prompts)) / max(verifications, 1), 4),
-            "outputs_equal": int(equal)}
+    speed = compare_decode_speed(target, prompts, max_new_tokens,
+                                 lambda ids: base.generate(ids, max_new_tokens, stop_token_ids),
+                                 lambda ids: spec.generate(ids, max_new_tokens, stop_token_ids))
+    return {**speed, "graphs": base.core.graphs.enabled}
