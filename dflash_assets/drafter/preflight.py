@@ -10,8 +10,8 @@ learn the wrong thing for hours. :func:`run_preflight` takes minutes at most (se
    ``new_tokens + B`` tokens (what a lossless decode writes), and the target's features at the layers the
    recipe's data carries (a hidden-state cache's header; online, the drafter's own), as one cache part;
 2. the recipe's drafter (its layers, block size, target layers, mask id, objective) trained on it by
-   ``training.train_drafter`` with every anchor at learning rate ``lr`` until every block position is right on
-   the set (at most ``steps`` steps);
+   ``training.train_drafter`` with every anchor at learning rate ``lr`` until it has memorized the set: every
+   block position right on it, or every prompt decoded at the most a drafter can get (at most ``steps`` steps);
 3. the drafter decoded on those prompts for ``new_tokens`` tokens by ``decoding.evaluate_drafter`` (greedy,
    lossless checked), and teacher-forced (``tau_estimate``) on the features training saw and on those decoding sees;
 4. the recipe's cached features themselves (offline) against the target's layers as decoding captures them
@@ -40,7 +40,11 @@ import torch
 
 from dflash_assets.drafter.recipe import DrafterRecipe
 
-__all__ = ["PreflightResult", "PreflightFailed", "preflight_recipe", "perfect_tau", "feature_layers", "run_preflight"]
+# Training accuracy (mean over block positions) at which the set counts as learned: the bar a failed preflight's
+# diagnosis uses, and the point from which a chunk of training ends with a decode of the memorized prompts.
+MEMORIZED = 0.95
+
+__all__ = ["MEMORIZED", "PreflightResult", "PreflightFailed", "preflight_recipe", "perfect_tau", "feature_layers", "run_preflight"]
 
 
 @dataclass
@@ -127,24 +131,37 @@ def _prompts(recipe: DrafterRecipe, data_files: Sequence[str | Path], samples: i
     return prompts, (None if recipe.online else list(getattr(data, "layer_ids", None) or []) or None)
 
 
-def _memorize(pre: DrafterRecipe, part: Path, target_dir, out: Path, device, chunk: int = 20):
-    """Train in chunks of steps until every block position is right on every memorized anchor (one step is one
-    epoch: the batch is the whole set), or the steps run out. Returns (the last TrainResult, the drafter)."""
-    from safetensors.torch import load_file
-
-    from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig
-    from dflash_assets.drafter.state import latest_state_dir
+def _memorize(pre: DrafterRecipe, part: Path, target_dir, out: Path, device,
+              decodes_whole: Callable[[Any], bool] | None = None, chunk: int = 20):
+    """Train in chunks of steps until the set is memorized (one step is one epoch: the batch is the whole set), or
+    the steps run out. Memorized: every block position right on every anchor, or, once training is right on most
+    of them (``MEMORIZED``), ``decodes_whole(drafter)``: the memorized prompts decoded at the most a drafter can
+    get (some anchors, e.g. under dpace's weights the block's last positions, come right only long after).
+    Returns (the last TrainResult, the drafter)."""
     from dflash_assets.drafter.training import train_drafter
 
     done = 0
     while True:
         done = min(done + chunk, pre.epochs)
         trained = train_drafter(pre, [part], target_dir, out, resume=True, device=device, max_steps=done)
-        if done >= pre.epochs or min(trained.accuracy_by_position) >= 1.0:
+        accuracy = trained.accuracy_by_position
+        if done >= pre.epochs or min(accuracy) >= 1.0:
             break
+        if decodes_whole is not None and float(np.mean(accuracy)) >= MEMORIZED and decodes_whole(_load(trained, out)):
+            break
+    return trained, _load(trained, out)
+
+
+def _load(trained, out: Path):
+    """The drafter of the latest training state under ``out``, in float32, for decoding."""
+    from safetensors.torch import load_file
+
+    from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash_assets.drafter.state import latest_state_dir
+
     drafter = DFlashDrafter(DrafterConfig.from_hf_dict(trained.config))
     drafter.load_state_dict(load_file(str(latest_state_dir(out / "state") / "drafter.safetensors")))
-    return trained, drafter.float().eval()
+    return drafter.float().eval()
 
 
 @torch.no_grad()
@@ -192,7 +209,7 @@ def _drafter_layers(recipe: DrafterRecipe, target_dir: str | Path) -> list[int]:
     return list(config.target_layer_ids)
 
 
-def _diagnose(r: PreflightResult, memorized: float = 0.95, min_acc: float = 0.75) -> list[str]:
+def _diagnose(r: PreflightResult, memorized: float = MEMORIZED, min_acc: float = 0.75) -> list[str]:
     """What to look at, from where accuracy is lost: training, the labels, the features' layers, or decoding.
     Teacher-forced accuracy counts every anchor, also those near a sequence's end that training never anchors
     (no full block fits): it sits below training's on a memorized set, hence the lower bar ``min_acc``."""
@@ -222,8 +239,8 @@ def run_preflight(recipe: DrafterRecipe, data_files: Sequence[str | Path], targe
                   lr: float = 3e-3, min_ratio: float = 0.8, device: str | None = None,
                   work_dir: str | Path | None = None, log: Callable[[str], None] = print) -> PreflightResult:
     """Memorize, decode, judge (see the module docstring). ``new_tokens`` (default B + 1: one verification that
-    can accept every block position, after the prefill's token); ``steps``: at most, training stops once every
-    position is right on the set; ``min_ratio``: of ``perfect_tau``, for a pass."""
+    can accept every block position, after the prefill's token); ``steps``: at most, training stops once the set is
+    memorized (``_memorize``); ``min_ratio``: of ``perfect_tau``, for a pass."""
     from dflash_assets.drafter.decoding import EvalPrompt, evaluate_drafter, load_target
     from dflash_assets.drafter.model import TargetHead
     from dflash_assets.drafter.tau_estimate import build_slice, estimate_tau, save_slice
@@ -240,14 +257,20 @@ def run_preflight(recipe: DrafterRecipe, data_files: Sequence[str | Path], targe
     try:
         seen = build_slice(model, prompts, data_layers, max_new_tokens=new_tokens + B)
         part = save_slice(own / "memorize.safetensors", seen, target_model=str(target_dir))
+        memorized = [EvalPrompt(tuple(ids[:n].tolist()), "preflight", pid)
+                     for ids, n, pid in zip(seen.input_ids, seen.prompt_lens, seen.prompt_ids)]
+        dev = next(model.parameters()).device
+
+        def decodes_whole(drafter) -> bool:
+            got = evaluate_drafter(drafter.to(dev), model, memorized, max_new_tokens=new_tokens, check_lossless=True)
+            return bool(got.lossless) and got.tau >= perfect_tau(new_tokens, B)
+
         trained, drafter = _memorize(preflight_recipe(recipe, samples=len(seen), steps=steps, lr=lr), part,
-                                     target_dir, own / "train", device)
-        drafter = drafter.to(next(model.parameters()).device)
+                                     target_dir, own / "train", device, decodes_whole)
+        drafter = drafter.to(dev)
         layers = {"data": list(data_layers), "drafter": list(drafter.config.target_layer_ids)}
         head = TargetHead.from_model(model)
         forced = estimate_tau(drafter, head, seen)
-        memorized = [EvalPrompt(tuple(ids[:n].tolist()), "preflight", pid)
-                     for ids, n, pid in zip(seen.input_ids, seen.prompt_lens, seen.prompt_ids)]
         at_decode = forced if layers["data"] == layers["drafter"] else estimate_tau(
             drafter, head, build_slice(model, memorized, layers["drafter"], max_new_tokens=new_tokens + B))
         decoded = evaluate_drafter(drafter, model, memorized, max_new_tokens=new_tokens, check_lossless=True)

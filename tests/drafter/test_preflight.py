@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_assets.drafter import loss
-from dflash_assets.drafter.preflight import PreflightFailed, perfect_tau, preflight_recipe, run_preflight
+from dflash_assets.drafter.preflight import MEMORIZED, PreflightFailed, perfect_tau, preflight_recipe, run_preflight
 from dflash_assets.drafter.recipe import DrafterRecipe
 from tests.drafter.test_training import mini, mini_recipe  # noqa: F401
 
@@ -29,9 +29,10 @@ def test_the_preflight_recipe_keeps_what_must_be_proven():
 def test_the_mini_recipe_passes(mini, objective):
     res = run_preflight(mini_recipe(objective=objective), [mini["cache"]], mini["target_dir"], device="cpu")
     assert res.passed and res.lossless and res.tau == res.tau_max == 8.0, res.to_metadata()
-    # dpace weighs a position by the chance a draft survives to it: the block's last positions are memorized last
-    # (decoding every prompt at tau = B is what passes)
-    assert min(res.train_accuracy_by_position) >= (1.0 if objective == "dflash" else 0.9) and res.problems == []
+    # training stops once the set is memorized: every prompt decoded at tau = B, well before the 200 steps at most
+    # (dpace weighs a position by the chance a draft survives to it: the block's last positions come right last)
+    train = res.train_accuracy_by_position
+    assert sum(train) / len(train) >= MEMORIZED and res.steps < 200 and res.problems == [], res.to_metadata()
     assert res.layer_ids == {"data": [1, 3], "drafter": [1, 3]}
 
 
