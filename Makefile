@@ -55,11 +55,18 @@ demo: $(SMOLLM2_STAMP)
 demo-tiny: $(STAMP)
 	$(BIN)/python -m dagster_project.demo --target tiny
 
+# Two pytest-xdist workers, a test module each (modules in the order tests/conftest.py gives, slow ones first), one
+# torch thread each: on 2 cores two single-threaded workers do not fight over them as two-threaded ones do.
+# TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q \
+	$(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
 test: $(STAMP) $(SMOLLM2_STAMP)
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: $(STAMP) $(SMOLLM2_STAMP)
-	$(BIN)/python -m pytest -q -m 'not slow'
+	$(PYTEST) -m 'not slow'
 
 # The UI on make demo's target (SmolLM2) unless DFLASH_TARGET_MODEL is set; `make ui-tiny` on the tiny target.
 ui: $(SMOLLM2_STAMP)

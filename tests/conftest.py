@@ -9,6 +9,18 @@ import pytest
 from dflash_assets.store.backends import LocalStore, S3Store
 from tests.ports import free_port
 
+# The module that holds every test reading the session's tiny demo (tests/test_architecture.py checks it).
+WHOLE_GRAPH_TESTS = "test_end_to_end.py"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The order ``make test``'s pytest-xdist workers take modules in (``--dist loadfile --no-loadscope-reorder``:
+    a module's tests on one worker, modules handed out in collection order): the tiny demo's readers first (the
+    demo is the longest chain), then the modules with slow tests, then the rest, so the longest modules start
+    early and the two workers end together. The order within a module is kept."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.path.name != WHOLE_GRAPH_TESTS, item.path not in slow))
+
 
 @pytest.fixture(autouse=True)
 def prompt_sources_under_tmp(tmp_path_factory, monkeypatch):

@@ -382,3 +382,18 @@ def test_settings_are_read_in_the_settings_modules_only():
              if path.relative_to(PACKAGE.parent).as_posix() not in SETTINGS_MODULES for r in _environment_reads(path)]
     assert reads == []
     assert _environment_reads(DAGSTER / "profile.py"), "the check finds the reads it looks for"
+
+
+def test_the_tiny_demo_is_read_in_one_module_only():
+    """Every test that takes the session's tiny demo (the ``tiny_demo`` fixture) is in tests/test_end_to_end.py:
+    ``make test``'s pytest-xdist workers take a module each, so the demo runs once per suite, on one worker."""
+    from tests.conftest import WHOLE_GRAPH_TESTS
+
+    readers = {}
+    for path in sorted(TESTS.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") \
+                    and "tiny_demo" in [a.arg for a in node.args.args]:
+                readers.setdefault(path.relative_to(TESTS).as_posix(), []).append(node.name)
+    assert set(readers) == {WHOLE_GRAPH_TESTS}, readers
+    assert len(readers[WHOLE_GRAPH_TESTS]) >= 4  # the check finds the readers it looks for

@@ -1,11 +1,8 @@
 """Provenance in every checkpoint and `dflash inspect`.
 
 `build_provenance` on a store filled by the real ingest, with completions Parquet in the real schema whose
-`config_hash` comes from `GenerationConfig.config_hash`; then the whole demo graph (the session's tiny demo on
-S3, the `tiny_demo` fixture): the published checkpoint's manifest names `provenance.json`, which records the trained partitions,
-the target's identity, the completions' engine and the demo's own sampling settings, the recipe, code
-versions and the decontamination result; the blocking `decontamination` and `serving_match` checks pass; and
-`dflash inspect` prints it from a directory and from the store.
+`config_hash` comes from `GenerationConfig.config_hash`; `dflash inspect` prints it from a directory and from the
+store. The demo graph's own provenance (the session's tiny demo) is read in tests/test_end_to_end.py.
 """
 
 from __future__ import annotations
@@ -132,39 +129,3 @@ def test_dflash_inspect_prints_a_directory_or_a_store_recipe(trained_store, tmp_
     assert "no provenance.json" in capsys.readouterr().err
     assert cli_main(["inspect", store.uri, "--recipe", "never-trained"]) == 2
     assert "has no published provenance.json" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1700)  # the first reader of tiny_demo waits for the demo's run
-def test_the_demo_graph_publishes_provenance_and_passes_the_new_checks(tiny_demo, capsys, monkeypatch):
-    from dagster_project.demo import TARGET_DEFAULTS
-
-    assert tiny_demo.done.returncode == 0, tiny_demo.console
-    with tiny_demo.instance() as instance:
-        evaluations = [e.dagster_event.event_specific_data for r in instance.get_runs()
-                       for e in instance.all_logs(r.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)]
-        checks = {e.asset_check_key.name: e for e in evaluations}  # the drafter's checks: one recipe, demo-v1
-        assert checks["decontamination"].passed and checks["serving_match"].passed, checks
-        event = instance.get_latest_materialization_event(dg.AssetKey("drafter_checkpoint")).asset_materialization
-        shown = event.metadata["provenance"].value
-        assert shown["thinking"] is True and shown["partitions_trained"] == 1
-        shards = sorted(instance.get_dynamic_partitions("prompt_shards"))
-
-    store = tiny_demo.store()
-    files = layout.drafter_checkpoint_files(store, "demo-v1")
-    assert {"model.safetensors", "config.json", "train_metrics.json", PROVENANCE_FILE} <= set(files)
-    doc = json.loads(store.read_bytes(files[PROVENANCE_FILE]))
-    assert doc["partitions"]["shards"] == [shards[0]]
-    assert doc["decontamination"]["passed"] is True
-    assert doc["decontamination"]["eval_prompts"] == TARGET_DEFAULTS["tiny"]["shard_size"]  # the held-out shard
-    (hashes,) = [v["config_hashes"] for v in doc["completions"].values()]
-    (settings,) = [g["settings"] for g in hashes.values()]
-    # the demo's run config, found by its hash
-    assert settings is not None and settings["max_new_tokens"] == TARGET_DEFAULTS["tiny"]["max_new_tokens"]
-    import hashlib
-
-    for name in ("model.safetensors", "config.json"):  # the provenance describes the files published with it
-        assert doc["checkpoint_files"][name] == hashlib.sha256(store.read_bytes(files[name])).hexdigest()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", tiny_demo.endpoint)  # `dflash inspect` builds its own S3 client
-    assert cli_main(["inspect", tiny_demo.store_uri, "--recipe", "demo-v1"]) == 0
-    assert "decontamination: passed" in capsys.readouterr().out
