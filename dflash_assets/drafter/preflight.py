@@ -44,7 +44,8 @@ from dflash_assets.drafter.recipe import DrafterRecipe
 # diagnosis uses, and the point from which a chunk of training ends with a decode of the memorized prompts.
 MEMORIZED = 0.95
 
-__all__ = ["MEMORIZED", "PreflightResult", "PreflightFailed", "preflight_recipe", "perfect_tau", "feature_layers", "run_preflight"]
+__all__ = ["MEMORIZED", "PreflightResult", "PreflightFailed", "preflight_recipe", "perfect_tau", "feature_layers",
+           "run_preflight"]
 
 
 @dataclass
@@ -147,12 +148,13 @@ def _memorize(pre: DrafterRecipe, part: Path, target_dir, out: Path, device,
         accuracy = trained.accuracy_by_position
         if done >= pre.epochs or min(accuracy) >= 1.0:
             break
-        if decodes_whole is not None and float(np.mean(accuracy)) >= MEMORIZED and decodes_whole(_load(trained, out)):
+        learned = float(np.mean(accuracy)) >= MEMORIZED
+        if decodes_whole is not None and learned and decodes_whole(_load_drafter(trained, out)):
             break
-    return trained, _load(trained, out)
+    return trained, _load_drafter(trained, out)
 
 
-def _load(trained, out: Path):
+def _load_drafter(trained, out: Path):
     """The drafter of the latest training state under ``out``, in float32, for decoding."""
     from safetensors.torch import load_file
 

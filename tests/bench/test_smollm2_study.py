@@ -10,7 +10,6 @@ goes on to a trained drafter and its tau, and a third run finds every stage done
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -44,16 +43,14 @@ def test_a_bad_duration_is_refused(study, text):
 
 def run_study(out: Path, *extra: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "bench" / "smollm2_study.py"), "--out", str(out), *TINY,
-                           *extra], cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+                           *extra], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
 def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
     out = tmp_path / "study"
     first = subprocess.Popen([sys.executable, str(REPO / "bench" / "smollm2_study.py"), "--out", str(out), *TINY],
-                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "2"})
+                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     partial = out / "reports" / "generate.partial.json"
     deadline = time.monotonic() + 600
     while not partial.exists() and first.poll() is None and time.monotonic() < deadline:

@@ -46,9 +46,6 @@ def test_sampling_settings_are_checked():
 
 
 def test_smollm2_writes_requests_that_end_their_turn_and_answers_between_turns(smollm2_spec):
-    import torch
-
-    torch.set_num_threads(2)
     model = smollm2_spec.load_model("cpu", "float32")
     sampler = UserTurnSampler(model, smollm2_spec.chat(), SelfPromptSampling(max_new_tokens=48, turns=2,
                                                                              answer_max_new_tokens=48))
