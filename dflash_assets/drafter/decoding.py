@@ -224,11 +224,8 @@ def _synchronize(device: torch.device) -> None:
 def decode_speed(target, drafter: DFlashDrafter, prompts: Sequence[EvalPrompt], *, max_new_tokens: int,
                  stop_token_ids: Sequence[int] = ()) -> dict[str, Any]:
     """Wall-clock decode speed at batch 1: the target alone (`greedy_generate`) against speculative decoding
-    with `drafter` (`SpeculativeDecoder`), same process, same target and precision, on the same prompts.
-
-    One untimed warm-up of each on the first prompt; then, prompt by prompt, both are timed (the device
-    synchronized before and after each), alternating which goes first. Tokens/s = new tokens / seconds, summed
-    over the prompts. `outputs_equal` counts prompts where both produced the same tokens (lossless)."""
+    with `drafter` (`SpeculativeDecoder`), same process, same target and precision, on the same prompts, timed
+    as `compare_decode_speed` times every speed-up."""
     dev = next(target.parameters()).device
     dec = SpeculativeDecoder(target, drafter.to(dev, next(target.parameters()).dtype))
     return compare_decode_speed(

@@ -298,10 +298,8 @@ def graph_decode_speed(target, drafter: DFlashDrafter, prompts: Sequence[EvalPro
                        stop_token_ids: Sequence[int] = (), graphs: bool | None = None) -> dict[str, Any]:
     """Wall-clock decode speed at batch 1 through `GraphTargetDecoder` against `GraphSpeculativeDecoder` (the
     drafter cast to the target's device and dtype), same process, same target, same prompts; the keys of
-    `decoding.decode_speed` plus ``graphs`` and ``dtype``. One untimed warm-up of each on the first prompt (it
-    also captures the graphs of the views it meets); then, prompt by prompt, both are timed (the device
-    synchronized before and after each), alternating which goes first. `outputs_equal` counts prompts where both
-    produced the same tokens (lossless)."""
+    `decoding.decode_speed` plus ``graphs``, timed by `decoding.compare_decode_speed` (its untimed warm-up also
+    captures the graphs of the views it meets)."""
     max_len = max((len(p.input_ids) for p in prompts), default=1) + max_new_tokens
     base = GraphTargetDecoder(target, max_len, graphs)
     spec = GraphSpeculativeDecoder(target, drafter, max_len, graphs)

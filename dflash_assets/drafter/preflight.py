@@ -148,9 +148,10 @@ def _memorize(pre: DrafterRecipe, part: Path, target_dir, out: Path, device,
         accuracy = trained.accuracy_by_position
         if done >= pre.epochs or min(accuracy) >= 1.0:
             break
-        learned = float(np.mean(accuracy)) >= MEMORIZED
-        if decodes_whole is not None and learned and decodes_whole(_load_drafter(trained, out)):
-            break
+        if decodes_whole is not None and float(np.mean(accuracy)) >= MEMORIZED:
+            drafter = _load_drafter(trained, out)
+            if decodes_whole(drafter):
+                return trained, drafter
     return trained, _load_drafter(trained, out)
 
 
