@@ -85,6 +85,15 @@ def parse_duration(text: str) -> float:
     return h * 3600 + m * 60 + s
 
 
+def profile_window(text: str) -> tuple[int, int]:
+    from dflash_assets.drafter.step_profile import parse_step_window
+
+    try:
+        return parse_step_window(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def write_json(path: Path, doc: dict) -> None:
     """`doc` written to `path` atomically: a killed run leaves the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -416,7 +425,8 @@ def train_stage(args, study: Study) -> dict:
     try:
         train = train_recipe(store, recipe.name, spec, work_dir=str(args.out / "train"), device=args.device, log=log,
                              log_every=args.log_every, time_budget_s=budget if args.time_budget else None,
-                             preflight=args.preflight, preflight_run=f"study-{os.getpid()}")
+                             preflight=args.preflight, preflight_run=f"study-{os.getpid()}",
+                             profile_steps=args.profile_steps)
     finally:
         study.add_time(sid, time.perf_counter() - t)
     flops = training_flops(recipe, Path(spec.model_path), train)
@@ -463,7 +473,8 @@ def summary(args, study: Study) -> dict:
         "training": {"recipe": train.get("recipe", {}).get("name"), **{k: ckpt.get(k) for k in (
             "objective", "steps", "sequence_tokens", "tokens_per_s", "final_loss", "tau_while_training",
             "tau_by_tokens",
-            "best_checkpoint", "stop_reason", "preflight", "padded_block_share", "padded_context_share")},
+            "best_checkpoint", "stop_reason", "preflight", "padded_block_share", "padded_context_share",
+            "profile")},
             "mfu": train.get("mfu", {}).get("mfu"),
             "peak_tflops": train.get("mfu", {}).get("peak_tflops")},
         "evaluation": {k: ev.get(k) for k in ("tau", "lossless", "num_prompts", "held_out", "acceptance_by_position",
@@ -591,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=int, default=600, help="steps between saved states (learning-curve points)")
     g.add_argument("--no-compile", dest="compile", action="store_false", help="train eagerly on a GPU")
     g.add_argument("--log-every", type=int, default=50)
+    g.add_argument("--profile-steps", type=profile_window, default=None, metavar="START:STOP",
+                   help="torch.profiler over these training steps: wall and device-busy ms per step, the top "
+                   "kernels (the train report's drafter_checkpoint.profile)")
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-prompts", type=int, default=64)
     g.add_argument("--eval-new-tokens", type=int, default=128)

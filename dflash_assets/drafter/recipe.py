@@ -245,6 +245,7 @@ class TrainResult:
     tau_history: list[dict[str, Any]] = field(default_factory=list)
     best: dict[str, Any] | None = None
     stop_reason: str = ""  # why the run ended: "completed", "early stop: ...", or "" while unfinished
+    profile: dict[str, Any] | None = None  # step_profile.StepProfiler's summary of the profiled window, if one ran
 
     @property
     def finished(self) -> bool:

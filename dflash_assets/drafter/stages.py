@@ -113,7 +113,7 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
                  max_steps: int | None = None, log: Callable[[str], None] = logger.info,
                  log_every: int = 10, time_budget_s: float | None = None,
                  provenance_inputs: dict[str, Any] | None = None, preflight: bool = False,
-                 preflight_run: str = "") -> dict[str, Any]:
+                 preflight_run: str = "", profile_steps: tuple[int, int] | None = None) -> dict[str, Any]:
     """Train the recipe ``name`` against ``target`` (a ``TargetModelSpec``); returns metadata.
 
     ``preflight``: first prove the recipe's drafter memorizes a handful of its samples and decodes them
@@ -127,7 +127,10 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
     ``time_budget_s``: the steps are cut to what fits (``train_drafter``). Every saved state (each
     ``recipe.save_every`` steps) also leaves a learning-curve checkpoint, published beside the final one as
     ``curve-step-NNNNNNNN.safetensors`` and listed (step, sequence tokens) in ``train_metrics.json``'s
-    ``curve``; ``eval_recipe(curve_prompts=...)`` measures tau on them."""
+    ``curve``; ``eval_recipe(curve_prompts=...)`` measures tau on them.
+
+    ``profile_steps``: (start, stop), the steps profiled (``train_drafter``); the summary is the result's
+    ``profile``."""
     from dflash_assets.cache_keys import build_fingerprint
     from dflash_assets.drafter.training import train_drafter
 
@@ -186,7 +189,8 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         try:
             result = train_drafter(recipe, files, target.model_path, work, resume=True, log=on_step, device=device,
                                    max_steps=max_steps, source=source, time_budget_s=time_budget_s,
-                                   on_save=on_save_recorded, init_weights=init_weights, heldout=heldout)
+                                   on_save=on_save_recorded, init_weights=init_weights, heldout=heldout,
+                                   profile_steps=profile_steps)
         except ValueError as e:
             if init_weights is None or "other tensors or shapes" not in str(e):
                 raise
@@ -194,7 +198,7 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
             warm_start = {**(warm_start or {}), "skipped": "shapes differ"}
             result = train_drafter(recipe, files, target.model_path, work, resume=True, log=on_step, device=device,
                                    max_steps=max_steps, source=source, time_budget_s=time_budget_s,
-                                   on_save=on_save_recorded, heldout=heldout)
+                                   on_save=on_save_recorded, heldout=heldout, profile_steps=profile_steps)
     finally:
         if source is not None:
             source.close()  # its local parts go with it
@@ -246,6 +250,7 @@ def _train_metadata(store: Any, recipe: Any, shards: list[str], result: Any, met
         "provenance": provenance_summary(provenance),
         **({"warm_start": warm_start} if warm_start else {}),
         **({"part_cache": result.data_stats} if result.data_stats else {}),
+        **({"profile": result.profile} if result.profile else {}),
     }
 
 

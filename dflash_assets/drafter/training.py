@@ -54,6 +54,7 @@ from dflash_assets.drafter.model import (
 )
 from dflash_assets.drafter.recipe import DrafterRecipe, TrainResult
 from dflash_assets.drafter.state import latest_state_dir, load_training_state, save_training_state
+from dflash_assets.drafter.step_profile import StepProfiler
 from dflash_assets.drafter.tau_estimate import HeldoutSlice, TauWatch
 from dflash_assets.target_model.conventions import mask_token_id_in_dir
 from dflash_assets.target_model.layer_capture import LayerCapture
@@ -327,6 +328,7 @@ def train_drafter(
     init_weights: str | Path | None = None,
     heldout: HeldoutSlice | Callable[[DrafterConfig], HeldoutSlice | None] | None = None,
     packed: bool = True,
+    profile_steps: tuple[int, int] | None = None,
 ) -> TrainResult:
     """Train (or continue training) a drafter; see the module docstring for what is read and written.
 
@@ -355,6 +357,8 @@ def train_drafter(
     padded to the longest), else one padded row per sample (always so with SDPA on a GPU); the same losses either
     way, so the recipe does not name it. The padded shares of what was computed are in the result (``padded_block_share``,
     ``padded_context_share``) and in each step's log.
+    profile_steps: (start, stop): ``torch.profiler`` over the steps after ``start`` up to ``stop`` on rank 0
+    (``step_profile.StepProfiler``); its summary is ``TrainResult.profile`` (None when the run does not pass them).
     """
     t_start = time.perf_counter()
     rank, world, local_rank = _dist_info()
@@ -386,8 +390,10 @@ def train_drafter(
     if src is not None:
         total = schedule["total"] = int(_resume(progress, src, parts, scheduler, device, recipe, world, watch) or total)
     tau_on = heldout is not None and recipe.tau_prompts > 0  # known alike on every rank (rank 0 holds the slice)
+    profiler = StepProfiler(*profile_steps, device) if profile_steps is not None and rank == 0 else None
     t_loop = _train_loop(recipe, parts, data, plan, scheduler, schedule, progress, watch, tau_on, state_root,
-                         device, attention, world, rank, max_steps, source, time_budget_s, log, on_save, packed)
+                         device, attention, world, rank, max_steps, source, time_budget_s, log, on_save, packed,
+                         profiler)
     total = schedule["total"]
     data_stats = source.stats.as_dict() if hasattr(source, "stats") else {}
     if source is not None and hasattr(source, "close"):
@@ -409,12 +415,14 @@ def train_drafter(
         world_size=world, config=parts.config.to_hf_dict(), data_stats=data_stats, draft_tokens=progress.draft_tokens,
         sequence_tokens=progress.tokens_seen, draft_slots=progress.draft_slots, context_slots=progress.context_slots,
         tau_history=watch.history if watch else [],
-        best=watch.best if watch else None, stop_reason=progress.stop_reason)
+        best=watch.best if watch else None, stop_reason=progress.stop_reason,
+        profile=profiler.summary() if profiler is not None else None)
 
 
 def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedule, progress: _Progress,
                 watch: TauWatch | None, tau_on: bool, state_root: Path, device, attention: str, world: int, rank: int,
-                max_steps, source, time_budget_s, log, on_save, packed: bool = True) -> float:
+                max_steps, source, time_budget_s, log, on_save, packed: bool = True,
+                profiler: StepProfiler | None = None) -> float:
     """Steps from `progress.step` to the plan's end (or max_steps, or an early stop); returns the loop's seconds."""
     B, cuda = recipe.block_size, device.type == "cuda"
     total = schedule["total"]
@@ -426,6 +434,8 @@ def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedul
     t_loop = time.perf_counter()
     budget = _BudgetCut(time_budget_s, progress.step, plan.total_steps, t_loop)
     while progress.step < stop:
+        if profiler is not None:
+            profiler.before_step(progress.step + 1)
         _, cpu_batch = loader.next()
         batch = cpu_batch.to(device)
         hidden = parts.features(batch.input_ids) if parts.features is not None else batch.hidden
@@ -461,6 +471,8 @@ def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedul
         progress.context_slots += context_slots
         epoch = (step - 1) // plan.steps_per_epoch
         progress.count(epoch, stats, B)
+        if profiler is not None:
+            profiler.after_step(step)
         if log is not None and rank == 0:
             el = time.perf_counter() - t_loop
             log({"step": step, "total_steps": total, "epoch": epoch, "loss": step_loss, "tokens": tokens,
