@@ -127,10 +127,7 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
     ``time_budget_s``: the steps are cut to what fits (``train_drafter``). Every saved state (each
     ``recipe.save_every`` steps) also leaves a learning-curve checkpoint, published beside the final one as
     ``curve-step-NNNNNNNN.safetensors`` and listed (step, sequence tokens) in ``train_metrics.json``'s
-    ``curve``; ``eval_recipe(curve_prompts=...)`` measures tau on them.
-
-    ``profile_steps``: (start, stop), the steps profiled (``train_drafter``); the summary is the result's
-    ``profile``."""
+    ``curve``; ``eval_recipe(curve_prompts=...)`` measures tau on them. ``profile_steps``: see ``train_drafter``."""
     from dflash_assets.cache_keys import build_fingerprint
     from dflash_assets.drafter.training import train_drafter
 

@@ -333,19 +333,16 @@ def train_drafter(
     """Train (or continue training) a drafter; see the module docstring for what is read and written.
 
     data_files: hidden-state cache partitions (offline) or tokenized-sample files (recipe.online).
-    source: where cache parts are read (default: data_files are local paths); a
-    ``hidden_states.part_cache.BoundedPartCache`` reads store keys through a bounded local cache, and is
-    told the plan's part order so it fetches ahead. It is closed when training ends.
+    source: where cache parts are read (default: data_files are local paths); a ``BoundedPartCache`` reads store
+    keys through a bounded local cache, told the plan's part order so it fetches ahead; closed at the end.
     max_steps: stop after this global step (a resumable state is saved there); for smoke runs/tests.
     log: called on every rank-0 step with {"step", "loss", "lr", "tokens_per_s", "acc_by_pos", ...}, and at each
     tau estimate with {"step", "tau", "best"}.
     time_budget_s: the steps are cut to what fits this many seconds of training, at the step time measured
-    after warm-up (steps `BUDGET_WARMUP_STEPS` to `BUDGET_WARMUP_STEPS + BUDGET_MEASURE_STEPS`: the first steps
-    compile and allocate), and cut again every `BUDGET_REPLAN_EVERY` steps at the recent pace (`budget_pace`: the
-    median of the latest windows' step times; never past the recipe's plan): early steps that meet new batch
-    widths are slower than later ones (measured on an H200: 1.26 s/step over steps 5-20 against 0.6 s/step on
-    average), so one early measurement spends a third of the budget. The cosine schedule follows the latest cut
-    and ends at the last; the run ends with a checkpoint.
+    after warm-up (steps `BUDGET_WARMUP_STEPS` to `BUDGET_WARMUP_STEPS + BUDGET_MEASURE_STEPS`), and cut again
+    every `BUDGET_REPLAN_EVERY` steps at the recent pace (`budget_pace`; never past the recipe's plan): early steps
+    that meet new batch widths are slower (H200: 1.26 s/step over steps 5-20 against 0.6 on average). The cosine
+    schedule follows the latest cut; the run ends with a checkpoint.
     on_save: called on rank 0 at every saved state with (step, sequence tokens trained so far, the drafter).
     init_weights: a drafter ``model.safetensors`` to start from (a warm start) instead of random weights; its
     tensors must have the new drafter's names and shapes (else ValueError). A resumed state overrides it.
@@ -355,10 +352,8 @@ def train_drafter(
     ``recipe.early_stop_patience`` the run ends when it has not improved for that many evaluations.
     packed: batches in the packed layout (``data.Batch``: every sample's blocks and context in one row, no sample
     padded to the longest), else one padded row per sample (always so with SDPA on a GPU); the same losses either
-    way, so the recipe does not name it. The padded shares of what was computed are in the result (``padded_block_share``,
-    ``padded_context_share``) and in each step's log.
-    profile_steps: (start, stop): ``torch.profiler`` over the steps after ``start`` up to ``stop`` on rank 0
-    (``step_profile.StepProfiler``); its summary is ``TrainResult.profile`` (None when the run does not pass them).
+    way, so the recipe does not name it. The padded shares of what was computed are in the result and each log.
+    profile_steps: (start, stop): the steps after ``start`` up to ``stop`` profiled on rank 0 (``step_profile``).
     """
     t_start = time.perf_counter()
     rank, world, local_rank = _dist_info()

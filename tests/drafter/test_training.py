@@ -17,7 +17,6 @@ import torch
 from dflash_assets.drafter.model import load_drafter
 from dflash_assets.drafter.recipe import DrafterRecipe
 from dflash_assets.drafter.state import latest_state_dir
-from dflash_assets.drafter.step_profile import parse_step_window
 from dflash_assets.drafter.training import TargetFeatures, train_drafter
 from tests.drafter.test_model import MINI_MASK, MINI_VOCAB, greedy_sequences, mini_target, one_thread, write_cache  # noqa: F401
 
@@ -127,20 +126,6 @@ def test_max_steps_stops_with_a_resumable_state(mini, tmp_path):
     rest = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "o")
     full = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "full")
     assert rest.finished and rest.losses == full.losses
-
-
-def test_a_profiled_window_reports_where_its_steps_went(mini, tmp_path):
-    r = mini_recipe(epochs=1, save_every=100)
-    plain = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "plain")
-    profiled = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "o", profile_steps=(2, 5))
-    assert plain.profile is None and profiled.losses == plain.losses  # watching changes nothing trained
-    p = profiled.profile
-    assert p["steps"] == [3, 5] and 0 < p["busy_ms_per_step"] and 0 < p["wall_ms_per_step"]
-    kernels = [k["name"] for k in p["kernels"]]
-    assert any("mm" in k for k in kernels) and p["kernels"][0]["ms_per_step"] >= p["kernels"][-1]["ms_per_step"]
-    with pytest.raises(ValueError, match="not a step window"):
-        parse_step_window("300-320")
-    assert parse_step_window("300:320") == (300, 320)
 
 
 def test_ddp_two_processes_match_one_process(mini, tmp_path):
