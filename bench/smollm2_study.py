@@ -280,6 +280,20 @@ def engine_fleet(args, target: str):
         attention="packed_gqa" if gpu else "sdpa", slot_len=args.gen_slot_len, slot_tiers=tiers)])
 
 
+def seed_answers(args, store, shard: str) -> None:
+    """With ``--answers-from OTHER``: OTHER's published completions of ``shard`` copied into this store when it has
+    none, so the completions stage reuses the rows of the same prompts (same target, same generation config:
+    its ``config_hash``) instead of generating them again; rows of other prompts are ignored."""
+    from dflash_assets.store import layout
+
+    if args.answers_from is None or store.exists(layout.completions(shard)):
+        return
+    other = store_of(args.answers_from)
+    if other.exists(layout.completions(shard)):
+        store.write_bytes(layout.completions(shard), other.read_bytes(layout.completions(shard)))
+        log(f"generate {shard}: answers of {args.answers_from} offered for reuse")
+
+
 def generate_stage(args, study: Study) -> dict:
     """``completions`` then ``tokenized_samples`` for each training shard until the generation budget is spent (no
     shard starts after it; the running one finishes). A shard whose samples are published is skipped; a shard cut
@@ -316,6 +330,7 @@ def generate_stage(args, study: Study) -> dict:
         if budget <= 0:
             log(f"generate: the generation budget is spent; {shard} and the later shards are not generated")
             break
+        seed_answers(args, store, shard)
         t = time.perf_counter()
         try:
             result = regenerate_shard(store.read_parquet(layout.raw_prompts(shard)), shard=shard, store=store,
@@ -558,6 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="self-generated prompts mixed into each training shard, W x its ShareGPT rows (0: none)")
     g.add_argument("--self-prompts-batch", type=int, default=1024, help="conversations per sampling call")
     g = p.add_argument_group("generation")
+    g.add_argument("--answers-from", type=Path, default=None, metavar="DIR",
+                   help="another study's directory: its answers to the same prompts are reused, not generated again")
     g.add_argument("--max-new-tokens", type=int, default=256, help="per assistant turn (greedy)")
     g.add_argument("--max-turns", type=int, default=2)
     g.add_argument("--gen-batch-rows", type=int, default=0, help="main slots on a GPU (0: what fits "

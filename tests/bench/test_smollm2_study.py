@@ -116,7 +116,7 @@ def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
 def test_self_generated_prompts_join_each_training_shard(tmp_path):
     """``--self-prompts 1``: the target writes prompts for both training shards (each its own draws: a second shard
     is not filtered as duplicates of the first), they are mixed in, answered and tokenized; the held-out shard
-    gets none."""
+    gets none. A second study of the ShareGPT prompts alone (``--answers-from``) reuses those answers."""
     out = tmp_path / "study"
     run = run_study(out, "--self-prompts", "1", "--stop-after", "generate")
     assert run.returncode == 0, run.stderr[-4000:]
@@ -135,6 +135,16 @@ def test_self_generated_prompts_join_each_training_shard(tmp_path):
     answered = store.read_parquet("completions/shard-00000.parquet")
     assert answered.num_rows == mix["shards"][0]["mixed_rows"]  # the self-generated prompts were answered too
     assert json.loads((out / "study.json").read_text())["self_prompts"]["kept"] == mix["kept"]
+
+    alone = tmp_path / "sharegpt-only"  # the ShareGPT prompts alone, on the answers just made: none generated
+    reuse = run_study(alone, "--answers-from", str(out), "--stop-after", "generate")
+    assert reuse.returncode == 0, reuse.stderr[-4000:]
+    assert "generate shard-00000: answers of" in reuse.stderr
+    generated = json.loads((alone / "reports" / "generate.json").read_text())
+    assert generated["completion_tokens"] == 0 and generated["published"] == ["shard-00000", "shard-00001"]
+    own = LocalStore(alone / "store").read_parquet("completions/shard-00000.parquet").to_pylist()
+    theirs = {r["prompt_id"]: r for r in answered.to_pylist()}
+    assert len(own) == 4 and all(r["messages"] == theirs[r["prompt_id"]]["messages"] for r in own)
 
 
 def test_a_second_objective_has_its_own_drafter_stages(study, tmp_path):
