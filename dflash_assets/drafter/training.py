@@ -70,14 +70,20 @@ __all__ = ["DrafterRecipe", "TrainResult", "TargetFeatures", "train_drafter", "m
 class TargetFeatures:
     """The target cut after its last needed layer, with hooks: input_ids (b, T) -> (b, T, n*H).
 
-    The same `LayerCapture` as the hidden-state cache, so online and offline features are identical."""
+    The same `LayerCapture` as the hidden-state cache, so online and offline features are identical; with
+    `compile` (a compiled recipe on a GPU), its norms and MLPs compiled as the cache's capture compiles them
+    (`hidden_states.capture.compile_elementwise`), instead of chains of eager elementwise kernels."""
 
-    def __init__(self, target_dir: str | Path, layer_ids: Sequence[int], device, dtype):
+    def __init__(self, target_dir: str | Path, layer_ids: Sequence[int], device, dtype, compile: bool = False):
         from dflash_assets.target_model.loading import load_causal_lm
 
         model = load_causal_lm(target_dir, dtype=dtype)
         self.capture = LayerCapture(model, layer_ids, cut=True).__enter__()  # held for the target's lifetime
         self.model = self.capture.text_model.to(device).eval().requires_grad_(False)
+        if compile:
+            from dflash_assets.hidden_states.capture import compile_elementwise
+
+            compile_elementwise(self.model)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -177,10 +183,11 @@ def _build_parts(recipe: DrafterRecipe, data, target_dir, device: torch.device, 
             raise ValueError(f"{init_weights}: the drafter to start from has other tensors or shapes than this run's")
         drafter.load_state_dict({k: v.to(torch.float32) for k, v in init.items()})
     head = TargetHead.from_target_dir(target_dir, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+    compiled = recipe.compile and cuda
     features = None
     if recipe.online:
-        features = TargetFeatures(target_dir, config.target_layer_ids, device, torch.bfloat16 if cuda else torch.float32)
-    compiled = recipe.compile and cuda
+        features = TargetFeatures(target_dir, config.target_layer_ids, device, torch.bfloat16 if cuda else torch.float32,
+                                  compile=compiled)
     if compiled:
         apply_inductor_workarounds()
         allow_recompiles()

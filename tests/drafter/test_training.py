@@ -184,6 +184,20 @@ def test_target_features_equal_hf_hidden_states(kind, tiny_dense_target, tiny_hy
     torch.testing.assert_close(got, torch.cat([hs[2], hs[4], hs[6]], -1), rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_target_features_equal_the_eager_ones(tiny_dense_target):
+    """A compiled recipe's online features: the target's norms and MLPs compiled (as the cache's capture does), the
+    same features as eager within float rounding, over two batch shapes."""
+    eager = TargetFeatures(tiny_dense_target, [1, 3, 5], "cpu", torch.float32)
+    compiled = TargetFeatures(tiny_dense_target, [1, 3, 5], "cpu", torch.float32, compile=True)
+    marked = [m for m in compiled.model.layers.modules() if getattr(m, "_dflash_compiled", False)]
+    assert len(marked) == 6 * 5  # per kept layer: its four RMSNorms (Qwen3 norms q and k too) and the MLP
+    assert not any(getattr(m, "_dflash_compiled", False) for m in eager.model.modules())
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((2, 24), (3, 40)):
+        ids = torch.randint(0, 1000, shape, generator=gen)
+        torch.testing.assert_close(compiled(ids), eager(ids), rtol=1e-3, atol=1e-3)
+
+
 def test_benchmark_quick_mode_runs(tmp_path, capsys):
     """bench/drafter_training.py --quick (tiny shapes, CPU) keeps working: same step code as training."""
     import importlib.util
