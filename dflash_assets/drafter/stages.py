@@ -223,6 +223,8 @@ def _train_metadata(store: Any, recipe: Any, shards: list[str], result: Any, met
         "steps": result.steps, "total_steps": result.total_steps,
         "first_loss": float(losses[0]) if losses else float("nan"), "final_loss": float(metrics["final_loss"]),
         "tokens_per_s": round(float(result.tokens_per_s), 1), "mean_accuracy": round(float(metrics["mean_accuracy"]), 4),
+        # the steps alone: the loop's seconds in tau estimates and saved states (aside_s) left out
+        "steps_tokens_per_s": round(float(result.steps_tokens_per_s), 1), "aside_s": round(float(result.aside_s), 1),
         "sequence_tokens": result.sequence_tokens,
         "draft_tokens_per_sequence_token": round(float(metrics["draft_tokens_per_sequence_token"]), 3),
         # the share of the block and context tokens computed that was padding (the packed layout keeps it small)

@@ -225,6 +225,7 @@ class _Progress:
     draft_tokens: int = 0
     draft_slots: int = 0  # block tokens computed, padding included (this invocation)
     context_slots: int = 0  # context tokens computed, padding included (this invocation)
+    aside_s: float = 0.0  # seconds of the loop in tau estimates and saved states (this invocation)
     stop_reason: str = ""
 
     @property
@@ -413,6 +414,7 @@ def train_drafter(
     return TrainResult(
         checkpoint_dir=ckpt, state_dir=latest_state_dir(state_root), steps=progress.step, total_steps=total,
         losses=progress.losses, tokens_per_s=progress.tokens_seen / max(t_loop, 1e-9), accuracy_by_position=acc,
+        steps_tokens_per_s=progress.tokens_seen / max(t_loop - progress.aside_s, 1e-9), aside_s=progress.aside_s,
         resumed_from_step=progress.resumed_from, wall_s=time.perf_counter() - t_start, num_sequences=len(data),
         world_size=world, config=parts.config.to_hf_dict(), data_stats=data_stats, draft_tokens=progress.draft_tokens,
         sequence_tokens=progress.tokens_seen, draft_slots=progress.draft_slots, context_slots=progress.context_slots,
@@ -483,6 +485,7 @@ def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedul
                  "padded_context_share": 1.0 - tokens / max(context_slots, 1),
                  "acc_by_pos": (stats[1:B] / stats[B : 2 * B - 1].clamp_min(1)).tolist()})
         # on the plan's grid and at its end (not at max_steps), the same on every rank: each saves a state there
+        t_aside = time.perf_counter()  # the step's GPU work is done: its stats were read back above
         evaluated = tau_on and (step % (recipe.tau_every or recipe.save_every) == 0 or step == total)
         reason = _tau_stop(watch, recipe, parts, step, total, progress.tokens, log, device, world)
         if reason:  # the plan ends here: the schedule, a resume and the published checkpoint all see it
@@ -496,6 +499,7 @@ def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedul
                         progress, watch)
             if on_save is not None and rank == 0:
                 on_save(step, progress.tokens, parts.drafter)
+        progress.aside_s += time.perf_counter() - t_aside
     if loader is not None:
         loader.close()
     return time.perf_counter() - t_loop

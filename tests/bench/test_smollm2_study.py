@@ -80,6 +80,9 @@ def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
     assert figures["self_prompts"] == {"weight": 0.0, "samples": None, "kept": None}  # none asked for
     assert figures["training"]["steps"] > 0 and figures["training"]["sequence_tokens"] > 0
     assert figures["training"]["mfu"] is None  # no GPU peak to set it against on a CPU
+    train_report = json.loads((out / "reports" / "train.json").read_text())["drafter_checkpoint"]
+    # the steps alone, without the tau estimates and saved states the loop also ran
+    assert train_report["aside_s"] > 0 and figures["training"]["steps_tokens_per_s"] > train_report["tokens_per_s"]
     # packed batches, widths not rounded on a CPU: no padding computed
     assert figures["training"]["padded_block_share"] == figures["training"]["padded_context_share"] == 0.0
     ev = figures["evaluation"]
