@@ -171,8 +171,8 @@ def self_prompts_stage(args, study: Study) -> dict:
     """``self_generated_prompts`` of each training shard (the held-out ones get none), then the shard's
     ``raw_prompts`` written again with them mixed in at ``--self-prompts`` (``raw_prompts``' prompt mix). The target
     samples user turns after its user header (bfloat16 on a GPU); the product's filters keep them (end of turn,
-    text filters, exact and near duplicates within and across shards and against the whole ShareGPT corpus,
-    decontamination). A shard whose self-generated prompts are published is not sampled again."""
+    text filters, exact and near duplicates within and across shards and against the whole ShareGPT corpus, the
+    held-out shard's prompts included). A shard whose self-generated prompts are published is not sampled again."""
     from dflash_assets.prompts.corpus import load_corpus_index
     from dflash_assets.prompts.shards import materialize_prompt_shard
     from dflash_assets.self_generated import SOURCE, SelfPromptsConfig, generate_self_prompts, read_self_prompts

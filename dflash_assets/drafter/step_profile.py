@@ -53,9 +53,9 @@ class StepProfiler:
             self._prof.__enter__()
             self._t0 = time.perf_counter()
 
-    def after_step(self, step: int) -> None:
-        """Call with the step just finished."""
-        if self._prof is not None and step >= self.stop:
+    def after_step(self, step: int, last: bool = False) -> None:
+        """Call with the step just finished; ``last``: the run stops here (a window cut short ends with it)."""
+        if self._prof is not None and (step >= self.stop or last):
             self._sync()
             wall = time.perf_counter() - self._t0
             self._prof.__exit__(None, None, None)
@@ -76,5 +76,5 @@ class StepProfiler:
                              "calls_per_step": round(e.count / steps, 1)} for e in events[:self.top]]}
 
     def summary(self) -> dict[str, Any] | None:
-        """The window's figures once its last step ran, else None (the run ended or resumed past it)."""
+        """The window's figures once it closed (its ``steps`` say which ran), else None (the run never reached it)."""
         return self._summary

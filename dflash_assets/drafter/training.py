@@ -500,6 +500,8 @@ def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedul
             if on_save is not None and rank == 0:
                 on_save(step, progress.tokens, parts.drafter)
         progress.aside_s += time.perf_counter() - t_aside
+    if profiler is not None:
+        profiler.after_step(progress.step, last=True)  # a window the run stopped inside ends with it
     if loader is not None:
         loader.close()
     return time.perf_counter() - t_loop

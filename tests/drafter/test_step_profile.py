@@ -22,3 +22,11 @@ def test_a_profiled_window_reports_where_its_steps_went(mini, tmp_path):
     with pytest.raises(ValueError, match="not a step window"):
         parse_step_window("300-320")
     assert parse_step_window("300:320") == (300, 320)
+
+
+def test_a_window_past_the_run_s_end_closes_with_it(mini, tmp_path):
+    r = mini_recipe(epochs=1, save_every=100)
+    run = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "o", profile_steps=(4, 10_000))
+    assert run.profile["steps"] == [5, run.steps] and run.profile["kernels"]
+    never = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "n", profile_steps=(10_000, 10_001))
+    assert never.profile is None
