@@ -355,9 +355,8 @@ def train_drafter(
     init_weights: a drafter ``model.safetensors`` to start from (a warm start) instead of random weights; its
     tensors must have the new drafter's names and shapes (else ValueError). A resumed state overrides it.
     heldout: tau while training (``tau_estimate``): a held-out slice, or a function of the drafter's config that
-    makes one (None: no estimate). Every ``recipe.tau_every`` steps (default ``save_every``) and at the end,
-    rank 0 estimates tau on it, a state is saved there, the best estimate is kept (``TrainResult.best``), and with
-    ``recipe.early_stop_patience`` the run ends when it has not improved for that many evaluations.
+    makes one (None: none). Every ``recipe.tau_every`` steps (default ``save_every``) and at the end, rank 0
+    estimates tau, a state is saved, the best is kept (``TrainResult.best``); ``recipe.early_stop_patience`` ends it.
     packed: batches in the packed layout (``data.Batch``: every sample's blocks and context in one row, no sample
     padded to the longest), else one padded row per sample (always so with SDPA on a GPU); the same losses either
     way, so the recipe does not name it. The padded shares of what was computed are in the result and each log.
