@@ -257,28 +257,18 @@ def breakdown(model, head, opt, batch: Batch, cfg, device, kw) -> dict[str, floa
 
 
 def profile_steps(step, device, steps: int = 3, top: int = 25) -> dict:
-    """torch.profiler over `steps` steps: the wall time, the device's busy time and the kernels that take it
-    (self device time per step, top `top`): where a step's time goes."""
-    from torch.profiler import ProfilerActivity, profile
+    """torch.profiler over `steps` steps (the library's `drafter.step_profile.StepProfiler`, as training's
+    `profile_steps` runs it): the wall time, the device's busy time and the kernels that take it, top `top`."""
+    from dflash_assets.drafter.step_profile import StepProfiler
 
-    cuda = torch.device(device).type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    _sync(device)
-    t = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for i in range(steps):
-            step(i)
-        _sync(device)
-    wall = (time.perf_counter() - t) / steps * 1e3
-    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    kernels = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    # on a GPU, the kernels themselves (a CPU op that launched one carries its time too: counted once)
-    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0 and (not cuda or e.device_type == kernels)]
-    busy = sum(getattr(e, attr) for e in events) / 1e3 / steps
-    events.sort(key=lambda e: getattr(e, attr), reverse=True)
-    return {"wall_ms_per_step": round(wall, 2), "busy_ms_per_step": round(busy, 2),
-            "top": [{"name": e.key[:120], "ms_per_step": round(getattr(e, attr) / 1e3 / steps, 3),
-                     "calls_per_step": e.count // steps} for e in events[:top]]}
+    profiler = StepProfiler(0, steps, torch.device(device), top=top)
+    for i in range(steps):
+        profiler.before_step(i + 1)
+        step(i)
+        profiler.after_step(i + 1)
+    summary = profiler.summary()
+    return {"wall_ms_per_step": summary["wall_ms_per_step"], "busy_ms_per_step": summary["busy_ms_per_step"],
+            "top": summary["kernels"]}
 
 
 def check_attention_paths(cfg: DrafterConfig, device, quick: bool) -> dict[str, float]:

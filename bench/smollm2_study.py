@@ -176,7 +176,7 @@ def self_prompts_stage(args, study: Study) -> dict:
     from dflash_assets.prompts.corpus import load_corpus_index
     from dflash_assets.prompts.shards import materialize_prompt_shard
     from dflash_assets.self_generated import SOURCE, SelfPromptsConfig, generate_self_prompts, read_self_prompts
-    from dflash_assets.self_generated import self_prompts_key
+    from dflash_assets.self_generated import self_prompts_key, self_prompts_report_key
 
     weight = args.self_prompts
     if weight <= 0:
@@ -187,13 +187,12 @@ def self_prompts_stage(args, study: Study) -> dict:
     rows = []
     for shard in study.report("prompts")["shards"][:-args.heldout_shards]:
         wanted = round(weight * index.shards[shard].num_prompts)
-        report_key = f"self_generated_prompts/_reports/{shard}.json"
         if not store.exists(self_prompts_key(shard)):
             config = SelfPromptsConfig(samples=max(1, math.ceil(wanted / SELF_PROMPTS_KEPT)),
                                        batch_size=args.self_prompts_batch, device=args.device,
                                        dtype="bfloat16" if args.device == "cuda" else None)
             generate_self_prompts(store, shard, spec, config, log=lambda m: log(f"self_prompts {m}"))
-        stats = store.read_json(report_key)
+        stats = store.read_json(self_prompts_report_key(shard))
         _, shard_stats = materialize_prompt_shard(store, shard, [(SOURCE, read_self_prompts(store, shard), weight)])
         mixed = shard_stats.to_metadata()
         row = {"shard": shard, "wanted": wanted, "mixed_rows": mixed.get("num_prompts"),

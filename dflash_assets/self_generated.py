@@ -51,7 +51,8 @@ from dflash_assets.prompts.text_filters import TEXT_FILTER_REASONS, TextFilterCo
 
 __all__ = ["SOURCE", "FILTER_REASONS", "SelfPromptsConfig", "SelfPromptsStats", "SelfPromptsResult",
            "SelfPromptsThresholds", "generate_self_prompts", "self_prompts_key", "read_self_prompts",
-           "SELF_PROMPT_SCHEMA", "JOURNAL_SCHEMA", "journal_batch_key", "partition_seed"]
+           "SELF_PROMPT_SCHEMA", "JOURNAL_SCHEMA", "journal_batch_key", "partition_seed",
+           "self_prompts_report_key"]
 
 SOURCE = "self_generated"
 PREFIX = "self_generated_prompts"
@@ -87,7 +88,7 @@ def _quarantine_key(shard: str) -> str:
     return f"{PREFIX}/_quarantine/{shard}.parquet"
 
 
-def _report_key(shard: str) -> str:
+def self_prompts_report_key(shard: str) -> str:
     return f"{PREFIX}/_reports/{shard}.json"
 
 
@@ -443,8 +444,8 @@ def generate_self_prompts(store: Any, shard: str, spec: Any, config: SelfPrompts
         prompts_per_s=round(generated / seconds, 2) if seconds > 0 else None,
         benchmark_prompts=len(eval_prompts), config_hash=config_hash, sha256=hashlib.sha256(data).hexdigest())
     store.write_parquet(_quarantine_key(shard), quarantine)
-    store.write_json(_report_key(shard), {**stats.to_metadata(), "reasons": {k: FILTER_REASONS.get(k, k)
-                                                                               for k in reasons}})
+    reasons_named = {k: FILTER_REASONS.get(k, k) for k in reasons}
+    store.write_json(self_prompts_report_key(shard), {**stats.to_metadata(), "reasons": reasons_named})
     store.write_bytes(self_prompts_key(shard), data)
     for key in store.list(_journal_prefix(shard)):
         store.delete(key)
