@@ -32,6 +32,7 @@ the training and decoding modules; pyarrow only where Parquet is read.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import tempfile
@@ -182,20 +183,18 @@ def train_recipe(store: Any, name: str, target: Any, *, work_dir: str | None = N
         store, recipe, files if source is None else [store.local_path(files[0])], target, work, device,
         preflight_run, log)
     heldout = _heldout_factory(store, recipe, target, work, device, log)
+    train = functools.partial(train_drafter, recipe, files, target.model_path, work, resume=True, log=on_step,
+                              device=device, max_steps=max_steps, source=source, time_budget_s=time_budget_s,
+                              on_save=on_save_recorded, heldout=heldout, profile_steps=profile_steps)
     try:
         try:
-            result = train_drafter(recipe, files, target.model_path, work, resume=True, log=on_step, device=device,
-                                   max_steps=max_steps, source=source, time_budget_s=time_budget_s,
-                                   on_save=on_save_recorded, init_weights=init_weights, heldout=heldout,
-                                   profile_steps=profile_steps)
+            result = train(init_weights=init_weights)
         except ValueError as e:
             if init_weights is None or "other tensors or shapes" not in str(e):
                 raise
             log(f"recipe {name}: the promoted drafter's shapes differ from this run's ({e}): random init")
             warm_start = {**(warm_start or {}), "skipped": "shapes differ"}
-            result = train_drafter(recipe, files, target.model_path, work, resume=True, log=on_step, device=device,
-                                   max_steps=max_steps, source=source, time_budget_s=time_budget_s,
-                                   on_save=on_save_recorded, heldout=heldout, profile_steps=profile_steps)
+            result = train()
     finally:
         if source is not None:
             source.close()  # its local parts go with it
