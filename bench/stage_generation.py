@@ -10,8 +10,8 @@ per turn:
   one turn each, through ``TransformersEngine(cache="slots")``: the stage at the engine's settings, so
   ``stage / engine`` is what the stage costs;
 - ``stage_turns``: the same with ``--max-turns`` turns (a conversation's next turn joins the running slots);
-- ``ceiling``: the captured decode step replayed alone at every slot live, per attention view: slots / step time
-  is what the step could make if every row were always live and nothing else ran;
+- ``ceiling``: the captured decode step replayed alone, per (rows, positions) view it ran at: rows / step time is
+  what the step could make if every row it computes were always live and nothing else ran;
 - ``static`` (``--static-prompts N``): the stage through ``cache="static"`` (one padded ``generate`` per batch) on
   the first N prompts, the path the slots replace.
 
@@ -121,14 +121,14 @@ def _synchronize(device: str):
 
 
 def ceiling(decoders, device: str, repeats: int = 20) -> dict:
-    """Each captured view's decode step replayed alone: ms per step and slots / step time."""
+    """Each captured (rows, positions) view's decode step replayed alone: ms per step and rows / step time."""
     if device != "cuda":
         return {}
     import torch
 
     out = {}
     decoder = decoders[0]  # the many short slots: where the tokens are made
-    for view, (graph, _) in sorted(decoder.graphs.items()):
+    for (rows, view), (graph, _) in sorted(decoder.graphs.items()):
         graph.replay()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -136,7 +136,8 @@ def ceiling(decoders, device: str, repeats: int = 20) -> dict:
             graph.replay()
         torch.cuda.synchronize()
         step = (time.perf_counter() - t0) / repeats
-        out[str(view)] = {"step_ms": round(step * 1e3, 3), "tokens_per_s": round(decoder.slots / step, 1)}
+        out[f"{rows}x{view}"] = {"rows": rows, "positions": view, "step_ms": round(step * 1e3, 3),
+                                 "tokens_per_s": round(rows / step, 1)}
     return out
 
 

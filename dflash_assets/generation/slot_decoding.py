@@ -8,12 +8,16 @@ that stops (a stop id, its ``max_new_tokens``, or the slot's end) frees its slot
 next step. So short answers and a conversation's later turns never leave a batch part-empty until its longest
 row ends, as one ``generate`` call per batch does.
 
-On CUDA the decode step (the model's forward over (slots, 1) tokens, the attention mask built from each row's
+On CUDA the decode step (the model's forward over (rows, 1) tokens, the attention mask built from each row's
 position, the logits) is captured as a CUDA graph and replayed: a small target's step is then bound by the GPU,
-not by Python launching a few hundred kernels. A step attends over the smallest view of the cache (a power of two
-from 256 positions, or the whole slot) that holds every live row's position, one graph per view. Sampling
-(greedy, or temperature / top-p / top-k per row) runs after the graph. Greedy decoding gives the tokens an
-unpadded ``generate`` of each prompt alone gives, up to floating-point ties (tested on CPU).
+not by Python launching a few hundred kernels. A step computes the smallest view of the cache that holds every
+live row: over positions, a power of two from 256 (or the whole slot) past every live row's position; over rows,
+an eighth, a quarter, a half or all of the slots, past the last live one (requests take the lowest free slots,
+so rows gather at the front as a run drains or a long tier holds a few rows). One graph per (rows, positions)
+view. Sampling (greedy, or temperature / top-p / top-k per row) runs after the graph; the sampled tokens and the
+rows' next positions are written on the device, so the host reads the tokens once a step and writes only what
+admissions and ended rows change. Greedy decoding gives the tokens an unpadded ``generate`` of each prompt alone
+gives, up to floating-point ties (tested on CPU).
 
 `SlotScheduler` feeds decoders from an asyncio loop: requests are queued from the loop, one long task on the
 model's worker thread admits and decodes them while any are pending or live (each request to the decoder with
@@ -69,15 +73,17 @@ class SlotStats:
     prefill_seconds: float = 0.0
     new_tokens: int = 0
     live_row_steps: int = 0  # sum over steps of the rows live in it (occupancy = live_row_steps / (steps * slots))
+    computed_row_steps: int = 0  # sum over steps of the rows the step computed (its row view)
     graph: bool = False
     requests: int = 0
 
     def as_dict(self, slots: int) -> dict:
         occupancy = self.live_row_steps / (self.steps * slots) if self.steps else 0.0
+        computed = self.computed_row_steps / (self.steps * slots) if self.steps else 0.0
         return {"steps": self.steps, "step_seconds": round(self.step_seconds, 3), "prefills": self.prefills,
                 "prefill_rows": self.prefill_rows, "prefill_seconds": round(self.prefill_seconds, 3),
                 "new_tokens": self.new_tokens, "requests": self.requests, "occupancy": round(occupancy, 4),
-                "cuda_graph": self.graph}
+                "computed_rows": round(computed, 4), "cuda_graph": self.graph}
 
 
 def unsupported_reason(config: Any) -> str | None:
@@ -141,6 +147,7 @@ class _SlotCache:
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where each row's step writes
         self.prefill_slots: Any = None  # set during a prefill: which slots its rows fill
         self.view = slot_len  # positions a decode step attends over (every live row's position is below it)
+        self.row_view = slots  # slots a decode step computes, from the first (every live row is below it)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.prefill_slots is not None:  # (rows, kv_heads, width, dim): the prompts from position 0
@@ -148,9 +155,10 @@ class _SlotCache:
             self.keys[layer_idx][self.prefill_slots, :, :width] = key_states
             self.values[layer_idx][self.prefill_slots, :, :width] = value_states
             return key_states, value_states
-        self.keys[layer_idx][self.rows, :, self.positions] = key_states[:, :, 0]
-        self.values[layer_idx][self.rows, :, self.positions] = value_states[:, :, 0]
-        return self.keys[layer_idx][:, :, :self.view], self.values[layer_idx][:, :, :self.view]
+        r = self.row_view
+        self.keys[layer_idx][self.rows[:r], :, self.positions[:r]] = key_states[:, :, 0]
+        self.values[layer_idx][self.rows[:r], :, self.positions[:r]] = value_states[:, :, 0]
+        return self.keys[layer_idx][:r, :, :self.view], self.values[layer_idx][:r, :, :self.view]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # asked by some modeling code; positions come explicitly
         return 0
@@ -187,15 +195,19 @@ class SlotDecoder:
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         self.head = model.get_output_embeddings()
         self.use_graph = (self.device.type == "cuda") if cuda_graph is None else bool(cuda_graph)
-        self.graphs: dict[int, tuple[Any, Any]] = {}  # view -> (CUDA graph of the decode step, its logits)
+        # (rows, positions) view -> (CUDA graph of the decode step over it, its logits)
+        self.graphs: dict[tuple[int, int], tuple[Any, Any]] = {}
         self._pool: Any = None
         n, dev = self.slots, self.device
         self.tokens = torch.full((n, 1), self.pad_id, dtype=torch.long, device=dev)  # fed at the next step
         self.key_positions = torch.arange(self.slot_len, device=dev)
-        self.logits: Any = None  # (slots, vocab) of the last step
-        # per-slot state on the host (the rows' requests and new tokens) and on the device (sampling settings)
+        self.logits: Any = None  # (row view, vocab) of the last step
+        # per-slot state on the host (the rows' requests and new tokens) and on the device (which rows are live,
+        # sampling settings)
         self.live: list[SlotRequest | None] = [None] * n
         self.new_ids: list[list[int]] = [[] for _ in range(n)]
+        self.live_mask = torch.zeros(n, dtype=torch.long, device=dev)  # 1 where a row is live: its position steps
+        self.sampled_rows = 0  # live rows that draw (temperature > 0); none: greedy without asking the device
         self.temperature = torch.zeros(n, device=dev)
         self.top_p = torch.ones(n, device=dev)
         self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
@@ -235,49 +247,62 @@ class SlotDecoder:
                                       or self._since_admit >= self.admit_every):
             self._admit()
             self._since_admit = 0
-        if self.live_rows == 0:
+        live = [slot for slot, req in enumerate(self.live) if req is not None]
+        if not live:
             return
         t0 = time.perf_counter()
+        self._set_views(live)
         self._decode()
-        nxt = self._sample(self.logits).tolist()
+        r = self.cache.row_view
+        nxt = self._sample(self.logits, slice(0, r), self.sampled_rows > 0)
+        # every computed row is fed its token and the live ones step a position; the rows that end are reset after
+        self.tokens[:r, 0] = nxt
+        self.cache.positions[:r] += self.live_mask[:r]
+        nxt = nxt.tolist()
         self.stats.steps += 1
-        self.stats.live_row_steps += self.live_rows
-        self._advance([(slot, nxt[slot]) for slot, req in enumerate(self.live) if req is not None], stepped=True)
+        self.stats.live_row_steps += len(live)
+        self.stats.computed_row_steps += r
+        self._advance([(slot, nxt[slot]) for slot in live], stepped=True)
         self._since_admit += 1
         self.stats.step_seconds += time.perf_counter() - t0
 
     def _advance(self, row_tokens: list[tuple[int, int]], *, stepped: bool) -> None:
-        """Append each (slot, token) to its row, end the rows that stop, feed the rest their token at the next
-        position (`stepped`: after a decode step; after a prefill the position is the prompt's end already)."""
+        """Append each (slot, token) to its row and end the rows that stop. After a prefill (not `stepped`) the
+        rows that go on are fed their token (their position is the prompt's end already); a decode step fed them
+        on the device."""
         import torch
 
         ended, feed = [], []
         for slot, tok in row_tokens:
             req, ids = self.live[slot], self.new_ids[slot]
-            assert req is not None
             ids.append(tok)
             if tok in req.stop_ids:
                 ended.append((slot, "stop"))
             elif len(ids) >= req.max_new_tokens or len(req.ids) + len(ids) >= self.slot_len:
                 ended.append((slot, "length"))
-            else:
+            elif not stepped:
                 feed.append((slot, tok))
         self.stats.new_tokens += len(row_tokens)
         if feed:
             idx = torch.tensor([s for s, _ in feed], device=self.device)
             self.tokens[idx, 0] = torch.tensor([t for _, t in feed], device=self.device)
-            if stepped:
-                self.cache.positions[idx] += 1
-        for slot, finish in ended:
-            self._end(slot, finish)
+        if ended:
+            self._end(ended)
 
-    def _end(self, slot: int, finish: str) -> None:
-        req, ids = self.live[slot], self.new_ids[slot]
-        self.live[slot], self.new_ids[slot] = None, []
-        self.cache.positions[slot] = 0
-        self.tokens[slot, 0] = self.pad_id
-        if req is not None and req.deliver is not None:
-            req.deliver(req, ids, finish)
+    def _end(self, ended: list[tuple[int, str]]) -> None:
+        """Free the slots of the rows that ended and hand each its answer."""
+        import torch
+
+        idx = torch.tensor([slot for slot, _ in ended], device=self.device)
+        self.cache.positions[idx] = 0
+        self.tokens[idx, 0] = self.pad_id
+        self.live_mask[idx] = 0
+        for slot, finish in ended:
+            req, ids = self.live[slot], self.new_ids[slot]
+            self.live[slot], self.new_ids[slot] = None, []
+            self.sampled_rows -= req.temperature > 0
+            if req.deliver is not None:
+                req.deliver(req, ids, finish)
 
     # -- prefill -----------------------------------------------------------------------------------------------
 
@@ -317,10 +342,12 @@ class SlotDecoder:
         self.temperature[idx] = torch.tensor([float(r.temperature) for r in group], device=self.device)
         self.top_p[idx] = torch.tensor([float(r.top_p) for r in group], device=self.device)
         self.top_k[idx] = torch.tensor([int(r.top_k or 0) for r in group], device=self.device)
-        first = self._sample(logits, idx).tolist()
+        first = self._sample(logits, idx, any(r.temperature > 0 for r in group)).tolist()
         self.cache.positions[idx] = lengths
+        self.live_mask[idx] = 1
         for slot, req in zip(slots, group):
             self.live[slot], self.new_ids[slot] = req, []
+            self.sampled_rows += req.temperature > 0
         self.stats.prefills += 1
         self.stats.prefill_rows += len(group)
         self.stats.prefill_seconds += time.perf_counter() - t0
@@ -328,35 +355,41 @@ class SlotDecoder:
 
     # -- decode ------------------------------------------------------------------------------------------------
 
-    def _view(self) -> int:
-        """The smallest view (a power of two from 256, or the whole slot) past every live row's position: a step
-        attends over that many positions, not the whole slot."""
-        top = max(len(r.ids) + len(self.new_ids[s]) for s, r in enumerate(self.live) if r is not None)
+    def _set_views(self, live: list[int]) -> None:
+        """The step's views of the cache (`live`: the live rows' slots, ascending). Positions: the smallest power
+        of two from 256 (or the whole slot) past every live row's position. Rows: the smallest of an eighth, a
+        quarter, a half or all of the slots past the last live one."""
+        top = max(len(self.live[s].ids) + len(self.new_ids[s]) for s in live)
         view = 256
         while view < top:
             view *= 2
-        return min(view, self.slot_len)
+        self.cache.view = min(view, self.slot_len)
+        rows = self.slots
+        while rows % 2 == 0 and rows // 2 > live[-1] and rows // 2 >= self.slots // 8:
+            rows //= 2
+        self.cache.row_view = rows
 
     def _forward_step(self):
-        """The decode step's tensors: logits (slots, vocab) of each row's next token (graph-capturable), attending
-        over the cache's first ``cache.view`` positions."""
-        positions = self.cache.positions
+        """The decode step's tensors: logits (rows, vocab) of the next token of each row of the cache's row view
+        (graph-capturable), attending over its first ``cache.view`` positions."""
+        r = self.cache.row_view
+        positions = self.cache.positions[:r]
         mask = (self.key_positions[None, :self.cache.view] <= positions[:, None])[:, None, None, :]
-        hidden = self.base(input_ids=self.tokens, attention_mask=mask, position_ids=positions[:, None],
+        hidden = self.base(input_ids=self.tokens[:r], attention_mask=mask, position_ids=positions[:, None],
                            **{self._cache_kwarg: self.cache}, use_cache=True).last_hidden_state
         return self.head(hidden[:, -1])
 
     def _decode(self) -> None:
         import torch
 
-        self.cache.view = self._view()
         with torch.inference_mode():
             if not self.use_graph:
                 self.logits = self._forward_step()
                 return
-            if self.cache.view not in self.graphs:
+            key = (self.cache.row_view, self.cache.view)
+            if key not in self.graphs:
                 self._capture()
-            graph, self.logits = self.graphs[self.cache.view]
+            graph, self.logits = self.graphs[key]
             graph.replay()
 
     def _capture(self) -> None:
@@ -380,24 +413,23 @@ class SlotDecoder:
         # the warm-up and capture wrote keys at the live rows' positions: the same values the replay writes next
         self.cache.positions.copy_(saved[0])
         self.tokens.copy_(saved[1])
-        self.graphs[self.cache.view] = (graph, logits)
+        self.graphs[(self.cache.row_view, self.cache.view)] = (graph, logits)
         self.stats.graph = True
-        _log.info("slot decoding: decode step of %d slots over %d positions captured as a CUDA graph in %.1f s",
-                  self.slots, self.cache.view, time.perf_counter() - t0)
+        _log.info("slot decoding: decode step of %d of %d slots over %d positions captured as a CUDA graph in %.1f s",
+                  self.cache.row_view, self.slots, self.cache.view, time.perf_counter() - t0)
 
     # -- sampling ----------------------------------------------------------------------------------------------
 
-    def _sample(self, logits, rows=None):
-        """Each row's next token: argmax where its temperature is 0, else a draw after temperature, top-k and
-        top-p (as Transformers' warpers apply them)."""
+    def _sample(self, logits, rows, draws: bool):
+        """The next token of each of `rows` (an index or a slice of the slots): argmax where its temperature is 0,
+        else a draw after temperature, top-k and top-p (as Transformers' warpers apply them). `draws`: whether
+        any of them has a temperature above 0 (if not, the argmax alone)."""
         import torch
 
-        temperature = self.temperature if rows is None else self.temperature[rows]
         greedy = logits.argmax(-1)
-        if not bool((temperature > 0).any()):
+        if not draws:
             return greedy
-        top_p = self.top_p if rows is None else self.top_p[rows]
-        top_k = self.top_k if rows is None else self.top_k[rows]
+        temperature, top_p, top_k = self.temperature[rows], self.top_p[rows], self.top_k[rows]
         scaled = logits.float() / temperature.clamp_min(1e-6)[:, None]
         ordered, order = scaled.sort(-1, descending=True)
         rank = torch.arange(ordered.shape[-1], device=ordered.device)[None, :]

@@ -78,6 +78,25 @@ def test_steps_attend_over_the_view_that_holds_every_live_row():
     assert views[0] == 256 and views[-1] == 512 and sorted(set(views)) == [256, 512]
 
 
+def test_steps_compute_the_rows_view_that_holds_every_live_row():
+    """Requests take the lowest free slots, and a step computes only the eighth, quarter, half or all of the slots
+    that hold every live row: three requests in 16 slots step over 4 rows, then fewer as rows end; the tokens stay
+    generate's."""
+    model = _model("llama")
+    prompts = [([3, 4, 5], 22), ([8, 9, 10, 12, 13], 14), ([20, 21, 22, 23, 24, 25, 26], 6)]  # the last slot ends first
+    decoder = SlotDecoder(model, slots=16, slot_len=64)
+    seen = []
+    step = decoder._forward_step
+    decoder._forward_step = lambda: (seen.append((decoder.cache.row_view, max(
+        s for s, r in enumerate(decoder.live) if r is not None))), step())[1]
+    got = _decode(decoder, prompts)
+    assert [got[i][0] for i in range(3)] == [_alone(model, *p) for p in prompts]
+    assert all(last < rows for rows, last in seen)  # every live row is computed
+    assert seen[0] == (4, 2) and seen[-1][0] == 2 and {rows for rows, _ in seen} == {2, 4}  # never all 16 slots
+    stats = decoder.stats.as_dict(16)
+    assert stats["occupancy"] <= stats["computed_rows"] < 0.25
+
+
 def test_scheduler_sends_each_request_to_the_shortest_slot_that_holds_it():
     """From an asyncio loop: short requests to the short slots, a long one to the long slot (both decoded in turn,
     the tokens generate's), one that fits no slot fails alone."""
