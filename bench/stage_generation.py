@@ -5,13 +5,17 @@ same real ShareGPT prompts (the first ``--prompts`` valid ones of the packaged f
 per turn:
 
 - ``engine``: the first user turn of every prompt rendered with the chat template and handed to
-  ``generation.slot_decoding.SlotDecoder`` directly (no fleet, no asyncio): the engine alone;
+  ``generation.slot_decoding.SlotDecoder`` directly (no fleet, no asyncio): the engine alone, as the engine
+  builds its decoders (on CUDA with ``--attention packed_gqa``: each row attends over its own length);
+- ``engine_positions_view`` (CUDA, ``packed_gqa``): the same with ``row_lengths=False``, every row of a step
+  attending over the positions view that holds the longest;
 - ``stage``: ``completions``' stage function (``generation.completions.regenerate_shard``) over the same prompts,
   one turn each, through ``TransformersEngine(cache="slots")``: the stage at the engine's settings, so
   ``stage / engine`` is what the stage costs;
 - ``stage_turns``: the same with ``--max-turns`` turns (a conversation's next turn joins the running slots);
-- ``ceiling``: the captured decode step replayed alone, per (rows, positions) view it ran at: rows / step time is
-  what the step could make if every row it computes were always live and nothing else ran;
+- ``ceiling``: the main decoder's captured decode step replayed alone, per (rows, positions) view it ran at:
+  rows / step time is what the step could make if every row it computes were always live and nothing else ran
+  (rows of their own length: every row at the run's mean position);
 - ``static`` (``--static-prompts N``): the stage through ``cache="static"`` (one padded ``generate`` per batch) on
   the first N prompts, the path the slots replace.
 
@@ -73,9 +77,9 @@ def slots_for(args, model) -> int:
                             share=args.memory_share)
 
 
-def engine_alone(args, engine, table) -> tuple[dict, list]:
-    """Every prompt's first turn through the engine's slot decoders (built as the engine builds them), stepped in
-    turn on this thread: the engine without the stage."""
+def engine_alone(args, engine, table, **options) -> tuple[dict, list]:
+    """Every prompt's first turn through the engine's slot decoders (built as the engine builds them, with
+    `options`), stepped in turn on this thread: the engine without the stage."""
     from dflash_assets.generation.slot_decoding import SlotDecoder, SlotRequest
 
     stop = sorted(engine.tok.stop_ids)
@@ -85,7 +89,8 @@ def engine_alone(args, engine, table) -> tuple[dict, list]:
                                                       args.thinking, None), 4, stop))
     warm.run()
     del warm
-    decoders = engine.slot_decoders()
+    decoders = engine.slot_decoders(**options)
+    capture_s = sum(d.capture_views() for d in decoders)  # graphs (and flex compiles) before the clock starts
     done = []
     skipped = 0
     for row in table.to_pylist():
@@ -109,6 +114,7 @@ def engine_alone(args, engine, table) -> tuple[dict, list]:
     tokens = sum(done)
     return ({"wall_s": round(wall, 2), "answers": len(done), "skipped_too_long": skipped, "new_tokens": tokens,
              "tokens_per_s": round(tokens / wall, 1),
+             "row_lengths": decoders[0].row_lengths, "capture_s": round(capture_s, 1),
              "decoders": [{"slot_len": d.slot_len, **d.stats.as_dict(d.slots)} for d in decoders]}, decoders)
 
 
@@ -128,7 +134,10 @@ def ceiling(decoders, device: str, repeats: int = 20) -> dict:
 
     out = {}
     decoder = decoders[0]  # the many short slots: where the tokens are made
+    position = round(decoder.stats.as_dict(decoder.slots)["mean_position"])
     for (rows, view), (graph, _) in sorted(decoder.graphs.items()):
+        if decoder.row_lengths:
+            decoder.cache.positions[:rows] = position
         graph.replay()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -138,6 +147,9 @@ def ceiling(decoders, device: str, repeats: int = 20) -> dict:
         step = (time.perf_counter() - t0) / repeats
         out[f"{rows}x{view}"] = {"rows": rows, "positions": view, "step_ms": round(step * 1e3, 3),
                                  "tokens_per_s": round(rows / step, 1)}
+        if decoder.row_lengths:
+            out[f"{rows}x{view}"]["every_row_at"] = position
+            decoder.cache.positions.zero_()
     return out
 
 
@@ -254,6 +266,13 @@ def main(argv=None) -> int:
         log(f"ceiling: {report['ceiling']}")
         del decoders
         save(report, args.out)
+        if report["engine"]["row_lengths"]:
+            report["engine_positions_view"], decoders = engine_alone(args, engine, table, row_lengths=False)
+            log(f"engine alone, positions view: {report['engine_positions_view']}")
+            report["ceiling_positions_view"] = ceiling(decoders, args.device)
+            log(f"ceiling, positions view: {report['ceiling_positions_view']}")
+            del decoders
+            save(report, args.out)
         report["stage"] = stage(args, table, shard, root, engine, spec, tok, turns=1)
         log(f"stage: {report['stage']}")
         report["stage_vs_engine"] = round(report["stage"]["tokens_per_s"] / report["engine"]["tokens_per_s"], 3)

@@ -12,7 +12,9 @@ reads 0.4 GB.
 The padding mask (batch, 1, 1, keys) is the same for every query row, so it broadcasts. The result is the
 same attention (the tests compare it with Transformers' own path, eager and compiled); any other call
 (prefill, one KV head per query head, a per-head mask, dropout, a position bias) goes to Transformers' SDPA
-unchanged. `register()` adds it to Transformers' attention and mask registries under `ATTENTION_NAME`;
+unchanged. A flex-attention `BlockMask` as the mask (slot decoding's rows of their own lengths: key blocks past
+a row's position are skipped, not masked) goes to ``flex_attention`` with the query heads grouped over the KV
+heads, compiled on CUDA. `register()` adds it to Transformers' attention and mask registries under `ATTENTION_NAME`;
 `TransformersEngine(attention="packed_gqa")` sets it on the loaded model. Reads and writes nothing.
 """
 
@@ -20,9 +22,38 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ATTENTION_NAME", "packed_gqa_sdpa", "register"]
+__all__ = ["ATTENTION_NAME", "flex_block_mask_type", "packed_gqa_sdpa", "register"]
 
 ATTENTION_NAME = "packed_gqa_sdpa"  # no "flash" in it: Transformers reads such names as flash-attention kernels
+
+
+def flex_block_mask_type() -> type | None:
+    """flex attention's `BlockMask` class (None where this torch has no flex attention)."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:
+        return None
+    return BlockMask
+
+
+_compiled_flex: Any = None
+
+
+def _flex(query, key, value, block_mask, scaling: float | None):
+    """flex_attention over `block_mask`, compiled on CUDA (eager flex computes every score)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not query.is_cuda:
+        return flex_attention(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True)
+    if _compiled_flex is None:
+        import torch
+
+        from dflash_assets.torch_compile import allow_recompiles
+
+        allow_recompiles()  # one shape per (rows, positions) view of each slot decoder
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True)
 
 
 def packed_gqa_sdpa(module: Any, query, key, value, attention_mask, dropout: float = 0.0,
@@ -31,6 +62,9 @@ def packed_gqa_sdpa(module: Any, query, key, value, attention_mask, dropout: flo
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    block_mask = flex_block_mask_type()
+    if block_mask is not None and isinstance(attention_mask, block_mask):
+        return _flex(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
     groups = getattr(module, "num_key_value_groups", 1)
     per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
     if (groups == 1 or query.shape[2] != 1 or dropout or per_head_mask or key.shape[1] * groups != query.shape[1]

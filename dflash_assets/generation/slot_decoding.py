@@ -14,7 +14,11 @@ not by Python launching a few hundred kernels. A step computes the smallest view
 live row: over positions, a power of two from 256 (or the whole slot) past every live row's position; over rows,
 an eighth, a quarter, a half or all of the slots, past the last live one (requests take the lowest free slots,
 so rows gather at the front as a run drains or a long tier holds a few rows). One graph per (rows, positions)
-view. Sampling (greedy, or temperature / top-p / top-k per row) runs after the graph; the sampled tokens and the
+view. With ``row_lengths`` (the default on CUDA for a model whose attention is `generation.packed_gqa`'s) the step
+attends through a flex-attention block mask of each row's own length instead: a row reads the key blocks of 128
+positions up to its position and no further, so a step's attention costs what the live rows hold, not rows x the
+longest (the positions view is then the whole slot). Sampling (greedy, or temperature / top-p / top-k per row)
+runs after the graph; the sampled tokens and the
 rows' next positions are written on the device, so the host reads the tokens once a step and writes only what
 admissions and ended rows change. Greedy decoding gives the tokens an unpadded ``generate`` of each prompt alone
 gives, up to floating-point ties (tested on CPU).
@@ -40,7 +44,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SlotDecoder", "SlotRequest", "SlotScheduler", "SlotStats", "kv_bytes_per_position", "slots_for_memory",
+KEY_BLOCK = 128  # positions per key block of the row-lengths mask (flex attention's block)
+
+__all__ = ["KEY_BLOCK", "SlotDecoder", "SlotRequest", "SlotScheduler", "SlotStats", "kv_bytes_per_position", "slots_for_memory",
            "unsupported_reason"]
 
 _log = logging.getLogger(__name__)
@@ -74,16 +80,19 @@ class SlotStats:
     new_tokens: int = 0
     live_row_steps: int = 0  # sum over steps of the rows live in it (occupancy = live_row_steps / (steps * slots))
     computed_row_steps: int = 0  # sum over steps of the rows the step computed (its row view)
+    position_row_steps: int = 0  # sum over steps of the live rows' positions (the keys each row attends over)
     graph: bool = False
     requests: int = 0
 
     def as_dict(self, slots: int) -> dict:
         occupancy = self.live_row_steps / (self.steps * slots) if self.steps else 0.0
         computed = self.computed_row_steps / (self.steps * slots) if self.steps else 0.0
+        mean_position = self.position_row_steps / self.live_row_steps if self.live_row_steps else 0.0
         return {"steps": self.steps, "step_seconds": round(self.step_seconds, 3), "prefills": self.prefills,
                 "prefill_rows": self.prefill_rows, "prefill_seconds": round(self.prefill_seconds, 3),
                 "new_tokens": self.new_tokens, "requests": self.requests, "occupancy": round(occupancy, 4),
-                "computed_rows": round(computed, 4), "cuda_graph": self.graph}
+                "computed_rows": round(computed, 4), "mean_position": round(mean_position, 1),
+                "cuda_graph": self.graph}
 
 
 def unsupported_reason(config: Any) -> str | None:
@@ -168,13 +177,15 @@ class SlotDecoder:
     """Continuous-refill decoding of `model` in `slots` rows of `slot_len` cached positions (see the module).
 
     Not thread-safe: one thread calls `submit` and `run` (the engine's model worker). ``cuda_graph=None`` captures
-    the decode step on CUDA and runs it eagerly elsewhere. ``prefill_tokens`` bounds one prefill's padded
+    the decode step on CUDA and runs it eagerly elsewhere. ``row_lengths=None`` attends over each row's own
+    length (a flex block mask) on CUDA when the model's attention is `generation.packed_gqa`'s and the slot a
+    multiple of `KEY_BLOCK` positions; True asks for it anywhere those hold. ``prefill_tokens`` bounds one prefill's padded
     prompt tokens; a prefill runs when a quarter of the slots are free, when no row is live, or `admit_every`
     steps after the last one, so it admits requests in groups rather than one per step.
     """
 
     def __init__(self, model: Any, *, slots: int, slot_len: int, pad_id: int = 0, prefill_tokens: int = 16384,
-                 admit_every: int = 32, cuda_graph: bool | None = None):
+                 admit_every: int = 32, cuda_graph: bool | None = None, row_lengths: bool | None = None):
         import torch
 
         reason = unsupported_reason(model.config)
@@ -195,6 +206,7 @@ class SlotDecoder:
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         self.head = model.get_output_embeddings()
         self.use_graph = (self.device.type == "cuda") if cuda_graph is None else bool(cuda_graph)
+        self.row_lengths = self._row_lengths(row_lengths)
         # (rows, positions) view -> (CUDA graph of the decode step over it, its logits)
         self.graphs: dict[tuple[int, int], tuple[Any, Any]] = {}
         self._pool: Any = None
@@ -214,6 +226,20 @@ class SlotDecoder:
         self.pending: deque[SlotRequest] = deque()
         self.stats = SlotStats()
         self._since_admit = 0
+
+    def _row_lengths(self, asked: bool | None) -> bool:
+        from dflash_assets.generation.packed_gqa import ATTENTION_NAME, flex_block_mask_type
+
+        why = None
+        if getattr(self.model.config, "_attn_implementation", None) != ATTENTION_NAME:
+            why = f"the model's attention is not {ATTENTION_NAME!r} (TransformersEngine(attention='packed_gqa'))"
+        elif flex_block_mask_type() is None:
+            why = "this torch has no flex attention"
+        elif self.slot_len % KEY_BLOCK:
+            why = f"a slot of {self.slot_len} positions is not a multiple of {KEY_BLOCK}"
+        if asked and why:
+            raise ValueError(f"row_lengths needs a flex-attention block mask: {why}")
+        return why is None and (self.device.type == "cuda" if asked is None else bool(asked))
 
     # -- requests ----------------------------------------------------------------------------------------------
 
@@ -359,25 +385,51 @@ class SlotDecoder:
         """The step's views of the cache (`live`: the live rows' slots, ascending). Positions: the smallest power
         of two from 256 (or the whole slot) past every live row's position. Rows: the smallest of an eighth, a
         quarter, a half or all of the slots past the last live one."""
-        top = max(len(self.live[s].ids) + len(self.new_ids[s]) for s in live)
+        ends = [len(self.live[s].ids) + len(self.new_ids[s]) for s in live]
+        top = max(ends)
+        self.stats.position_row_steps += sum(ends) - len(ends)
         view = 256
         while view < top:
             view *= 2
-        self.cache.view = min(view, self.slot_len)
-        rows = self.slots
-        while rows % 2 == 0 and rows // 2 > live[-1] and rows // 2 >= self.slots // 8:
-            rows //= 2
-        self.cache.row_view = rows
+        self.cache.view = self.slot_len if self.row_lengths else min(view, self.slot_len)
+        self.cache.row_view = next(r for r in self._row_views() if r > live[-1])
+
+    def _row_views(self) -> list[int]:
+        """The rows a step may compute, fewest first: an eighth, a quarter, a half and all of the slots (those
+        that are whole numbers)."""
+        views = [self.slots]
+        while views[-1] % 2 == 0 and views[-1] // 2 >= max(1, self.slots // 8):
+            views.append(views[-1] // 2)
+        return views[::-1]
 
     def _forward_step(self):
         """The decode step's tensors: logits (rows, vocab) of the next token of each row of the cache's row view
         (graph-capturable), attending over its first ``cache.view`` positions."""
         r = self.cache.row_view
         positions = self.cache.positions[:r]
-        mask = (self.key_positions[None, :self.cache.view] <= positions[:, None])[:, None, None, :]
+        if self.row_lengths:
+            mask = self._length_mask(positions)
+        else:
+            mask = (self.key_positions[None, :self.cache.view] <= positions[:, None])[:, None, None, :]
         hidden = self.base(input_ids=self.tokens[:r], attention_mask=mask, position_ids=positions[:, None],
                            **{self._cache_kwarg: self.cache}, use_cache=True).last_hidden_state
         return self.head(hidden[:, -1])
+
+    def _length_mask(self, positions):
+        """A flex block mask over the positions view in which each row sees its keys up to its position, and
+        the key blocks past it are not computed at all (graph-capturable: shapes fixed by the views)."""
+        import torch
+        from torch.nn.attention.flex_attention import BlockMask
+
+        r, n = positions.shape[0], self.cache.view // KEY_BLOCK
+        blocks = (positions // KEY_BLOCK + 1).clamp(max=n).to(torch.int32).view(r, 1, 1)
+        order = torch.arange(n, dtype=torch.int32, device=positions.device).expand(r, 1, 1, n).contiguous()
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= positions[b]
+
+        return BlockMask.from_kv_blocks(blocks, order, BLOCK_SIZE=KEY_BLOCK, mask_mod=mask_mod,
+                                        seq_lengths=(1, self.cache.view))
 
     def _decode(self) -> None:
         import torch
@@ -391,6 +443,22 @@ class SlotDecoder:
                 self._capture()
             graph, self.logits = self.graphs[key]
             graph.replay()
+
+    def capture_views(self) -> float:
+        """Capture the decode step's graph at every (rows, positions) view now, before any request (a step
+        otherwise captures its view the first time it meets it, compiling flex attention there for row
+        lengths); returns the seconds it took. Does nothing off CUDA graphs."""
+        if not self.use_graph or not self.idle():
+            return 0.0
+        t0 = time.perf_counter()
+        views = [self.slot_len] if self.row_lengths else sorted(
+            {min(256 << k, self.slot_len) for k in range(max(1, self.slot_len.bit_length()))})
+        for r in self._row_views():
+            for view in views:
+                self.cache.row_view, self.cache.view = r, view
+                if (r, view) not in self.graphs:
+                    self._capture()
+        return time.perf_counter() - t0
 
     def _capture(self) -> None:
         """Capture the decode step at the cache's view as a CUDA graph (after warm-up runs on a side stream, as CUDA
@@ -446,7 +514,8 @@ class SlotScheduler:
     """Requests from an asyncio loop decoded by one `SlotDecoder` on one worker thread (see the module).
 
     `make_decoders` builds the decoders on the worker thread at the first request (and again after a failure,
-    which fails every request queued or live at that moment and frees their caches): e.g. many slots of a few
+    which fails every request queued or live at that moment and frees their caches), and each captures its
+    decode-step graphs (`SlotDecoder.capture_views`) before it decodes: e.g. many slots of a few
     thousand positions and a few long ones, so that a rare long prompt neither waits for the end nor makes every
     step attend over its length. A request goes to the decoder of the shortest slots that hold its prompt and its
     ``max_new_tokens``; one that fits none fails alone.
@@ -505,6 +574,10 @@ class SlotScheduler:
             if not self.decoders:
                 self.decoders = sorted(self._make_decoders(), key=lambda d: d.slot_len)
                 self.stats.append([d.stats for d in self.decoders])
+                seconds = sum(d.capture_views() for d in self.decoders)
+                if seconds:
+                    _log.info("slot decoding: %d decode-step graphs captured in %.1f s",
+                              sum(len(d.graphs) for d in self.decoders), seconds)
             while True:
                 self._drain()
                 busy = [d for d in self.decoders if not d.idle()]

@@ -97,6 +97,39 @@ def test_steps_compute_the_rows_view_that_holds_every_live_row():
     assert stats["occupancy"] <= stats["computed_rows"] < 0.25
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_rows_of_their_own_length_give_the_same_tokens(kind, monkeypatch):
+    """`row_lengths`: each row attends through a flex block mask of its own length (key blocks past its position
+    skipped); with refills, stops and rows crossing a key block, the tokens stay generate's."""
+    from dflash_assets.generation import packed_gqa
+
+    model = _model(kind)
+    model.set_attn_implementation(packed_gqa.register())
+    calls = []
+    flex = packed_gqa._flex
+    monkeypatch.setattr(packed_gqa, "_flex", lambda *a: (calls.append(a[3].kv_num_blocks.flatten().tolist()),
+                                                         flex(*a))[1])
+    rng = random.Random(2)
+    prompts = _prompts(9) + [([rng.randrange(1, 300) for _ in range(120)], 20)]  # crosses position 128
+    decoder = SlotDecoder(model, slots=4, slot_len=256, prefill_tokens=64, admit_every=3, row_lengths=True)
+    got = _decode(decoder, prompts)
+    assert [got[i][0] for i in range(len(prompts))] == [_alone(model, *p) for p in prompts]
+    assert calls and max(max(c) for c in calls) == 2 and min(min(c) for c in calls) == 1  # blocks follow each row
+    assert {decoder.cache.view} == {256}  # the whole slot: the mask, not a view, bounds what a row reads
+
+
+def test_row_lengths_need_the_packed_attention():
+    with pytest.raises(ValueError, match="row_lengths needs a flex-attention block mask: the model's attention"):
+        SlotDecoder(_model("llama"), slots=2, slot_len=256, row_lengths=True)
+    model = _model("llama")
+    from dflash_assets.generation import packed_gqa
+
+    model.set_attn_implementation(packed_gqa.register())
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        SlotDecoder(model, slots=2, slot_len=200, row_lengths=True)
+    assert not SlotDecoder(model, slots=2, slot_len=256).row_lengths  # on a CPU only when asked
+
+
 def test_scheduler_sends_each_request_to_the_shortest_slot_that_holds_it():
     """From an asyncio loop: short requests to the short slots, a long one to the long slot (both decoded in turn,
     the tokens generate's), one that fits no slot fails alone."""

@@ -134,8 +134,9 @@ class SlotCache:
                 tiers.append((n, min(length, context)))
         return tiers
 
-    def slot_decoders(self) -> list:
-        """The slot decoders of ``_tiers`` for this engine's model (on the model's worker thread)."""
+    def slot_decoders(self, **options) -> list:
+        """The slot decoders of ``_tiers`` for this engine's model (on the model's worker thread); `options`
+        go to each `SlotDecoder` (e.g. ``row_lengths``)."""
         from dflash_assets.generation.slot_decoding import SlotDecoder
 
         assert self.tok is not None
@@ -144,7 +145,7 @@ class SlotCache:
         _log.info("%s: slot decoding in %s", self.url, " and ".join(f"{n} slots of {length} positions"
                                                                      for n, length in tiers))
         return [SlotDecoder(self.model, slots=n, slot_len=length, pad_id=pad,
-                            prefill_tokens=max(self.max_batch_tokens, length)) for n, length in tiers]
+                            prefill_tokens=max(self.max_batch_tokens, length), **options) for n, length in tiers]
 
     def slot_stats(self) -> dict | None:
         """What the slot decoder did so far (None unless cache="slots" decoded something)."""
