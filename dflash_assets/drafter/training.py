@@ -68,16 +68,24 @@ __all__ = ["DrafterRecipe", "TrainResult", "TargetFeatures", "train_drafter", "m
 
 
 class TargetFeatures:
-    """The target cut after its last needed layer, with hooks: input_ids (b, T) -> (b, T, n*H).
+    """The target cut after its last needed layer, with hooks: input_ids (b, T) -> (b, T, n*H), or a training
+    batch -> its context features in the batch's layout (`for_batch`).
 
-    The same `LayerCapture` as the hidden-state cache, so online and offline features are identical; with
-    `compile` (a compiled recipe on a GPU), its norms and MLPs compiled as the cache's capture compiles them
-    (`hidden_states.capture.compile_elementwise`), instead of chains of eager elementwise kernels."""
+    The same `LayerCapture` as the hidden-state cache, so online and offline features are identical. Attention
+    is the cache's ``packed_causal`` (`hidden_states.packing`): a packed batch runs the target over its samples'
+    real tokens one after another, each attending inside its own sample (flash varlen on CUDA), not over rows
+    padded to the longest. With `compile` (a compiled recipe on a GPU), its norms and MLPs compiled as the
+    cache's capture compiles them (`hidden_states.capture.compile_elementwise`), instead of chains of eager
+    elementwise kernels."""
 
     def __init__(self, target_dir: str | Path, layer_ids: Sequence[int], device, dtype, compile: bool = False):
+        from dflash_assets.hidden_states.packing import register_packed_attention, resolve_packing
         from dflash_assets.target_model.loading import load_causal_lm
 
         model = load_causal_lm(target_dir, dtype=dtype)
+        self.packed = resolve_packing(model, device, "auto")  # a hybrid target without its kernels: rows only
+        if self.packed:
+            model.set_attn_implementation(register_packed_attention())
         self.capture = LayerCapture(model, layer_ids, cut=True).__enter__()  # held for the target's lifetime
         self.model = self.capture.text_model.to(device).eval().requires_grad_(False)
         if compile:
@@ -90,6 +98,20 @@ class TargetFeatures:
         # right padding never changes earlier positions of a causal model
         self.model(input_ids=input_ids, use_cache=False)
         return self.capture.features()
+
+    @torch.no_grad()
+    def for_batch(self, batch) -> torch.Tensor:
+        """The context features of a training batch (`drafter.data.Batch`) in its layout: packed (1, Sc, n*H),
+        the samples' real tokens through the target as one packed row (zeros in the end padding, which no
+        block sees), else (b, S, n*H) from its padded rows."""
+        if not (batch.packed and self.packed):
+            return self(batch.input_ids)
+        S, T, Sc = batch.input_ids.shape[1], batch.num_tokens, batch.ctx_index.shape[1]
+        where = batch.ctx_index[0, :T]  # sample * S + position of each real token
+        bounds = torch.cat([batch.ctx_start, batch.ctx_start.new_tensor([T])]).to(torch.int32)
+        self.model(input_ids=batch.input_ids.reshape(-1).index_select(0, where)[None], position_ids=(where % S)[None],
+                   cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=S, max_length_k=S, use_cache=False)
+        return torch.nn.functional.pad(self.capture.features(), (0, 0, 0, Sc - T))
 
 
 
@@ -441,7 +463,7 @@ def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedul
             profiler.before_step(progress.step + 1)
         _, cpu_batch = loader.next()
         batch = cpu_batch.to(device)
-        hidden = parts.features(batch.input_ids) if parts.features is not None else batch.hidden
+        hidden = parts.features.for_batch(batch) if parts.features is not None else batch.hidden
         if not cuda:
             hidden = hidden.float()  # fp32 on CPU (the cache may hold bf16)
         stats, w_total = train_step(parts.model, parts.head, parts.optimizer, batch, hidden, block_size=B,

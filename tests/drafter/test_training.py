@@ -198,6 +198,33 @@ def test_compiled_target_features_equal_the_eager_ones(tiny_dense_target):
         torch.testing.assert_close(compiled(ids), eager(ids), rtol=1e-3, atol=1e-3)
 
 
+def test_packed_batches_run_the_target_over_real_tokens_only(tiny_dense_target):
+    """Online features of a packed batch: the samples' real tokens through the target as one packed row, each
+    attending inside its own sample; the same features, slot by slot, as the padded rows give and the batch's
+    packed layout gathers (the end padding zeros)."""
+    from dflash_assets.drafter.data import Sample, collate
+
+    features = TargetFeatures(tiny_dense_target, [1, 3, 5], "cpu", torch.float32)
+    assert features.packed
+    rng = np.random.default_rng(0)
+    samples = [Sample(rng.integers(0, 1000, n), np.ones(n, bool), None) for n in (9, 30, 17)]
+    anchors = [np.array([1, 4]), np.array([2, 20, 25]), np.array([3])]
+    batch = collate(samples, anchors, seq_multiple=8, anchor_multiple=8, packed=True, bucket=True)
+    assert batch.ctx_index.shape[1] > batch.num_tokens  # padding at the end
+    calls = []
+    forward = features.model.forward
+    features.model.forward = lambda **kw: (calls.append(kw["input_ids"].shape), forward(**kw))[1]
+    packed = features.for_batch(batch)
+    assert calls == [(1, 56)]  # 9 + 30 + 17 tokens, one row, no padding
+    want = batch.pack_context(features(batch.input_ids))
+    T = batch.num_tokens
+    assert packed.shape == want.shape
+    torch.testing.assert_close(packed[:, :T], want[:, :T], rtol=1e-4, atol=1e-4)
+    assert not packed[:, T:].any()
+    padded = collate(samples, anchors, seq_multiple=8, anchor_multiple=8)
+    torch.testing.assert_close(features.for_batch(padded), features(padded.input_ids))
+
+
 def test_benchmark_quick_mode_runs(tmp_path, capsys):
     """bench/drafter_training.py --quick (tiny shapes, CPU) keeps working: same step code as training."""
     import importlib.util
