@@ -428,8 +428,12 @@ class SlotDecoder:
         def mask_mod(b, h, q_idx, kv_idx):
             return kv_idx <= positions[b]
 
+        import inspect
+
+        backward = {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(
+            BlockMask.from_kv_blocks).parameters else {}  # the query-side lists serve a backward pass only
         return BlockMask.from_kv_blocks(blocks, order, BLOCK_SIZE=KEY_BLOCK, mask_mod=mask_mod,
-                                        seq_lengths=(1, self.cache.view))
+                                        seq_lengths=(1, self.cache.view), **backward)
 
     def _decode(self) -> None:
         import torch
