@@ -18,10 +18,9 @@ view. With ``row_lengths`` (the default on CUDA for a model whose attention is `
 attends through a flex-attention block mask of each row's own length instead: a row reads the key blocks of 128
 positions up to its position and no further, so a step's attention costs what the live rows hold, not rows x the
 longest (the positions view is then the whole slot). Sampling (greedy, or temperature / top-p / top-k per row)
-runs after the graph; the sampled tokens and the
-rows' next positions are written on the device, so the host reads the tokens once a step and writes only what
-admissions and ended rows change. Greedy decoding gives the tokens an unpadded ``generate`` of each prompt alone
-gives, up to floating-point ties (tested on CPU).
+runs after the graph; the sampled tokens and the rows' next positions are written on the device, so the host
+reads the tokens once a step and writes only what admissions and ended rows change. Greedy decoding gives the
+tokens an unpadded ``generate`` of each prompt alone gives, up to floating-point ties (tested on CPU).
 
 `SlotScheduler` feeds decoders from an asyncio loop: requests are queued from the loop, one long task on the
 model's worker thread admits and decodes them while any are pending or live (each request to the decoder with
@@ -46,8 +45,8 @@ from typing import Any
 
 KEY_BLOCK = 128  # positions per key block of the row-lengths mask (flex attention's block)
 
-__all__ = ["KEY_BLOCK", "SlotDecoder", "SlotRequest", "SlotScheduler", "SlotStats", "kv_bytes_per_position", "slots_for_memory",
-           "unsupported_reason"]
+__all__ = ["KEY_BLOCK", "SlotDecoder", "SlotRequest", "SlotScheduler", "SlotStats", "kv_bytes_per_position",
+           "slots_for_memory", "unsupported_reason"]
 
 _log = logging.getLogger(__name__)
 
@@ -179,9 +178,9 @@ class SlotDecoder:
     Not thread-safe: one thread calls `submit` and `run` (the engine's model worker). ``cuda_graph=None`` captures
     the decode step on CUDA and runs it eagerly elsewhere. ``row_lengths=None`` attends over each row's own
     length (a flex block mask) on CUDA when the model's attention is `generation.packed_gqa`'s and the slot a
-    multiple of `KEY_BLOCK` positions; True asks for it anywhere those hold. ``prefill_tokens`` bounds one prefill's padded
-    prompt tokens; a prefill runs when a quarter of the slots are free, when no row is live, or `admit_every`
-    steps after the last one, so it admits requests in groups rather than one per step.
+    multiple of `KEY_BLOCK` positions; True asks for it anywhere those hold. ``prefill_tokens`` bounds one
+    prefill's padded prompt tokens; a prefill runs when a quarter of the slots are free, when no row is live, or
+    `admit_every` steps after the last one, so it admits requests in groups rather than one per step.
     """
 
     def __init__(self, model: Any, *, slots: int, slot_len: int, pad_id: int = 0, prefill_tokens: int = 16384,
@@ -418,6 +417,8 @@ class SlotDecoder:
     def _length_mask(self, positions):
         """A flex block mask over the positions view in which each row sees its keys up to its position, and
         the key blocks past it are not computed at all (graph-capturable: shapes fixed by the views)."""
+        import inspect
+
         import torch
         from torch.nn.attention.flex_attention import BlockMask
 
@@ -427,8 +428,6 @@ class SlotDecoder:
 
         def mask_mod(b, h, q_idx, kv_idx):
             return kv_idx <= positions[b]
-
-        import inspect
 
         backward = {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(
             BlockMask.from_kv_blocks).parameters else {}  # the query-side lists serve a backward pass only
@@ -487,8 +486,8 @@ class SlotDecoder:
         self.tokens.copy_(saved[1])
         self.graphs[(self.cache.row_view, self.cache.view)] = (graph, logits)
         self.stats.graph = True
-        _log.info("slot decoding: decode step of %d of %d slots over %d positions captured as a CUDA graph in %.1f s",
-                  self.cache.row_view, self.slots, self.cache.view, time.perf_counter() - t0)
+        _log.info("slot decoding: decode step of %d of %d slots over %d positions captured as a CUDA graph "
+                  "in %.1f s", self.cache.row_view, self.slots, self.cache.view, time.perf_counter() - t0)
 
     # -- sampling ----------------------------------------------------------------------------------------------
 
@@ -519,9 +518,9 @@ class SlotScheduler:
 
     `make_decoders` builds the decoders on the worker thread at the first request (and again after a failure,
     which fails every request queued or live at that moment and frees their caches), and each captures its
-    decode-step graphs (`SlotDecoder.capture_views`) before it decodes: e.g. many slots of a few
-    thousand positions and a few long ones, so that a rare long prompt neither waits for the end nor makes every
-    step attend over its length. A request goes to the decoder of the shortest slots that hold its prompt and its
+    decode-step graphs (`SlotDecoder.capture_views`) before it decodes: e.g. many slots of a few thousand
+    positions and a few long ones, so that a rare long prompt neither waits for the end nor makes every step
+    attend over its length. A request goes to the decoder of the shortest slots that hold its prompt and its
     ``max_new_tokens``; one that fits none fails alone.
     """
 
