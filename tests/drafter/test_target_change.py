@@ -129,7 +129,8 @@ def test_refresh_job_is_registered_for_the_drafter_assets_per_recipe():
 def test_a_recipe_with_init_from_promoted_trains_from_the_promoted_checkpoint_in_the_store(tmp_path,
                                                                                         tiny_dense_target):
     """train_recipe through the store: the family's promoted manifest names the first recipe's published
-    checkpoint; the next recipe (init_from promoted) downloads it, starts from a lower loss, and says so."""
+    checkpoint; the next recipe (init_from promoted) downloads it, starts from a lower loss, and says so; one of
+    other shapes trains from a random init and says why."""
     from dflash_assets.drafter.promotion import Candidate, write_promoted
     from dflash_assets.drafter.recipe import DrafterRecipe
     from dflash_assets.drafter.stages import save_recipe, train_recipe
@@ -152,3 +153,8 @@ def test_a_recipe_with_init_from_promoted_trains_from_the_promoted_checkpoint_in
     second = train_recipe(store, "tiny-v2", spec, work_dir=str(tmp_path / "work"), device="cpu")
     assert second["warm_start"] == {"recipe": "tiny-v1", "checkpoint": "final", "tau": 1.5}
     assert second["first_loss"] < 0.9 * first["first_loss"], (second["first_loss"], first["first_loss"])
+    # a recipe of other shapes in the family: the promoted weights do not fit, so it trains from a random init
+    save_recipe(store, DrafterRecipe(name="tiny-v3", init_from="promoted", **{**base, "num_layers": 2}))
+    third = train_recipe(store, "tiny-v3", spec, work_dir=str(tmp_path / "work"), device="cpu")
+    assert third["warm_start"] == {"recipe": "tiny-v1", "checkpoint": "final", "tau": 1.5, "skipped": "shapes differ"}
+    assert third["steps"] == third["total_steps"] and third["first_loss"] > second["first_loss"]
