@@ -450,10 +450,23 @@ class SlotDecoder:
     def capture_views(self) -> float:
         """Capture the decode step's graph at every (rows, positions) view now, before any request (a step
         otherwise captures its view the first time it meets it, compiling flex attention there for row
-        lengths); returns the seconds it took. Does nothing off CUDA graphs."""
+        lengths); returns the seconds it took. Does nothing off CUDA graphs. Should rows of their own length
+        fail to compile or capture here, the decoder logs why and attends over positions views instead."""
         if not self.use_graph or not self.idle():
             return 0.0
         t0 = time.perf_counter()
+        try:
+            self._capture_all()
+        except Exception as e:  # noqa: BLE001 - flex attention under a graph depends on the torch build
+            if not self.row_lengths:
+                raise
+            _log.warning("slot decoding: rows of their own length failed to capture (%s: %s); attending over "
+                         "positions views instead", type(e).__name__, e)
+            self.row_lengths, self.graphs, self._pool = False, {}, None
+            self._capture_all()
+        return time.perf_counter() - t0
+
+    def _capture_all(self) -> None:
         views = [self.slot_len] if self.row_lengths else sorted(
             {min(256 << k, self.slot_len) for k in range(max(1, self.slot_len.bit_length()))})
         for r in self._row_views():
@@ -461,7 +474,6 @@ class SlotDecoder:
                 self.cache.row_view, self.cache.view = r, view
                 if (r, view) not in self.graphs:
                     self._capture()
-        return time.perf_counter() - t0
 
     def _capture(self) -> None:
         """Capture the decode step at the cache's view as a CUDA graph (after warm-up runs on a side stream, as CUDA

@@ -118,6 +118,29 @@ def test_rows_of_their_own_length_give_the_same_tokens(kind, monkeypatch):
     assert {decoder.cache.view} == {256}  # the whole slot: the mask, not a view, bounds what a row reads
 
 
+def test_a_row_lengths_capture_that_fails_falls_back_to_positions_views(monkeypatch, caplog):
+    """Should flex attention fail to compile or capture under a CUDA graph, the decoder says why and captures the
+    positions views instead (every rows view of each), rather than failing its requests."""
+    from dflash_assets.generation import packed_gqa
+
+    model = _model("llama")
+    model.set_attn_implementation(packed_gqa.register())
+    decoder = SlotDecoder(model, slots=8, slot_len=512, row_lengths=True, cuda_graph=True)
+    captured = []
+
+    def capture():
+        if decoder.row_lengths:
+            raise RuntimeError("flex attention under capture")
+        captured.append((decoder.cache.row_view, decoder.cache.view))
+        decoder.graphs[captured[-1]] = (None, None)
+
+    monkeypatch.setattr(decoder, "_capture", capture)
+    with caplog.at_level("WARNING"):
+        decoder.capture_views()
+    assert not decoder.row_lengths and "failed to capture (RuntimeError: flex attention" in caplog.text
+    assert sorted(captured) == [(r, v) for r in (1, 2, 4, 8) for v in (256, 512)]
+
+
 def test_row_lengths_need_the_packed_attention():
     with pytest.raises(ValueError, match="row_lengths needs a flex-attention block mask: the model's attention"):
         SlotDecoder(_model("llama"), slots=2, slot_len=256, row_lengths=True)
