@@ -81,9 +81,10 @@ def _load_library():
     import dflash_assets.hidden_states.capture as capture
     import dflash_assets.hidden_states.format as hsf
     import dflash_assets.hidden_states.packing as packing
+    import dflash_assets.target_model.packed_attention as packed_attention
 
     names = {}
-    for module in (batching, packing, capture):  # private names too (_VARLEN_PARAMS, _forward, ...)
+    for module in (batching, packed_attention, packing, capture):  # private names too (_VARLEN_PARAMS, _forward, ...)
         names.update({k: v for k, v in vars(module).items() if not k.startswith("__")})
     return types.SimpleNamespace(**names), hsf
 

@@ -72,7 +72,7 @@ class TargetFeatures:
     batch -> its context features in the batch's layout (`for_batch`).
 
     The same `LayerCapture` as the hidden-state cache, so online and offline features are identical. Attention
-    is the cache's ``packed_causal`` (`hidden_states.packing`): a packed batch runs the target over its samples'
+    is the cache's ``packed_causal`` (`target_model.packed_attention`): a packed batch runs the target over its samples'
     real tokens one after another, each attending inside its own sample (flash varlen on CUDA), not over rows
     padded to the longest. With `compile` (a compiled recipe on a GPU), its norms and MLPs compiled as the
     cache's capture compiles them (`hidden_states.capture.compile_elementwise`), instead of chains of eager

@@ -14,7 +14,9 @@ same attention (the tests compare it with Transformers' own path, eager and comp
 (prefill, one KV head per query head, a per-head mask, dropout, a position bias) goes to Transformers' SDPA
 unchanged. A flex-attention `BlockMask` as the mask (slot decoding's rows of their own lengths: key blocks past
 a row's position are skipped, not masked) goes to ``flex_attention`` with the query heads grouped over the KV
-heads, compiled on CUDA. `register()` adds it to Transformers' attention and mask registries under `ATTENTION_NAME`;
+heads, compiled on CUDA. A packed row (``cu_seq_lens_q``: slot decoding's prefill of many prompts one after
+another) goes to ``target_model.packed_attention`` (flash varlen on CUDA). `register()` adds it to
+Transformers' attention and mask registries under `ATTENTION_NAME`;
 `TransformersEngine(attention="packed_gqa")` sets it on the loaded model. Reads and writes nothing.
 """
 
@@ -62,6 +64,10 @@ def packed_gqa_sdpa(module: Any, query, key, value, attention_mask, dropout: flo
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if kwargs.get("cu_seq_lens_q") is not None:  # a packed prefill: the prompts one after another in one row
+        from dflash_assets.target_model.packed_attention import packed_causal_attention
+
+        return packed_causal_attention(module, query, key, value, None, scaling=scaling, **kwargs)
     block_mask = flex_block_mask_type()
     if block_mask is not None and isinstance(attention_mask, block_mask):
         return _flex(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None

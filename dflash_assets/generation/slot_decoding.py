@@ -33,6 +33,7 @@ Reads a loaded model; writes nothing. Imports torch and the standard library onl
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import queue
@@ -153,11 +154,17 @@ class _SlotCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.rows = torch.arange(slots, device=device)
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where each row's step writes
-        self.prefill_slots: Any = None  # set during a prefill: which slots its rows fill
+        self.prefill_slots: Any = None  # set during a padded prefill: which slots its rows fill
+        self.prefill_at: Any = None  # set during a packed prefill: (slot, position) of each of its tokens
         self.view = slot_len  # positions a decode step attends over (every live row's position is below it)
         self.row_view = slots  # slots a decode step computes, from the first (every live row is below it)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.prefill_at is not None:  # (1, kv_heads, tokens, dim): the prompts one after another
+            slot, position = self.prefill_at
+            self.keys[layer_idx][slot, :, position] = key_states[0].transpose(0, 1)
+            self.values[layer_idx][slot, :, position] = value_states[0].transpose(0, 1)
+            return key_states, value_states
         if self.prefill_slots is not None:  # (rows, kv_heads, width, dim): the prompts from position 0
             width = key_states.shape[2]
             self.keys[layer_idx][self.prefill_slots, :, :width] = key_states
@@ -206,12 +213,17 @@ class SlotDecoder:
         self.head = model.get_output_embeddings()
         self.use_graph = (self.device.type == "cuda") if cuda_graph is None else bool(cuda_graph)
         self.row_lengths = self._row_lengths(row_lengths)
+        # packed prefills (the prompts one after another, no padding) through packed_gqa's varlen path
+        from dflash_assets.generation.packed_gqa import ATTENTION_NAME
+
+        self.packed_prefill = getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME
         # (rows, positions) view -> (CUDA graph of the decode step over it, its logits)
         self.graphs: dict[tuple[int, int], tuple[Any, Any]] = {}
         self._pool: Any = None
         n, dev = self.slots, self.device
         self.tokens = torch.full((n, 1), self.pad_id, dtype=torch.long, device=dev)  # fed at the next step
         self.key_positions = torch.arange(self.slot_len, device=dev)
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev)
         self.logits: Any = None  # (row view, vocab) of the last step
         # per-slot state on the host (the rows' requests and new tokens) and on the device (which rows are live,
         # sampling settings)
@@ -333,36 +345,37 @@ class SlotDecoder:
 
     def _admit(self) -> None:
         """Prefill the oldest pending requests into the free slots: sorted by length and cut into forwards of at
-        most `prefill_tokens` padded tokens, so that one long prompt pads only prompts of its own size."""
+        most `prefill_tokens` tokens (packed: the prompts' own; padded: rows x the widest, so that one long
+        prompt pads only prompts of its own size)."""
         free = [s for s, r in enumerate(self.live) if r is None]
         admitted = sorted((self.pending.popleft() for _ in range(min(len(free), len(self.pending)))),
                           key=lambda r: len(r.ids))
         while admitted:
             group = [admitted.pop(0)]
-            while admitted and len(admitted[0].ids) * (len(group) + 1) <= self.prefill_tokens:
+            total = len(group[0].ids)
+            while admitted and (total + len(admitted[0].ids) if self.packed_prefill
+                                else len(admitted[0].ids) * (len(group) + 1)) <= self.prefill_tokens:
                 group.append(admitted.pop(0))  # sorted: the newest row is the widest
+                total += len(group[-1].ids)
             slots, free = free[:len(group)], free[len(group):]
-            # widths in steps of 64: few shapes, and attention kernels that want aligned key lengths take the mask
-            self._prefill(group, slots, min(-(-len(group[-1].ids) // 64) * 64, self.slot_len))
+            self._prefill(group, slots)
 
-    def _prefill(self, group: list[SlotRequest], slots: list[int], width: int) -> None:
+    def _prefill(self, group: list[SlotRequest], slots: list[int]) -> None:
         import torch
 
         t0 = time.perf_counter()
+        with torch.inference_mode():
+            if self.packed_prefill:
+                try:
+                    last = self._prefill_packed(group, slots)
+                except Exception as e:  # noqa: BLE001 - varlen attention depends on the torch build
+                    _log.warning("slot decoding: a packed prefill failed (%s: %s); prefilling padded rows instead",
+                                 type(e).__name__, e)
+                    self.packed_prefill = False
+            if not self.packed_prefill:
+                last = self._prefill_padded(group, slots)
+            logits = self.head(last).float()
         lengths = torch.tensor([len(r.ids) for r in group], device=self.device)
-        ids = torch.tensor([r.ids + [self.pad_id] * (width - len(r.ids)) for r in group], device=self.device)
-        keys = torch.arange(width, device=self.device)
-        # causal, and no key past the row's prompt (a padding query then sees its own prompt only: never empty)
-        mask = (keys[None, :] <= keys[:, None])[None] & (keys[None, None, :] < lengths[:, None, None])
-        self.cache.prefill_slots = torch.tensor(slots, device=self.device)
-        try:
-            with torch.inference_mode():
-                hidden = self.base(input_ids=ids, attention_mask=mask[:, None], position_ids=keys[None].expand(
-                    len(group), width), **{self._cache_kwarg: self.cache}, use_cache=True).last_hidden_state
-                last = hidden[torch.arange(len(group), device=self.device), lengths - 1]
-                logits = self.head(last).float()
-        finally:
-            self.cache.prefill_slots = None
         idx = torch.tensor(slots, device=self.device)
         self.temperature[idx] = torch.tensor([float(r.temperature) for r in group], device=self.device)
         self.top_p[idx] = torch.tensor([float(r.top_p) for r in group], device=self.device)
@@ -377,6 +390,47 @@ class SlotDecoder:
         self.stats.prefill_rows += len(group)
         self.stats.prefill_seconds += time.perf_counter() - t0
         self._advance(list(zip(slots, first)), stepped=False)  # a one-token answer ends here
+
+    def _prefill_padded(self, group: list[SlotRequest], slots: list[int]):
+        """The prompts as right-padded rows (widths in steps of 64: few shapes, and attention kernels that want
+        aligned key lengths take the mask); the hidden state of each prompt's last token."""
+        import torch
+
+        width = min(-(-len(group[-1].ids) // 64) * 64, self.slot_len)
+        lengths = torch.tensor([len(r.ids) for r in group], device=self.device)
+        ids = torch.tensor([r.ids + [self.pad_id] * (width - len(r.ids)) for r in group], device=self.device)
+        keys = torch.arange(width, device=self.device)
+        # causal, and no key past the row's prompt (a padding query then sees its own prompt only: never empty)
+        mask = (keys[None, :] <= keys[:, None])[None] & (keys[None, None, :] < lengths[:, None, None])
+        self.cache.prefill_slots = torch.tensor(slots, device=self.device)
+        try:
+            hidden = self.base(input_ids=ids, attention_mask=mask[:, None], position_ids=keys[None].expand(
+                len(group), width), **{self._cache_kwarg: self.cache}, use_cache=True).last_hidden_state
+        finally:
+            self.cache.prefill_slots = None
+        return hidden[torch.arange(len(group), device=self.device), lengths - 1]
+
+    def _prefill_packed(self, group: list[SlotRequest], slots: list[int]):
+        """The prompts one after another in one row, each attending inside its own (``cu_seq_lens``: flash varlen
+        on CUDA), no padding; the hidden state of each prompt's last token."""
+        import torch
+
+        dev = self.device
+        lengths = [len(r.ids) for r in group]
+        ids = torch.tensor([t for r in group for t in r.ids], device=dev)[None]
+        position = torch.cat([torch.arange(n, device=dev) for n in lengths])
+        bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)
+        slot = torch.repeat_interleave(torch.tensor(slots, device=dev), torch.tensor(lengths, device=dev))
+        self.cache.prefill_at = slot, position
+        try:
+            # a 4-D mask stops Transformers from building a (tokens x tokens) one; varlen attention ignores it
+            hidden = self.base(input_ids=ids, position_ids=position[None], attention_mask=self._no_mask,
+                               cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=max(lengths),
+                               max_length_k=max(lengths), **{self._cache_kwarg: self.cache},
+                               use_cache=True).last_hidden_state
+        finally:
+            self.cache.prefill_at = None
+        return hidden[0, bounds[1:].long() - 1]
 
     # -- decode ------------------------------------------------------------------------------------------------
 

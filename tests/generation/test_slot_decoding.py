@@ -118,6 +118,29 @@ def test_rows_of_their_own_length_give_the_same_tokens(kind, monkeypatch):
     assert {decoder.cache.view} == {256}  # the whole slot: the mask, not a view, bounds what a row reads
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_packed_prefills_give_the_same_tokens(kind):
+    """With packed_gqa's attention a prefill runs the admitted prompts one after another in one row (each
+    attending inside its own, no padding) and writes each token's keys at its slot and position; the tokens stay
+    generate's, through refills and stops."""
+    from dflash_assets.generation import packed_gqa
+
+    model = _model(kind)
+    model.set_attn_implementation(packed_gqa.register())
+    prompts = _prompts(17, seed=6)
+    decoder = SlotDecoder(model, slots=4, slot_len=128, prefill_tokens=64, admit_every=3)
+    widths = []
+    base = decoder.base.forward
+    decoder.base.forward = lambda **kw: (widths.append(tuple(kw["input_ids"].shape)), base(**kw))[1]
+    got = _decode(decoder, prompts)
+    decoder.base.forward = base
+    assert decoder.packed_prefill  # no fallback to padded rows
+    prefills = [w for w in widths if w[1] > 1]
+    assert prefills and all(rows == 1 for rows, _ in prefills)  # one packed row each
+    assert sum(n for _, n in prefills) == sum(len(ids) for ids, _ in prompts)  # every prompt token, once
+    assert [got[i][0] for i in range(len(prompts))] == [_alone(model, *p) for p in prompts]
+
+
 def test_a_row_lengths_capture_that_fails_falls_back_to_positions_views(monkeypatch, caplog):
     """Should flex attention fail to compile or capture under a CUDA graph, the decoder says why and captures the
     positions views instead (every rows view of each), rather than failing its requests."""
