@@ -185,13 +185,16 @@ class SlotDecoder:
     Not thread-safe: one thread calls `submit` and `run` (the engine's model worker). ``cuda_graph=None`` captures
     the decode step on CUDA and runs it eagerly elsewhere. ``row_lengths=None`` attends over each row's own
     length (a flex block mask) on CUDA when the model's attention is `generation.packed_gqa`'s and the slot a
-    multiple of `KEY_BLOCK` positions; True asks for it anywhere those hold. ``prefill_tokens`` bounds one
-    prefill's padded prompt tokens; a prefill runs when a quarter of the slots are free, when no row is live, or
-    `admit_every` steps after the last one, so it admits requests in groups rather than one per step.
+    multiple of `KEY_BLOCK` positions; True asks for it anywhere those hold. ``packed_prefill=None`` prefills the
+    admitted prompts one after another in one row when the model's attention is packed_gqa's (False: padded
+    rows). ``prefill_tokens`` bounds one prefill's tokens (padding included); a prefill runs when a quarter of the
+    slots are free, when no row is live, or `admit_every` steps after the last one, so it admits requests in
+    groups rather than one per step.
     """
 
     def __init__(self, model: Any, *, slots: int, slot_len: int, pad_id: int = 0, prefill_tokens: int = 16384,
-                 admit_every: int = 32, cuda_graph: bool | None = None, row_lengths: bool | None = None):
+                 admit_every: int = 32, cuda_graph: bool | None = None, row_lengths: bool | None = None,
+                 packed_prefill: bool | None = None):
         import torch
 
         reason = unsupported_reason(model.config)
@@ -216,7 +219,10 @@ class SlotDecoder:
         # packed prefills (the prompts one after another, no padding) through packed_gqa's varlen path
         from dflash_assets.generation.packed_gqa import ATTENTION_NAME
 
-        self.packed_prefill = getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME
+        can_pack = getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME
+        if packed_prefill and not can_pack:
+            raise ValueError(f"packed prefills need the model's attention to be {ATTENTION_NAME!r}")
+        self.packed_prefill = can_pack if packed_prefill is None else bool(packed_prefill)
         # (rows, positions) view -> (CUDA graph of the decode step over it, its logits)
         self.graphs: dict[tuple[int, int], tuple[Any, Any]] = {}
         self._pool: Any = None

@@ -174,6 +174,10 @@ def test_row_lengths_need_the_packed_attention():
     with pytest.raises(ValueError, match="not a multiple of 128"):
         SlotDecoder(model, slots=2, slot_len=200, row_lengths=True)
     assert not SlotDecoder(model, slots=2, slot_len=256).row_lengths  # on a CPU only when asked
+    assert SlotDecoder(model, slots=2, slot_len=256).packed_prefill
+    assert not SlotDecoder(model, slots=2, slot_len=256, packed_prefill=False).packed_prefill
+    with pytest.raises(ValueError, match="packed prefills need the model's attention to be 'packed_gqa_sdpa'"):
+        SlotDecoder(_model("llama"), slots=2, slot_len=256, packed_prefill=True)
 
 
 def test_scheduler_sends_each_request_to_the_shortest_slot_that_holds_it():
