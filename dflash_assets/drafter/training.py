@@ -72,9 +72,9 @@ class TargetFeatures:
     batch -> its context features in the batch's layout (`for_batch`).
 
     The same `LayerCapture` as the hidden-state cache, so online and offline features are identical. Attention
-    is the cache's ``packed_causal`` (`target_model.packed_attention`): a packed batch runs the target over its samples'
-    real tokens one after another, each attending inside its own sample (flash varlen on CUDA), not over rows
-    padded to the longest. With `compile` (a compiled recipe on a GPU), its norms and MLPs compiled as the
+    is the cache's ``packed_causal`` (`target_model.packed_attention`): a packed batch runs the target over its
+    samples' real tokens one after another, each attending inside its own sample (flash varlen on CUDA), not
+    over rows padded to the longest. With `compile` (a compiled recipe on a GPU), its norms and MLPs compiled as the
     cache's capture compiles them (`hidden_states.capture.compile_elementwise`), instead of chains of eager
     elementwise kernels."""
 
@@ -109,8 +109,9 @@ class TargetFeatures:
         S, T, Sc = batch.input_ids.shape[1], batch.num_tokens, batch.ctx_index.shape[1]
         where = batch.ctx_index[0, :T]  # sample * S + position of each real token
         bounds = torch.cat([batch.ctx_start, batch.ctx_start.new_tensor([T])]).to(torch.int32)
-        self.model(input_ids=batch.input_ids.reshape(-1).index_select(0, where)[None], position_ids=(where % S)[None],
-                   cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=S, max_length_k=S, use_cache=False)
+        self.model(input_ids=batch.input_ids.reshape(-1).index_select(0, where)[None],
+                   position_ids=(where % S)[None], cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=S,
+                   max_length_k=S, use_cache=False)
         return torch.nn.functional.pad(self.capture.features(), (0, 0, 0, Sc - T))
 
 
