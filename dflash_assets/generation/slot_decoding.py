@@ -423,10 +423,11 @@ class SlotDecoder:
 
         dev = self.device
         lengths = [len(r.ids) for r in group]
+        counts = torch.tensor(lengths, device=dev)
         ids = torch.tensor([t for r in group for t in r.ids], device=dev)[None]
-        position = torch.cat([torch.arange(n, device=dev) for n in lengths])
         bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)
-        slot = torch.repeat_interleave(torch.tensor(slots, device=dev), torch.tensor(lengths, device=dev))
+        position = torch.arange(ids.shape[1], device=dev) - torch.repeat_interleave(bounds[:-1].long(), counts)
+        slot = torch.repeat_interleave(torch.tensor(slots, device=dev), counts)
         self.cache.prefill_at = slot, position
         try:
             # a 4-D mask stops Transformers from building a (tokens x tokens) one; varlen attention ignores it
