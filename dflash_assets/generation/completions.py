@@ -186,6 +186,10 @@ class GenerationStats:
             meta[f"finish_{reason}"] = n
         for url, ep in self.endpoints.items():
             meta[f"tokens_per_s[{url}]"] = round(ep.get("tokens_per_s", 0.0), 1)
+            decoding = ep.get("decoding") or {}
+            if decoding.get("steps"):  # an in-process engine's own decoder: its steps and the prefills' share
+                meta[f"decode_steps[{url}]"] = int(decoding["steps"])
+                meta[f"prefill_share[{url}]"] = decoding.get("prefill_share", 0.0)
         return meta
 
 

@@ -69,6 +69,7 @@ from dflash_assets.generation.engines import (
     OpenAIEngine,
     SGLangEngine,
     TransformersEngine,
+    decoding_over_run,
     normalize_model_id,
 )
 from dflash_assets.generation.fleet_probe import (
@@ -389,6 +390,7 @@ class EndpointRunStats:
     dead: bool = False
     dead_reason: str = ""
     tokens_per_s: float = 0.0  # completion tokens / run wall time
+    decoding: dict[str, float] = field(default_factory=dict)  # its engine's own decoder (decoding_over_run)
 
 
 @dataclass
@@ -473,7 +475,7 @@ class _Dispatch:
 
     async def run(self) -> FleetRunStats:
         """Every job to done or failed; ``NoEngineAvailable`` if every endpoint dies first."""
-        t_start = time.perf_counter()
+        t_start, before = time.perf_counter(), {id(ep): ep.engine.decoder_totals() for ep in self.endpoints}
         if not self.pending:
             return self.stats
         workers = [asyncio.ensure_future(self._worker(ep)) for ep in self.endpoints
@@ -490,6 +492,7 @@ class _Dispatch:
         self.stats.wall_s = time.perf_counter() - t_start
         for ep in self.endpoints:
             ep.stats.tokens_per_s = ep.stats.completion_tokens / self.stats.wall_s if self.stats.wall_s > 0 else 0.0
+            ep.stats.decoding = decoding_over_run(before[id(ep)], ep.engine.decoder_totals())
         if self.aborted:
             self.stats.unfinished = len(self.pending)
             raise self._all_dead_error()

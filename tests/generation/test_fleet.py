@@ -11,6 +11,7 @@ import time
 import pytest
 
 from dflash_assets.generation.completions import TooManyFailedPrompts, aregenerate_shard, regenerate_shard
+from dflash_assets.generation.engines import decoding_over_run
 from dflash_assets.generation.fleet import (
     EndpointConfig,
     EngineFleetConfig,
@@ -229,6 +230,31 @@ def test_in_process_transformers_endpoint_is_explicit_and_works(tiny_dense_targe
     assert res.table.num_rows == 2 and res.probe.rows[0].kind == "transformers" and res.probe.rows[0].usable
     assert all(1 <= n <= 4 for r in res.table.to_pylist() for n in r["completion_tokens"])
     assert set(res.table["endpoint"].to_pylist()) == {f"inprocess://{tiny_dense_target}"}
+
+
+def test_an_in_process_slot_engine_reports_its_decoder_over_the_run(tiny_dense_target, local_store):
+    """The slot decoders' steps, prefills and their seconds over a shard's run, per endpoint, in the stats and,
+    as the decode steps and the prefills' share of the decoder's seconds, in the asset metadata."""
+    cfg = EngineFleetConfig(target_model=str(tiny_dense_target), endpoints=[EndpointConfig(
+        url="inprocess://tiny", kind="transformers", cache="slots", slot_len=256, max_batch_rows=4)])
+    res = regenerate_shard(prompts(5, turns=2), shard="sl", store=local_store, fleet=cfg,
+                           generation=GenerationConfig(max_new_tokens=6, temperature=0.0, max_turns=2))
+    ((url, ep),) = res.stats.endpoints.items()
+    decoding = ep["decoding"]
+    assert decoding["prefills"] >= 2 and decoding["steps"] >= 5  # second turns joined the running slots
+    assert decoding["new_tokens"] >= res.stats.completion_tokens > 0 and 0 < decoding["prefill_share"] < 1
+    meta = res.stats.to_metadata()
+    assert meta[f"decode_steps[{url}]"] == decoding["steps"]
+    assert meta[f"prefill_share[{url}]"] == decoding["prefill_share"]
+
+
+def test_decoding_over_a_run_is_the_change_of_the_totals():
+    before = {"steps": 10, "step_seconds": 1.0, "prefills": 2, "prefill_seconds": 1.0, "new_tokens": 100}
+    after = {"steps": 30, "step_seconds": 4.0, "prefills": 3, "prefill_seconds": 2.0, "new_tokens": 300}
+    assert decoding_over_run(before, after) == {"steps": 20, "step_seconds": 3.0, "prefills": 1,
+                                                "prefill_seconds": 1.0, "new_tokens": 200, "prefill_share": 0.25}
+    assert decoding_over_run(after, before)["steps"] == 10  # totals that went down: decoders rebuilt
+    assert decoding_over_run({}, {}) == {}  # an engine that keeps none
 
 
 # -- broken or hostile engines in a run ---------------------------------------------------

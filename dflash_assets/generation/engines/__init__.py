@@ -22,13 +22,13 @@ from dflash_assets.generation.engines.inprocess_batching import (STATIC_MAX_WIDT
 from dflash_assets.generation.engines.inprocess_models import release_idle_models
 from dflash_assets.generation.engines.openai import OpenAIEngine
 from dflash_assets.generation.engines.protocol import (ChatResult, ContextOverflow, Engine, EngineError, EngineKind,
-                                                       EngineProbe, ServerFacts)
+                                                       EngineProbe, ServerFacts, decoding_over_run)
 from dflash_assets.generation.engines.sglang import SGLangEngine
 from dflash_assets.target_model.chat_template import split_reasoning_text
 
 __all__ = [
     "EngineKind", "GenerationConfig", "ChatResult", "EngineProbe", "EngineError", "ContextOverflow", "ServerFacts",
-    "Engine", "HttpEngine", "SGLangEngine", "OpenAIEngine", "TransformersEngine",
+    "Engine", "HttpEngine", "SGLangEngine", "OpenAIEngine", "TransformersEngine", "decoding_over_run",
     "RETRYABLE_STATUS", "json_dumps", "json_loads",
     "STATIC_MAX_WIDTH", "STATIC_ROW_BUCKETS", "STATIC_WIDTH_BUCKETS", "static_width", "static_row_cap",
     "static_batch_shape", "next_batch", "release_idle_models",

@@ -147,6 +147,13 @@ class SlotCache:
         return [SlotDecoder(self.model, slots=n, slot_len=length, pad_id=pad,
                             prefill_tokens=max(self.max_batch_tokens, length), **options) for n, length in tiers]
 
+    def decoder_totals(self) -> dict[str, float]:
+        """The slot decoders' running totals (`Engine.decoder_totals`): every build's decoders summed."""
+        keys = ("steps", "step_seconds", "prefills", "prefill_seconds", "new_tokens")
+        if not self._slot_runs:
+            return {}
+        return {k: sum(getattr(stats, k) for build in self._slot_runs or [] for stats in build) for k in keys}
+
     def slot_stats(self) -> dict | None:
         """What the slot decoder did so far (None unless cache="slots" decoded something)."""
         if not self._slot_runs:

@@ -170,6 +170,11 @@ class Engine(abc.ABC):
     async def close(self) -> None:
         """Release what ``open`` acquired."""
 
+    def decoder_totals(self) -> dict[str, float]:
+        """Running totals of this engine's own decoder (steps, their seconds, prefills, their seconds, new tokens)
+        where it keeps them (the in-process slot decoders); the fleet reports their change over a run. None here."""
+        return {}
+
     @property
     def seed_honoured(self) -> bool:
         """Whether a request's seed makes its output reproducible here: configured, else the server's
@@ -215,3 +220,17 @@ class Engine(abc.ABC):
     async def chat(self, messages: Sequence[dict], generation: GenerationConfig) -> ChatResult:
         """Generate the next assistant turn for ``messages`` (role/content dicts; agentic ones also
         tool_calls/tool results). Engines take ``tools=`` (JSON schemas) for agentic conversations."""
+
+
+def decoding_over_run(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """An engine's decoder totals over one run (`Engine.decoder_totals` at its end less at its start; the totals
+    at the end alone when they went down: decoders rebuilt after a failure), with the prefills' share of the
+    decoder's seconds."""
+    if not after:
+        return {}
+    rebuilt = any(after[k] < before.get(k, 0) for k in after)
+    out = {k: round(v - (0 if rebuilt else before.get(k, 0)), 3) for k, v in after.items()}
+    busy = out.get("step_seconds", 0) + out.get("prefill_seconds", 0)
+    if busy > 0:
+        out["prefill_share"] = round(out.get("prefill_seconds", 0) / busy, 4)
+    return out
