@@ -33,6 +33,7 @@ Reads a loaded model; writes nothing. Imports torch and the standard library onl
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import math
@@ -107,6 +108,18 @@ def unsupported_reason(config: Any) -> str | None:
     if getattr(text, "final_logit_softcapping", None):
         return "logit soft-capping"
     return None
+
+
+@functools.cache
+def _forward_only_block_mask() -> dict:
+    """`BlockMask.from_kv_blocks`' option to skip the query-side block lists (a backward's only), where this
+    torch has it; asked once, not at every mask."""
+    import inspect
+
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(
+        BlockMask.from_kv_blocks).parameters else {}
 
 
 def _text_config(model: Any) -> Any:
@@ -478,8 +491,6 @@ class SlotDecoder:
     def _length_mask(self, positions):
         """A flex block mask over the positions view in which each row sees its keys up to its position, and
         the key blocks past it are not computed at all (graph-capturable: shapes fixed by the views)."""
-        import inspect
-
         import torch
         from torch.nn.attention.flex_attention import BlockMask
 
@@ -490,10 +501,8 @@ class SlotDecoder:
         def mask_mod(b, h, q_idx, kv_idx):
             return kv_idx <= positions[b]
 
-        backward = {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(
-            BlockMask.from_kv_blocks).parameters else {}  # the query-side lists serve a backward pass only
         return BlockMask.from_kv_blocks(blocks, order, BLOCK_SIZE=KEY_BLOCK, mask_mod=mask_mod,
-                                        seq_lengths=(1, self.cache.view), **backward)
+                                        seq_lengths=(1, self.cache.view), **_forward_only_block_mask())
 
     def _decode(self) -> None:
         import torch

@@ -152,7 +152,7 @@ class SlotCache:
         keys = ("steps", "step_seconds", "prefills", "prefill_seconds", "new_tokens")
         if not self._slot_runs:
             return {}
-        return {k: sum(getattr(stats, k) for build in self._slot_runs or [] for stats in build) for k in keys}
+        return {k: sum(getattr(stats, k) for build in self._slot_runs for stats in build) for k in keys}
 
     def slot_stats(self) -> dict | None:
         """What the slot decoder did so far (None unless cache="slots" decoded something)."""
