@@ -3,7 +3,9 @@ static-cache decode step.
 
 Reads and writes nothing but torch's global compile configuration: the inductor option a torch version needs
 (``apply_inductor_workarounds``) and dynamo's recompile limit (``allow_recompiles``), so varying batch shapes
-recompile instead of falling back to eager.
+recompile instead of falling back to eager. ``flex_attention`` is flex attention as both users of it call it
+(the drafter's blocks, slot decoding's rows of their own lengths): compiled on CUDA, one compiled function per
+shape policy.
 """
 
 from __future__ import annotations
@@ -50,3 +52,25 @@ def allow_recompiles(limit: int = 64) -> None:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name) and getattr(cfg, name) < limit:
             setattr(cfg, name, limit)
+
+
+_COMPILED_FLEX: dict[bool, Any] = {}  # static_shapes -> torch.compile(flex_attention)
+
+
+def flex_attention(query, key, value, block_mask, *, scale: float | None = None, static_shapes: bool = False):
+    """``torch.nn.attention.flex_attention`` with grouped-query heads (``enable_gqa``) over `block_mask`.
+
+    Traced as it is inside a graph being compiled; compiled on CUDA otherwise (eager flex computes every score),
+    eager on a CPU. `static_shapes`: one compile per shape (a CUDA-graph-captured step's fixed views) instead of
+    shapes made dynamic after their first change (training batches of varying widths)."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if torch.compiler.is_compiling() or not query.is_cuda:
+        return flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
+    compiled = _COMPILED_FLEX.get(static_shapes)
+    if compiled is None:
+        if static_shapes:
+            allow_recompiles()
+        compiled = _COMPILED_FLEX[static_shapes] = torch.compile(flex, dynamic=False if static_shapes else None)
+    return compiled(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)

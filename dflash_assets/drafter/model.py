@@ -37,13 +37,13 @@ from torch import nn
 
 from dflash_assets.store.manifest import pid_alive
 from dflash_assets.target_model.conventions import dflash_target_layer_ids, text_config
+from dflash_assets.torch_compile import flex_attention
 
 try:  # flex_attention exists in torch >= 2.5; the SDPA path works without it
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 except ImportError:  # pragma: no cover
     BlockMask = None
     create_block_mask = None
-    flex_attention = None
 
 # Loss decay gamma per block size (DFlash paper / SpecForge defaults).
 KNOWN_LOSS_GAMMAS = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -259,21 +259,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-_compiled_flex = None
-
-
-def _flex(q, k, v, block_mask):
-    """flex_attention; compiled on GPU (the eager version materializes the full score matrix)."""
-    global _compiled_flex
-    if torch.compiler.is_compiling():  # inside a compiled layer: traced into that graph
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-    if q.is_cuda:
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention)
-        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
-    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-
-
 class SegmentedMask:
     """Attention over a packed row in pieces (SDPA), for training batches that pack many sequences in one row.
 
@@ -297,7 +282,7 @@ class SegmentedMask:
 def attend(q, k, v, mask) -> torch.Tensor:
     """q (b, nh, tq, hd), k/v (b, nkv, tk, hd); mask: BlockMask (flex), bool (b,1,tq,tk), SegmentedMask or None."""
     if BlockMask is not None and isinstance(mask, BlockMask):
-        return _flex(q, k, v, mask)
+        return flex_attention(q, k, v, mask)
     if isinstance(mask, SegmentedMask):
         return mask.attend(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

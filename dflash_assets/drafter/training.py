@@ -58,6 +58,7 @@ from dflash_assets.drafter.step_profile import StepProfiler
 from dflash_assets.drafter.tau_estimate import HeldoutSlice, TauWatch
 from dflash_assets.target_model.conventions import mask_token_id_in_dir
 from dflash_assets.target_model.layer_capture import LayerCapture
+from dflash_assets.target_model.packed_attention import packed_row_kwargs
 from dflash_assets.torch_compile import allow_recompiles, apply_inductor_workarounds
 
 __all__ = ["DrafterRecipe", "TrainResult", "TargetFeatures", "train_drafter", "main"]
@@ -110,8 +111,7 @@ class TargetFeatures:
         where = batch.ctx_index[0, :T]  # sample * S + position of each real token
         bounds = torch.cat([batch.ctx_start, batch.ctx_start.new_tensor([T])]).to(torch.int32)
         self.model(input_ids=batch.input_ids.reshape(-1).index_select(0, where)[None],
-                   position_ids=(where % S)[None], cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=S,
-                   max_length_k=S, use_cache=False)
+                   **packed_row_kwargs(bounds, where % S, S), use_cache=False)
         return torch.nn.functional.pad(self.capture.features(), (0, 0, 0, Sc - T))
 
 

@@ -38,24 +38,11 @@ def flex_block_mask_type() -> type | None:
     return BlockMask
 
 
-_compiled_flex: Any = None
-
-
 def _flex(query, key, value, block_mask, scaling: float | None):
-    """flex_attention over `block_mask`, compiled on CUDA (eager flex computes every score)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
+    """flex attention over `block_mask`, one compile per (rows, positions) view on CUDA."""
+    from dflash_assets.torch_compile import flex_attention
 
-    if not query.is_cuda:
-        return flex_attention(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True)
-    if _compiled_flex is None:
-        import torch
-
-        from dflash_assets.torch_compile import allow_recompiles
-
-        allow_recompiles()  # one shape per (rows, positions) view of each slot decoder
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True)
+    return flex_attention(query, key, value, block_mask, scale=scaling, static_shapes=True)
 
 
 def packed_gqa_sdpa(module: Any, query, key, value, attention_mask, dropout: float = 0.0,

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
 import math
 import queue
@@ -434,23 +433,21 @@ class SlotDecoder:
         on CUDA), no padding; the hidden state of each prompt's last token."""
         import torch
 
+        from dflash_assets.target_model.packed_attention import packed_row
+
         dev = self.device
         lengths = [len(r.ids) for r in group]
-        counts = torch.tensor(lengths, device=dev)
         ids = torch.tensor([t for r in group for t in r.ids], device=dev)[None]
-        bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)
-        position = torch.arange(ids.shape[1], device=dev) - torch.repeat_interleave(bounds[:-1].long(), counts)
-        slot = torch.repeat_interleave(torch.tensor(slots, device=dev), counts)
-        self.cache.prefill_at = slot, position
+        row = packed_row(lengths, dev)
+        slot = torch.tensor(slots).repeat_interleave(torch.tensor(lengths)).to(dev)
+        self.cache.prefill_at = slot, row["position_ids"][0]
         try:
             # a 4-D mask stops Transformers from building a (tokens x tokens) one; varlen attention ignores it
-            hidden = self.base(input_ids=ids, position_ids=position[None], attention_mask=self._no_mask,
-                               cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=max(lengths),
-                               max_length_k=max(lengths), **{self._cache_kwarg: self.cache},
+            hidden = self.base(input_ids=ids, attention_mask=self._no_mask, **row, **{self._cache_kwarg: self.cache},
                                use_cache=True).last_hidden_state
         finally:
             self.cache.prefill_at = None
-        return hidden[0, bounds[1:].long() - 1]
+        return hidden[0, row["cu_seq_lens_q"][1:].long() - 1]
 
     # -- decode ------------------------------------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ from dflash_assets.hidden_states.packing import (
     resolve_packing,
 )
 from dflash_assets.target_model.layer_capture import LayerCapture, decoder_stack, text_config
+from dflash_assets.target_model.packed_attention import packed_row
 
 __all__ = [
     "CaptureSpec",
@@ -136,18 +137,13 @@ def _batch_inputs(samples: Sequence[TokenizedSample], batch: Batch, device: torc
         t_ids = t_ids.view(len(batch.indices), -1)
         kwargs: dict[str, Any] = {"input_ids": (t_ids.pin_memory() if pin else t_ids).to(device, non_blocking=True)}
         return _Inputs(kwargs, ids.shape[0])
-    lengths = np.asarray(batch.lengths, dtype=np.int64)
-    pos = np.arange(ids.shape[0], dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    host = {"input_ids": t_ids[None], "position_ids": torch.from_numpy(pos)[None]}
-    if len(batch.indices) > 1:
-        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-        host["cu_seq_lens_q"] = torch.from_numpy(cu)
-        host["cu_seq_lens_k"] = host["cu_seq_lens_q"]
-        if hybrid:  # causal-conv1d keeps packed samples apart through seq_idx
-            host["seq_idx"] = torch.from_numpy(np.repeat(np.arange(len(lengths), dtype=np.int32), lengths))[None]
+    host = {"input_ids": t_ids[None]}
+    if hybrid and len(batch.indices) > 1:  # causal-conv1d keeps packed samples apart through seq_idx
+        lengths = np.asarray(batch.lengths, dtype=np.int64)
+        host["seq_idx"] = torch.from_numpy(np.repeat(np.arange(len(lengths), dtype=np.int32), lengths))[None]
     kwargs = {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in host.items()}
-    if "cu_seq_lens_q" in kwargs:
-        kwargs["max_length_q"] = kwargs["max_length_k"] = int(lengths.max())
+    if len(batch.indices) > 1:
+        kwargs.update(packed_row(batch.lengths, device, pin=pin))
     return _Inputs(kwargs, ids.shape[0])
 
 

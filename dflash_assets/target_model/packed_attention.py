@@ -3,13 +3,15 @@
 Registers the attention implementation ``"packed_causal"`` with Transformers: causal attention inside each
 sample only (``cu_seq_lens_q``), through ``torch.nn.attention.varlen.varlen_attn`` (flash varlen) on CUDA, or
 one causal SDPA call per sample elsewhere. The hidden-state capture and online training run the target with it
-(``hidden_states.packing``); slot decoding's packed prefill reaches it through ``generation.packed_gqa``. Reads
-and writes nothing. Imports only torch and transformers.
+(``hidden_states.packing``); slot decoding's packed prefill reaches it through ``generation.packed_gqa``.
+``packed_row`` builds the keyword arguments that lay samples out in such a row. Reads and writes nothing. Imports
+only torch and transformers.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,7 +20,8 @@ from torch import nn
 
 from dflash_assets.target_model.layer_capture import text_config
 
-__all__ = ["ATTN_IMPLEMENTATION", "packed_attention", "packed_causal_attention", "register_packed_attention"]
+__all__ = ["ATTN_IMPLEMENTATION", "packed_attention", "packed_causal_attention", "packed_row", "packed_row_kwargs",
+           "register_packed_attention"]
 
 # No "flash" in the name: transformers treats any name containing it as a flash-attention request.
 ATTN_IMPLEMENTATION = "packed_causal"
@@ -86,6 +89,24 @@ def packed_causal_attention(module: nn.Module, query: torch.Tensor, key: torch.T
         out[:, :, a:b] = F.scaled_dot_product_attention(
             query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
+
+
+def packed_row_kwargs(bounds: torch.Tensor, positions: torch.Tensor, max_length: int) -> dict[str, Any]:
+    """A model's keyword arguments for one packed row: `bounds` (int32, samples + 1) where each sample starts and
+    the row ends, `positions` (tokens,) each token's position in its sample, `max_length` at least the longest."""
+    return {"position_ids": positions[None], "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
+            "max_length_q": max_length, "max_length_k": max_length}
+
+
+def packed_row(lengths: Sequence[int], device: torch.device | str, *, pin: bool = False) -> dict[str, Any]:
+    """`packed_row_kwargs` for samples of `lengths` tokens one after another, built on the host and copied to
+    `device` once each (from pinned memory with `pin`, without waiting)."""
+    counts = torch.as_tensor(lengths, dtype=torch.int64)
+    bounds = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    torch.cumsum(counts, 0, out=bounds[1:])
+    positions = torch.arange(int(bounds[-1])) - torch.repeat_interleave(bounds[:-1].long(), counts)
+    move = lambda t: (t.pin_memory() if pin else t).to(device, non_blocking=pin)  # noqa: E731
+    return packed_row_kwargs(move(bounds), move(positions), int(counts.max()))
 
 
 def register_packed_attention() -> str:
