@@ -1,5 +1,6 @@
-"""The shared compile settings: the inductor workaround only where the torch version needs it, and
-the recompile limit the compiled paths raise."""
+"""The shared compile settings: the inductor workaround only where the torch version needs it, the recompile
+limit the compiled paths raise, and flex attention as a compiled layer calls it: traced into the layer's graph
+without a break (a break would leave flex to run eagerly, computing every score), equal to torch's own."""
 
 import pytest
 
@@ -39,3 +40,24 @@ def test_allow_recompiles_raises_the_limit_and_never_lowers_it():
         assert getattr(cfg, name) == 64
     finally:
         setattr(cfg, name, before)
+
+
+def test_flex_attention_traces_into_a_compiled_layer_without_a_break():
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    from dflash_assets.torch_compile import flex_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 128, 16, generator=gen)
+    k, v = torch.randn(1, 2, 128, 16, generator=gen), torch.randn(1, 2, 128, 16, generator=gen)
+    mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, 128, 128, device="cpu")
+
+    def layer(q, k, v, mask):
+        return flex_attention(q, k, v, mask, scale=0.5) * 2
+
+    explained = torch._dynamo.explain(layer)(q, k, v, mask)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch.testing.assert_close(layer(q, k, v, mask),
+                               torch_flex(q, k, v, block_mask=mask, scale=0.5, enable_gqa=True) * 2)
