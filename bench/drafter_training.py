@@ -13,7 +13,8 @@ a bf16 matmul peak measured in the same run; compares with SpecForge's trainer (
 at most 2,048; see `varied_lengths`), collated by the library's `collate` as training does, in
 the padded layout (one row per sample, padded to the longest) and the packed one (all samples'
 blocks and context in one row) in the same run: tokens/s, MFU over real tokens' FLOPs, the padded
-shares and the widths each layout met.
+shares and the widths each layout met; `--varied-eager` adds the packed batches run eagerly, the peer of the
+compiled step.
 
 Reads nothing; prints one JSON object on stdout (progress on stderr) and, with --out, writes it.
 Needs only torch (+ triton on GPU), numpy, safetensors. See BENCHMARKS.md.
@@ -324,17 +325,20 @@ def varied_lengths(args, cfg: DrafterConfig, device, peak: float) -> dict:
     for _ in range(args.varied_batches):
         samples = varied_samples(b, cfg, args.varied_max_length, rng, dtype)
         groups.append((samples, [sample_anchors(s.loss_mask, B, args.anchors, rng) for s in samples]))
-    kw = dict(block_size=B, mask_token_id=cfg.mask_token_id, gamma=7.0, attention=args.attention, grad_clip=1.0,
-              compiled_loss=args.compile)
     out = {"batch_size": b, "batches": args.varied_batches, "max_length": args.varied_max_length,
            "anchors": args.anchors, "mean_length": float(np.mean([len(s.input_ids) for g in groups for s in g[0]]))}
-    for layout in ("padded", "packed"):
+    runs = [("padded", args.compile), ("packed", args.compile)]
+    if args.varied_eager and args.compile:
+        runs.append(("packed_eager", False))  # the peer: the same packed batches, eager layers and loss
+    for layout, compiled in runs:
+        kw = dict(block_size=B, mask_token_id=cfg.mask_token_id, gamma=7.0, attention=args.attention, grad_clip=1.0,
+                  compiled_loss=compiled)
         batches = [collate(smp, anc, seq_multiple=128 if cuda else 1, anchor_multiple=max(1, 128 // B) if cuda else 1,
-                           bucket=cuda and args.compile, packed=layout == "packed").to(device) for smp, anc in groups]
+                           bucket=cuda and compiled, packed=layout != "padded").to(device) for smp, anc in groups]
         if cuda:
             torch._dynamo.reset()
             torch.cuda.reset_peak_memory_stats(device)
-        drafter, model, head, opt = build(cfg, device, args.compile, 1)
+        drafter, model, head, opt = build(cfg, device, compiled, 1)
         losses = []
 
         def run_pass():
@@ -374,6 +378,8 @@ def varied_lengths(args, cfg: DrafterConfig, device, peak: float) -> dict:
     out["first_loss_rel_diff"] = abs(out["packed"]["first_losses"][0] - out["padded"]["first_losses"][0]) / abs(
         out["padded"]["first_losses"][0])
     out["packed_speedup"] = out["packed"]["tokens_per_s"] / out["padded"]["tokens_per_s"]
+    if "packed_eager" in out:
+        out["compiled_vs_eager"] = out["packed"]["tokens_per_s"] / out["packed_eager"]["tokens_per_s"]
     return out
 
 
@@ -522,6 +528,7 @@ def main(argv=None) -> int:
     p.add_argument("--varied-batch", type=int, default=None, help="samples per batch (default: the first batch size)")
     p.add_argument("--varied-batches", type=int, default=None, help="distinct batches (default 12, quick 3)")
     p.add_argument("--varied-passes", type=int, default=2, help="timed passes over them")
+    p.add_argument("--varied-eager", action="store_true", help="also the packed batches eagerly: the peer of compiled")
     p.add_argument("--varied-max-length", type=int, default=None, help="longest sample (default 2048, quick 768)")
     args = p.parse_args(argv)
 
