@@ -50,8 +50,9 @@ def test_tokens_and_acceptance_equal_the_eager_decoders(dense, decoders):
 
 def test_a_stop_token_cuts_a_round_short(dense, decoders):
     base, spec, eager = decoders
-    # a round that accepted a draft token: stopping at its first token cuts it to one
-    for p in _prompts(6, 7, seed=11):
+    # a round that accepted a draft token: stopping at its first token cuts it to one. An untrained drafter
+    # agrees in about half of these prompts somewhere; which ones depends on the CPU's kernels, so look far enough
+    for p in (q for seed in range(11, 19) for q in _prompts(4, 7, seed)):  # 32 prompts, 7-10 tokens: all fit
         free = eager.generate(p, 24)
         starts = [1 + sum(free.acceptance_lengths[:r]) for r in range(len(free.acceptance_lengths))]
         hits = [s for s, n in zip(starts, free.acceptance_lengths)
