@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_assets.target_model.packed_attention import packed_attention, packed_causal_attention, packed_row
