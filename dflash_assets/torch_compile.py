@@ -5,11 +5,13 @@ Reads and writes nothing but torch's global compile configuration: the inductor 
 (``apply_inductor_workarounds``) and dynamo's recompile limit (``allow_recompiles``), so varying batch shapes
 recompile instead of falling back to eager. ``flex_attention`` is flex attention as both users of it call it
 (the drafter's blocks, slot decoding's rows of their own lengths): compiled on CUDA, one compiled function per
-shape policy.
+shape policy; ``is_block_mask`` and ``block_mask_from_kv_blocks`` are the one place flex's ``BlockMask`` class is
+looked up.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 
@@ -74,3 +76,34 @@ def flex_attention(query, key, value, block_mask, *, scale: float | None = None,
             allow_recompiles()
         compiled = _COMPILED_FLEX[static_shapes] = torch.compile(flex, dynamic=False if static_shapes else None)
     return compiled(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+@functools.cache
+def block_mask_type() -> type | None:
+    """flex attention's ``BlockMask`` class; None where this torch has no flex attention (torch < 2.5)."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:
+        return None
+    return BlockMask
+
+
+def is_block_mask(mask: Any) -> bool:
+    """Whether `mask` is a flex ``BlockMask`` (attention goes through `flex_attention` rather than SDPA)."""
+    cls = block_mask_type()
+    return cls is not None and isinstance(mask, cls)
+
+
+@functools.cache
+def _has_compute_q_blocks() -> bool:
+    import inspect
+
+    return "compute_q_blocks" in inspect.signature(block_mask_type().from_kv_blocks).parameters
+
+
+def block_mask_from_kv_blocks(*args, forward_only: bool = False, **kwargs):
+    """``BlockMask.from_kv_blocks``; `forward_only` skips the query-side block lists a backward reads, where
+    this torch has that option (asked once)."""
+    if forward_only and _has_compute_q_blocks():
+        kwargs["compute_q_blocks"] = False
+    return block_mask_type().from_kv_blocks(*args, **kwargs)

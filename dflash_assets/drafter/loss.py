@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from dflash_assets.drafter.data import Batch
-from dflash_assets.drafter.model import SegmentedMask, TargetHead, create_block_mask
+from dflash_assets.drafter.model import SegmentedMask, TargetHead
+from dflash_assets.torch_compile import block_mask_from_kv_blocks
 
 __all__ = ["block_layout", "block_labels", "dpace_weights", "dflash_dense_mask", "dflash_segmented_mask",
            "dflash_block_mask", "head_cross_entropy", "HeadCrossEntropy", "head_cross_entropy_reweighted",
@@ -136,8 +137,9 @@ def dflash_block_mask(anchors, keep, S: int, block_size: int, tile: int = 128, s
     Q, KV = N * B, S + N * B
     mask_mod = _dflash_mask_mod(anchors, keep, S, B, starts)
     if S % T or Q % T or T % B:
+        from torch.nn.attention.flex_attention import create_block_mask
+
         return create_block_mask(mask_mod, B=b, H=None, Q_LEN=Q, KV_LEN=KV, device=anchors.device)
-    from torch.nn.attention.flex_attention import BlockMask
 
     n_q, n_kv, G = Q // T, KV // T, T // B
     lo, hi = (x.view(b, n_q, G) for x in _context_range(anchors, keep, starts))
@@ -157,7 +159,7 @@ def dflash_block_mask(anchors, keep, S: int, block_size: int, tile: int = 128, s
                                          torch.where(idx == n_part[..., None], diag, torch.zeros_like(idx))))
     full_indices = (f0[..., None] + idx).clamp(max=n_kv - 1)
     i32 = torch.int32
-    return BlockMask.from_kv_blocks(
+    return block_mask_from_kv_blocks(
         (n_part + 1)[:, None].to(i32), kv_indices[:, None].to(i32), (f1 - f0)[:, None].to(i32),
         full_indices[:, None].to(i32).contiguous(), BLOCK_SIZE=T, mask_mod=mask_mod, seq_lengths=(Q, KV))
 

@@ -37,13 +37,7 @@ from torch import nn
 
 from dflash_assets.store.manifest import pid_alive
 from dflash_assets.target_model.conventions import dflash_target_layer_ids, text_config
-from dflash_assets.torch_compile import flex_attention
-
-try:  # flex_attention exists in torch >= 2.5; the SDPA path works without it
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
-except ImportError:  # pragma: no cover
-    BlockMask = None
-    create_block_mask = None
+from dflash_assets.torch_compile import flex_attention, is_block_mask
 
 # Loss decay gamma per block size (DFlash paper / SpecForge defaults).
 KNOWN_LOSS_GAMMAS = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -281,7 +275,7 @@ class SegmentedMask:
 
 def attend(q, k, v, mask) -> torch.Tensor:
     """q (b, nh, tq, hd), k/v (b, nkv, tk, hd); mask: BlockMask (flex), bool (b,1,tq,tk), SegmentedMask or None."""
-    if BlockMask is not None and isinstance(mask, BlockMask):
+    if is_block_mask(mask):  # flex attention exists in torch >= 2.5; the SDPA path works without it
         return flex_attention(q, k, v, mask)
     if isinstance(mask, SegmentedMask):
         return mask.attend(q, k, v)
@@ -584,6 +578,5 @@ def load_drafter(ckpt_dir: str | Path, device=None, dtype: torch.dtype | None = 
 __all__ = [
     "DFlashDrafter", "DrafterConfig", "DraftCache", "TargetHead", "attend",
     "drafter_state_dict", "load_drafter", "load_target_config",
-    "load_target_tensors", "loss_gamma", "save_drafter", "BlockMask", "SegmentedMask",
-    "create_block_mask",
+    "load_target_tensors", "loss_gamma", "save_drafter", "SegmentedMask",
 ]

@@ -24,24 +24,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ATTENTION_NAME", "flex_block_mask_type", "packed_gqa_sdpa", "register"]
+from dflash_assets.torch_compile import flex_attention, is_block_mask
+
+__all__ = ["ATTENTION_NAME", "packed_gqa_sdpa", "register"]
 
 ATTENTION_NAME = "packed_gqa_sdpa"  # no "flash" in it: Transformers reads such names as flash-attention kernels
 
 
-def flex_block_mask_type() -> type | None:
-    """flex attention's `BlockMask` class (None where this torch has no flex attention)."""
-    try:
-        from torch.nn.attention.flex_attention import BlockMask
-    except ImportError:
-        return None
-    return BlockMask
-
-
 def _flex(query, key, value, block_mask, scaling: float | None):
     """flex attention over `block_mask`, one compile per (rows, positions) view on CUDA."""
-    from dflash_assets.torch_compile import flex_attention
-
     return flex_attention(query, key, value, block_mask, scale=scaling, static_shapes=True)
 
 
@@ -55,8 +46,7 @@ def packed_gqa_sdpa(module: Any, query, key, value, attention_mask, dropout: flo
         from dflash_assets.target_model.packed_attention import packed_causal_attention
 
         return packed_causal_attention(module, query, key, value, None, scaling=scaling, **kwargs)
-    block_mask = flex_block_mask_type()
-    if block_mask is not None and isinstance(attention_mask, block_mask):
+    if is_block_mask(attention_mask):
         return _flex(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
     groups = getattr(module, "num_key_value_groups", 1)
     per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1

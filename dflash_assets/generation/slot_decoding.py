@@ -33,7 +33,6 @@ Reads a loaded model; writes nothing. Imports torch and the standard library onl
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import queue
@@ -107,18 +106,6 @@ def unsupported_reason(config: Any) -> str | None:
     if getattr(text, "final_logit_softcapping", None):
         return "logit soft-capping"
     return None
-
-
-@functools.cache
-def _forward_only_block_mask() -> dict:
-    """`BlockMask.from_kv_blocks`' option to skip the query-side block lists (a backward's only), where this
-    torch has it; asked once, not at every mask."""
-    import inspect
-
-    from torch.nn.attention.flex_attention import BlockMask
-
-    return {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(
-        BlockMask.from_kv_blocks).parameters else {}
 
 
 def _text_config(model: Any) -> Any:
@@ -257,12 +244,13 @@ class SlotDecoder:
         self._since_admit = 0
 
     def _row_lengths(self, asked: bool | None) -> bool:
-        from dflash_assets.generation.packed_gqa import ATTENTION_NAME, flex_block_mask_type
+        from dflash_assets.generation.packed_gqa import ATTENTION_NAME
+        from dflash_assets.torch_compile import block_mask_type
 
         why = None
         if getattr(self.model.config, "_attn_implementation", None) != ATTENTION_NAME:
             why = f"the model's attention is not {ATTENTION_NAME!r} (TransformersEngine(attention='packed_gqa'))"
-        elif flex_block_mask_type() is None:
+        elif block_mask_type() is None:
             why = "this torch has no flex attention"
         elif self.slot_len % KEY_BLOCK:
             why = f"a slot of {self.slot_len} positions is not a multiple of {KEY_BLOCK}"
@@ -489,7 +477,8 @@ class SlotDecoder:
         """A flex block mask over the positions view in which each row sees its keys up to its position, and
         the key blocks past it are not computed at all (graph-capturable: shapes fixed by the views)."""
         import torch
-        from torch.nn.attention.flex_attention import BlockMask
+
+        from dflash_assets.torch_compile import block_mask_from_kv_blocks
 
         r, n = positions.shape[0], self.cache.view // KEY_BLOCK
         blocks = (positions // KEY_BLOCK + 1).clamp(max=n).to(torch.int32).view(r, 1, 1)
@@ -498,8 +487,8 @@ class SlotDecoder:
         def mask_mod(b, h, q_idx, kv_idx):
             return kv_idx <= positions[b]
 
-        return BlockMask.from_kv_blocks(blocks, order, BLOCK_SIZE=KEY_BLOCK, mask_mod=mask_mod,
-                                        seq_lengths=(1, self.cache.view), **_forward_only_block_mask())
+        return block_mask_from_kv_blocks(blocks, order, BLOCK_SIZE=KEY_BLOCK, mask_mod=mask_mod,
+                                         seq_lengths=(1, self.cache.view), forward_only=True)
 
     def _decode(self) -> None:
         import torch
