@@ -78,9 +78,9 @@ def flex_attention(query, key, value, block_mask, *, scale: float | None = None,
     return compiled(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
-@functools.cache
 def block_mask_type() -> type | None:
-    """flex attention's ``BlockMask`` class; None where this torch has no flex attention (torch < 2.5)."""
+    """flex attention's ``BlockMask`` class; None where this torch has no flex attention (torch < 2.5).
+    A plain import, no cache wrapper: the drafter's compiled layers trace it."""
     try:
         from torch.nn.attention.flex_attention import BlockMask
     except ImportError:
