@@ -166,13 +166,32 @@ def _compiled(template: str):
     return _memoized_safety(_compile_jinja_template(template).environment).from_string(template)
 
 
+def _as_given(value: Any) -> Any:
+    return value
+
+
+# transformers' message helpers that `apply_chat_template` runs before rendering; versions before them (5.0-5.17)
+# hand the template the messages, tools and variables as given, and so does the renderer there.
+_MESSAGE_HELPERS = ("_normalize_chat_messages", "_plain_template_data", "_alias_reasoning_fields")
+
+
+class _TemplateHelpers:
+    """The helpers of `transformers.utils.chat_template_utils` this renderer calls, or the identity where this
+    transformers has none of that name."""
+
+    def __init__(self, ctu: Any):
+        for name in _MESSAGE_HELPERS:
+            setattr(self, name, getattr(ctu, name, _as_given))
+
+
 class ChatRenderer:
     """Renders conversations with a chat template, as ``apply_chat_template(tokenize=False)`` does.
 
     The same steps as transformers' `apply_chat_template` and
     `render_jinja_template`, with transformers' own helpers: messages
     normalized (keys holding None dropped), made plain JSON data, reasoning
-    aliased under ``reasoning_content``/``thinking``; tools passed as JSON
+    aliased under ``reasoning_content``/``thinking`` (where this transformers
+    has those helpers; before them, as given, as its apply_chat_template does); tools passed as JSON
     schemas; then the template compiled once in (an overlay of) transformers'
     sandboxed environment with memoized safety checks (`_memoized_safety`),
     ~8x faster than `render_jinja_template` per call. `template` None = the
@@ -183,9 +202,9 @@ class ChatRenderer:
     def __init__(self, template: str | None = None, **template_kwargs: Any):
         from transformers.utils import chat_template_utils as ctu
 
+        self._ctu = _TemplateHelpers(ctu)
         self.template = template if template is not None else default_chat_template()
-        self.template_kwargs = ctu._plain_template_data(dict(template_kwargs))
-        self._ctu = ctu
+        self.template_kwargs = self._ctu._plain_template_data(dict(template_kwargs))
         self._compiled = _compiled(self.template)
 
     @classmethod

@@ -317,3 +317,19 @@ def test_generation_client_renders_tool_definitions(tok):
     assert client.render(head, True, tools=[WEATHER]) == want and "<tools>\n" + WEATHER_JSON in want
     assert client.prompt_ids(head, True, tools=[WEATHER]) == tok(want, add_special_tokens=False)["input_ids"]
     assert "<tools>" not in client.render(head, True)
+
+
+@pytest.mark.parametrize("messages,kwargs,expected", [c for c in CASES if c.id in ("gen-thinking", "tool-round")])
+def test_renders_on_a_transformers_without_the_message_helpers(monkeypatch, messages, kwargs, expected):
+    """transformers 5.0-5.17 (e.g. a GPU image's own) has none of the message helpers newer versions run before
+    rendering; there the renderer hands the template the messages as given, as that version's
+    apply_chat_template does, and the packaged template's renders are the same."""
+    from transformers.utils import chat_template_utils as ctu
+
+    from dflash_assets.target_model.chat_template import ChatRenderer
+
+    for name in ("_normalize_chat_messages", "_plain_template_data", "_alias_reasoning_fields"):
+        monkeypatch.delattr(ctu, name)
+    renderer = ChatRenderer()
+    assert renderer(messages, **kwargs) == expected
+    assert renderer(messages, tools=[WEATHER], add_generation_prompt=True).count(WEATHER_JSON) == 1

@@ -167,3 +167,29 @@ def test_health_that_stays_503_is_unhealthy_not_unreachable_and_the_router_is_as
     assert rows[starting.url].served_model == TARGET  # identified all the same
     assert rows[router.url].status == "ok"  # its /health says nothing about its workers; /readiness does
     assert rows[empty_router.url].status == "unhealthy" and "no healthy worker" in rows[empty_router.url].detail
+
+
+def test_the_engines_import_and_speak_json_without_orjson():
+    """A GPU image may lack orjson: the engines package (the in-process engine imports it) still imports, and
+    its JSON helpers fall back to the standard library with the same bytes for plain data."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, json\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'orjson': raise ImportError('no orjson here')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from dflash_assets.generation.engines import TransformersEngine, json_dumps, json_loads\n"
+        "from dflash_assets.generation.engines import http\n"
+        "assert http.orjson is None\n"
+        "obj = {'messages': [{'role': 'user', 'content': 'h\\u00e9 \\u4f60'}], 'max_tokens': 3}\n"
+        "print(json_dumps(obj).decode()); assert json_loads(json_dumps(obj)) == obj\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    import orjson
+
+    assert out.stdout.strip().encode() == orjson.dumps(
+        {"messages": [{"role": "user", "content": "h\u00e9 \u4f60"}], "max_tokens": 3})
