@@ -507,19 +507,27 @@ class SlotDecoder:
         """Capture the decode step's graph at every (rows, positions) view now, before any request (a step
         otherwise captures its view the first time it meets it, compiling flex attention there for row
         lengths); returns the seconds it took. Does nothing off CUDA graphs. Should rows of their own length
-        fail to compile or capture here, the decoder logs why and attends over positions views instead."""
+        fail to compile or capture here, the decoder logs why and attends over positions views instead.
+
+        Under inference mode, as every step runs: with autograd on, compiling flex attention plans a backward,
+        which a forward-only block mask cannot have."""
+        import torch
+
         if not self.use_graph or not self.idle():
             return 0.0
         t0 = time.perf_counter()
-        try:
-            self._capture_all()
-        except Exception as e:  # noqa: BLE001 - flex attention under a graph depends on the torch build
-            if not self.row_lengths:
-                raise
-            _log.warning("slot decoding: rows of their own length failed to capture (%s: %s); attending over "
-                         "positions views instead", type(e).__name__, e)
-            self.row_lengths, self.graphs, self._pool = False, {}, None
-            self._capture_all()
+        with torch.inference_mode():
+            try:
+                self._capture_all()
+            except Exception as e:  # noqa: BLE001 - flex attention under a graph depends on the torch build
+                if not self.row_lengths:
+                    raise
+                _log.warning("slot decoding: rows of their own length failed to capture (%s: %s); attending over "
+                             "positions views instead", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                _log.debug("slot decoding: the capture's error in full", exc_info=True)
+                self.row_lengths, self.graphs, self._pool = False, {}, None
+                torch.cuda.synchronize()
+                self._capture_all()
         return time.perf_counter() - t0
 
     def _capture_all(self) -> None:
