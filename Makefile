@@ -57,9 +57,13 @@ demo-tiny: $(STAMP)
 
 # Two pytest-xdist workers, a test module each (modules in the order tests/conftest.py gives, slow ones first), one
 # torch thread each: on 2 cores two single-threaded workers do not fight over them as two-threaded ones do.
-# TEST_WORKERS=0: one process.
+# TEST_WORKERS=0: one process. glibc's malloc keeps freed large blocks in the heap instead of handing each back
+# (mmap/munmap per tensor): the tiny targets' logits are tens of MB a step, and first-touching fresh pages is slow
+# on some VMs (BENCHMARKS.md, "make demo and the test suite").
 TEST_WORKERS ?= 2
-PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q \
+TEST_MALLOC := MALLOC_MMAP_THRESHOLD_=$${MALLOC_MMAP_THRESHOLD_:-4294967296} \
+	MALLOC_TRIM_THRESHOLD_=$${MALLOC_TRIM_THRESHOLD_:-4294967296}
+PYTEST := $(TEST_MALLOC) OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q \
 	$(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: $(STAMP) $(SMOLLM2_STAMP)
