@@ -12,7 +12,8 @@ per turn:
   prompts prefilled as padded rows;
 - ``stage``: ``completions``' stage function (``generation.completions.regenerate_shard``) over the same prompts,
   one turn each, through ``TransformersEngine(cache="slots")``: the stage at the engine's settings, so
-  ``stage / engine`` is what the stage costs;
+  ``stage / engine`` is what the stage costs; both clocks start with the decoders built and their graphs
+  captured (``prepare_s``: that one-time cost of the stage's engine; ``tokens_per_s_with_prepare`` counts it);
 - ``stage_turns``: the same with ``--max-turns`` turns (a conversation's next turn joins the running slots);
 - ``ceiling``: the main decoder's captured decode step replayed alone, per (rows, positions) view it ran at:
   rows / step time is what the step could make if every row it computes were always live and nothing else ran
@@ -169,6 +170,7 @@ def stage(args, table, shard: str, root: Path, engine, spec, tok, turns: int) ->
         max_batch_tokens=engine.max_batch_tokens, slot_len=engine.slot_len, attention=engine.attention,
         slot_tiers=engine.slot_tiers)])
     store = LocalStore(root / f"stage-{engine.cache}-{turns}")
+    prepare_s = asyncio.run(engine.prepare_slots())  # decoders built and captured, as engine alone before its clock
     sync = _synchronize(args.device)
     sync()
     t0 = time.perf_counter()
@@ -178,7 +180,8 @@ def stage(args, table, shard: str, root: Path, engine, spec, tok, turns: int) ->
     wall = time.perf_counter() - t0
     tokens = result.stats.completion_tokens
     report = {"wall_s": round(wall, 2), "turns": turns, "conversations": table.num_rows, "new_tokens": tokens,
-              "tokens_per_s": round(tokens / wall, 1)}
+              "tokens_per_s": round(tokens / wall, 1), "prepare_s": round(prepare_s, 1),
+              "tokens_per_s_with_prepare": round(tokens / (wall + prepare_s), 1)}
     if engine.cache == "slots":
         report["slots"] = engine.slot_stats()
     else:

@@ -627,6 +627,24 @@ class SlotScheduler:
                 loop.run_in_executor(self._executor, self._work)
         return await done
 
+    async def prepare(self) -> float:
+        """Build the decoders and capture their decode-step graphs now, on the worker thread, rather than at the
+        first request (a caller timing its requests keeps this one-time cost apart); returns the seconds it took,
+        0.0 when they are built already."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._build)
+
+    def _build(self) -> float:
+        if self.decoders:
+            return 0.0
+        t0 = time.perf_counter()
+        self.decoders = sorted(self._make_decoders(), key=lambda d: d.slot_len)
+        self.stats.append([d.stats for d in self.decoders])
+        seconds = sum(d.capture_views() for d in self.decoders)
+        if seconds:
+            _log.info("slot decoding: %d decode-step graphs captured in %.1f s",
+                      sum(len(d.graphs) for d in self.decoders), seconds)
+        return time.perf_counter() - t0
+
     def _drain(self) -> None:
         """Queued requests to the first decoder (the shortest slots) whose slot holds the prompt and its new
         tokens."""
@@ -650,13 +668,7 @@ class SlotScheduler:
         """Admit and decode until nothing is queued, pending or live (on the worker thread); a step of each
         decoder with work in turn, so long prompts decode beside short ones."""
         try:
-            if not self.decoders:
-                self.decoders = sorted(self._make_decoders(), key=lambda d: d.slot_len)
-                self.stats.append([d.stats for d in self.decoders])
-                seconds = sum(d.capture_views() for d in self.decoders)
-                if seconds:
-                    _log.info("slot decoding: %d decode-step graphs captured in %.1f s",
-                              sum(len(d.graphs) for d in self.decoders), seconds)
+            self._build()
             while True:
                 self._drain()
                 busy = [d for d in self.decoders if not d.idle()]

@@ -46,3 +46,32 @@ def test_continuous_engine_answers_as_the_dynamic_one_and_stops_its_thread(tiny_
 
     with pytest.raises(EngineError, match="not min_p"):  # refused: transformers would drop it silently
         run(refused())
+
+
+def test_prepared_slots_are_the_decoders_the_requests_use(tiny_dense_target, tok):
+    """`prepare_slots` builds the slot decoders (and captures their graphs on CUDA) before any request, so a
+    caller can time its requests without that one-time cost: the requests then decode in those same decoders,
+    nothing is built again, and the answers are those of an engine that built them at its first request."""
+    gen = GenerationConfig(max_new_tokens=6, temperature=0.0, enable_thinking=False)
+    chats = [[{"role": "user", "content": q}] for q in ("What is 2+2?", "Name a colour.", "Hi")]
+
+    async def go(prepare: bool):
+        async with TransformersEngine(tiny_dense_target, tokenizer=tok, max_concurrency=4, cache="slots",
+                                      slot_len=64, slot_tiers=[]) as eng:
+            seconds = await eng.prepare_slots() if prepare else None
+            built = list(eng._slots.decoders) if prepare else None
+            out = await asyncio.gather(*(eng.chat(m, gen) for m in chats))
+            again = await eng.prepare_slots()
+            return out, seconds, built, list(eng._slots.decoders), len(eng._slot_runs), again
+
+    out, seconds, built, used, builds, again = run(go(True))
+    assert seconds > 0 and built and [id(d) for d in used] == [id(d) for d in built]
+    assert builds == 1 and again == 0.0  # built once, before the first request
+    plain, *_ = run(go(False))
+    assert [(r.content, r.completion_tokens) for r in out] == [(r.content, r.completion_tokens) for r in plain]
+
+    async def other_cache():
+        async with TransformersEngine(tiny_dense_target, tokenizer=tok, cache="dynamic") as eng:
+            return await eng.prepare_slots()
+
+    assert run(other_cache()) == 0.0
