@@ -170,18 +170,44 @@ def _as_given(value: Any) -> Any:
     return value
 
 
-# transformers' message helpers that `apply_chat_template` runs before rendering; versions before them (5.0-5.17)
-# hand the template the messages, tools and variables as given, and so does the renderer there.
-_MESSAGE_HELPERS = ("_normalize_chat_messages", "_plain_template_data", "_alias_reasoning_fields")
+def _drop_none_keys(conversation: Any) -> list[dict]:
+    """transformers' message normalization for dict messages: the keys holding None dropped (a template would
+    render a literal "None" or fail on them)."""
+    messages = []
+    for message in getattr(conversation, "messages", conversation):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"chat messages should be dicts, got {message!r}")
+        messages.append({k: v for k, v in message.items() if v is not None})
+    return messages
+
+
+def _alias_reasoning(chat: list) -> list:
+    """transformers' reasoning aliasing: a message's reasoning under ``reasoning_content`` and ``thinking`` both."""
+    aliased = []
+    for message in chat:
+        if isinstance(message, dict):
+            reasoning = next((message[k] for k in ("reasoning_content", "thinking", "reasoning")
+                              if message.get(k) is not None), None)
+            if reasoning is not None:
+                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        aliased.append(message)
+    return aliased
+
+
+# transformers' message helpers that `apply_chat_template` runs before rendering, and what stands in for each on a
+# transformers without them (5.0-5.17, e.g. a GPU image's own): the same steps for the JSON data of the project's
+# rows, so a prompt renders the same on either side (generation on the GPU, tokenization elsewhere).
+_MESSAGE_HELPERS = {"_normalize_chat_messages": _drop_none_keys, "_plain_template_data": _as_given,
+                    "_alias_reasoning_fields": _alias_reasoning}
 
 
 class _TemplateHelpers:
-    """The helpers of `transformers.utils.chat_template_utils` this renderer calls, or the identity where this
+    """The helpers of `transformers.utils.chat_template_utils` this renderer calls, or their stand-ins where this
     transformers has none of that name."""
 
     def __init__(self, ctu: Any):
-        for name in _MESSAGE_HELPERS:
-            setattr(self, name, getattr(ctu, name, _as_given))
+        for name, stand_in in _MESSAGE_HELPERS.items():
+            setattr(self, name, getattr(ctu, name, stand_in))
 
 
 class ChatRenderer:
@@ -190,8 +216,8 @@ class ChatRenderer:
     The same steps as transformers' `apply_chat_template` and
     `render_jinja_template`, with transformers' own helpers: messages
     normalized (keys holding None dropped), made plain JSON data, reasoning
-    aliased under ``reasoning_content``/``thinking`` (where this transformers
-    has those helpers; before them, as given, as its apply_chat_template does); tools passed as JSON
+    aliased under ``reasoning_content``/``thinking`` (on a transformers
+    without those helpers, the same steps for JSON data); tools passed as JSON
     schemas; then the template compiled once in (an overlay of) transformers'
     sandboxed environment with memoized safety checks (`_memoized_safety`),
     ~8x faster than `render_jinja_template` per call. `template` None = the

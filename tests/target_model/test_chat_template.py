@@ -319,17 +319,23 @@ def test_generation_client_renders_tool_definitions(tok):
     assert "<tools>" not in client.render(head, True)
 
 
-@pytest.mark.parametrize("messages,kwargs,expected", [c for c in CASES if c.id in ("gen-thinking", "tool-round")])
-def test_renders_on_a_transformers_without_the_message_helpers(monkeypatch, messages, kwargs, expected):
+@pytest.mark.parametrize("which", ["qwen3_6", "chatml"])
+def test_renders_the_same_on_a_transformers_without_the_message_helpers(tok, which):
     """transformers 5.0-5.17 (e.g. a GPU image's own) has none of the message helpers newer versions run before
-    rendering; there the renderer hands the template the messages as given, as that version's
-    apply_chat_template does, and the packaged template's renders are the same."""
-    from transformers.utils import chat_template_utils as ctu
+    rendering; there the renderer's stand-ins take the same steps for JSON data (None keys dropped, reasoning
+    aliased), so a prompt renders the same where the completions are generated and where they are tokenized."""
+    from types import SimpleNamespace
 
-    from dflash_assets.target_model.chat_template import ChatRenderer
+    from dflash_assets.target_model import chat_template
 
-    for name in ("_normalize_chat_messages", "_plain_template_data", "_alias_reasoning_fields"):
-        monkeypatch.delattr(ctu, name)
-    renderer = ChatRenderer()
-    assert renderer(messages, **kwargs) == expected
-    assert renderer(messages, tools=[WEATHER], add_generation_prompt=True).count(WEATHER_JSON) == 1
+    t = tok if which == "qwen3_6" else build_qwen3_6_tokenizer(chat_template=CHATML)
+    cases = [(conv, kw) for conv in CONVERSATIONS + [AGENTIC]
+             for kw in ({}, {"add_generation_prompt": True, "enable_thinking": False})]
+    with_helpers = chat_template.ChatRenderer.from_tokenizer(t)
+    want = [with_helpers(conv, **kw) for conv, kw in cases]
+    renderer = chat_template.ChatRenderer.from_tokenizer(t)
+    renderer._ctu = chat_template._TemplateHelpers(SimpleNamespace())  # a chat_template_utils without them
+    assert renderer._ctu._normalize_chat_messages is chat_template._drop_none_keys
+    assert [renderer(conv, **kw) for conv, kw in cases] == want
+    assert renderer(AGENTIC[:4], tools=[WEATHER], add_generation_prompt=True) == \
+        with_helpers(AGENTIC[:4], tools=[WEATHER], add_generation_prompt=True)
