@@ -149,9 +149,7 @@ def test_a_row_lengths_capture_that_fails_falls_back_to_positions_views(monkeypa
     model = _model("llama")
     model.set_attn_implementation(packed_gqa.register())
     decoder = SlotDecoder(model, slots=8, slot_len=512, row_lengths=True, cuda_graph=True)
-    captured = []
-
-    inference = []
+    captured, inference = [], []
 
     def capture():
         inference.append(torch.is_inference_mode_enabled())
