@@ -186,9 +186,9 @@ class SlotDecoder:
     length (a flex block mask) on CUDA when the model's attention is `generation.packed_gqa`'s and the slot a
     multiple of `KEY_BLOCK` positions; True asks for it anywhere those hold. ``packed_prefill=None`` prefills the
     admitted prompts one after another in one row when the model's attention is packed_gqa's (False: padded
-    rows). ``prefill_tokens`` bounds one prefill's tokens (padding included); a prefill runs when a quarter of the
-    slots are free, when no row is live, or `admit_every` steps after the last one, so it admits requests in
-    groups rather than one per step.
+    rows). ``prefill_tokens`` bounds one prefill's tokens (padding included); a prefill runs when no row is live,
+    when it fills at least a quarter of the slots, or `admit_every` steps after the last one, so it admits requests
+    in groups rather than one per step, also while they trickle in (as a stage submits them).
     """
 
     def __init__(self, model: Any, *, slots: int, slot_len: int, pad_id: int = 0, prefill_tokens: int = 16384,
@@ -286,8 +286,8 @@ class SlotDecoder:
     def step(self) -> None:
         """Admit pending requests if enough slots are free, then advance every live row by one token."""
         free = self.slots - self.live_rows
-        if self.pending and free and (free >= max(1, self.slots // 4) or free == self.slots
-                                      or self._since_admit >= self.admit_every):
+        if self.pending and free and (free == self.slots or self._since_admit >= self.admit_every
+                                      or min(free, len(self.pending)) >= max(1, self.slots // 4)):
             self._admit()
             self._since_admit = 0
         live = [slot for slot, req in enumerate(self.live) if req is not None]

@@ -62,6 +62,27 @@ def test_greedy_tokens_match_generate_of_each_prompt_alone(kind):
     assert decoder.idle() and decoder.live_rows == 0
 
 
+def test_requests_that_trickle_in_are_admitted_in_groups():
+    """One request arriving per step (as a stage hands them over while it renders the rest) waits for a group
+    that fills a quarter of the slots, or for `admit_every` steps, rather than costing a prefill each; the tokens
+    stay generate's."""
+    model = _model("llama")
+    prompts = [(ids, max(new, 12)) for ids, new in _prompts(24, seed=3)]
+    decoder = SlotDecoder(model, slots=16, slot_len=80, prefill_tokens=1024, admit_every=6)
+    got: dict[int, list[int]] = {}
+    prefills_at_submit = []
+    for i, (ids, max_new) in enumerate(prompts):
+        decoder.submit(SlotRequest(ids, max_new, STOP, tag=i, deliver=lambda r, new, fin: got.__setitem__(r.tag, new)))
+        decoder.step()
+        prefills_at_submit.append(decoder.stats.prefills)
+    decoder.run()
+    assert got == {i: _alone(model, ids, max_new) for i, (ids, max_new) in enumerate(prompts)}
+    # the first request alone (no row live), then groups of four (a quarter of 16) or six steps' worth
+    assert prefills_at_submit[:6] == [1, 1, 1, 1, 2, 2]
+    assert decoder.stats.prefills <= 1 + len(prompts) // 4 + 1
+    assert decoder.idle()
+
+
 def test_steps_attend_over_the_view_that_holds_every_live_row():
     """A row that crosses 256 positions moves the step to the 512-position view mid-answer; the tokens stay
     generate's."""
