@@ -14,7 +14,7 @@ at most 2,048; see `varied_lengths`), collated by the library's `collate` as tra
 the padded layout (one row per sample, padded to the longest) and the packed one (all samples'
 blocks and context in one row) in the same run: tokens/s, MFU over real tokens' FLOPs, the padded
 shares and the widths each layout met; `--varied-eager` adds the packed batches run eagerly, the peer of the
-compiled step.
+compiled step; `--profile` with them profiles a few packed steps (the kernels the step's time goes to).
 
 Reads nothing; prints one JSON object on stdout (progress on stderr) and, with --out, writes it.
 Needs only torch (+ triton on GPU), numpy, safetensors. See BENCHMARKS.md.
@@ -370,6 +370,10 @@ def varied_lengths(args, cfg: DrafterConfig, device, peak: float) -> dict:
         }
         if cuda:
             out[layout]["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if args.profile and layout == "packed":  # the default layout: where its step's time goes, batch by batch
+            out[layout]["profile"] = profile_steps(
+                lambda i: train_step(model, head, opt, batches[i % len(batches)], batches[i % len(batches)].hidden,
+                                     **kw), device, steps=min(len(batches), 4))
         log(f"varied lengths, {layout}: " + json.dumps(out[layout]))
         del drafter, model, head, opt, batches
         if cuda:
@@ -508,7 +512,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--anchors", type=int, default=None)
     p.add_argument("--dims", choices=sorted(DIMS), default="qwen3-8b", help="the target's shapes (hidden, heads, vocab)")
-    p.add_argument("--profile", action="store_true", help="also profile a few steps: the kernels a step spends on")
+    p.add_argument("--profile", action="store_true", help="also profile a few steps: the kernels a step spends on "
+                   "(with --varied*: of the packed rows)")
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--attention", choices=["flex", "sdpa"], default=None)

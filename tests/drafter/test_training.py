@@ -240,6 +240,24 @@ def test_benchmark_quick_mode_runs(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["single_gpu"][0]["batch_size"] == 1
 
 
+def test_benchmark_profiles_the_packed_varied_lengths(tmp_path):
+    """--varied-only --profile: the padded and packed layouts give the same first loss, and the packed steps are
+    profiled (wall and busy time per step, the kernels that take it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_drafter_training", REPO / "bench" / "drafter_training.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--varied-only", "--varied-batches", "2", "--varied-passes", "1", "--profile",
+                       "--out", str(tmp_path / "v.json")]) == 0
+    varied = json.loads((tmp_path / "v.json").read_text())["varied_lengths"]
+    assert varied["first_loss_rel_diff"] < 1e-4
+    profile = varied["packed"]["profile"]
+    assert profile["wall_ms_per_step"] > 0 and 0 < profile["busy_ms_per_step"]
+    assert profile["top"] and all(k["ms_per_step"] > 0 for k in profile["top"])
+    assert "profile" not in varied["padded"]
+
+
 def test_last_layer_features_are_equal_online_offline_and_at_decode_time(tiny_dense_target):
     """Layer id L-1 is HF's hidden_states[L], the final norm's output: the cache, online training and the
     speculative decoder read it through one LayerCapture, so all three give the same features."""
