@@ -19,7 +19,10 @@ per turn:
   rows / step time is what the step could make if every row it computes were always live and nothing else ran
   (rows of their own length: every row at the run's mean position);
 - ``static`` (``--static-prompts N``): the stage through ``cache="static"`` (one padded ``generate`` per batch) on
-  the first N prompts, the path the slots replace.
+  the first N prompts, the path the slots replace;
+- ``engine_overlap`` and ``stage_overlap`` (``--slot-overlap``): the engine alone and the stage (one turn) with the
+  main and the long slots stepped side by side, each decoder on a CUDA stream of its own, against ``engine`` and
+  ``stage``.
 
 Prints one JSON object (also to ``--out``): per mode the wall time, new tokens and tokens/s, the slot decoder's
 steps, prefills and occupancy, and the machine with its GPU.
@@ -79,10 +82,12 @@ def slots_for(args, model) -> int:
                             share=args.memory_share)
 
 
-def engine_alone(args, engine, table, **options) -> tuple[dict, list]:
+def engine_alone(args, engine, table, overlap: bool = False, **options) -> tuple[dict, list]:
     """Every prompt's first turn through the engine's slot decoders (built as the engine builds them, with
-    `options`), stepped in turn on this thread: the engine without the stage."""
+    `options`), stepped on this thread as the engine steps them (in turn, or with `overlap` side by side on
+    streams of their own): the engine without the stage."""
     from dflash_assets.generation.slot_decoding import SlotDecoder, SlotRequest
+    from dflash_assets.generation.slot_scheduler import give_streams, step_each
 
     stop = sorted(engine.tok.stop_ids)
     warm = SlotDecoder(engine.model, slots=8, slot_len=args.slot_len, pad_id=min(stop))  # kernels' first-call cost
@@ -93,6 +98,8 @@ def engine_alone(args, engine, table, **options) -> tuple[dict, list]:
     del warm
     decoders = engine.slot_decoders(**options)
     capture_s = sum(d.capture_views() for d in decoders)  # graphs (and flex compiles) before the clock starts
+    if overlap:
+        give_streams(decoders)
     done = []
     skipped = 0
     for row in table.to_pylist():
@@ -109,8 +116,7 @@ def engine_alone(args, engine, table, **options) -> tuple[dict, list]:
     sync()
     t0 = time.perf_counter()
     while busy := [d for d in decoders if not d.idle()]:
-        for decoder in busy:
-            decoder.step()
+        step_each(busy, overlap=overlap)
     sync()
     wall = time.perf_counter() - t0
     tokens = sum(done)
@@ -169,7 +175,8 @@ def stage(args, table, shard: str, root: Path, engine, spec, tok, turns: int) ->
         max_concurrency=engine.max_concurrency, max_batch_rows=engine.max_batch_rows,
         max_batch_tokens=engine.max_batch_tokens, slot_len=engine.slot_len, attention=engine.attention,
         slot_tiers=engine.slot_tiers)])
-    store = LocalStore(root / f"stage-{engine.cache}-{turns}")
+    # a store of its own per mode: no mode resumes another's completions
+    store = LocalStore(root / f"stage-{engine.cache}-{turns}{'-overlap' if engine.slot_overlap else ''}")
     prepare_s = asyncio.run(engine.prepare_slots())  # decoders built and captured, as engine alone before its clock
     sync = _synchronize(args.device)
     sync()
@@ -189,6 +196,24 @@ def stage(args, table, shard: str, root: Path, engine, spec, tok, turns: int) ->
     return report
 
 
+def overlapped(args, report: dict, table, shard: str, root: Path, spec, tok, target: str, slots: int) -> None:
+    """``engine_overlap`` and ``stage_overlap``: the engine alone and the stage (one turn) with the main and the
+    long slots stepped side by side, each decoder on a CUDA stream of its own (``slot_overlap``)."""
+    with_overlap = open_engine(args, target, tok, "slots", slots, overlap=True)
+    report["engine_overlap"], decoders = engine_alone(args, with_overlap, table, overlap=True)
+    del decoders
+    report["engine_overlap_vs_engine"] = round(
+        report["engine_overlap"]["tokens_per_s"] / report["engine"]["tokens_per_s"], 3)
+    log(f"engine alone, overlapped: {report['engine_overlap']}")
+    save(report, args.out)
+    report["stage_overlap"] = stage(args, table, shard, root, with_overlap, spec, tok, turns=1)
+    asyncio.run(with_overlap.close())
+    report["stage_overlap_vs_stage"] = round(
+        report["stage_overlap"]["tokens_per_s"] / report["stage"]["tokens_per_s"], 3)
+    log(f"stage, overlapped: {report['stage_overlap']}")
+    save(report, args.out)
+
+
 def tiers(text: str) -> list[tuple[int, int]]:
     """'128x2304,32x8192' -> [(128, 2304), (32, 8192)]."""
     return [tuple(int(v) for v in part.split("x")) for part in text.split(",") if part.strip()]
@@ -202,13 +227,13 @@ def save(report: dict, out: Path | None) -> None:
         write_atomic(out, json.dumps(report, indent=1))
 
 
-def open_engine(args, target: str, tok, cache: str, rows: int):
+def open_engine(args, target: str, tok, cache: str, rows: int, overlap: bool = False):
     from dflash_assets.generation.engines import TransformersEngine
 
     engine = TransformersEngine(target, device=args.device, dtype=args.dtype, tokenizer=tok, cache=cache,
                                 max_batch_rows=rows, max_concurrency=2 * rows, slot_len=args.slot_len,
                                 max_batch_tokens=args.prefill_tokens, attention=args.attention,
-                                slot_tiers=tiers(args.tiers))
+                                slot_tiers=tiers(args.tiers), slot_overlap=overlap)
     asyncio.run(engine.open())
     return engine
 
@@ -228,6 +253,8 @@ def main(argv=None) -> int:
     p.add_argument("--memory-share", type=float, default=0.45)
     p.add_argument("--prefill-tokens", type=int, default=65536)
     p.add_argument("--static-prompts", type=int, default=0, help="also the static cache's stage on this many")
+    p.add_argument("--slot-overlap", action="store_true",
+                   help="also the engine alone and the stage with the decoders stepped side by side on streams")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--thinking", action="store_true")
@@ -282,6 +309,8 @@ def main(argv=None) -> int:
         log(f"stage: {report['stage']}")
         report["stage_vs_engine"] = round(report["stage"]["tokens_per_s"] / report["engine"]["tokens_per_s"], 3)
         save(report, args.out)
+        if args.slot_overlap:
+            overlapped(args, report, table, shard, root, spec, tok, target, slots)
         if args.max_turns > 1:
             asyncio.run(engine.close())
             engine = open_engine(args, target, tok, "slots", slots)

@@ -22,21 +22,15 @@ runs after the graph; the sampled tokens and the rows' next positions are writte
 reads the tokens once a step and writes only what admissions and ended rows change. Greedy decoding gives the
 tokens an unpadded ``generate`` of each prompt alone gives, up to floating-point ties (tested on CPU).
 
-`SlotScheduler` feeds decoders from an asyncio loop: requests are queued from the loop, one long task on the
-model's worker thread admits and decodes them while any are pending or live (each request to the decoder with
-the shortest slots that hold it, every busy decoder stepped in turn), and each answer is handed back to the loop
-as its row ends.
+`generation.slot_scheduler.SlotScheduler` feeds decoders from an asyncio loop.
 
 Reads a loaded model; writes nothing. Imports torch and the standard library only.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -45,8 +39,8 @@ from typing import Any
 
 KEY_BLOCK = 128  # positions per key block of the row-lengths mask (flex attention's block)
 
-__all__ = ["KEY_BLOCK", "SlotDecoder", "SlotRequest", "SlotScheduler", "SlotStats", "kv_bytes_per_position",
-           "slots_for_memory", "unsupported_reason"]
+__all__ = ["KEY_BLOCK", "SlotDecoder", "SlotRequest", "SlotStats", "kv_bytes_per_position", "slots_for_memory",
+           "unsupported_reason"]
 
 _log = logging.getLogger(__name__)
 
@@ -242,6 +236,7 @@ class SlotDecoder:
         self.pending: deque[SlotRequest] = deque()
         self.stats = SlotStats()
         self._since_admit = 0
+        self.stream: Any = None  # a CUDA stream of its own (`SlotScheduler(overlap=True)`), else the current
 
     def _row_lengths(self, asked: bool | None) -> bool:
         from dflash_assets.generation.packed_gqa import ATTENTION_NAME
@@ -285,29 +280,56 @@ class SlotDecoder:
 
     def step(self) -> None:
         """Admit pending requests if enough slots are free, then advance every live row by one token."""
-        free = self.slots - self.live_rows
-        if self.pending and free and (free == self.slots or self._since_admit >= self.admit_every
-                                      or min(free, len(self.pending)) >= max(1, self.slots // 4)):
-            self._admit()
-            self._since_admit = 0
-        live = [slot for slot, req in enumerate(self.live) if req is not None]
-        if not live:
-            return
-        t0 = time.perf_counter()
-        self._set_views(live)
-        self._decode()
-        r = self.cache.row_view
-        nxt = self._sample(self.logits, slice(0, r), self.sampled_rows > 0)
-        # every computed row is fed its token and the live ones step a position; the rows that end are reset after
-        self.tokens[:r, 0] = nxt
-        self.cache.positions[:r] += self.live_mask[:r]
-        nxt = nxt.tolist()
-        self.stats.steps += 1
-        self.stats.live_row_steps += len(live)
-        self.stats.computed_row_steps += r
-        self._advance([(slot, nxt[slot]) for slot in live], stepped=True)
+        launched = self.launch()
+        if launched is not None:
+            self.finish(launched)
+
+    def launch(self) -> tuple | None:
+        """A step's first half: admit pending requests if enough slots are free, then queue the decode step and
+        the sampling of every live row on the device (on `stream` when one is set) without waiting for them.
+        Returns what `finish` needs, None when no row is live."""
+        with self._on_stream():
+            free = self.slots - self.live_rows
+            if self.pending and free and (free == self.slots or self._since_admit >= self.admit_every
+                                          or min(free, len(self.pending)) >= max(1, self.slots // 4)):
+                self._admit()
+                self._since_admit = 0
+            live = [slot for slot, req in enumerate(self.live) if req is not None]
+            if not live:
+                return None
+            t0 = time.perf_counter()
+            self._set_views(live)
+            self._decode()
+            r = self.cache.row_view
+            nxt = self._sample(self.logits, slice(0, r), self.sampled_rows > 0)
+            # every computed row is fed its token and the live ones step a position; the rows that end are reset
+            self.tokens[:r, 0] = nxt
+            self.cache.positions[:r] += self.live_mask[:r]
+            return live, nxt, t0
+
+    def finish(self, launched: tuple) -> None:
+        """A step's second half: read the sampled tokens (waiting for this decoder's step alone), hand them to
+        their rows and end the rows that stop."""
+        live, nxt, t0 = launched
+        r = nxt.shape[0]
+        with self._on_stream():
+            nxt = nxt.tolist()
+            self.stats.steps += 1
+            self.stats.live_row_steps += len(live)
+            self.stats.computed_row_steps += r
+            self._advance([(slot, nxt[slot]) for slot in live], stepped=True)
         self._since_admit += 1
         self.stats.step_seconds += time.perf_counter() - t0
+
+    def _on_stream(self):
+        import contextlib
+
+        if self.stream is None:
+            return contextlib.nullcontext()
+        import torch
+
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after what other streams queued for it
+        return torch.cuda.stream(self.stream)
 
     def _advance(self, row_tokens: list[tuple[int, int]], *, stepped: bool) -> None:
         """Append each (slot, token) to its row and end the rows that stop. After a prefill (not `stepped`) the
@@ -587,107 +609,3 @@ class SlotDecoder:
         probs = ordered.masked_fill(cut, -math.inf).softmax(-1)
         drawn = order.gather(-1, torch.multinomial(probs, 1)).squeeze(-1)
         return torch.where(temperature > 0, drawn, greedy)
-
-
-class SlotScheduler:
-    """Requests from an asyncio loop decoded by one `SlotDecoder` on one worker thread (see the module).
-
-    `make_decoders` builds the decoders on the worker thread at the first request (and again after a failure,
-    which fails every request queued or live at that moment and frees their caches), and each captures its
-    decode-step graphs (`SlotDecoder.capture_views`) before it decodes: e.g. many slots of a few thousand
-    positions and a few long ones, so that a rare long prompt neither waits for the end nor makes every step
-    attend over its length. A request goes to the decoder of the shortest slots that hold its prompt and its
-    ``max_new_tokens``; one that fits none fails alone.
-    """
-
-    def __init__(self, make_decoders: Callable[[], Sequence[SlotDecoder]], executor: Any):
-        self._make_decoders = make_decoders
-        self._executor = executor
-        self._queue: queue.SimpleQueue[SlotRequest] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._running = False
-        self.decoders: list[SlotDecoder] = []
-        self.stats: list[list[SlotStats]] = []  # each build's decoders' stats (a failure builds new ones)
-
-    async def generate(self, request: SlotRequest) -> tuple[list[int], str]:
-        """`request` decoded: its new ids (the stop id that ended it included) and "stop" or "length"."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def settle(outcome: Any, failed: bool) -> None:  # on the loop
-            if not done.done():
-                done.set_exception(outcome) if failed else done.set_result(outcome)
-
-        request.deliver = lambda _req, ids, finish: loop.call_soon_threadsafe(settle, (ids, finish), False)
-        request.fail = lambda exc: loop.call_soon_threadsafe(settle, exc, True)
-        self._queue.put(request)
-        with self._lock:
-            if not self._running:
-                self._running = True
-                loop.run_in_executor(self._executor, self._work)
-        return await done
-
-    async def prepare(self) -> float:
-        """Build the decoders and capture their decode-step graphs now, on the worker thread, rather than at the
-        first request (a caller timing its requests keeps this one-time cost apart); returns the seconds it took,
-        0.0 when they are built already."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._build)
-
-    def _build(self) -> float:
-        if self.decoders:
-            return 0.0
-        t0 = time.perf_counter()
-        self.decoders = sorted(self._make_decoders(), key=lambda d: d.slot_len)
-        self.stats.append([d.stats for d in self.decoders])
-        seconds = sum(d.capture_views() for d in self.decoders)
-        if seconds:
-            _log.info("slot decoding: %d decode-step graphs captured in %.1f s",
-                      sum(len(d.graphs) for d in self.decoders), seconds)
-        return time.perf_counter() - t0
-
-    def _drain(self) -> None:
-        """Queued requests to the first decoder (the shortest slots) whose slot holds the prompt and its new
-        tokens."""
-        while True:
-            try:
-                request = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            need = len(request.ids) + request.max_new_tokens
-            decoder = next((d for d in self.decoders if need <= d.slot_len), None)
-            try:
-                if decoder is None:
-                    raise ValueError(f"a prompt of {len(request.ids)} tokens and {request.max_new_tokens} new ones "
-                                     f"do not fit a slot of {self.decoders[-1].slot_len} positions")
-                decoder.submit(request)
-            except ValueError as e:  # this request alone cannot be decoded
-                if request.fail is not None:
-                    request.fail(e)
-
-    def _work(self) -> None:
-        """Admit and decode until nothing is queued, pending or live (on the worker thread); a step of each
-        decoder with work in turn, so long prompts decode beside short ones."""
-        try:
-            self._build()
-            while True:
-                self._drain()
-                busy = [d for d in self.decoders if not d.idle()]
-                if not busy:
-                    with self._lock:
-                        if self._queue.empty():
-                            self._running = False
-                            return
-                    continue
-                for decoder in busy:
-                    decoder.step()
-        except BaseException as e:  # noqa: BLE001 - every request in the decoders fails alike
-            _log.warning("slot decoding failed; failing the requests queued and live", exc_info=True)
-            failed = [r for d in self.decoders for r in [*d.live, *d.pending] if r is not None]
-            self.decoders = []  # their caches are freed; the next request builds new ones
-            with self._lock:
-                while not self._queue.empty():
-                    failed.append(self._queue.get_nowait())
-                self._running = False
-            for request in failed:
-                if request.fail is not None:
-                    request.fail(e)

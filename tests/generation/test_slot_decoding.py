@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_assets.generation.slot_decoding import (SlotDecoder, SlotRequest, SlotScheduler, kv_bytes_per_position,
-                                                    slots_for_memory, unsupported_reason)
+from dflash_assets.generation.slot_decoding import (SlotDecoder, SlotRequest, kv_bytes_per_position, slots_for_memory,
+                                                    unsupported_reason)
 
 STOP = (7, 11)
 
@@ -207,30 +207,6 @@ def test_row_lengths_need_the_packed_attention():
         SlotDecoder(_model("llama"), slots=2, slot_len=256, packed_prefill=True)
 
 
-def test_scheduler_sends_each_request_to_the_shortest_slot_that_holds_it():
-    """From an asyncio loop: short requests to the short slots, a long one to the long slot (both decoded in turn,
-    the tokens generate's), one that fits no slot fails alone."""
-    import asyncio
-    from concurrent.futures import ThreadPoolExecutor
-
-    model = _model("qwen3")
-    rng = random.Random(9)
-    short = _prompts(10, seed=4)
-    long = ([rng.randrange(1, 300) for _ in range(150)], 25)
-    decoders = [SlotDecoder(model, slots=4, slot_len=64), SlotDecoder(model, slots=2, slot_len=200)]
-
-    async def go():
-        scheduler = SlotScheduler(lambda: decoders, ThreadPoolExecutor(max_workers=1))
-        asks = [scheduler.generate(SlotRequest(ids, n, STOP)) for ids, n in [*short, long]]
-        too_long = scheduler.generate(SlotRequest(list(range(1, 190)), 20, STOP))
-        return await asyncio.gather(*asks, too_long, return_exceptions=True)
-
-    *answers, refused = asyncio.run(go())
-    assert [a[0] for a in answers] == [_alone(model, ids, n) for ids, n in [*short, long]]
-    assert isinstance(refused, ValueError) and "do not fit a slot of 200" in str(refused)
-    assert decoders[0].stats.requests == 10 and decoders[1].stats.requests == 1
-
-
 def test_a_row_ends_at_the_slot_end_as_length():
     model = _model("llama")
     decoder = SlotDecoder(model, slots=2, slot_len=12)
@@ -323,6 +299,11 @@ def test_engine_with_slots_answers_as_the_dynamic_cache(tiny_dense_target):
     long_slots, eng = asyncio.run(go("slots", long_question, gens[:1], slot_len=128, slot_tiers=[]))
     assert long_slots == long_dynamic
     assert len(eng.batch_shapes) == 1 and eng.slot_stats() is None
+    # the main and the long slots stepped overlapped: the same answers as each alone on the dynamic cache
+    both, eng = asyncio.run(go("slots", [*questions[:3], *long_question], [*gens[:3], gens[0]], slot_len=128,
+                               slot_overlap=True))
+    assert both == [*slots[:3], *long_dynamic] and eng.slot_overlap
+    assert [d["requests"] for d in eng.slot_stats()["decoders"]] == [3, 1]
 
     with pytest.raises(EngineError, match="not min_p"):
         asyncio.run(go("slots", questions[:1], [GenerationConfig(max_new_tokens=4, temperature=0.7, min_p=0.1)]))

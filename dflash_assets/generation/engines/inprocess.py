@@ -64,7 +64,9 @@ class TransformersEngine(SharedModel, BatchedGenerate, ContinuousCache, SlotCach
     ``max_new_tokens`` exceed ``slot_len`` decodes in the first of ``slot_tiers`` ((slots, positions) pairs,
     stepped beside the others) that holds it; default: a sixteenth of the slots, at least 4, of the model's whole
     context length; ``[]``: it runs through the dynamic-cache batches instead, after the slots are idle. Full-attention models only (a hybrid or
-    sliding-window model is refused when the decoders are built).
+    sliding-window model is refused when the decoders are built). ``slot_overlap=True`` steps the main and the
+    long slots concurrently, each decoder on a CUDA stream of its own (`SlotScheduler`'s ``overlap``; the same
+    tokens; off by default until measured: ``bench/stage_generation.py --slot-overlap``).
 
     ``attention="packed_gqa"`` decodes with ``generation.packed_gqa``: the query heads of a KV group share
     one read of the cache instead of Transformers' SDPA copying it to every head, which it does under
@@ -87,7 +89,7 @@ class TransformersEngine(SharedModel, BatchedGenerate, ContinuousCache, SlotCach
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str = "auto", tokenizer: Any = None,
                  max_batch_tokens: int = 8192, cache: str = "dynamic", max_batch_rows: int | None = None,
                  attention: str = "sdpa", static_cache_len: str = "largest", slot_len: int = 4096,
-                 slot_tiers: Sequence[tuple[int, int]] | None = None, **kwargs):
+                 slot_tiers: Sequence[tuple[int, int]] | None = None, slot_overlap: bool = False, **kwargs):
         super().__init__(f"inprocess://{Path(model_path)}", **kwargs)
         self.max_batch_rows = max_batch_rows or self.max_concurrency
         if cache not in ("dynamic", "static", "continuous", "slots"):
@@ -105,6 +107,7 @@ class TransformersEngine(SharedModel, BatchedGenerate, ContinuousCache, SlotCach
         self.static_cache_len = static_cache_len
         self.slot_len = int(slot_len)
         self.slot_tiers = None if slot_tiers is None else [(int(n), int(length)) for n, length in slot_tiers]
+        self.slot_overlap = bool(slot_overlap)
         self._slots: Any = None  # the SlotScheduler (cache="slots"), built at the first request
         self._slot_runs: list = []  # its decoders' SlotStats (kept after close)
         self.model_path = str(model_path)

@@ -120,11 +120,11 @@ class SlotCache:
         return out
 
     def _slot_scheduler(self) -> Any:
-        from dflash_assets.generation.slot_decoding import SlotScheduler
+        from dflash_assets.generation.slot_scheduler import SlotScheduler
 
         if self._slots is None:
             assert self._loaded is not None
-            self._slots = SlotScheduler(self.slot_decoders, self._loaded.worker)
+            self._slots = SlotScheduler(self.slot_decoders, self._loaded.worker, overlap=self.slot_overlap)
             self._slot_runs = self._slots.stats
         return self._slots
 
