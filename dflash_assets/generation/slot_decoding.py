@@ -66,7 +66,7 @@ class SlotStats:
     """What a decoder did: decode steps and their wall seconds, prefills, tokens made, live rows per step."""
 
     steps: int = 0
-    step_seconds: float = 0.0
+    step_seconds: float = 0.0  # from each step's launch to its finish (decoders stepped overlapped: they overlap)
     prefills: int = 0
     prefill_rows: int = 0
     prefill_seconds: float = 0.0
