@@ -50,7 +50,7 @@ def step_each(decoders: Sequence[SlotDecoder], *, overlap: bool = False) -> None
 
 
 class SlotScheduler:
-    """Requests from an asyncio loop decoded by one `SlotDecoder` on one worker thread (see the module).
+    """Requests from an asyncio loop decoded by `SlotDecoder`s on one worker thread (see the module).
 
     `make_decoders` builds the decoders on the worker thread at the first request (and again after a failure,
     which fails every request queued or live at that moment and frees their caches), and each captures its
