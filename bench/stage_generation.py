@@ -7,9 +7,9 @@ per turn:
 - ``engine``: the first user turn of every prompt rendered with the chat template and handed to
   ``generation.slot_decoding.SlotDecoder`` directly (no fleet, no asyncio): the engine alone, as the engine
   builds its decoders (on CUDA with ``--attention packed_gqa``: each row attends over its own length);
-- ``engine_positions_view`` (CUDA, ``packed_gqa``): the same with ``row_lengths=False`` and
-  ``packed_prefill=False``: every row of a step attending over the positions view that holds the longest, and
-  prompts prefilled as padded rows;
+- ``engine_positions_view`` (CUDA, ``packed_gqa``): the same with ``row_lengths=False``: every row of a step
+  attending over the positions view that holds the longest (the prefills packed as in ``engine``, so the two
+  differ in the decode step's attention alone);
 - ``stage``: ``completions``' stage function (``generation.completions.regenerate_shard``) over the same prompts,
   one turn each, through ``TransformersEngine(cache="slots")``: the stage at the engine's settings, so
   ``stage / engine`` is what the stage costs; both clocks start with the decoders built and their graphs
@@ -298,8 +298,7 @@ def main(argv=None) -> int:
         del decoders
         save(report, args.out)
         if report["engine"]["row_lengths"]:
-            report["engine_positions_view"], decoders = engine_alone(args, engine, table, row_lengths=False,
-                                                                     packed_prefill=False)
+            report["engine_positions_view"], decoders = engine_alone(args, engine, table, row_lengths=False)
             log(f"engine alone, positions view: {report['engine_positions_view']}")
             report["ceiling_positions_view"] = ceiling(decoders, args.device)
             log(f"ceiling, positions view: {report['ceiling_positions_view']}")
