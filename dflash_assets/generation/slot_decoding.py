@@ -29,6 +29,7 @@ Reads a loaded model; writes nothing. Imports torch and the standard library onl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 KEY_BLOCK = 128  # positions per key block of the row-lengths mask (flex attention's block)
+_CURRENT_STREAM = contextlib.nullcontext()  # a decoder without a stream of its own queues on the current one
 
 __all__ = ["KEY_BLOCK", "SlotDecoder", "SlotRequest", "SlotStats", "kv_bytes_per_position", "slots_for_memory",
            "unsupported_reason"]
@@ -288,6 +290,10 @@ class SlotDecoder:
         """A step's first half: admit pending requests if enough slots are free, then queue the decode step and
         the sampling of every live row on the device (on `stream` when one is set) without waiting for them.
         Returns what `finish` needs, None when no row is live."""
+        if self.stream is not None:  # after what the current stream queued for this decoder (its capture)
+            import torch
+
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with self._on_stream():
             free = self.slots - self.live_rows
             if self.pending and free and (free == self.slots or self._since_admit >= self.admit_every
@@ -322,13 +328,11 @@ class SlotDecoder:
         self.stats.step_seconds += time.perf_counter() - t0
 
     def _on_stream(self):
-        import contextlib
-
+        """The context a step's device work is queued in: the decoder's own stream, else the current one."""
         if self.stream is None:
-            return contextlib.nullcontext()
+            return _CURRENT_STREAM
         import torch
 
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after what other streams queued for it
         return torch.cuda.stream(self.stream)
 
     def _advance(self, row_tokens: list[tuple[int, int]], *, stepped: bool) -> None:
