@@ -6,10 +6,11 @@ per turn:
 
 - ``engine``: the first user turn of every prompt rendered with the chat template and handed to
   ``generation.slot_decoding.SlotDecoder`` directly (no fleet, no asyncio): the engine alone, as the engine
-  builds its decoders (on CUDA with ``--attention packed_gqa``: each row attends over its own length);
-- ``engine_positions_view`` (CUDA, ``packed_gqa``): the same with ``row_lengths=False``: every row of a step
-  attending over the positions view that holds the longest (the prefills packed as in ``engine``, so the two
-  differ in the decode step's attention alone);
+  builds and steps its decoders (each step over the positions view that holds its longest row; the main and the
+  long slots side by side, each on a CUDA stream of its own);
+- ``engine_in_turn`` (``--variants in_turn``): the same with the decoders stepped one after another;
+- ``engine_row_lengths`` (``--variants row_lengths``, CUDA, ``packed_gqa``): the same with ``row_lengths=True``:
+  each row attending over its own length through a flex block mask instead of the positions view;
 - ``stage``: ``completions``' stage function (``generation.completions.regenerate_shard``) over the same prompts,
   one turn each, through ``TransformersEngine(cache="slots")``: the stage at the engine's settings, so
   ``stage / engine`` is what the stage costs; both clocks start with the decoders built and their graphs
@@ -19,10 +20,7 @@ per turn:
   rows / step time is what the step could make if every row it computes were always live and nothing else ran
   (rows of their own length: every row at the run's mean position);
 - ``static`` (``--static-prompts N``): the stage through ``cache="static"`` (one padded ``generate`` per batch) on
-  the first N prompts, the path the slots replace;
-- ``engine_overlap`` and ``stage_overlap`` (``--slot-overlap``): the engine alone and the stage (one turn) with the
-  main and the long slots stepped side by side, each decoder on a CUDA stream of its own, against ``engine`` and
-  ``stage``.
+  the first N prompts, the path the slots replace.
 
 Prints one JSON object (also to ``--out``): per mode the wall time, new tokens and tokens/s, the slot decoder's
 steps, prefills and occupancy, and the machine with its GPU.
@@ -82,10 +80,10 @@ def slots_for(args, model) -> int:
                             share=args.memory_share)
 
 
-def engine_alone(args, engine, table, overlap: bool = False, **options) -> tuple[dict, list]:
+def engine_alone(args, engine, table, overlap: bool | None = None, **options) -> tuple[dict, list]:
     """Every prompt's first turn through the engine's slot decoders (built as the engine builds them, with
-    `options`), stepped on this thread as the engine steps them (in turn, or with `overlap` side by side on
-    streams of their own): the engine without the stage."""
+    `options`), stepped on this thread as the engine steps them (side by side on streams of their own, or in turn
+    with `overlap` False): the engine without the stage."""
     from dflash_assets.generation.slot_decoding import SlotDecoder, SlotRequest
     from dflash_assets.generation.slot_scheduler import give_streams, step_each
 
@@ -98,6 +96,7 @@ def engine_alone(args, engine, table, overlap: bool = False, **options) -> tuple
     del warm
     decoders = engine.slot_decoders(**options)
     capture_s = sum(d.capture_views() for d in decoders)  # graphs (and flex compiles) before the clock starts
+    overlap = engine.slot_overlap if overlap is None else overlap
     if overlap:
         give_streams(decoders)
     done = []
@@ -122,7 +121,7 @@ def engine_alone(args, engine, table, overlap: bool = False, **options) -> tuple
     tokens = sum(done)
     return ({"wall_s": round(wall, 2), "answers": len(done), "skipped_too_long": skipped, "new_tokens": tokens,
              "tokens_per_s": round(tokens / wall, 1),
-             "row_lengths": decoders[0].row_lengths, "capture_s": round(capture_s, 1),
+             "row_lengths": decoders[0].row_lengths, "overlap": overlap, "capture_s": round(capture_s, 1),
              "decoders": [{"slot_len": d.slot_len, **d.stats.as_dict(d.slots)} for d in decoders]}, decoders)
 
 
@@ -176,7 +175,7 @@ def stage(args, table, shard: str, root: Path, engine, spec, tok, turns: int) ->
         max_batch_tokens=engine.max_batch_tokens, slot_len=engine.slot_len, attention=engine.attention,
         slot_tiers=engine.slot_tiers)])
     # a store of its own per mode: no mode resumes another's completions
-    store = LocalStore(root / f"stage-{engine.cache}-{turns}{'-overlap' if engine.slot_overlap else ''}")
+    store = LocalStore(root / f"stage-{engine.cache}-{turns}")
     prepare_s = asyncio.run(engine.prepare_slots())  # decoders built and captured, as engine alone before its clock
     sync = _synchronize(args.device)
     sync()
@@ -196,22 +195,23 @@ def stage(args, table, shard: str, root: Path, engine, spec, tok, turns: int) ->
     return report
 
 
-def overlapped(args, report: dict, table, shard: str, root: Path, spec, tok, target: str, slots: int) -> None:
-    """``engine_overlap`` and ``stage_overlap``: the engine alone and the stage (one turn) with the main and the
-    long slots stepped side by side, each decoder on a CUDA stream of its own (``slot_overlap``)."""
-    with_overlap = open_engine(args, target, tok, "slots", slots, overlap=True)
-    report["engine_overlap"], decoders = engine_alone(args, with_overlap, table, overlap=True)
-    del decoders
-    report["engine_overlap_vs_engine"] = round(
-        report["engine_overlap"]["tokens_per_s"] / report["engine"]["tokens_per_s"], 3)
-    log(f"engine alone, overlapped: {report['engine_overlap']}")
-    save(report, args.out)
-    report["stage_overlap"] = stage(args, table, shard, root, with_overlap, spec, tok, turns=1)
-    asyncio.run(with_overlap.close())
-    report["stage_overlap_vs_stage"] = round(
-        report["stage_overlap"]["tokens_per_s"] / report["stage"]["tokens_per_s"], 3)
-    log(f"stage, overlapped: {report['stage_overlap']}")
-    save(report, args.out)
+def variants(args, report: dict, engine, table) -> None:
+    """``engine_in_turn`` and ``engine_row_lengths`` (as ``--variants`` asks), each against ``engine``."""
+    asked = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(asked) - {"in_turn", "row_lengths"})
+    if unknown:
+        raise SystemExit(f"--variants: unknown {', '.join(unknown)} (in_turn, row_lengths)")
+    for variant in asked:
+        if variant == "row_lengths" and (args.device != "cuda" or args.attention != "packed_gqa"):
+            log("row_lengths needs CUDA and --attention packed_gqa: not run")
+            continue
+        options = {"overlap": False} if variant == "in_turn" else {"row_lengths": True}
+        name = f"engine_{variant}"
+        report[name], decoders = engine_alone(args, engine, table, **options)
+        del decoders
+        report[f"{name}_vs_engine"] = round(report[name]["tokens_per_s"] / report["engine"]["tokens_per_s"], 3)
+        log(f"engine alone, {variant}: {report[name]}")
+        save(report, args.out)
 
 
 def tiers(text: str) -> list[tuple[int, int]]:
@@ -227,13 +227,13 @@ def save(report: dict, out: Path | None) -> None:
         write_atomic(out, json.dumps(report, indent=1))
 
 
-def open_engine(args, target: str, tok, cache: str, rows: int, overlap: bool = False):
+def open_engine(args, target: str, tok, cache: str, rows: int):
     from dflash_assets.generation.engines import TransformersEngine
 
     engine = TransformersEngine(target, device=args.device, dtype=args.dtype, tokenizer=tok, cache=cache,
                                 max_batch_rows=rows, max_concurrency=2 * rows, slot_len=args.slot_len,
                                 max_batch_tokens=args.prefill_tokens, attention=args.attention,
-                                slot_tiers=tiers(args.tiers), slot_overlap=overlap)
+                                slot_tiers=tiers(args.tiers))
     asyncio.run(engine.open())
     return engine
 
@@ -253,8 +253,9 @@ def main(argv=None) -> int:
     p.add_argument("--memory-share", type=float, default=0.45)
     p.add_argument("--prefill-tokens", type=int, default=65536)
     p.add_argument("--static-prompts", type=int, default=0, help="also the static cache's stage on this many")
-    p.add_argument("--slot-overlap", action="store_true",
-                   help="also the engine alone and the stage with the decoders stepped side by side on streams")
+    p.add_argument("--variants", default="in_turn,row_lengths",
+                   help="engine-alone variants against the engine's defaults, comma-separated ('' for none): "
+                        "in_turn (decoders stepped one after another), row_lengths (flex block mask per row)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--thinking", action="store_true")
@@ -297,19 +298,11 @@ def main(argv=None) -> int:
         log(f"ceiling: {report['ceiling']}")
         del decoders
         save(report, args.out)
-        if report["engine"]["row_lengths"]:
-            report["engine_positions_view"], decoders = engine_alone(args, engine, table, row_lengths=False)
-            log(f"engine alone, positions view: {report['engine_positions_view']}")
-            report["ceiling_positions_view"] = ceiling(decoders, args.device)
-            log(f"ceiling, positions view: {report['ceiling_positions_view']}")
-            del decoders
-            save(report, args.out)
+        variants(args, report, engine, table)
         report["stage"] = stage(args, table, shard, root, engine, spec, tok, turns=1)
         log(f"stage: {report['stage']}")
         report["stage_vs_engine"] = round(report["stage"]["tokens_per_s"] / report["engine"]["tokens_per_s"], 3)
         save(report, args.out)
-        if args.slot_overlap:
-            overlapped(args, report, table, shard, root, spec, tok, target, slots)
         if args.max_turns > 1:
             asyncio.run(engine.close())
             engine = open_engine(args, target, tok, "slots", slots)

@@ -14,10 +14,10 @@ not by Python launching a few hundred kernels. A step computes the smallest view
 live row: over positions, a power of two from 256 (or the whole slot) past every live row's position; over rows,
 an eighth, a quarter, a half or all of the slots, past the last live one (requests take the lowest free slots,
 so rows gather at the front as a run drains or a long tier holds a few rows). One graph per (rows, positions)
-view. With ``row_lengths`` (the default on CUDA for a model whose attention is `generation.packed_gqa`'s) the step
-attends through a flex-attention block mask of each row's own length instead: a row reads the key blocks of 128
-positions up to its position and no further, so a step's attention costs what the live rows hold, not rows x the
-longest (the positions view is then the whole slot). Sampling (greedy, or temperature / top-p / top-k per row)
+view. With ``row_lengths=True`` (a model whose attention is `generation.packed_gqa`'s) the step attends through a
+flex-attention block mask of each row's own length instead: a row reads the key blocks of 128 positions up to its
+position and no further (the positions view is then the whole slot). Not the default: on an H100 the positions
+views decode faster at chat lengths, most of all in the long tiers' few rows (BENCHMARKS.md, "In-process engine"). Sampling (greedy, or temperature / top-p / top-k per row)
 runs after the graph; the sampled tokens and the rows' next positions are written on the device, so the host
 reads the tokens once a step and writes only what admissions and ended rows change. Greedy decoding gives the
 tokens an unpadded ``generate`` of each prompt alone gives, up to floating-point ties (tested on CPU).
@@ -178,9 +178,9 @@ class SlotDecoder:
     """Continuous-refill decoding of `model` in `slots` rows of `slot_len` cached positions (see the module).
 
     Not thread-safe: one thread calls `submit` and `run` (the engine's model worker). ``cuda_graph=None`` captures
-    the decode step on CUDA and runs it eagerly elsewhere. ``row_lengths=None`` attends over each row's own
-    length (a flex block mask) on CUDA when the model's attention is `generation.packed_gqa`'s and the slot a
-    multiple of `KEY_BLOCK` positions; True asks for it anywhere those hold. ``packed_prefill=None`` prefills the
+    the decode step on CUDA and runs it eagerly elsewhere. ``row_lengths=True`` attends over each row's own
+    length (a flex block mask; the model's attention `generation.packed_gqa`'s, the slot a multiple of
+    `KEY_BLOCK` positions); the default attends over the positions view. ``packed_prefill=None`` prefills the
     admitted prompts one after another in one row when the model's attention is packed_gqa's (False: padded
     rows). ``prefill_tokens`` bounds one prefill's tokens (padding included); a prefill runs when no row is live,
     when it fills at least a quarter of the slots, or `admit_every` steps after the last one, so it admits requests
@@ -188,7 +188,7 @@ class SlotDecoder:
     """
 
     def __init__(self, model: Any, *, slots: int, slot_len: int, pad_id: int = 0, prefill_tokens: int = 16384,
-                 admit_every: int = 32, cuda_graph: bool | None = None, row_lengths: bool | None = None,
+                 admit_every: int = 32, cuda_graph: bool | None = None, row_lengths: bool = False,
                  packed_prefill: bool | None = None):
         import torch
 
@@ -240,10 +240,12 @@ class SlotDecoder:
         self._since_admit = 0
         self.stream: Any = None  # a CUDA stream of its own (`SlotScheduler(overlap=True)`), else the current
 
-    def _row_lengths(self, asked: bool | None) -> bool:
+    def _row_lengths(self, asked: bool) -> bool:
         from dflash_assets.generation.packed_gqa import ATTENTION_NAME
         from dflash_assets.torch_compile import block_mask_type
 
+        if not asked:
+            return False
         why = None
         if getattr(self.model.config, "_attn_implementation", None) != ATTENTION_NAME:
             why = f"the model's attention is not {ATTENTION_NAME!r} (TransformersEngine(attention='packed_gqa'))"
@@ -251,9 +253,9 @@ class SlotDecoder:
             why = "this torch has no flex attention"
         elif self.slot_len % KEY_BLOCK:
             why = f"a slot of {self.slot_len} positions is not a multiple of {KEY_BLOCK}"
-        if asked and why:
+        if why:
             raise ValueError(f"row_lengths needs a flex-attention block mask: {why}")
-        return why is None and (self.device.type == "cuda" if asked is None else bool(asked))
+        return True
 
     # -- requests ----------------------------------------------------------------------------------------------
 

@@ -200,7 +200,7 @@ def test_row_lengths_need_the_packed_attention():
     model.set_attn_implementation(packed_gqa.register())
     with pytest.raises(ValueError, match="not a multiple of 128"):
         SlotDecoder(model, slots=2, slot_len=200, row_lengths=True)
-    assert not SlotDecoder(model, slots=2, slot_len=256).row_lengths  # on a CPU only when asked
+    assert not SlotDecoder(model, slots=2, slot_len=256).row_lengths  # positions views unless asked
     assert SlotDecoder(model, slots=2, slot_len=256).packed_prefill
     assert not SlotDecoder(model, slots=2, slot_len=256, packed_prefill=False).packed_prefill
     with pytest.raises(ValueError, match="packed prefills need the model's attention to be 'packed_gqa_sdpa'"):
@@ -299,10 +299,10 @@ def test_engine_with_slots_answers_as_the_dynamic_cache(tiny_dense_target):
     long_slots, eng = asyncio.run(go("slots", long_question, gens[:1], slot_len=128, slot_tiers=[]))
     assert long_slots == long_dynamic
     assert len(eng.batch_shapes) == 1 and eng.slot_stats() is None
-    # the main and the long slots stepped overlapped: the same answers as each alone on the dynamic cache
+    # the main and the long slots stepped in turn (overlapped by default): the same answers as the dynamic cache's
     both, eng = asyncio.run(go("slots", [*questions[:3], *long_question], [*gens[:3], gens[0]], slot_len=128,
-                               slot_overlap=True))
-    assert both == [*slots[:3], *long_dynamic] and eng.slot_overlap
+                               slot_overlap=False))
+    assert both == [*slots[:3], *long_dynamic] and not eng.slot_overlap
     assert [d["requests"] for d in eng.slot_stats()["decoders"]] == [3, 1]
 
     with pytest.raises(EngineError, match="not min_p"):

@@ -64,9 +64,9 @@ class TransformersEngine(SharedModel, BatchedGenerate, ContinuousCache, SlotCach
     ``max_new_tokens`` exceed ``slot_len`` decodes in the first of ``slot_tiers`` ((slots, positions) pairs,
     stepped beside the others) that holds it; default: a sixteenth of the slots, at least 4, of the model's whole
     context length; ``[]``: it runs through the dynamic-cache batches instead, after the slots are idle. Full-attention models only (a hybrid or
-    sliding-window model is refused when the decoders are built). ``slot_overlap=True`` steps the main and the
-    long slots concurrently, each decoder on a CUDA stream of its own (`SlotScheduler`'s ``overlap``; the same
-    tokens; off by default until measured: ``bench/stage_generation.py --slot-overlap``).
+    sliding-window model is refused when the decoders are built). The main and the long slots step concurrently, each
+    decoder on a CUDA stream of its own (`SlotScheduler`'s ``overlap``; the same tokens; 1.2-1.35x the tokens/s of
+    stepping them in turn on an H100, BENCHMARKS.md); ``slot_overlap=False`` steps them in turn.
 
     ``attention="packed_gqa"`` decodes with ``generation.packed_gqa``: the query heads of a KV group share
     one read of the cache instead of Transformers' SDPA copying it to every head, which it does under
@@ -89,7 +89,7 @@ class TransformersEngine(SharedModel, BatchedGenerate, ContinuousCache, SlotCach
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str = "auto", tokenizer: Any = None,
                  max_batch_tokens: int = 8192, cache: str = "dynamic", max_batch_rows: int | None = None,
                  attention: str = "sdpa", static_cache_len: str = "largest", slot_len: int = 4096,
-                 slot_tiers: Sequence[tuple[int, int]] | None = None, slot_overlap: bool = False, **kwargs):
+                 slot_tiers: Sequence[tuple[int, int]] | None = None, slot_overlap: bool = True, **kwargs):
         super().__init__(f"inprocess://{Path(model_path)}", **kwargs)
         self.max_batch_rows = max_batch_rows or self.max_concurrency
         if cache not in ("dynamic", "static", "continuous", "slots"):
