@@ -226,6 +226,12 @@ def _input_rows(prompts: Any) -> list[dict]:
     return [dict(r) for r in prompts]
 
 
+def _first_turn_chars(row: dict) -> int:
+    """Characters of a prompt's system prompt and first user turn: what its first request's length follows."""
+    turns = row.get("user_turns") or [""]
+    return len(str(row.get("system") or "")) + len(str(turns[0]))
+
+
 def _resolve_tokenizer(tokenizer: Any, fleet: EngineFleetConfig) -> Any:
     if tokenizer is not None or all(ep.kind == "openai" for ep in fleet.endpoints):
         return tokenizer
@@ -400,7 +406,10 @@ class _ShardRun:
                             "config_hash": self.config_hash}
 
     def tasks(self) -> list[Conversation]:
-        """A conversation for each prompt not done; a prompt that cannot be generated fails here, unsent."""
+        """A conversation for each prompt not done, longest first turn first (characters of the system prompt and
+        the first user turn): the few long requests then start at once, beside the many short ones, instead of
+        running alone at the end of the shard (in the slot engine's long tiers, or as a server's longest batch).
+        A prompt that cannot be generated fails here, unsent. The published rows keep the input order."""
         tasks: list[Conversation] = []
         for pid in self.order:
             if pid in self.done_rows:
@@ -418,7 +427,7 @@ class _ShardRun:
                 self._fail_unsent(pid, "no user turns")
                 continue
             tasks.append(Conversation(pid, row.get("system") or None, turns, self.generation, self.config_hash))
-        return tasks
+        return sorted(tasks, key=lambda task: -_first_turn_chars(self.inputs[task.prompt_id]))
 
     def emit_progress(self) -> None:
         if self.progress is None:
