@@ -16,6 +16,9 @@ per turn:
   ``stage / engine`` is what the stage costs; both clocks start with the decoders built and their graphs
   captured (``prepare_s``: that one-time cost of the stage's engine; ``tokens_per_s_with_prepare`` counts it);
 - ``stage_turns``: the same with ``--max-turns`` turns (a conversation's next turn joins the running slots);
+- ``stage_switch_interval`` (``--switch-interval S``): the stage again with Python's thread switch interval at S
+  seconds (``sys.setswitchinterval``; 0.005 by default), as a test of how much the stage's loop thread (rendering,
+  tokenizing, journaling) holds the decoders' worker thread off the GIL;
 - ``ceiling``: the main decoder's captured decode step replayed alone, per (rows, positions) view it ran at:
   rows / step time is what the step could make if every row it computes were always live and nothing else ran
   (rows of their own length: every row at the run's mean position);
@@ -160,7 +163,7 @@ def ceiling(decoders, device: str, repeats: int = 20) -> dict:
     return out
 
 
-def stage(args, table, shard: str, root: Path, engine, spec, tok, turns: int) -> dict:
+def stage(args, table, shard: str, root: Path, engine, spec, tok, turns: int, name: str = "") -> dict:
     """``regenerate_shard`` over `table` through `engine` (already open), in a scratch store of its own."""
     from dflash_assets.generation.completions import regenerate_shard
     from dflash_assets.generation.config import GenerationConfig
@@ -175,7 +178,7 @@ def stage(args, table, shard: str, root: Path, engine, spec, tok, turns: int) ->
         max_batch_tokens=engine.max_batch_tokens, slot_len=engine.slot_len, attention=engine.attention,
         slot_tiers=engine.slot_tiers)])
     # a store of its own per mode: no mode resumes another's completions
-    store = LocalStore(root / f"stage-{engine.cache}-{turns}")
+    store = LocalStore(root / f"stage-{engine.cache}-{turns}{name}")
     prepare_s = asyncio.run(engine.prepare_slots())  # decoders built and captured, as engine alone before its clock
     sync = _synchronize(args.device)
     sync()
@@ -256,6 +259,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="in_turn,row_lengths",
                    help="engine-alone variants against the engine's defaults, comma-separated ('' for none): "
                         "in_turn (decoders stepped one after another), row_lengths (flex block mask per row)")
+    p.add_argument("--switch-interval", type=float, default=0.0,
+                   help="also the stage with sys.setswitchinterval at this many seconds (0: not run)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--thinking", action="store_true")
@@ -303,6 +308,19 @@ def main(argv=None) -> int:
         log(f"stage: {report['stage']}")
         report["stage_vs_engine"] = round(report["stage"]["tokens_per_s"] / report["engine"]["tokens_per_s"], 3)
         save(report, args.out)
+        if args.switch_interval:
+            default_interval = sys.getswitchinterval()
+            sys.setswitchinterval(args.switch_interval)
+            try:
+                report["stage_switch_interval"] = {"switch_interval_s": args.switch_interval,
+                                                   **stage(args, table, shard, root, engine, spec, tok, turns=1,
+                                                           name="switch")}
+            finally:
+                sys.setswitchinterval(default_interval)
+            report["stage_switch_interval_vs_stage"] = round(
+                report["stage_switch_interval"]["tokens_per_s"] / report["stage"]["tokens_per_s"], 3)
+            log(f"stage, switch interval {args.switch_interval}: {report['stage_switch_interval']}")
+            save(report, args.out)
         if args.max_turns > 1:
             asyncio.run(engine.close())
             engine = open_engine(args, target, tok, "slots", slots)
