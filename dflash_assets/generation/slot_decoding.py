@@ -17,10 +17,11 @@ so rows gather at the front as a run drains or a long tier holds a few rows). On
 view. With ``row_lengths=True`` (a model whose attention is `generation.packed_gqa`'s) the step attends through a
 flex-attention block mask of each row's own length instead: a row reads the key blocks of 128 positions up to its
 position and no further (the positions view is then the whole slot). Not the default: on an H100 the positions
-views decode faster at chat lengths, most of all in the long tiers' few rows (BENCHMARKS.md, "In-process engine"). Sampling (greedy, or temperature / top-p / top-k per row)
-runs after the graph; the sampled tokens and the rows' next positions are written on the device, so the host
-reads the tokens once a step and writes only what admissions and ended rows change. Greedy decoding gives the
-tokens an unpadded ``generate`` of each prompt alone gives, up to floating-point ties (tested on CPU).
+views decode faster at chat lengths, most of all in the long tiers' few rows (BENCHMARKS.md, "In-process engine").
+Sampling (greedy, or temperature / top-p / top-k per row) runs after the graph; the sampled tokens and the rows'
+next positions are written on the device, so the host reads the tokens once a step and writes only what admissions
+and ended rows change. Greedy decoding gives the tokens an unpadded ``generate`` of each prompt alone gives, up to
+floating-point ties (tested on CPU).
 
 `generation.slot_scheduler.SlotScheduler` feeds decoders from an asyncio loop.
 

@@ -63,10 +63,11 @@ class TransformersEngine(SharedModel, BatchedGenerate, ContinuousCache, SlotCach
     those of an unpadded ``generate``; sampling: temperature, top_p and top_k only. A request whose prompt plus
     ``max_new_tokens`` exceed ``slot_len`` decodes in the first of ``slot_tiers`` ((slots, positions) pairs,
     stepped beside the others) that holds it; default: a sixteenth of the slots, at least 4, of the model's whole
-    context length; ``[]``: it runs through the dynamic-cache batches instead, after the slots are idle. Full-attention models only (a hybrid or
-    sliding-window model is refused when the decoders are built). The main and the long slots step concurrently, each
-    decoder on a CUDA stream of its own (`SlotScheduler`'s ``overlap``; the same tokens; 1.2-1.35x the tokens/s of
-    stepping them in turn on an H100, BENCHMARKS.md); ``slot_overlap=False`` steps them in turn.
+    context length; ``[]``: it runs through the dynamic-cache batches instead, after the slots are idle.
+    Full-attention models only (a hybrid or sliding-window model is refused when the decoders are built). The main
+    and the long slots step concurrently, each decoder on a CUDA stream of its own (`SlotScheduler`'s ``overlap``;
+    the same tokens; 1.2-1.35x the tokens/s of stepping them in turn on an H100, BENCHMARKS.md);
+    ``slot_overlap=False`` steps them in turn.
 
     ``attention="packed_gqa"`` decodes with ``generation.packed_gqa``: the query heads of a KV group share
     one read of the cache instead of Transformers' SDPA copying it to every head, which it does under
