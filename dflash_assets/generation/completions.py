@@ -59,6 +59,7 @@ __all__ = [
     "failed_schema",
     "regenerate_shard",
     "aregenerate_shard",
+    "dispatch_key",
 ]
 
 
@@ -226,10 +227,11 @@ def _input_rows(prompts: Any) -> list[dict]:
     return [dict(r) for r in prompts]
 
 
-def _first_turn_chars(row: dict) -> int:
-    """Characters of a prompt's system prompt and first user turn: what its first request's length follows."""
+def dispatch_key(row: dict) -> int:
+    """The order the stage sends a shard's prompts in, ascending (``sorted`` keeps ties in input order): longest
+    first turn first, in characters of the system prompt and the first user turn."""
     turns = row.get("user_turns") or [""]
-    return len(str(row.get("system") or "")) + len(str(turns[0]))
+    return -(len(str(row.get("system") or "")) + len(str(turns[0])))
 
 
 def _resolve_tokenizer(tokenizer: Any, fleet: EngineFleetConfig) -> Any:
@@ -427,7 +429,7 @@ class _ShardRun:
                 self._fail_unsent(pid, "no user turns")
                 continue
             tasks.append(Conversation(pid, row.get("system") or None, turns, self.generation, self.config_hash))
-        return sorted(tasks, key=lambda task: -_first_turn_chars(self.inputs[task.prompt_id]))
+        return sorted(tasks, key=lambda task: dispatch_key(self.inputs[task.prompt_id]))
 
     def emit_progress(self) -> None:
         if self.progress is None:
