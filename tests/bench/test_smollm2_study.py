@@ -53,8 +53,13 @@ def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
     first = subprocess.Popen([sys.executable, str(REPO / "bench" / "smollm2_study.py"), "--out", str(out), *TINY],
                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     partial = out / "reports" / "generate.partial.json"
+
+    def shard_recorded() -> bool:  # its row in the partial report, then its seconds in the state (two writes)
+        state = out / "state.json"
+        return partial.exists() and state.exists() and "generate" in json.loads(state.read_text())["spent_s"]
+
     deadline = time.monotonic() + 600
-    while not partial.exists() and first.poll() is None and time.monotonic() < deadline:
+    while not shard_recorded() and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     first.send_signal(signal.SIGKILL)  # lost mid-stage: one shard published, the other not (or not whole)
     first.wait()
