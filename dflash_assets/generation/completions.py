@@ -59,7 +59,6 @@ __all__ = [
     "failed_schema",
     "regenerate_shard",
     "aregenerate_shard",
-    "dispatch_key",
 ]
 
 
@@ -225,13 +224,6 @@ def _input_rows(prompts: Any) -> list[dict]:
     if hasattr(prompts, "to_arrow"):  # polars
         return prompts.to_arrow().to_pylist()
     return [dict(r) for r in prompts]
-
-
-def dispatch_key(row: dict) -> int:
-    """The order the stage sends a shard's prompts in, ascending (``sorted`` keeps ties in input order): longest
-    first turn first, in characters of the system prompt and the first user turn."""
-    turns = row.get("user_turns") or [""]
-    return -(len(str(row.get("system") or "")) + len(str(turns[0])))
 
 
 def _resolve_tokenizer(tokenizer: Any, fleet: EngineFleetConfig) -> Any:
@@ -408,10 +400,7 @@ class _ShardRun:
                             "config_hash": self.config_hash}
 
     def tasks(self) -> list[Conversation]:
-        """A conversation for each prompt not done, longest first turn first (characters of the system prompt and
-        the first user turn): the few long requests then start at once, beside the many short ones, instead of
-        running alone at the end of the shard (in the slot engine's long tiers, or as a server's longest batch).
-        A prompt that cannot be generated fails here, unsent. The published rows keep the input order."""
+        """A conversation for each prompt not done; a prompt that cannot be generated fails here, unsent."""
         tasks: list[Conversation] = []
         for pid in self.order:
             if pid in self.done_rows:
@@ -429,7 +418,7 @@ class _ShardRun:
                 self._fail_unsent(pid, "no user turns")
                 continue
             tasks.append(Conversation(pid, row.get("system") or None, turns, self.generation, self.config_hash))
-        return sorted(tasks, key=lambda task: dispatch_key(self.inputs[task.prompt_id]))
+        return tasks
 
     def emit_progress(self) -> None:
         if self.progress is None:

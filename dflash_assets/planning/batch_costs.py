@@ -42,8 +42,7 @@ conversations in flight (the fleet's ``max_concurrency``), each sending its
 turns in order, the engine forming each call from the requests pending when
 the previous one ends (``next_batch``), every call priced by the model, with
 ``expected_steps`` decode steps. ``partition_turns`` gives each conversation's
-prompt lengths per turn, in the stage's dispatch order (longest first turn
-first), rendered with the target's chat template (later turns:
+prompt lengths per turn, rendered with the target's chat template (later turns:
 the history's template with empty answers plus the answers' measured tokens).
 Which conversations go on past a turn is chance (a turn cut at
 ``max_new_tokens`` ends its conversation), and a long one going on costs far
@@ -361,12 +360,9 @@ def simulate_partition(turns: Sequence[Sequence[int]], cost: GenerateCost, *, wo
 def partition_turns(rows: Iterable[dict], chat: Any, *, max_turns: int, enable_thinking: bool,
                     answer_tokens: float) -> list[list[int]]:
     """``turn_lengths`` of every conversation of a partition (``raw_prompts`` rows: ``system``, ``user_turns``
-    capped at ``max_turns``), in the order the completions stage sends them (``completions.dispatch_key``); a row
-    without user turns is left out, as the completions stage fails it."""
-    from dflash_assets.generation.completions import dispatch_key
-
+    capped at ``max_turns``); a row without user turns is left out, as the completions stage fails it."""
     out = []
-    for row in sorted(rows, key=dispatch_key):
+    for row in rows:
         users = [str(u) for u in (row.get("user_turns") or [])][:max_turns]
         if users:
             out.append(turn_lengths(chat, row.get("system") or None, users, enable_thinking=enable_thinking,

@@ -98,21 +98,6 @@ def test_output_table_rows_failures_and_stats(tok, local_store):
     assert res.sha256 == hashlib.sha256(local_store.read_bytes(layout.completions("shard-00000"))).hexdigest()
 
 
-def test_longest_first_turn_is_sent_first_and_the_table_keeps_the_input_order(tok, local_store):
-    """The dispatch order is longest first (system prompt plus first user turn); the published rows are not."""
-    lengths = [3, 40, 1, 25, 12, 60, 7]
-    rows = [{"prompt_id": f"p{i}", "system": "Answer in one short line." if i == 2 else None,
-             "user_turns": ["w " * n, "next"]}
-            for i, n in enumerate(lengths)]
-    with LoopbackServer(model_path=TARGET) as srv:
-        res = regenerate_shard(rows, shard="shard-00000", store=local_store, fleet=fleet(srv, concurrency=1),
-                               generation=GenerationConfig(max_new_tokens=8, max_turns=1), tokenizer=tok)
-    got = res.table.to_pylist()
-    assert [r["prompt_id"] for r in got] == [f"p{i}" for i in range(len(lengths))]
-    sent = [r["prompt_id"] for r in sorted(got, key=lambda r: r["started_at"])]
-    assert sent == ["p5", "p1", "p3", "p2", "p4", "p6", "p0"]  # p2: 2 characters after a system prompt of 25
-
-
 def test_sync_and_async_entry_points_share_one_argument_list():
     """The blocking form forwards to the async one: one definition of the options, so they cannot drift."""
     assert inspect.signature(regenerate_shard) == inspect.signature(aregenerate_shard)
