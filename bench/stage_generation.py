@@ -217,6 +217,22 @@ def variants(args, report: dict, engine, table) -> None:
         save(report, args.out)
 
 
+def switched(args, report: dict, table, shard: str, root: Path, engine, spec, tok) -> None:
+    """``stage_switch_interval``: the stage (one turn) again under ``sys.setswitchinterval(--switch-interval)``."""
+    default_interval = sys.getswitchinterval()
+    sys.setswitchinterval(args.switch_interval)
+    try:
+        report["stage_switch_interval"] = {"switch_interval_s": args.switch_interval,
+                                           **stage(args, table, shard, root, engine, spec, tok, turns=1,
+                                                   name="switch")}
+    finally:
+        sys.setswitchinterval(default_interval)
+    report["stage_switch_interval_vs_stage"] = round(
+        report["stage_switch_interval"]["tokens_per_s"] / report["stage"]["tokens_per_s"], 3)
+    log(f"stage, switch interval {args.switch_interval}: {report['stage_switch_interval']}")
+    save(report, args.out)
+
+
 def tiers(text: str) -> list[tuple[int, int]]:
     """'128x2304,32x8192' -> [(128, 2304), (32, 8192)]."""
     return [tuple(int(v) for v in part.split("x")) for part in text.split(",") if part.strip()]
@@ -309,18 +325,7 @@ def main(argv=None) -> int:
         report["stage_vs_engine"] = round(report["stage"]["tokens_per_s"] / report["engine"]["tokens_per_s"], 3)
         save(report, args.out)
         if args.switch_interval:
-            default_interval = sys.getswitchinterval()
-            sys.setswitchinterval(args.switch_interval)
-            try:
-                report["stage_switch_interval"] = {"switch_interval_s": args.switch_interval,
-                                                   **stage(args, table, shard, root, engine, spec, tok, turns=1,
-                                                           name="switch")}
-            finally:
-                sys.setswitchinterval(default_interval)
-            report["stage_switch_interval_vs_stage"] = round(
-                report["stage_switch_interval"]["tokens_per_s"] / report["stage"]["tokens_per_s"], 3)
-            log(f"stage, switch interval {args.switch_interval}: {report['stage_switch_interval']}")
-            save(report, args.out)
+            switched(args, report, table, shard, root, engine, spec, tok)
         if args.max_turns > 1:
             asyncio.run(engine.close())
             engine = open_engine(args, target, tok, "slots", slots)

@@ -242,11 +242,11 @@ class SlotDecoder:
         self.stream: Any = None  # a CUDA stream of its own (`SlotScheduler(overlap=True)`), else the current
 
     def _row_lengths(self, asked: bool) -> bool:
+        if not asked:
+            return False
         from dflash_assets.generation.packed_gqa import ATTENTION_NAME
         from dflash_assets.torch_compile import block_mask_type
 
-        if not asked:
-            return False
         why = None
         if getattr(self.model.config, "_attn_implementation", None) != ATTENTION_NAME:
             why = f"the model's attention is not {ATTENTION_NAME!r} (TransformersEngine(attention='packed_gqa'))"
