@@ -271,9 +271,11 @@ def engine_fleet(args, target: str):
             f"{memory / 2**30:.0f} GiB (--gen-batch-rows sets it)")
     rows = rows or 32
     tiers = [tuple(int(v) for v in t.split("x")) for t in args.gen_tiers.split(",") if t.strip()]
+    # the slots cache's own default unless given: a whole shard in flight (EndpointConfig)
+    in_flight = {"max_concurrency": args.gen_concurrency} if args.gen_concurrency else {} if gpu else \
+        {"max_concurrency": 2 * rows}
     return EngineFleetConfig(target_model=target, endpoints=[EndpointConfig(
-        url="inprocess://smollm2", kind="transformers", device=args.device,
-        max_concurrency=args.gen_concurrency or 2 * rows, max_batch_rows=rows,
+        url="inprocess://smollm2", kind="transformers", device=args.device, **in_flight, max_batch_rows=rows,
         max_batch_tokens=args.gen_batch_tokens or 65536,
         dtype="bfloat16" if gpu else "float32", cache="slots" if gpu else "dynamic",
         attention="packed_gqa" if gpu else "sdpa", slot_len=args.gen_slot_len, slot_tiers=tiers)])
@@ -591,7 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gen-slot-len", type=int, default=1024, help="positions of a main slot (prompt + new tokens)")
     g.add_argument("--gen-tiers", default="128x2304,32x8192",
                    help="slot decoders for longer requests, SLOTSxPOSITIONS comma-separated")
-    g.add_argument("--gen-concurrency", type=int, default=0, help="requests in flight (0: 2 x the rows)")
+    g.add_argument("--gen-concurrency", type=int, default=0,
+                   help="requests in flight (0: a whole shard on a GPU's slots, 2 x the rows on a CPU)")
     g.add_argument("--gen-batch-tokens", type=int, default=0,
                    help="padded prompt tokens per prefill (slots) or generate call (0: 65,536)")
     g.add_argument("--min-loss-tokens", type=int, default=16, help="quality gate: shorter answers count as empty")

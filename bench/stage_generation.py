@@ -19,6 +19,10 @@ per turn:
 - ``stage_switch_interval`` (``--switch-interval S``): the stage again with Python's thread switch interval at S
   seconds (``sys.setswitchinterval``; 0.005 by default), as a test of how much the stage's loop thread (rendering,
   tokenizing, journaling) holds the decoders' worker thread off the GIL;
+- ``stage_in_flight`` (``--in-flight N``): the stage again with N requests in flight on the engine (its
+  ``max_concurrency``) instead of the slots cache's default, a whole shard (``fleet.SLOTS_IN_FLIGHT``): e.g. twice
+  the main slots, where the long prompts reach their tiers as the fleet's input order brings them rather than at
+  the start;
 - ``ceiling``: the main decoder's captured decode step replayed alone, per (rows, positions) view it ran at:
   rows / step time is what the step could make if every row it computes were always live and nothing else ran
   (rows of their own length: every row at the run's mean position);
@@ -233,6 +237,21 @@ def switched(args, report: dict, table, shard: str, root: Path, engine, spec, to
     save(report, args.out)
 
 
+def in_flight(args, report: dict, table, shard: str, root: Path, engine, spec, tok) -> None:
+    """``stage_in_flight``: the stage (one turn) again with ``--in-flight`` requests in flight on the engine."""
+    default_in_flight = engine.max_concurrency
+    engine.max_concurrency = args.in_flight
+    try:
+        report["stage_in_flight"] = {"in_flight": args.in_flight,
+                                     **stage(args, table, shard, root, engine, spec, tok, turns=1, name="in-flight")}
+    finally:
+        engine.max_concurrency = default_in_flight
+    report["stage_in_flight_vs_stage"] = round(
+        report["stage_in_flight"]["tokens_per_s"] / report["stage"]["tokens_per_s"], 3)
+    log(f"stage, {args.in_flight} in flight: {report['stage_in_flight']}")
+    save(report, args.out)
+
+
 def tiers(text: str) -> list[tuple[int, int]]:
     """'128x2304,32x8192' -> [(128, 2304), (32, 8192)]."""
     return [tuple(int(v) for v in part.split("x")) for part in text.split(",") if part.strip()]
@@ -248,9 +267,12 @@ def save(report: dict, out: Path | None) -> None:
 
 def open_engine(args, target: str, tok, cache: str, rows: int):
     from dflash_assets.generation.engines import TransformersEngine
+    from dflash_assets.generation.fleet import SLOTS_IN_FLIGHT
 
+    # the slots cache's in-flight default (a whole shard; EndpointConfig), twice the rows for the static cache
+    in_flight = SLOTS_IN_FLIGHT if cache == "slots" else 2 * rows
     engine = TransformersEngine(target, device=args.device, dtype=args.dtype, tokenizer=tok, cache=cache,
-                                max_batch_rows=rows, max_concurrency=2 * rows, slot_len=args.slot_len,
+                                max_batch_rows=rows, max_concurrency=in_flight, slot_len=args.slot_len,
                                 max_batch_tokens=args.prefill_tokens, attention=args.attention,
                                 slot_tiers=tiers(args.tiers))
     asyncio.run(engine.open())
@@ -277,6 +299,9 @@ def main(argv=None) -> int:
                         "in_turn (decoders stepped one after another), row_lengths (flex block mask per row)")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="also the stage with sys.setswitchinterval at this many seconds (0: not run)")
+    p.add_argument("--in-flight", type=int, default=0,
+                   help="also the stage with this many requests in flight on the engine instead of a whole shard "
+                        "(0: not run)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--thinking", action="store_true")
@@ -326,6 +351,8 @@ def main(argv=None) -> int:
         save(report, args.out)
         if args.switch_interval:
             switched(args, report, table, shard, root, engine, spec, tok)
+        if args.in_flight:
+            in_flight(args, report, table, shard, root, engine, spec, tok)
         if args.max_turns > 1:
             asyncio.run(engine.close())
             engine = open_engine(args, target, tok, "slots", slots)

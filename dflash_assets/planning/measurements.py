@@ -336,7 +336,7 @@ class PilotMeasure:
     prompt_tokens: int
     wall_s: float  # the whole regeneration, probe and writes included
     dispatch_s: float  # of it, the fleet's run (first request to last answer)
-    concurrency: int  # requests in flight the fleet allowed (summed over usable endpoints)
+    concurrency: int  # requests in flight that keep the usable endpoints busy (their busy_concurrency, summed)
     sample_tokens: int = 0  # summed over done prompts: the last turn's prompt + completion tokens (capped)
     endpoint_tokens: tuple[tuple[str, int], ...] = ()  # completion tokens each endpoint generated
     user_chars: int = 0  # the pilot prompts' system + first max_turns user turns: characters
@@ -410,7 +410,7 @@ async def apilot(config: EngineFleetConfig, rows: Any, *, generation: Generation
                                       generation=generation, tokenizer=tokenizer, max_failed_ratio=1.0,
                                       on_probe=seen.append)
     usable = {r.endpoint for r in seen[0].usable} if seen else set()
-    concurrency = sum(ep.max_concurrency for ep in config.endpoints if ep.url.rstrip("/") in usable)
+    concurrency = sum(ep.busy_concurrency for ep in config.endpoints if ep.url.rstrip("/") in usable)
     user_chars = user_tokens = 0
     if tokenizer is not None and len(rows):
         table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(list(rows))
@@ -503,8 +503,9 @@ async def ameasure_throughput(config: EngineFleetConfig, *, tokenizer: Any = Non
                               ) -> tuple[FleetProbe, list[EndpointThroughput]]:
     """Probe the fleet and measure each usable endpoint's throughput with one burst (all endpoints at once).
 
-    ``concurrency`` defaults to each endpoint's ``max_concurrency`` (the load
-    a real run puts on it), ``requests`` to twice that. Request i sends
+    ``concurrency`` defaults to each endpoint's ``busy_concurrency`` (the load
+    that keeps it busy: its ``max_concurrency``, a slot engine's twice its rows),
+    ``requests`` to twice that. Request i sends
     ``conversations[i % n]`` (real prompts: ``measure_prompts(...).sample``),
     else the one fixed ``prompt``; sampling is ``generation``'s (the
     completions' settings) with ``max_new_tokens`` and end-of-turn ignored.
@@ -514,7 +515,8 @@ async def ameasure_throughput(config: EngineFleetConfig, *, tokenizer: Any = Non
     async with EngineFleet(config, tokenizer) as fleet:
         engines = fleet.live_endpoints
         bursts = [
-            _burst(e, gen, requests or 2 * (concurrency or e.max_concurrency), concurrency or e.max_concurrency, chats)
+            _burst(e, gen, requests or 2 * (concurrency or e.busy_concurrency), concurrency or e.busy_concurrency,
+                   chats)
             for e in engines
         ]
         results = await asyncio.gather(*bursts)

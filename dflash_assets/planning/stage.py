@@ -81,7 +81,7 @@ def plan_corpus(store: Any, target: Any, fleet: EngineFleetConfig, *, generation
     ``target`` is a ``TargetModelSpec``; ``generation`` the completions' settings the backfill will use (the
     burst and the pilot generate with them); ``max_length`` caps tokens per sample as ``tokenized_samples``
     does (default: ``TokenizeConfig``'s). ``probe_requests`` is also the number of real requests sampled for
-    the burst (default: ``pilot_prompts`` when a pilot was asked for, else 2x each endpoint's concurrency);
+    the burst (default: ``pilot_prompts`` when a pilot was asked for, else 2x each endpoint's busy_concurrency);
     its turns are capped at the lesser of ``probe_max_new_tokens`` and ``generation.max_new_tokens``.
     On one in-process Transformers endpoint the pilot's wall time is not scaled: the engine's generate calls
     are replayed over the prompts of ``max_partitions`` partitions (all, or an evenly spaced sample) and priced

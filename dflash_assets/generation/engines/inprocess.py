@@ -127,6 +127,13 @@ class TransformersEngine(SharedModel, BatchedGenerate, ContinuousCache, SlotCach
         self.batch_steps: list[int] = []  # decode steps of each generate call (new tokens of its longest row)
         self.reused_model = False  # whether open() found the model loaded already (by an earlier engine)
 
+    @property
+    def busy_concurrency(self) -> int:
+        """The slots cache: twice its rows (more in flight only wait in its queue); else ``max_concurrency``."""
+        if self.cache == "slots":
+            return min(self.max_concurrency, 2 * self.max_batch_rows)
+        return self.max_concurrency
+
     async def close(self) -> None:
         if self._batcher is not None and not self._batcher.done():
             self._batcher.cancel()

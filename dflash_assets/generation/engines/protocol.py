@@ -154,6 +154,12 @@ class Engine(abc.ABC):
         self.served_model = ""
         self.accepted_models: set[str] = set()  # normalized ids a reply may name (set by the fleet's probe)
 
+    @property
+    def busy_concurrency(self) -> int:
+        """Requests in flight that keep this engine busy (what a throughput burst sends at once): its
+        ``max_concurrency``, unless the engine says fewer do."""
+        return self.max_concurrency
+
     def __repr__(self) -> str:  # never the key
         return f"{type(self).__name__}({self.url!r}, served_model={self.served_model!r})"
 
