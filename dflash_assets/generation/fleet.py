@@ -60,7 +60,6 @@ from dflash_assets.generation.engines import (
     ChatResult,
     Engine,
     EngineError,
-    EngineKind,
     EngineProbe,
     OpenAIEngine,
     SGLangEngine,
@@ -106,6 +105,10 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+
+# ----------------------------------------------------------------------------
+# Engines and the probe (the table itself is generation.fleet_probe)
 
 
 def build_engine(ep: EndpointConfig, config: EngineFleetConfig, tokenizer: Any = None) -> Engine:

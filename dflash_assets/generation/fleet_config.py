@@ -16,8 +16,6 @@ from dflash_assets.generation.engines.protocol import EngineKind
 
 __all__ = ["SLOTS_IN_FLIGHT", "EndpointConfig", "EngineFleetConfig", "endpoint_api_key"]
 
-
-
 # In-process requests have no timeout and wait in the slot engine's queue at no cost: with a whole shard in flight
 # its long prompts reach their tiers at the start instead of as the input order brings them (1.07x through the
 # completions stage on an H100, BENCHMARKS.md).
@@ -138,10 +136,6 @@ class EngineFleetConfig(BaseModel):
         if len(set(urls)) != len(urls):
             raise ValueError(f"duplicate endpoint urls: {urls}")
         return self
-
-
-# ----------------------------------------------------------------------------
-# Probe (the table itself is generation.fleet_probe)
 
 
 def endpoint_api_key(ep: EndpointConfig, config: EngineFleetConfig) -> str | None:
