@@ -15,6 +15,8 @@ the padded layout (one row per sample, padded to the longest) and the packed one
 blocks and context in one row) in the same run: tokens/s, MFU over real tokens' FLOPs, the padded
 shares and the widths each layout met; `--varied-eager` adds the packed batches run eagerly, the peer of the
 compiled step; `--profile` with them profiles a few packed steps (the kernels the step's time goes to).
+`--compile-mode` (e.g. max-autotune) and `--flex-kernel-options` (flex attention's Triton tiles) try other
+compile settings of the layers on one GPU.
 
 Reads nothing; prints one JSON object on stdout (progress on stderr) and, with --out, writes it.
 Needs only torch (+ triton on GPU), numpy, safetensors. See BENCHMARKS.md.
@@ -138,7 +140,7 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def build(cfg: DrafterConfig, device, compile_layers: bool, world: int):
+def build(cfg: DrafterConfig, device, compile_layers: bool, world: int, mode: str | None = None):
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg).to(device)
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
@@ -148,7 +150,7 @@ def build(cfg: DrafterConfig, device, compile_layers: bool, world: int):
                       torch.randn(V, H, device=device, dtype=dtype, generator=g) * 0.02)
     if compile_layers:
         for layer in drafter.layers:
-            layer.compile()
+            layer.compile(mode=mode)
     model = drafter
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(
@@ -165,7 +167,7 @@ def run_batch_size(b: int, args, cfg: DrafterConfig, device, world: int = 1) -> 
     batches = [make_batch(b, args.seq, args.anchors, cfg, device, dtype, rng) for _ in range(3)]
     kw = dict(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, gamma=7.0, attention=args.attention,
               grad_clip=1.0, compiled_loss=args.compile, world=world)
-    drafter, model, head, opt = build(cfg, device, args.compile, world)
+    drafter, model, head, opt = build(cfg, device, args.compile, world, args.compile_mode)
 
     def step(i):
         bt = batches[i % len(batches)]
@@ -338,7 +340,7 @@ def varied_lengths(args, cfg: DrafterConfig, device, peak: float) -> dict:
         if cuda:
             torch._dynamo.reset()
             torch.cuda.reset_peak_memory_stats(device)
-        drafter, model, head, opt = build(cfg, device, compiled, 1)
+        drafter, model, head, opt = build(cfg, device, compiled, 1, args.compile_mode)
         losses = []
 
         def run_pass():
@@ -518,6 +520,11 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--attention", choices=["flex", "sdpa"], default=None)
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager layers and loss")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode of the layers, e.g. max-autotune "
+                   "(which also autotunes flex attention's tiles; default: torch's)")
+    p.add_argument("--flex-kernel-options", default=None,
+                   help='flex attention\'s kernel_options as JSON, e.g. \'{"BLOCK_M": 64, "BLOCK_N": 64}\' '
+                        "(torch_compile.set_flex_kernel_options; default: flex's own tiles)")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false")
     p.add_argument("--two-gpu", choices=["auto", "on", "off"], default="auto",
                    help="auto: when 2+ GPUs are visible; on: also on CPU with gloo (with --quick)")
@@ -536,6 +543,10 @@ def main(argv=None) -> int:
     p.add_argument("--varied-eager", action="store_true", help="also the packed batches eagerly: the peer of compiled")
     p.add_argument("--varied-max-length", type=int, default=None, help="longest sample (default 2048, quick 768)")
     args = p.parse_args(argv)
+    if args.flex_kernel_options:
+        from dflash_assets.torch_compile import set_flex_kernel_options
+
+        set_flex_kernel_options(json.loads(args.flex_kernel_options))
 
     cuda = torch.cuda.is_available() and not args.quick
     args.batch_sizes = args.batch_sizes or ([1, 2] if args.quick else [1, 2, 4])
@@ -568,6 +579,7 @@ def main(argv=None) -> int:
         "config": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "block": cfg.block_size,
                    "vocab": cfg.vocab_size, "captured_layers": len(cfg.target_layer_ids), "seq": args.seq,
                    "anchors": args.anchors, "attention": args.attention, "compile": args.compile,
+                   "compile_mode": args.compile_mode, "flex_kernel_options": args.flex_kernel_options,
                    "dtype": "bf16 autocast, fp32 master weights" if cuda else "fp32",
                    "drafter_params": None},
         "flop_formula": FLOP_FORMULA,

@@ -5,8 +5,8 @@ Reads and writes nothing but torch's global compile configuration: the inductor 
 (``apply_inductor_workarounds``) and dynamo's recompile limit (``allow_recompiles``), so varying batch shapes
 recompile instead of falling back to eager. ``flex_attention`` is flex attention as both users of it call it
 (the drafter's blocks, slot decoding's rows of their own lengths): compiled on CUDA, one compiled function per
-shape policy; ``is_block_mask`` and ``block_mask_from_kv_blocks`` are the one place flex's ``BlockMask`` class is
-looked up.
+shape policy, with the Triton tile options ``set_flex_kernel_options`` chose (none: flex's own); ``is_block_mask``
+and ``block_mask_from_kv_blocks`` are the one place flex's ``BlockMask`` class is looked up.
 """
 
 from __future__ import annotations
@@ -57,6 +57,17 @@ def allow_recompiles(limit: int = 64) -> None:
 
 
 _COMPILED_FLEX: dict[bool, Any] = {}  # static_shapes -> torch.compile(flex_attention)
+_FLEX_KERNEL_OPTIONS: dict[str, Any] = {}
+
+
+def set_flex_kernel_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``kernel_options`` every later `flex_attention` call passes (Triton tiles and launch settings, e.g.
+    ``{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}``; None or empty: flex's own choice per
+    GPU and head size); returns the ones before. A graph compiled already keeps the options it was traced with."""
+    before = dict(_FLEX_KERNEL_OPTIONS)
+    _FLEX_KERNEL_OPTIONS.clear()
+    _FLEX_KERNEL_OPTIONS.update(options or {})
+    return before
 
 
 def flex_attention(query, key, value, block_mask, *, scale: float | None = None, static_shapes: bool = False):
@@ -68,14 +79,15 @@ def flex_attention(query, key, value, block_mask, *, scale: float | None = None,
     import torch
     from torch.nn.attention.flex_attention import flex_attention as flex
 
+    options = {"kernel_options": dict(_FLEX_KERNEL_OPTIONS)} if _FLEX_KERNEL_OPTIONS else {}
     if torch.compiler.is_compiling() or not query.is_cuda:
-        return flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
+        return flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True, **options)
     compiled = _COMPILED_FLEX.get(static_shapes)
     if compiled is None:
         if static_shapes:
             allow_recompiles()
         compiled = _COMPILED_FLEX[static_shapes] = torch.compile(flex, dynamic=False if static_shapes else None)
-    return compiled(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
+    return compiled(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True, **options)
 
 
 def block_mask_type() -> type | None:

@@ -61,3 +61,37 @@ def test_flex_attention_traces_into_a_compiled_layer_without_a_break():
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     torch.testing.assert_close(layer(q, k, v, mask),
                                torch_flex(q, k, v, block_mask=mask, scale=0.5, enable_gqa=True) * 2)
+
+
+def test_flex_kernel_options_reach_every_later_flex_call_until_cleared(monkeypatch):
+    """set_flex_kernel_options: later calls pass them as kernel_options (traced or eager), returning the ones
+    before; None clears them, and a call then passes none (flex's own tiles)."""
+    import torch
+    import torch.nn.attention.flex_attention as flex_module
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash_assets.torch_compile import flex_attention, set_flex_kernel_options
+
+    seen = []
+    real = flex_module.flex_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("kernel_options"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flex_module, "flex_attention", spy)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 128, 16, generator=gen) for h in (4, 2, 2))
+    mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, 128, 128, device="cpu")
+    plain = flex_attention(q, k, v, mask)
+    tiles = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    assert set_flex_kernel_options(tiles) == {}
+    try:
+        torch.testing.assert_close(flex_attention(q, k, v, mask), plain)  # tiles change no result
+        tiles["BLOCK_M"] = 32  # the caller's dict is copied, not kept
+        flex_attention(q, k, v, mask)
+    finally:
+        assert set_flex_kernel_options(None) == {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    flex_attention(q, k, v, mask)
+    assert seen == [None, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+                    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}, None]
