@@ -12,8 +12,8 @@ from dflash_assets.generation.fleet import SLOTS_IN_FLIGHT, EndpointConfig, Engi
 
 
 def test_a_slot_endpoint_keeps_a_whole_shard_in_flight_unless_told_otherwise():
-    """kind transformers, cache slots: no max_concurrency given -> SLOTS_IN_FLIGHT in flight and the rows of the
-    old default (or those given); given -> kept as it is. Other kinds and caches keep the field's default. A dump
+    """kind transformers, cache slots: no max_concurrency given -> SLOTS_IN_FLIGHT in flight and as many rows as
+    the field's default max_concurrency (or those given); given -> kept as it is. Other kinds and caches keep the field's default. A dump
     validates back to the same endpoint."""
     slots = EndpointConfig(url="inprocess://gpu", kind="transformers", cache="slots")
     assert (slots.max_concurrency, slots.max_batch_rows) == (SLOTS_IN_FLIGHT, 32)
@@ -36,8 +36,8 @@ def test_a_slot_endpoint_keeps_a_whole_shard_in_flight_unless_told_otherwise():
 def test_the_stage_hands_a_slot_engine_the_whole_shard_at_once(tiny_dense_target, local_store, monkeypatch,
                                                                 max_concurrency):
     """Through regenerate_shard with the default in flight, every prompt of the shard is queued on the slot engine
-    before its first answer comes back (the long ones reach their tiers at the start); with max_concurrency=2
-    never more than two are. The fleet starts no more workers than the shard has prompts."""
+    at once (so its long ones can reach their tiers at the start); with max_concurrency=2 never more than two
+    are."""
     from dflash_assets.generation.engines import inprocess_caches
 
     queued, most = [], []
