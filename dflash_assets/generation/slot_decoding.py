@@ -73,6 +73,7 @@ class SlotStats:
     prefills: int = 0
     prefill_rows: int = 0
     prefill_seconds: float = 0.0
+    prefill_host_seconds: float = 0.0  # of it, until the forward is queued (a wait on the device inside counts)
     new_tokens: int = 0
     live_row_steps: int = 0  # sum over steps of the rows live in it (occupancy = live_row_steps / (steps * slots))
     computed_row_steps: int = 0  # sum over steps of the rows the step computed (its row view)
@@ -86,6 +87,7 @@ class SlotStats:
         mean_position = self.position_row_steps / self.live_row_steps if self.live_row_steps else 0.0
         return {"steps": self.steps, "step_seconds": round(self.step_seconds, 3), "prefills": self.prefills,
                 "prefill_rows": self.prefill_rows, "prefill_seconds": round(self.prefill_seconds, 3),
+                "prefill_host_seconds": round(self.prefill_host_seconds, 3),
                 "new_tokens": self.new_tokens, "requests": self.requests, "occupancy": round(occupancy, 4),
                 "computed_rows": round(computed, 4), "mean_position": round(mean_position, 1),
                 "cuda_graph": self.graph}
@@ -410,6 +412,7 @@ class SlotDecoder:
             if not self.packed_prefill:
                 last = self._prefill_padded(group, slots)
             logits = self.head(last).float()
+        self.stats.prefill_host_seconds += time.perf_counter() - t0  # the forward queued (unless it waited)
         lengths = torch.tensor([len(r.ids) for r in group], device=self.device)
         idx = torch.tensor(slots, device=self.device)
         self.temperature[idx] = torch.tensor([float(r.temperature) for r in group], device=self.device)

@@ -58,6 +58,7 @@ def test_greedy_tokens_match_generate_of_each_prompt_alone(kind):
     stats = decoder.stats.as_dict(4)
     assert stats["requests"] == 23 and stats["new_tokens"] == sum(len(v[0]) for v in got.values())
     assert stats["prefills"] > 1  # rows were refilled while others decoded
+    assert 0 < stats["prefill_host_seconds"] <= stats["prefill_seconds"]  # the queuing part of the prefills
     assert stats["occupancy"] > 0.6
     assert decoder.idle() and decoder.live_rows == 0
 

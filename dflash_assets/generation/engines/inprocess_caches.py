@@ -177,5 +177,6 @@ class SlotCache:
         total = {k: sum(r[k] for r in runs) for k in ("steps", "prefills", "prefill_rows", "new_tokens", "requests")}
         total.update(step_seconds=round(sum(r["step_seconds"] for r in runs), 3),
                      prefill_seconds=round(sum(r["prefill_seconds"] for r in runs), 3),
+                     prefill_host_seconds=round(sum(r["prefill_host_seconds"] for r in runs), 3),
                      occupancy=runs[0]["occupancy"], cuda_graph=runs[0]["cuda_graph"])
         return {**total, "decoders": runs}
