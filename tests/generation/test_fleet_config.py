@@ -37,7 +37,8 @@ def test_the_stage_hands_a_slot_engine_the_whole_shard_at_once(tiny_dense_target
                                                                 max_concurrency):
     """Through regenerate_shard with the default in flight, every prompt of the shard is queued on the slot engine
     at once (so its long ones can reach their tiers at the start); with max_concurrency=2 never more than two
-    are."""
+    are. The fleet starts one worker per prompt at most, not SLOTS_IN_FLIGHT of them."""
+    from dflash_assets.generation import fleet as fleet_module
     from dflash_assets.generation.engines import inprocess_caches
 
     queued, most = [], []
@@ -52,6 +53,14 @@ def test_the_stage_hands_a_slot_engine_the_whole_shard_at_once(tiny_dense_target
             queued.pop()
 
     monkeypatch.setattr(inprocess_caches.SlotCache, "_slot_generate", counting)
+    workers = []
+    worker = fleet_module._Dispatch._worker
+
+    def counted_worker(self, ep):
+        workers.append(ep)
+        return worker(self, ep)
+
+    monkeypatch.setattr(fleet_module._Dispatch, "_worker", counted_worker)
     told = {} if max_concurrency is None else {"max_concurrency": max_concurrency}
     cfg = EngineFleetConfig(target_model=str(tiny_dense_target), endpoints=[EndpointConfig(
         url="inprocess://tiny", kind="transformers", cache="slots", slot_len=256, max_batch_rows=2, **told)])
@@ -61,3 +70,4 @@ def test_the_stage_hands_a_slot_engine_the_whole_shard_at_once(tiny_dense_target
                            generation=GenerationConfig(max_new_tokens=4, temperature=0.0, max_turns=1))
     assert res.table.num_rows == 40 and res.stats.prompts_done == 40
     assert max(most) == (40 if max_concurrency is None else 2)
+    assert len(workers) == (40 if max_concurrency is None else 2)
