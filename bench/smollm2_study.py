@@ -271,9 +271,9 @@ def engine_fleet(args, target: str):
             f"{memory / 2**30:.0f} GiB (--gen-batch-rows sets it)")
     rows = rows or 32
     tiers = [tuple(int(v) for v in t.split("x")) for t in args.gen_tiers.split(",") if t.strip()]
-    # the slots cache's own default unless given: a whole shard in flight (EndpointConfig)
-    in_flight = {"max_concurrency": args.gen_concurrency} if args.gen_concurrency else {} if gpu else \
-        {"max_concurrency": 2 * rows}
+    # unless given: on a GPU the slots cache's own default, a whole shard in flight (EndpointConfig)
+    concurrency = args.gen_concurrency or (None if gpu else 2 * rows)
+    in_flight = {"max_concurrency": concurrency} if concurrency else {}
     return EngineFleetConfig(target_model=target, endpoints=[EndpointConfig(
         url="inprocess://smollm2", kind="transformers", device=args.device, **in_flight, max_batch_rows=rows,
         max_batch_tokens=args.gen_batch_tokens or 65536,

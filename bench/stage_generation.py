@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -221,35 +222,36 @@ def variants(args, report: dict, engine, table) -> None:
         save(report, args.out)
 
 
-def switched(args, report: dict, table, shard: str, root: Path, engine, spec, tok) -> None:
-    """``stage_switch_interval``: the stage (one turn) again under ``sys.setswitchinterval(--switch-interval)``."""
+def stage_again(args, report: dict, key: str, setting, table, shard: str, root: Path, engine, spec, tok) -> None:
+    """``report[key]``: the stage (one turn) again inside `setting` (a context manager yielding what it set), and
+    its tokens/s against ``report["stage"]``."""
+    with setting as chosen:
+        report[key] = {**chosen, **stage(args, table, shard, root, engine, spec, tok, turns=1, name=key)}
+    report[f"{key}_vs_stage"] = round(report[key]["tokens_per_s"] / report["stage"]["tokens_per_s"], 3)
+    log(f"{key}: {report[key]}")
+    save(report, args.out)
+
+
+@contextlib.contextmanager
+def switch_interval(seconds: float):
+    """Python's thread switch interval at `seconds` inside (``sys.setswitchinterval``)."""
     default_interval = sys.getswitchinterval()
-    sys.setswitchinterval(args.switch_interval)
+    sys.setswitchinterval(seconds)
     try:
-        report["stage_switch_interval"] = {"switch_interval_s": args.switch_interval,
-                                           **stage(args, table, shard, root, engine, spec, tok, turns=1,
-                                                   name="switch")}
+        yield {"switch_interval_s": seconds}
     finally:
         sys.setswitchinterval(default_interval)
-    report["stage_switch_interval_vs_stage"] = round(
-        report["stage_switch_interval"]["tokens_per_s"] / report["stage"]["tokens_per_s"], 3)
-    log(f"stage, switch interval {args.switch_interval}: {report['stage_switch_interval']}")
-    save(report, args.out)
 
 
-def in_flight(args, report: dict, table, shard: str, root: Path, engine, spec, tok) -> None:
-    """``stage_in_flight``: the stage (one turn) again with ``--in-flight`` requests in flight on the engine."""
+@contextlib.contextmanager
+def requests_in_flight(engine, n: int):
+    """`n` requests in flight on `engine` inside (its ``max_concurrency``)."""
     default_in_flight = engine.max_concurrency
-    engine.max_concurrency = args.in_flight
+    engine.max_concurrency = n
     try:
-        report["stage_in_flight"] = {"in_flight": args.in_flight,
-                                     **stage(args, table, shard, root, engine, spec, tok, turns=1, name="in-flight")}
+        yield {"in_flight": n}
     finally:
         engine.max_concurrency = default_in_flight
-    report["stage_in_flight_vs_stage"] = round(
-        report["stage_in_flight"]["tokens_per_s"] / report["stage"]["tokens_per_s"], 3)
-    log(f"stage, {args.in_flight} in flight: {report['stage_in_flight']}")
-    save(report, args.out)
 
 
 def tiers(text: str) -> list[tuple[int, int]]:
@@ -350,9 +352,11 @@ def main(argv=None) -> int:
         report["stage_vs_engine"] = round(report["stage"]["tokens_per_s"] / report["engine"]["tokens_per_s"], 3)
         save(report, args.out)
         if args.switch_interval:
-            switched(args, report, table, shard, root, engine, spec, tok)
+            stage_again(args, report, "stage_switch_interval", switch_interval(args.switch_interval), table, shard,
+                        root, engine, spec, tok)
         if args.in_flight:
-            in_flight(args, report, table, shard, root, engine, spec, tok)
+            stage_again(args, report, "stage_in_flight", requests_in_flight(engine, args.in_flight), table, shard,
+                        root, engine, spec, tok)
         if args.max_turns > 1:
             asyncio.run(engine.close())
             engine = open_engine(args, target, tok, "slots", slots)

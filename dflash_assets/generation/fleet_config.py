@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from dflash_assets.generation.engines.inprocess import slot_busy_concurrency
 from dflash_assets.generation.engines.protocol import EngineKind
 
 __all__ = ["SLOTS_IN_FLIGHT", "EndpointConfig", "EngineFleetConfig", "endpoint_api_key"]
@@ -87,7 +88,7 @@ class EndpointConfig(BaseModel):
         """Requests in flight that keep this endpoint busy (``Engine.busy_concurrency``): ``max_concurrency``, for
         the slots cache at most twice its rows."""
         if self.kind == "transformers" and self.cache == "slots":
-            return min(self.max_concurrency, 2 * (self.max_batch_rows or self.max_concurrency))
+            return slot_busy_concurrency(self.max_concurrency, self.max_batch_rows or self.max_concurrency)
         return self.max_concurrency
 
     @model_validator(mode="after")

@@ -25,6 +25,12 @@ from dflash_assets.generation.engines.inprocess_models import SharedModel, _Load
 from dflash_assets.generation.engines.protocol import ChatResult, Engine, EngineProbe
 
 
+def slot_busy_concurrency(max_concurrency: int, rows: int) -> int:
+    """Requests in flight that keep a slot engine of `rows` main slots busy: twice its rows (more only wait in its
+    queue), at most `max_concurrency`."""
+    return min(max_concurrency, 2 * rows)
+
+
 class TransformersEngine(SharedModel, BatchedGenerate, ContinuousCache, SlotCache, Engine):
     """In-process ``model.generate`` on this host, batching the requests in flight.
 
@@ -131,7 +137,7 @@ class TransformersEngine(SharedModel, BatchedGenerate, ContinuousCache, SlotCach
     def busy_concurrency(self) -> int:
         """The slots cache: twice its rows (more in flight only wait in its queue); else ``max_concurrency``."""
         if self.cache == "slots":
-            return min(self.max_concurrency, 2 * self.max_batch_rows)
+            return slot_busy_concurrency(self.max_concurrency, self.max_batch_rows)
         return self.max_concurrency
 
     async def close(self) -> None:
