@@ -23,6 +23,9 @@ per turn:
   ``max_concurrency``) instead of the slots cache's default, a whole shard (``fleet.SLOTS_IN_FLIGHT``): e.g. twice
   the main slots, where the long prompts reach their tiers as the fleet's input order brings them rather than at
   the start;
+- ``stage_prompts_one_by_one`` (``--prompts-one-by-one``): the stage again with each prompt encoded alone on the
+  event loop (the tokenizer holding the GIL for each, as the worker thread's prefills wait) instead of each pass's
+  prompts together off the GIL (``engines.prompt_encoder``);
 - ``ceiling``: the main decoder's captured decode step replayed alone, per (rows, positions) view it ran at:
   rows / step time is what the step could make if every row it computes were always live and nothing else ran
   (rows of their own length: every row at the run's mean position);
@@ -185,6 +188,7 @@ def stage(args, table, shard: str, root: Path, engine, spec, tok, turns: int, na
     # a store of its own per mode: no mode resumes another's completions
     store = LocalStore(root / f"stage-{engine.cache}-{turns}{name}")
     prepare_s = asyncio.run(engine.prepare_slots())  # decoders built and captured, as engine alone before its clock
+    batches_before = dict(engine.prompt_encoder.batches) if engine.prompt_encoder is not None else {}
     sync = _synchronize(args.device)
     sync()
     t0 = time.perf_counter()
@@ -196,6 +200,8 @@ def stage(args, table, shard: str, root: Path, engine, spec, tok, turns: int, na
     report = {"wall_s": round(wall, 2), "turns": turns, "conversations": table.num_rows, "new_tokens": tokens,
               "tokens_per_s": round(tokens / wall, 1), "prepare_s": round(prepare_s, 1),
               "tokens_per_s_with_prepare": round(tokens / (wall + prepare_s), 1)}
+    if engine.prompt_encoder is not None:  # how the prompts were encoded: passes together / one by one
+        report["prompt_batches"] = {k: v - batches_before.get(k, 0) for k, v in engine.prompt_encoder.batches.items()}
     if engine.cache == "slots":
         report["slots"] = engine.slot_stats()
     else:
@@ -254,6 +260,20 @@ def requests_in_flight(engine, n: int):
         engine.max_concurrency = default_in_flight
 
 
+@contextlib.contextmanager
+def prompts_one_by_one(engine):
+    """`engine`'s prompts encoded one by one inside (on the event loop, the GIL held for each), as an encoder that
+    never batches does."""
+    from dflash_assets.generation.engines.prompt_encoder import PromptEncoder
+
+    default_encoder = engine.prompt_encoder
+    engine.prompt_encoder = PromptEncoder(engine.tok.encode, engine.tok.encode_many, batch_chars=sys.maxsize)
+    try:
+        yield {"prompts": "one_by_one"}
+    finally:
+        engine.prompt_encoder = default_encoder
+
+
 def tiers(text: str) -> list[tuple[int, int]]:
     """'128x2304,32x8192' -> [(128, 2304), (32, 8192)]."""
     return [tuple(int(v) for v in part.split("x")) for part in text.split(",") if part.strip()]
@@ -304,6 +324,9 @@ def main(argv=None) -> int:
     p.add_argument("--in-flight", type=int, default=0,
                    help="also the stage with this many requests in flight on the engine instead of a whole shard "
                         "(0: not run)")
+    p.add_argument("--prompts-one-by-one", action="store_true",
+                   help="also the stage with the prompts encoded one by one on the event loop instead of a pass's "
+                        "prompts together off the GIL")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--thinking", action="store_true")
@@ -357,6 +380,9 @@ def main(argv=None) -> int:
         if args.in_flight:
             stage_again(args, report, "stage_in_flight", requests_in_flight(engine, args.in_flight), table, shard,
                         root, engine, spec, tok)
+        if args.prompts_one_by_one:
+            stage_again(args, report, "stage_prompts_one_by_one", prompts_one_by_one(engine), table, shard, root,
+                        engine, spec, tok)
         if args.max_turns > 1:
             asyncio.run(engine.close())
             engine = open_engine(args, target, tok, "slots", slots)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dflash_assets.target_model.chat import TargetChat, encode_text, stop_token_ids, token_id_of
+from dflash_assets.target_model.chat import TargetChat, encode_text, encode_texts, stop_token_ids, token_id_of
 from dflash_assets.target_model.chat_template import THINK_END, THINK_START, ChatRenderer
 
 __all__ = ["ChatTokenizer", "strip_stop_text"]
@@ -81,6 +81,10 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return encode_text(self.tokenizer, text)
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text, in one call off the GIL (`target_model.chat.encode_texts`)."""
+        return encode_texts(self.tokenizer, texts)
 
     def prompt_ids(self, messages: Sequence[dict], enable_thinking: bool,
                    tools: Sequence[dict] | None = None) -> list[int]:

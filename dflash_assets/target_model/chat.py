@@ -18,7 +18,7 @@ mask token reach every consumer the same way; `TargetChat.from_tokenizer` wraps 
   the tokenizer has (an id equal to its unk id is not a token it has). The engines, the in-process generation,
   the evaluation and the demo stop on these (plus a generation config's own `stop_token_ids`).
 - `render`, `prompt` (the generation prompt), `encode` (without special tokens; the fast tokenizer's Rust
-  backend when there is one), `prompt_ids`, `tokenizer_hash`.
+  backend when there is one), `prompt_ids`, `tokenizer_hash`; `encode_texts` encodes many texts in one call.
 
 Renderer, conventions and stop ids are computed on first use, so a tokenizer without a chat template still
 gives its hash. Reads nothing itself (the spec loads the tokenizer files); writes nothing.
@@ -35,7 +35,7 @@ from typing import Any
 from dflash_assets.target_model.chat_template import ChatRenderer
 from dflash_assets.target_model.conventions import ChatConventions, derive_chat_conventions
 
-__all__ = ["STOP_TOKENS", "TargetChat", "encode_text", "stop_token_ids", "token_id_of"]
+__all__ = ["STOP_TOKENS", "TargetChat", "encode_text", "encode_texts", "stop_token_ids", "token_id_of"]
 
 # Stop tokens looked up by name, beside the tokenizer's eos: the end of a ChatML turn and the end of text.
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -66,6 +66,15 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     if backend is not None:
         return backend.encode(text, add_special_tokens=False).ids
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Each text's ids as `encode_text` gives them, in one call: the Rust backend's `encode_batch`, which runs
+    without Python's GIL and on all cores (a single `encode` holds the GIL throughout), else text by text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=False)]
+    return [encode_text(tokenizer, text) for text in texts]
 
 
 @dataclass(frozen=True, eq=False)

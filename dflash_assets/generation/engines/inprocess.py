@@ -4,7 +4,8 @@ the fleet config); nothing ever falls back to it.
 
 ``TransformersEngine`` is built from its parts: the shared model (``engines.inprocess_models``), the batched
 generate (``engines.inprocess_batching``) and the other cache modes (``engines.inprocess_caches``); here are its
-settings, its probe and the one ``chat`` that sends a request to the part its cache mode names.
+settings, its probe and the one ``chat`` that sends a request to the part its cache mode names, its prompt
+encoded with the others of its pass of the event loop (`engines.prompt_encoder`).
 
 Reads: a model directory and the target's chat object (through its parts). Writes nothing.
 """
@@ -22,6 +23,7 @@ from dflash_assets.generation.config import GenerationConfig
 from dflash_assets.generation.engines.inprocess_batching import BatchedGenerate, _BatchedRequest
 from dflash_assets.generation.engines.inprocess_caches import ContinuousCache, SlotCache
 from dflash_assets.generation.engines.inprocess_models import SharedModel, _LoadedModel
+from dflash_assets.generation.engines.prompt_encoder import PromptEncoder
 from dflash_assets.generation.engines.protocol import ChatResult, Engine, EngineProbe
 
 
@@ -122,6 +124,7 @@ class TransformersEngine(SharedModel, BatchedGenerate, ContinuousCache, SlotCach
         self.dtype = dtype
         self._tokenizer = tokenizer
         self.tok: ChatTokenizer | None = None
+        self.prompt_encoder: PromptEncoder | None = None  # the prompts' ids, batched per pass of the event loop
         self.model = None
         self._loaded: _LoadedModel | None = None
         self._loaded_key: tuple = ()
@@ -165,7 +168,9 @@ class TransformersEngine(SharedModel, BatchedGenerate, ContinuousCache, SlotCach
                    tools: Sequence[dict] | None = None) -> ChatResult:
         await self.open()
         assert self.tok is not None
-        ids = self.tok.prompt_ids(messages, generation.enable_thinking, tools)
+        if self.prompt_encoder is None:
+            self.prompt_encoder = PromptEncoder(self.tok.encode, self.tok.encode_many)
+        ids = await self.prompt_encoder.encode(self.tok.render(messages, generation.enable_thinking, tools))
         generation, cut = self.fit_to_context(len(ids), generation)
         stop_ids = sorted(self.tok.stop_ids | set(generation.stop_token_ids))
         t0 = time.perf_counter()

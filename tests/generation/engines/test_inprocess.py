@@ -57,3 +57,18 @@ def test_transformers_engine_batches_concurrent_requests_with_the_same_answers(t
     for a, b in zip(together, alone):
         assert (a.content, a.completion_tokens, a.finish_reason) == (b.content, b.completion_tokens, b.finish_reason)
         assert a.prompt_tokens == b.prompt_tokens and 1 <= a.completion_tokens <= 12
+
+
+def test_transformers_engine_encodes_the_prompts_of_one_pass_together(tiny_dense_target, tok):
+    """A shard's requests arrive together: their prompts are encoded in one call, with the ids of one by one."""
+    gen = GenerationConfig(max_new_tokens=2, temperature=0.0, enable_thinking=False)
+    chats = [[{"role": "user", "content": f"Question {k}: " + "why is the sky blue? " * 40}] for k in range(24)]
+
+    async def go():
+        async with TransformersEngine(tiny_dense_target, tokenizer=tok, max_concurrency=24) as eng:
+            out = await asyncio.gather(*(eng.chat(m, gen) for m in chats))
+            return out, dict(eng.prompt_encoder.batches)
+
+    out, batches = run(go())
+    assert batches["together"] == 1
+    assert [r.prompt_tokens for r in out] == [len(ChatTokenizer(tok).prompt_ids(m, False)) for m in chats]
