@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from dflash_assets.generation.chat_tokenizer import ChatTokenizer
-from dflash_assets.target_model.chat import TargetChat, stop_token_ids
+from dflash_assets.target_model.chat import TargetChat, encode_text, encode_texts, stop_token_ids
 from dflash_assets.target_model.spec import TargetModelSpec
 
 MARK = "OVERRIDDEN-TEMPLATE-MARK"
@@ -70,6 +70,20 @@ def test_render_and_ids_equal_the_tokenizers_apply_chat_template(target_dir):
             assert ChatTokenizer(chat).prompt_ids(messages, thinking) == ChatTokenizer(tok).prompt_ids(messages,
                                                                                                      thinking)
     assert chat.conventions == spec.chat_conventions(tok)  # read off the same template with the same kwargs
+
+
+def test_encode_texts_gives_each_texts_own_ids(tiny_dense_target):
+    """One batch call (the Rust backend's) or text by text (a tokenizer without one): each text's `encode_text`."""
+    tok = TargetModelSpec(model_path=str(tiny_dense_target)).load_tokenizer()
+    texts = ["Hello there", "", "写一首关于秋天的短诗。", "<|im_start|>user\nHi<|im_end|>\n", "x = 1\n" * 300]
+
+    class PythonOnly:  # an HF-style tokenizer without a Rust backend
+        def encode(self, text, add_special_tokens=False):
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    expected = [encode_text(tok, t) for t in texts]
+    assert encode_texts(tok, texts) == expected == encode_texts(PythonOnly(), texts)
+    assert expected[3] == [tok.convert_tokens_to_ids("<|im_start|>"), *expected[3][1:]] and len(expected[4]) > 300
 
 
 def test_template_kwargs_of_the_spec_reach_the_renderer(tiny_dense_target):
