@@ -15,8 +15,9 @@ the padded layout (one row per sample, padded to the longest) and the packed one
 blocks and context in one row) in the same run: tokens/s, MFU over real tokens' FLOPs, the padded
 shares and the widths each layout met; `--varied-eager` adds the packed batches run eagerly, the peer of the
 compiled step; `--profile` with them profiles a few packed steps (the kernels the step's time goes to).
-`--compile-mode` (e.g. max-autotune) and `--flex-kernel-options` (flex attention's Triton tiles) try other
-compile settings of the layers on one GPU.
+The flex attention tiles are those training runs with (`torch_compile.drafter_flex_kernel_options`: named for
+this GPU and head size, else flex's own); `--flex-kernel-options` sets others (`'{}'`: flex's own, the peer of
+the named ones) and `--compile-mode` (e.g. max-autotune) another compile mode of the layers.
 
 Reads nothing; prints one JSON object on stdout (progress on stderr) and, with --out, writes it.
 Needs only torch (+ triton on GPU), numpy, safetensors. See BENCHMARKS.md.
@@ -49,6 +50,7 @@ from dflash_assets.target_model.conventions import dflash_target_layer_ids  # no
 from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, TargetHead  # noqa: E402
 from dflash_assets.drafter.data import Batch, Sample, collate, sample_anchors  # noqa: E402
 from dflash_assets.drafter.loss import dflash_block_mask, drafter_forward_loss, head_cross_entropy, train_step  # noqa: E402
+from dflash_assets.torch_compile import drafter_flex_kernel_options, set_flex_kernel_options  # noqa: E402
 
 SPECFORGE_TOK_S = {1: 14_000, 2: 15_700, 4: 16_600}  # SpecForge's own trainer, one H200 (BENCHMARKS.md, drafter)
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
@@ -415,7 +417,7 @@ def two_gpu_section(args, single: dict[int, dict]) -> dict:
            str(Path(__file__).resolve()), "--ddp-worker", "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--seq", str(args.seq), "--anchors", str(args.anchors), "--attention", args.attention, "--dims", args.dims,
            "--batch-sizes", *map(str, args.batch_sizes), *(["--quick"] if args.quick else []),
-           *(["--no-compile"] if not args.compile else [])]
+           *(["--no-compile"] if not args.compile else []), "--flex-kernel-options", args.flex_kernel_options]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.ddp_timeout)
     rows = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("DDP_RESULT ")]
@@ -524,7 +526,8 @@ def main(argv=None) -> int:
                    "(which also autotunes flex attention's tiles; default: torch's)")
     p.add_argument("--flex-kernel-options", default=None,
                    help='flex attention\'s kernel_options as JSON, e.g. \'{"BLOCK_M": 64, "BLOCK_N": 64}\' '
-                        "(torch_compile.set_flex_kernel_options; default: flex's own tiles)")
+                        "(torch_compile.set_flex_kernel_options); '{}': flex's own; default: the drafter's tiles "
+                        "for this GPU and head size, as training runs (torch_compile.DRAFTER_FLEX_TILES)")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false")
     p.add_argument("--two-gpu", choices=["auto", "on", "off"], default="auto",
                    help="auto: when 2+ GPUs are visible; on: also on CPU with gloo (with --quick)")
@@ -543,12 +546,14 @@ def main(argv=None) -> int:
     p.add_argument("--varied-eager", action="store_true", help="also the packed batches eagerly: the peer of compiled")
     p.add_argument("--varied-max-length", type=int, default=None, help="longest sample (default 2048, quick 768)")
     args = p.parse_args(argv)
-    if args.flex_kernel_options:
-        from dflash_assets.torch_compile import set_flex_kernel_options
-
-        set_flex_kernel_options(json.loads(args.flex_kernel_options))
-
     cuda = torch.cuda.is_available() and not args.quick
+    if args.flex_kernel_options is not None:  # as given ('{}': flex's own), else the drafter's tiles, as training
+        tiles = json.loads(args.flex_kernel_options)
+    else:
+        dims = TINY if args.quick else DIMS[args.dims]
+        tiles = drafter_flex_kernel_options("cuda" if cuda else "cpu", dims["head_dim"])
+    set_flex_kernel_options(tiles)
+    args.flex_kernel_options = json.dumps(tiles)
     args.batch_sizes = args.batch_sizes or ([1, 2] if args.quick else [1, 2, 4])
     args.steps = args.steps or (2 if args.quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
@@ -579,7 +584,7 @@ def main(argv=None) -> int:
         "config": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "block": cfg.block_size,
                    "vocab": cfg.vocab_size, "captured_layers": len(cfg.target_layer_ids), "seq": args.seq,
                    "anchors": args.anchors, "attention": args.attention, "compile": args.compile,
-                   "compile_mode": args.compile_mode, "flex_kernel_options": args.flex_kernel_options,
+                   "compile_mode": args.compile_mode, "flex_kernel_options": json.loads(args.flex_kernel_options),
                    "dtype": "bf16 autocast, fp32 master weights" if cuda else "fp32",
                    "drafter_params": None},
         "flop_formula": FLOP_FORMULA,

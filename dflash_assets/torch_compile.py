@@ -5,14 +5,17 @@ Reads and writes nothing but torch's global compile configuration: the inductor 
 (``apply_inductor_workarounds``) and dynamo's recompile limit (``allow_recompiles``), so varying batch shapes
 recompile instead of falling back to eager. ``flex_attention`` is flex attention as both users of it call it
 (the drafter's blocks, slot decoding's rows of their own lengths): compiled on CUDA, one compiled function per
-shape policy, with the Triton tile options ``set_flex_kernel_options`` chose (none: flex's own); ``is_block_mask``
-and ``block_mask_from_kv_blocks`` are the one place flex's ``BlockMask`` class is looked up.
+shape policy, with the Triton tile options ``set_flex_kernel_options`` chose (none: flex's own; ``flex_kernel_options``
+sets them for a block of code, ``drafter_flex_kernel_options`` names those the drafter's training step runs with on
+a GPU where they were measured faster); ``is_block_mask`` and ``block_mask_from_kv_blocks`` are the one place
+flex's ``BlockMask`` class is looked up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 
 def needs_coalesce_tiling_workaround(torch_version: str) -> bool:
@@ -68,6 +71,42 @@ def set_flex_kernel_options(options: dict[str, Any] | None) -> dict[str, Any]:
     _FLEX_KERNEL_OPTIONS.clear()
     _FLEX_KERNEL_OPTIONS.update(options or {})
     return before
+
+
+def current_flex_kernel_options() -> dict[str, Any]:
+    """The ``kernel_options`` later `flex_attention` calls pass (empty: flex's own)."""
+    return dict(_FLEX_KERNEL_OPTIONS)
+
+
+@contextlib.contextmanager
+def flex_kernel_options(options: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
+    """`set_flex_kernel_options(options)` inside the block, the options before it restored after."""
+    before = set_flex_kernel_options(options)
+    try:
+        yield dict(options or {})
+    finally:
+        set_flex_kernel_options(before)
+
+
+# Flex attention's Triton tiles for the drafter's training step, by (CUDA capability, head dim), where they were
+# measured faster than flex's own choice: on an H100 (sm90) at head dim 64 (SmolLM2-135M's drafter), 128 x 128
+# tiles with 8 warps in 2 stages make the compiled step 1.22x faster at 96 samples a batch (`bench/drafter_training.py
+# --varied-only`, BENCHMARKS.md "Drafter training"). Elsewhere flex chooses.
+DRAFTER_FLEX_TILES: dict[tuple[tuple[int, int], int], dict[str, int]] = {
+    ((9, 0), 64): {"BLOCK_M": 128, "BLOCK_N": 128, "num_stages": 2, "num_warps": 8},
+}
+
+
+def drafter_flex_kernel_options(device: Any, head_dim: int) -> dict[str, Any]:
+    """The tiles `DRAFTER_FLEX_TILES` names for `device` (a CUDA device's capability) and `head_dim`; empty
+    elsewhere (a CPU, another GPU or head size: flex's own)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    capability = tuple(torch.cuda.get_device_capability(device))
+    return dict(DRAFTER_FLEX_TILES.get((capability, int(head_dim)), {}))
 
 
 def flex_attention(query, key, value, block_mask, *, scale: float | None = None, static_shapes: bool = False):

@@ -246,6 +246,7 @@ class TrainResult:
     best: dict[str, Any] | None = None
     stop_reason: str = ""  # why the run ended: "completed", "early stop: ...", or "" while unfinished
     profile: dict[str, Any] | None = None  # step_profile.StepProfiler's summary of the profiled window, if one ran
+    flex_kernel_options: dict[str, Any] = field(default_factory=dict)  # flex's tiles in the steps (empty: flex's own)
     # the same tokens per second of the steps alone: the loop's time less aside_s, its seconds in tau estimates and
     # saved states (this invocation; compiles and the loader's waits stay in)
     steps_tokens_per_s: float = 0.0

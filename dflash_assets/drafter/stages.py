@@ -249,6 +249,8 @@ def _train_metadata(store: Any, recipe: Any, shards: list[str], result: Any, met
         **({"warm_start": warm_start} if warm_start else {}),
         **({"part_cache": result.data_stats} if result.data_stats else {}),
         **({"profile": result.profile} if result.profile else {}),
+        # flex attention's Triton tiles in the steps (torch_compile.DRAFTER_FLEX_TILES on a GPU it names)
+        **({"flex_kernel_options": result.flex_kernel_options} if result.flex_kernel_options else {}),
     }
 
 

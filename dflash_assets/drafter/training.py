@@ -59,7 +59,8 @@ from dflash_assets.drafter.tau_estimate import HeldoutSlice, TauWatch
 from dflash_assets.target_model.conventions import mask_token_id_in_dir
 from dflash_assets.target_model.layer_capture import LayerCapture
 from dflash_assets.target_model.packed_attention import packed_row_kwargs
-from dflash_assets.torch_compile import allow_recompiles, apply_inductor_workarounds
+from dflash_assets.torch_compile import (allow_recompiles, apply_inductor_workarounds, current_flex_kernel_options,
+                                         drafter_flex_kernel_options, flex_kernel_options)
 
 __all__ = ["DrafterRecipe", "TrainResult", "TargetFeatures", "train_drafter", "main"]
 
@@ -416,9 +417,13 @@ def train_drafter(
         total = schedule["total"] = int(_resume(progress, src, parts, scheduler, device, recipe, world, watch) or total)
     tau_on = heldout is not None and recipe.tau_prompts > 0  # known alike on every rank (rank 0 holds the slice)
     profiler = StepProfiler(*profile_steps, device) if profile_steps is not None and rank == 0 else None
-    t_loop = _train_loop(recipe, parts, data, plan, scheduler, schedule, progress, watch, tau_on, state_root,
-                         device, attention, world, rank, max_steps, source, time_budget_s, log, on_save, packed,
-                         profiler)
+    # flex's tiles: those set by the caller (torch_compile.set_flex_kernel_options), else the drafter's for this GPU
+    tiles = current_flex_kernel_options() or (
+        drafter_flex_kernel_options(device, parts.config.head_dim) if attention == "flex" else {})
+    with flex_kernel_options(tiles):
+        t_loop = _train_loop(recipe, parts, data, plan, scheduler, schedule, progress, watch, tau_on, state_root,
+                             device, attention, world, rank, max_steps, source, time_budget_s, log, on_save, packed,
+                             profiler)
     total = schedule["total"]
     data_stats = source.stats.as_dict() if hasattr(source, "stats") else {}
     if source is not None and hasattr(source, "close"):
@@ -441,7 +446,7 @@ def train_drafter(
         world_size=world, config=parts.config.to_hf_dict(), data_stats=data_stats, draft_tokens=progress.draft_tokens,
         sequence_tokens=progress.tokens_seen, draft_slots=progress.draft_slots, context_slots=progress.context_slots,
         tau_history=watch.history if watch else [],
-        best=watch.best if watch else None, stop_reason=progress.stop_reason,
+        best=watch.best if watch else None, stop_reason=progress.stop_reason, flex_kernel_options=tiles,
         profile=profiler.summary() if profiler is not None else None)
 
 

@@ -128,6 +128,21 @@ def test_max_steps_stops_with_a_resumable_state(mini, tmp_path):
     assert rest.finished and rest.losses == full.losses
 
 
+def test_training_runs_with_the_callers_flex_tiles_else_the_drafters_and_restores_them(mini, tmp_path):
+    """flex's tiles in the steps: those the caller set (kept after the run), else the drafter's for the device
+    (none on a CPU); the result names them."""
+    from dflash_assets.torch_compile import current_flex_kernel_options, set_flex_kernel_options
+
+    r = mini_recipe(epochs=1, save_every=100)
+    assert train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "a", max_steps=1).flex_kernel_options == {}
+    set_flex_kernel_options({"BLOCK_M": 32})
+    try:
+        res = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "b", max_steps=1)
+        assert res.flex_kernel_options == {"BLOCK_M": 32} == current_flex_kernel_options()
+    finally:
+        set_flex_kernel_options(None)
+
+
 def test_ddp_two_processes_match_one_process(mini, tmp_path):
     """torchrun with 2 gloo processes x batch 1 trains the same run as 1 process x batch 2."""
     recipe_file = tmp_path / "recipe.json"
@@ -237,6 +252,7 @@ def test_benchmark_quick_mode_runs(tmp_path, capsys):
     (r,) = out["single_gpu"]
     assert r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["loss"] == pytest.approx(np.log(1024), rel=0.05)
     assert set(r["flops_breakdown_per_rank"]) == {"drafter_linear", "fc", "lm_head", "attention"}
+    assert out["config"]["flex_kernel_options"] == {}  # a CPU: no tiles named, as training
     assert json.loads(capsys.readouterr().out)["single_gpu"][0]["batch_size"] == 1
 
 

@@ -95,3 +95,41 @@ def test_flex_kernel_options_reach_every_later_flex_call_until_cleared(monkeypat
     flex_attention(q, k, v, mask)
     assert seen == [None, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
                     {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}, None]
+
+
+def test_flex_kernel_options_block_restores_the_options_before():
+    from dflash_assets.torch_compile import current_flex_kernel_options, flex_kernel_options, set_flex_kernel_options
+
+    set_flex_kernel_options({"BLOCK_M": 32})
+    try:
+        with flex_kernel_options({"num_warps": 8}) as inside:
+            assert inside == current_flex_kernel_options() == {"num_warps": 8}
+        assert current_flex_kernel_options() == {"BLOCK_M": 32}
+        try:
+            with flex_kernel_options(None):
+                assert current_flex_kernel_options() == {}
+                raise RuntimeError("a failing step")
+        except RuntimeError:
+            pass
+        assert current_flex_kernel_options() == {"BLOCK_M": 32}  # restored on an error too
+    finally:
+        set_flex_kernel_options(None)
+
+
+def test_drafter_flex_tiles_only_where_measured(monkeypatch):
+    """An H100-class GPU (sm90) at head dim 64 gets the measured tiles; another capability, head size or a CPU
+    gets none (flex's own). The capability is what torch reports for the device."""
+    import torch
+
+    from dflash_assets.torch_compile import DRAFTER_FLEX_TILES, drafter_flex_kernel_options
+
+    assert drafter_flex_kernel_options("cpu", 64) == {}
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    tiles = drafter_flex_kernel_options("cuda:0", 64)
+    assert tiles == DRAFTER_FLEX_TILES[((9, 0), 64)] and tiles["num_warps"] == 8
+    tiles["num_warps"] = 4  # a copy: the table is not changed through it
+    assert DRAFTER_FLEX_TILES[((9, 0), 64)]["num_warps"] == 8
+    assert drafter_flex_kernel_options(torch.device("cuda", 0), 128) == {}
+    capability["value"] = (8, 0)
+    assert drafter_flex_kernel_options("cuda", 64) == {}
