@@ -1,10 +1,10 @@
 """Prompt texts to ids for the in-process engine, batched per pass of the event loop and encoded off the GIL.
 
 A shard's requests reach the engine all at once; encoded one by one on the event loop, the tokenizer's Rust
-``encode`` holds Python's GIL for each prompt (about 0.7 ms for a 250-token ShareGPT prompt), seconds of it in
-all, while the engine's worker thread needs the GIL to run its prefills. `PromptEncoder` gathers the texts asked
-for in one pass of the loop and encodes them with one ``encode_batch`` (`ChatTokenizer.encode_many`), which runs
-without the GIL and on all cores. A batch of fewer than ``batch_chars`` characters (a lone later turn) is encoded
+``encode`` holds Python's GIL for each prompt, seconds of it for a shard, while the engine's worker thread needs
+the GIL to run its prefills and steps. `PromptEncoder` gathers the texts asked for in one pass of the loop and
+encodes them with one ``encode_batch`` (`ChatTokenizer.encode_many`), which runs without the GIL and on all
+cores. A batch of fewer than ``batch_chars`` characters (a lone later turn) is encoded
 text by text: that costs less than handing the GIL to the worker thread and waiting to take it back. The ids are
 the same either way; a text that fails to encode fails its own request only.
 
