@@ -4,9 +4,9 @@ A shard's requests reach the engine all at once; encoded one by one on the event
 ``encode`` holds Python's GIL for each prompt, seconds of it for a shard, while the engine's worker thread needs
 the GIL to run its prefills and steps. `PromptEncoder` gathers the texts asked for in one pass of the loop and
 encodes them with one ``encode_batch`` (`ChatTokenizer.encode_many`), which runs without the GIL and on all
-cores. A batch of fewer than ``batch_chars`` characters (a lone later turn) is encoded
-text by text: that costs less than handing the GIL to the worker thread and waiting to take it back. The ids are
-the same either way; a text that fails to encode fails its own request only.
+cores. A batch of fewer than ``batch_chars`` characters (a lone later turn) is encoded text by text: that costs
+less than handing the GIL to the worker thread and waiting to take it back. The ids are the same either way; a
+text that fails to encode fails its own request only.
 
 Reads and writes nothing.
 """
@@ -33,11 +33,14 @@ class PromptEncoder:
         self.encode_many = encode_many
         self.batch_chars = int(batch_chars)
         self._pending: list[tuple[str, asyncio.Future]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the pending texts wait in
         self.batches = {"together": 0, "one_by_one": 0}
 
     async def encode(self, text: str) -> list[int]:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        if loop is not self._loop:  # another event loop (the engine serves one asyncio.run after another)
+            self._pending, self._loop = [], loop
         if not self._pending:
             loop.call_soon(self._flush)  # after the callbacks already queued: the requests of this pass
         self._pending.append((text, future))

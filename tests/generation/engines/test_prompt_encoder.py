@@ -70,3 +70,23 @@ def test_a_cancelled_request_leaves_the_others_of_its_pass(tok):
     out = run(go())
     assert isinstance(out[1], asyncio.CancelledError)
     assert [o for k, o in enumerate(out) if k != 1] == [chat.encode(t) for k, t in enumerate(TEXTS) if k != 1]
+
+
+def test_an_encoder_serves_one_event_loop_after_another(tok):
+    """The engine outlives an asyncio.run: a loop stopped with a text still pending leaves nothing that blocks
+    the next loop's requests."""
+    chat = ChatTokenizer(tok)
+    encoder = PromptEncoder(chat.encode, chat.encode_many, batch_chars=1)
+    stopped = asyncio.new_event_loop()
+    try:
+        stopped.create_task(encoder.encode(TEXTS[0]))
+        stopped.call_soon(stopped.stop)  # queued before the encoder's flush: the text stays pending
+        stopped.run_forever()
+        assert len(encoder._pending) == 1
+    finally:
+        stopped.close()
+
+    async def go():
+        return await asyncio.wait_for(asyncio.gather(*(encoder.encode(t) for t in TEXTS[:2])), timeout=10)
+
+    assert run(go()) == [chat.encode(t) for t in TEXTS[:2]]
