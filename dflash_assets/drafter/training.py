@@ -182,6 +182,7 @@ class _Parts:
     features: TargetFeatures | None
     optimizer: torch.optim.Optimizer
     compiled: bool
+    flex_tiles: dict  # flex attention's Triton tiles in the steps (empty: flex's own)
 
 
 def _build_parts(recipe: DrafterRecipe, data, target_dir, device: torch.device, world: int,
@@ -223,7 +224,10 @@ def _build_parts(recipe: DrafterRecipe, data, target_dir, device: torch.device, 
             drafter, device_ids=[device.index] if cuda else None, broadcast_buffers=False)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay,
                                   **({"fused": True} if cuda else {}))
-    return _Parts(config, drafter, model, head, features, optimizer, compiled)
+    # flex's tiles: those set by the caller (torch_compile.set_flex_kernel_options), else the drafter's for this GPU
+    flex = recipe.attention == "flex" or (recipe.attention == "auto" and cuda)
+    tiles = current_flex_kernel_options() or (drafter_flex_kernel_options(device, config.head_dim) if flex else {})
+    return _Parts(config, drafter, model, head, features, optimizer, compiled, tiles)
 
 
 def _batch_plan(recipe: DrafterRecipe, data, world: int, rank: int) -> BatchPlan:
@@ -417,10 +421,7 @@ def train_drafter(
         total = schedule["total"] = int(_resume(progress, src, parts, scheduler, device, recipe, world, watch) or total)
     tau_on = heldout is not None and recipe.tau_prompts > 0  # known alike on every rank (rank 0 holds the slice)
     profiler = StepProfiler(*profile_steps, device) if profile_steps is not None and rank == 0 else None
-    # flex's tiles: those set by the caller (torch_compile.set_flex_kernel_options), else the drafter's for this GPU
-    tiles = current_flex_kernel_options() or (
-        drafter_flex_kernel_options(device, parts.config.head_dim) if attention == "flex" else {})
-    with flex_kernel_options(tiles):
+    with flex_kernel_options(parts.flex_tiles):
         t_loop = _train_loop(recipe, parts, data, plan, scheduler, schedule, progress, watch, tau_on, state_root,
                              device, attention, world, rank, max_steps, source, time_budget_s, log, on_save, packed,
                              profiler)
@@ -436,8 +437,7 @@ def train_drafter(
                          metadata={"recipe": json.dumps(recipe.to_dict(), default=list)})
         if world > 1:
             dist.barrier()
-    counts = progress.acc_counts
-    acc = [c / max(n, 1.0) for c, n in zip(counts["correct"], counts["count"])]
+    acc = [c / max(n, 1.0) for c, n in zip(progress.acc_counts["correct"], progress.acc_counts["count"])]
     return TrainResult(
         checkpoint_dir=ckpt, state_dir=latest_state_dir(state_root), steps=progress.step, total_steps=total,
         losses=progress.losses, tokens_per_s=progress.tokens_seen / max(t_loop, 1e-9), accuracy_by_position=acc,
@@ -445,8 +445,8 @@ def train_drafter(
         resumed_from_step=progress.resumed_from, wall_s=time.perf_counter() - t_start, num_sequences=len(data),
         world_size=world, config=parts.config.to_hf_dict(), data_stats=data_stats, draft_tokens=progress.draft_tokens,
         sequence_tokens=progress.tokens_seen, draft_slots=progress.draft_slots, context_slots=progress.context_slots,
-        tau_history=watch.history if watch else [],
-        best=watch.best if watch else None, stop_reason=progress.stop_reason, flex_kernel_options=tiles,
+        tau_history=watch.history if watch else [], best=watch.best if watch else None,
+        stop_reason=progress.stop_reason, flex_kernel_options=parts.flex_tiles,
         profile=profiler.summary() if profiler is not None else None)
 
 
