@@ -186,9 +186,9 @@ class _Parts:
 
 
 def _build_parts(recipe: DrafterRecipe, data, target_dir, device: torch.device, world: int,
-                 init_weights) -> _Parts:
+                 init_weights, attention: str) -> _Parts:
     """Configs and models: fp32 master weights, bf16 autocast on GPU; the target's head is frozen, outside the
-    optimizer."""
+    optimizer; flex's tiles where the run's `attention` is flex."""
     cuda = device.type == "cuda"
     target_cfg = load_target_config(target_dir)
     layer_ids = list(recipe.target_layer_ids or getattr(data, "layer_ids", None) or []) or None
@@ -225,8 +225,8 @@ def _build_parts(recipe: DrafterRecipe, data, target_dir, device: torch.device, 
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay,
                                   **({"fused": True} if cuda else {}))
     # flex's tiles: those set by the caller (torch_compile.set_flex_kernel_options), else the drafter's for this GPU
-    flex = recipe.attention == "flex" or (recipe.attention == "auto" and cuda)
-    tiles = current_flex_kernel_options() or (drafter_flex_kernel_options(device, config.head_dim) if flex else {})
+    tiles = current_flex_kernel_options() or (
+        drafter_flex_kernel_options(device, config.head_dim) if attention == "flex" else {})
     return _Parts(config, drafter, model, head, features, optimizer, compiled, tiles)
 
 
@@ -408,7 +408,7 @@ def train_drafter(
     data = open_training_data(data_files, recipe, source=source)
     if len(data) == 0:
         raise ValueError("no training sequence has an anchor position (loss_mask empty?)")
-    parts = _build_parts(recipe, data, target_dir, device, world, init_weights)
+    parts = _build_parts(recipe, data, target_dir, device, world, init_weights, attention)
     plan = _batch_plan(recipe, data, world, rank)
     total = plan.total_steps
     schedule = {"total": total}  # a time budget cuts it once the step time is known; the cosine follows
