@@ -29,6 +29,7 @@ writes nothing.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +113,28 @@ def _declared_token(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+def _file_stamp(path: Path) -> tuple[int, int, int]:
+    """(inode, mtime in ns, size) of a file, all -1 when it is missing: a changed or replaced file is read again."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return -1, -1, -1
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
+@functools.lru_cache(maxsize=16)
+def _added_tokens(path: str, inode: int, mtime_ns: int, size: int) -> dict[str, int]:
+    """A `tokenizer.json`'s added tokens, content -> id, parsed once per file version (a Qwen3.6 file is over
+    10 MB of JSON: a second or so to parse, and every training run asks)."""
+    if size < 0:
+        return {}
+    added: dict[str, int] = {}
+    for t in json.loads(Path(path).read_text()).get("added_tokens", []):
+        if t.get("content") is not None:
+            added.setdefault(t["content"], int(t["id"]))  # the first entry of a content, as a lookup finds it
+    return added
+
+
 def mask_token_id_in_dir(target_dir: str | Path, explicit: int | None = None, mask_token: str = MASK_TOKEN) -> int:
     """The mask id of a target directory, read from its `tokenizer.json` added tokens and its
     `tokenizer_config.json` declared `mask_token` (no tokenizer load)."""
@@ -120,12 +143,7 @@ def mask_token_id_in_dir(target_dir: str | Path, explicit: int | None = None, ma
     declared = _declared_token(json.loads(config.read_text()).get("mask_token")) if config.exists() else None
 
     def lookup(token: str) -> int | None:
-        if not path.exists():
-            return None
-        for t in json.loads(path.read_text()).get("added_tokens", []):
-            if t.get("content") == token:
-                return int(t["id"])
-        return None
+        return _added_tokens(str(path), *_file_stamp(path)).get(token)
 
     return resolve_mask_token_id(explicit, lookup, mask_token=mask_token, where=repr(str(path)), declared=declared)
 

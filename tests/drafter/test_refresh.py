@@ -198,7 +198,9 @@ def test_one_sensor_refreshes_the_demo_graph_after_the_target_changed(tiny_dense
         sensor = build_target_refresh_sensor(run_config={
             "prepare_data_job": {**demo_run_config(24, 1), **QUIET_CONSOLE},
             "hidden_states_job": QUIET_CONSOLE,
-            "refresh_drafter_job": {"ops": {"drafter_eval": {"config": eval_config}}, **QUIET_CONSOLE}})
+            "refresh_drafter_job": {"ops": {"drafter_eval": {"config": eval_config},  # demo-v1 passed its preflight
+                                            "drafter_checkpoint": {"config": {"preflight": False}}},
+                                    **QUIET_CONSOLE}})
         defs = dg.Definitions(assets=defs_b.assets, resources=defs_b.resources, jobs=defs_b.jobs, sensors=[sensor])
 
         def tick(cursor):  # as the daemon evaluates a tick: the code location's resources, partitions loaded

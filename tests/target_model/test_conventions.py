@@ -41,6 +41,26 @@ def test_mask_token_of_a_model_directory_without_loading_its_tokenizer(tmp_path)
     assert mask_token_id_in_dir(tmp_path, explicit=11) == 11
 
 
+def test_the_tokenizer_file_is_parsed_once_per_version(tmp_path):
+    """Training asks for the mask id at every start (a preflight: once per chunk of steps); the added tokens of
+    a file are parsed once, and a file replaced in place (another target written to the directory) is read
+    again."""
+    from dflash_assets.target_model import conventions
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps({"added_tokens": [{"id": 5, "content": MASK_TOKEN}, {"id": 9, "content": MASK_TOKEN}]}))
+    misses = conventions._added_tokens.cache_info().misses
+    assert [mask_token_id_in_dir(tmp_path) for _ in range(3)] == [5, 5, 5]  # the first entry, as a scan finds it
+    assert conventions._added_tokens.cache_info().misses == misses + 1
+    replacement = tmp_path / "tokenizer.json.tmp"
+    replacement.write_text(json.dumps({"added_tokens": [{"id": 7, "content": MASK_TOKEN}]}))
+    replacement.replace(path)
+    assert mask_token_id_in_dir(tmp_path) == 7
+    path.unlink()
+    with pytest.raises(TargetModelError, match="not in tokenizer"):
+        mask_token_id_in_dir(tmp_path)
+
+
 def _chatml(messages, add_generation_prompt, enable_thinking=True):
     """ChatML whose thinking-off turns open with an empty think block (as Qwen3's template does)."""
     empty_think = "" if enable_thinking else "<think>\n\n</think>\n\n"
