@@ -17,8 +17,9 @@ blocking ``empty_response_ratio`` check fails). Then, in the browser:
 
 A second ``dagster dev`` runs the embedded default (local profile, no
 ``DFLASH_ENGINE_URLS``: each step that generates starts its own
-``transformers serve`` on the tiny target and stops it) over the demo's
-prompts (the embedded ShareGPT file, first 8 prompts, shards of 4), with
+``transformers serve`` on the tiny target and stops it) over 8 one-turn
+prompts in shards of 4 (a JSONL source: ShareGPT's first prompts have up to
+six user turns, each a turn the tiny target writes one after another), with
 ``prompt_corpus`` and ``raw_prompts`` materialized cheaply over GraphQL. In
 the browser, by clicking:
 
@@ -56,9 +57,9 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 TIMEOUT_MS = 60_000
 expect.set_options(timeout=TIMEOUT_MS)
-# The embedded default: local profile, no engine configured, the embedded ShareGPT file as the prompt source.
-EMBEDDED_DEFAULT_ENV = {"DFLASH_PROFILE": "", "DFLASH_ENGINE_URLS": "", "DFLASH_PROMPT_SOURCE": ""}
-DEMO_PROMPTS, DEMO_SHARD_SIZE = 8, 4
+# The embedded default: local profile, no engine configured.
+EMBEDDED_DEFAULT_ENV = {"DFLASH_PROFILE": "", "DFLASH_ENGINE_URLS": ""}
+UI_PROMPTS, UI_SHARD_SIZE = 8, 4
 BACKFILL_TIMEOUT_S = 900
 
 
@@ -164,15 +165,17 @@ def test_empty_response_ratio_on_the_asset_page(ui, page):
 
 @pytest.fixture(scope="module")
 def embedded_ui(tmp_path_factory):
-    """dagster dev on the embedded default, with the demo's prompts ingested and their raw_prompts materialized."""
+    """dagster dev on the embedded default, with one-turn prompts ingested and their raw_prompts materialized."""
     root = tmp_path_factory.mktemp("embedded-ui")
+    source = write_prompt_source(root / "prompts.jsonl", UI_PROMPTS)
     store = LocalStore(root / "store")
-    with dagster_dev(root / "home", env={**EMBEDDED_DEFAULT_ENV, "DFLASH_STORE": store.uri}) as dev:
+    env = {**EMBEDDED_DEFAULT_ENV, "DFLASH_PROMPT_SOURCE": str(source), "DFLASH_STORE": store.uri}
+    with dagster_dev(root / "home", env=env) as dev:
         run = dev.launch_run(["prompt_corpus"], {"ops": {"prompt_corpus": {"config": {
-            "limit": DEMO_PROMPTS, "max_prompts_per_shard": DEMO_SHARD_SIZE}}}})
+            "limit": UI_PROMPTS, "max_prompts_per_shard": UI_SHARD_SIZE}}}})
         assert dev.wait_for_run(run) == "SUCCESS", dev.log_tail()
         shards = dev.instance().get_dynamic_partitions("prompt_shards")
-        assert len(shards) == DEMO_PROMPTS // DEMO_SHARD_SIZE
+        assert len(shards) == UI_PROMPTS // UI_SHARD_SIZE
         for shard in shards:
             assert dev.wait_for_run(dev.launch_run(["raw_prompts"], tags={"dagster/partition": shard})) == "SUCCESS"
         yield dev, store, shards
@@ -232,7 +235,7 @@ def test_backfill_completions_from_the_asset_page(embedded_ui, page):
     _assert_each_run_started_and_stopped_its_engine(instance, runs)
     for shard in shards:  # one regenerated conversation per prompt of the shard
         prompts = store.read_parquet(f"raw_prompts/{shard}.parquet")
-        assert store.read_parquet(f"completions/{shard}.parquet").num_rows == prompts.num_rows == DEMO_SHARD_SIZE
+        assert store.read_parquet(f"completions/{shard}.parquet").num_rows == prompts.num_rows == UI_SHARD_SIZE
 
     _goto(page, f"{dev.url}/runs/b/{backfill_id}")
     expect(page.get_by_text("Succeeded", exact=True).first).to_be_visible()
