@@ -18,8 +18,8 @@ blocking ``empty_response_ratio`` check fails). Then, in the browser:
 A second ``dagster dev`` runs the embedded default (local profile, no
 ``DFLASH_ENGINE_URLS``: each step that generates starts its own
 ``transformers serve`` on the tiny target and stops it) over 8 one-turn
-prompts in shards of 4 (a JSONL source: ShareGPT's first prompts have up to
-six user turns, each a turn the tiny target writes one after another), with
+prompts in shards of 4 (a JSONL source: ShareGPT's first prompts run to six
+user turns, which the tiny target answers one after another), with
 ``prompt_corpus`` and ``raw_prompts`` materialized cheaply over GraphQL. In
 the browser, by clicking:
 

@@ -171,7 +171,7 @@ def _trained_rows(kind: str = "dense") -> torch.Tensor:
 def _row_mass(model, sequences, attention_mask, prompt_len, rows, temperatures, ends) -> dict:
     """Per temperature: the probability that `rows` hold at every generated position through each row's
     `<|im_end|>`. The head runs only on those positions (the padding after `<|im_end|>` is most of a batch's, and
-    (rows x 248,320) logits of every position are gigabytes), once for every temperature."""
+    (positions x 248,320) float logits of all of them are gigabytes), once for every temperature."""
     with torch.no_grad():
         hidden = model.model(sequences, attention_mask=attention_mask).last_hidden_state
         kept = torch.cat([hidden[b, prompt_len - 1 : prompt_len + ends[b]] for b in range(len(ends))])
