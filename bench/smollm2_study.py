@@ -449,6 +449,7 @@ def train_stage(args, study: Study) -> dict:
     peak = peak_tflops(args.device)
     tflops = flops["flops_per_sequence_token"] * train["tokens_per_s"] / 1e12
     steps_tflops = flops["flops_per_sequence_token"] * train["steps_tokens_per_s"] / 1e12
+    warm_tflops = flops["flops_per_sequence_token"] * train.get("warm_tokens_per_s", 0.0) / 1e12
     # the padding training computed besides (the FLOPs above count real tokens only)
     padding = {k: train.get(k) for k in ("padded_block_share", "padded_context_share")}
     mfu = {**flops, "tokens_per_s": train["tokens_per_s"], "tflops": round(tflops, 1), "peak_tflops": peak,
@@ -456,11 +457,16 @@ def train_stage(args, study: Study) -> dict:
            # the steps alone (tau estimates and saved states left out; compiles kept)
            "steps_tokens_per_s": train["steps_tokens_per_s"],
            "steps_mfu": round(steps_tflops / peak, 4) if peak else None,
+           # and past the first step of each batch shape (compiles left out too): the rate a longer run keeps
+           "warm_tokens_per_s": train.get("warm_tokens_per_s"), "new_shape_steps": train.get("new_shape_steps"),
+           "new_shape_s": train.get("new_shape_s"), "warm_mfu": round(warm_tflops / peak, 4) if peak else None,
            **padding}
     log(f"train: {train['steps']} steps, {train['sequence_tokens'] / 1e6:.1f}M sequence tokens, "
         f"{train['tokens_per_s']:.0f} tok/s" + (f", MFU {mfu['mfu']:.1%} of a measured {peak} TFLOP/s" if peak else "")
         + f"; the steps alone {train['steps_tokens_per_s']:.0f} tok/s"
         + (f", MFU {mfu['steps_mfu']:.1%}" if peak else "")
+        + f"; past the first step of each batch shape ({mfu['new_shape_steps']} steps, {mfu['new_shape_s']:.0f} s) "
+          f"{mfu['warm_tokens_per_s']:.0f} tok/s" + (f", MFU {mfu['warm_mfu']:.1%}" if peak else "")
         + f", padding {padding['padded_block_share'] or 0:.1%} of block tokens, "
           f"{padding['padded_context_share'] or 0:.1%} of context tokens")
     return {"recipe": recipe.to_dict(), "drafter_checkpoint": train, "mfu": mfu}
@@ -500,6 +506,8 @@ def summary(args, study: Study) -> dict:
             "profile")},
             "mfu": train.get("mfu", {}).get("mfu"), "steps_tokens_per_s": ckpt.get("steps_tokens_per_s"),
             "steps_mfu": train.get("mfu", {}).get("steps_mfu"),
+            **{k: ckpt.get(k) for k in ("warm_tokens_per_s", "new_shape_steps", "new_shape_s")},
+            "warm_mfu": train.get("mfu", {}).get("warm_mfu"),
             "peak_tflops": train.get("mfu", {}).get("peak_tflops")},
         "evaluation": {k: ev.get(k) for k in ("tau", "lossless", "num_prompts", "held_out", "acceptance_by_position",
                                               "learning_curve")},

@@ -10,7 +10,8 @@ decoded tau. For each study it prints:
 - ``per_doubling``: the least-squares slope of tau against log2(tokens) over the curve's later ``--tail`` share of
   points (the early steps of warm-up and the first passes rise faster), and ``tokens_for_goal``: where that line
   crosses ``--goal-tau`` (unless past `FARTHEST` times the tokens trained), with the GPU hours at the study's
-  steps' tokens/s. A straight line on a log scale is a reading of the curve, not a promise: a curve that bends
+  warm training rate (``warm_tokens_per_s``: the steps past the first of each batch shape, compiles left out; else
+  the steps' tokens/s). A straight line on a log scale is a reading of the curve, not a promise: a curve that bends
   down needs more.
 
 Prints one JSON object (also to ``--out``). Reads the studies' ``study.json``; writes nothing else.
@@ -45,7 +46,8 @@ def read_curve(directory: Path) -> dict:
     if len(points) < 2:
         raise SystemExit(f"{path}: training.tau_by_tokens has {len(points)} points; train with --tau-every")
     return {"points": sorted(points), "sequence_tokens": training.get("sequence_tokens"),
-            "tokens_per_s": training.get("steps_tokens_per_s") or training.get("tokens_per_s"),
+            "tokens_per_s": (training.get("warm_tokens_per_s") or training.get("steps_tokens_per_s")
+                             or training.get("tokens_per_s")),
             "decoded_tau": (study.get("evaluation") or {}).get("tau"),
             "self_prompts": study.get("self_prompts")}
 

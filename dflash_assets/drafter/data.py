@@ -209,6 +209,11 @@ class Batch:
         return self.anchors.numel()
 
     @property
+    def shapes(self) -> tuple:
+        """The shapes the step's kernels see (a compiled step compiles once per distinct value)."""
+        return tuple(tuple(t.shape) for t in (self.input_ids, self.anchors, self.ctx_index) if t is not None)
+
+    @property
     def context_slots(self) -> int:
         """Context tokens the drafter computes, padding included (real ones: ``num_tokens``)."""
         return self.ctx_index.shape[1] if self.packed else self.input_ids.numel()

@@ -251,6 +251,11 @@ class TrainResult:
     # saved states (this invocation; compiles and the loader's waits stay in)
     steps_tokens_per_s: float = 0.0
     aside_s: float = 0.0
+    # the steps alone past the first step of each batch shape (where a compiled step compiles): new_shape_steps such
+    # steps took new_shape_s seconds, left out of warm_tokens_per_s with aside_s (this invocation)
+    warm_tokens_per_s: float = 0.0
+    new_shape_steps: int = 0
+    new_shape_s: float = 0.0
 
     @property
     def finished(self) -> bool:

@@ -224,6 +224,9 @@ def _train_metadata(store: Any, recipe: Any, shards: list[str], result: Any, met
         "tokens_per_s": round(float(result.tokens_per_s), 1), "mean_accuracy": round(float(metrics["mean_accuracy"]), 4),
         # the steps alone: the loop's seconds in tau estimates and saved states (aside_s) left out
         "steps_tokens_per_s": round(float(result.steps_tokens_per_s), 1), "aside_s": round(float(result.aside_s), 1),
+        # and past the first step of each batch shape (compiles): the rate a longer run keeps
+        "warm_tokens_per_s": round(float(result.warm_tokens_per_s), 1), "new_shape_steps": result.new_shape_steps,
+        "new_shape_s": round(float(result.new_shape_s), 1),
         "sequence_tokens": result.sequence_tokens,
         "draft_tokens_per_sequence_token": round(float(metrics["draft_tokens_per_sequence_token"]), 3),
         # the share of the block and context tokens computed that was padding (the packed layout keeps it small)

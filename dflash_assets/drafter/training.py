@@ -255,6 +255,28 @@ class _Progress:
     context_slots: int = 0  # context tokens computed, padding included (this invocation)
     aside_s: float = 0.0  # seconds of the loop in tau estimates and saved states (this invocation)
     stop_reason: str = ""
+    # the steps whose batch shapes this invocation met first (a compiled step compiles there): their count,
+    # seconds and sequence tokens
+    shapes_seen: set = field(default_factory=set)
+    new_shape_steps: int = 0
+    new_shape_s: float = 0.0
+    new_shape_tokens: int = 0
+
+    def count_shapes(self, shapes: tuple, seconds: float, tokens: int) -> None:
+        """A step's time and tokens go to the new-shape tally when its batch shapes are new to this invocation."""
+        if shapes in self.shapes_seen:
+            return
+        self.shapes_seen.add(shapes)
+        self.new_shape_steps += 1
+        self.new_shape_s += seconds
+        self.new_shape_tokens += tokens
+
+    def warm_tokens_per_s(self, loop_s: float) -> float:
+        """Sequence tokens per second of the steps whose shapes were met before (no tau estimates, saved states
+        or compiles): the rate a longer run keeps; 0 when every step met new shapes."""
+        seconds = loop_s - self.aside_s - self.new_shape_s
+        tokens = self.tokens_seen - self.new_shape_tokens
+        return tokens / seconds if tokens > 0 and seconds > 0 else 0.0
 
     @property
     def tokens(self) -> int:
@@ -442,6 +464,8 @@ def train_drafter(
         checkpoint_dir=ckpt, state_dir=latest_state_dir(state_root), steps=progress.step, total_steps=total,
         losses=progress.losses, tokens_per_s=progress.tokens_seen / max(t_loop, 1e-9), accuracy_by_position=acc,
         steps_tokens_per_s=progress.tokens_seen / max(t_loop - progress.aside_s, 1e-9), aside_s=progress.aside_s,
+        warm_tokens_per_s=progress.warm_tokens_per_s(t_loop), new_shape_steps=progress.new_shape_steps,
+        new_shape_s=progress.new_shape_s,
         resumed_from_step=progress.resumed_from, wall_s=time.perf_counter() - t_start, num_sequences=len(data),
         world_size=world, config=parts.config.to_hf_dict(), data_stats=data_stats, draft_tokens=progress.draft_tokens,
         sequence_tokens=progress.tokens_seen, draft_slots=progress.draft_slots, context_slots=progress.context_slots,
@@ -467,6 +491,7 @@ def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedul
     while progress.step < stop:
         if profiler is not None:
             profiler.before_step(progress.step + 1)
+        t_step = time.perf_counter()
         _, cpu_batch = loader.next()
         batch = cpu_batch.to(device)
         hidden = parts.features.for_batch(batch) if parts.features is not None else batch.hidden
@@ -496,6 +521,7 @@ def _train_loop(recipe, parts: _Parts, data, plan: BatchPlan, scheduler, schedul
         step_loss = float(stats[0] / w_total.cpu().clamp_min(1e-6))
         progress.losses.append(step_loss)
         tokens, drafted, draft_slots, context_slots = (int(x) for x in stats[-4:])
+        progress.count_shapes(cpu_batch.shapes, time.perf_counter() - t_step, tokens)  # stats.cpu() waited for it
         progress.tokens_seen += tokens
         progress.draft_tokens += drafted
         progress.draft_slots += draft_slots

@@ -89,6 +89,9 @@ def test_the_study_resumes_after_a_kill_and_writes_its_figures(tmp_path):
     train_report = json.loads((out / "reports" / "train.json").read_text())["drafter_checkpoint"]
     # the steps alone, without the tau estimates and saved states the loop also ran
     assert train_report["aside_s"] > 0 and figures["training"]["steps_tokens_per_s"] > train_report["tokens_per_s"]
+    # past the first step of each batch shape: the rate a longer run keeps, beside the steps' and the loop's
+    assert 1 <= figures["training"]["new_shape_steps"] < figures["training"]["steps"]
+    assert figures["training"]["warm_tokens_per_s"] > 0 and figures["training"]["new_shape_s"] > 0
     # packed batches, widths not rounded on a CPU: no padding computed
     assert figures["training"]["padded_block_share"] == figures["training"]["padded_context_share"] == 0.0
     ev = figures["evaluation"]

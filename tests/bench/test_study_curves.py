@@ -20,12 +20,12 @@ def _bench():
     return module
 
 
-def _study(root: Path, name: str, points, tokens_per_s=None) -> Path:
+def _study(root: Path, name: str, points, tokens_per_s=None, warm_tokens_per_s=None) -> Path:
     d = root / name
     d.mkdir()
     (d / "study.json").write_text(json.dumps({
         "training": {"tau_by_tokens": points, "sequence_tokens": points[-1][0] if points else 0,
-                     "steps_tokens_per_s": tokens_per_s},
+                     "steps_tokens_per_s": tokens_per_s, "warm_tokens_per_s": warm_tokens_per_s},
         "evaluation": {"tau": 1.5}, "self_prompts": {"weight": 0.0}}))
     return d
 
@@ -57,3 +57,14 @@ def test_a_study_without_a_curve_is_refused(tmp_path):
         bench.main([str(_study(tmp_path, "none", []))])
     with pytest.raises(SystemExit, match="no study.json"):
         bench.main([str(tmp_path / "missing")])
+
+
+def test_gpu_hours_are_read_at_the_warm_training_rate(tmp_path):
+    """A study that reports the rate past its compiles is read at that rate, not at the steps' average."""
+    bench = _bench()
+    doubling = [[int(1e6 * 2 ** k), 1.0 + 0.2 * k] for k in range(4)]
+    warm = _study(tmp_path, "warm", doubling, tokens_per_s=10_000, warm_tokens_per_s=40_000)
+    report = bench.main([str(warm), "--goal-tau", "1.8", "--out", str(tmp_path / "c.json")])
+    assert report == 0
+    reading = json.loads((tmp_path / "c.json").read_text())["studies"][str(warm)]
+    assert reading["gpu_hours_for_goal"] == round(16e6 / 4e4 / 3600, 1)

@@ -126,6 +126,27 @@ def test_max_steps_stops_with_a_resumable_state(mini, tmp_path):
     rest = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "o")
     full = train_drafter(r, [mini["cache"]], mini["target_dir"], tmp_path / "full")
     assert rest.finished and rest.losses == full.losses
+    # each invocation counts the steps that met a batch shape first (a resumed one meets its shapes again)
+    for res in (part, rest, full):
+        assert 1 <= res.new_shape_steps <= res.steps - (res.resumed_from_step or 0) and res.new_shape_s > 0
+    assert full.new_shape_steps < full.steps and full.warm_tokens_per_s > 0
+
+
+def test_the_warm_rate_leaves_out_the_first_step_of_each_batch_shape():
+    from dflash_assets.drafter.training import _Progress
+
+    p = _Progress()
+    steps = [((2, 8), 4.0, 100), ((2, 8), 1.0, 100), ((2, 16), 3.0, 200), ((2, 8), 1.0, 100), ((2, 16), 1.0, 200)]
+    for shapes, seconds, tokens in steps:
+        p.count_shapes(shapes, seconds, tokens)
+        p.tokens_seen += tokens
+    assert (p.new_shape_steps, p.new_shape_s, p.new_shape_tokens) == (2, 7.0, 300)
+    p.aside_s = 2.0  # tau estimates and saved states: left out too
+    assert p.warm_tokens_per_s(loop_s=12.0) == pytest.approx(400 / 3.0)  # 12 s less 2 aside less 7 first-shape
+    only_new = _Progress()
+    only_new.count_shapes((1,), 5.0, 10)
+    only_new.tokens_seen = 10
+    assert only_new.warm_tokens_per_s(loop_s=5.0) == 0.0
 
 
 def test_training_runs_with_the_callers_flex_tiles_else_the_drafters_and_restores_them(mini, tmp_path):
