@@ -1,16 +1,14 @@
 """The drafter stages over the store: recipes, training a checkpoint, measuring acceptance length.
 
-Recipes (one ``drafter_recipes`` partition each) live in the store as
-``drafter_recipes/<name>.json`` (a :class:`DrafterRecipe`); the partition key
-is the recipe's name, which carries its version (``demo-v1``).
+Recipes (one ``drafter_recipes`` partition each) live in the store as ``drafter_recipes/<name>.json`` (a
+:class:`DrafterRecipe`); the partition key is the recipe's name, which carries its version (``demo-v1``).
 
-- :func:`train_recipe` reads the hidden-state cache partitions the recipe
-  selects (or, for an online recipe, the tokenized samples, after checking
-  their quality gate), trains in a work directory on the GPU host (resumable:
-  a killed run continues from its last saved state there), and publishes
+- :func:`train_recipe` reads the hidden-state cache partitions the recipe selects (or, for an online recipe, the
+  tokenized samples, after checking their quality gate), trains in a work directory on the GPU host (resumable: a
+  killed run continues from its last saved state there), and publishes
   ``drafter_checkpoint/<recipe>/<version>/{model.safetensors,config.json,train_metrics.json,provenance.json}``,
-  then ``drafter_checkpoint/<recipe>/manifest.json`` naming them (last, so a
-  kill never mixes files of two runs; see ``store.manifest``).
+  then ``drafter_checkpoint/<recipe>/manifest.json`` naming them (last, so a kill never mixes files of two runs;
+  see ``store.manifest``).
 - :func:`train_recipe` with ``preflight`` first proves the recipe's layout on a handful of its samples
   (``drafter.preflight``) and writes ``drafter_preflight/<recipe>.json``; it estimates tau while training on the
   recipe's held-out prompts (``drafter.tau_estimate``) and marks the best checkpoint in ``train_metrics.json``.
@@ -222,11 +220,10 @@ def _train_metadata(store: Any, recipe: Any, shards: list[str], result: Any, met
         "steps": result.steps, "total_steps": result.total_steps,
         "first_loss": float(losses[0]) if losses else float("nan"), "final_loss": float(metrics["final_loss"]),
         "tokens_per_s": round(float(result.tokens_per_s), 1), "mean_accuracy": round(float(metrics["mean_accuracy"]), 4),
-        # the steps alone: the loop's seconds in tau estimates and saved states (aside_s) left out
-        "steps_tokens_per_s": round(float(result.steps_tokens_per_s), 1), "aside_s": round(float(result.aside_s), 1),
-        # and past the first step of each batch shape (compiles): the rate a longer run keeps
-        "warm_tokens_per_s": round(float(result.warm_tokens_per_s), 1), "new_shape_steps": result.new_shape_steps,
-        "new_shape_s": round(float(result.new_shape_s), 1),
+        # the steps alone (the loop's aside_s in tau estimates and saved states left out), and past the first step
+        # of each batch shape (new_shape_s, where compiles are): the rate a longer run keeps
+        **{k: round(float(getattr(result, k)), 1) for k in ("steps_tokens_per_s", "aside_s", "warm_tokens_per_s",
+                                                            "new_shape_s")}, "new_shape_steps": result.new_shape_steps,
         "sequence_tokens": result.sequence_tokens,
         "draft_tokens_per_sequence_token": round(float(metrics["draft_tokens_per_sequence_token"]), 3),
         # the share of the block and context tokens computed that was padding (the packed layout keeps it small)

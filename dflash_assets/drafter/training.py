@@ -271,6 +271,12 @@ class _Progress:
         self.new_shape_s += seconds
         self.new_shape_tokens += tokens
 
+    def step_rates(self, loop_s: float) -> dict[str, Any]:
+        """``TrainResult``'s rates of the steps: alone (``aside_s`` left out), and past their first batch shapes."""
+        return {"steps_tokens_per_s": self.tokens_seen / max(loop_s - self.aside_s, 1e-9), "aside_s": self.aside_s,
+                "warm_tokens_per_s": self.warm_tokens_per_s(loop_s), "new_shape_steps": self.new_shape_steps,
+                "new_shape_s": self.new_shape_s}
+
     def warm_tokens_per_s(self, loop_s: float) -> float:
         """Sequence tokens per second of the steps whose shapes were met before (no tau estimates, saved states
         or compiles): the rate a longer run keeps; 0 when every step met new shapes."""
@@ -463,9 +469,7 @@ def train_drafter(
     return TrainResult(
         checkpoint_dir=ckpt, state_dir=latest_state_dir(state_root), steps=progress.step, total_steps=total,
         losses=progress.losses, tokens_per_s=progress.tokens_seen / max(t_loop, 1e-9), accuracy_by_position=acc,
-        steps_tokens_per_s=progress.tokens_seen / max(t_loop - progress.aside_s, 1e-9), aside_s=progress.aside_s,
-        warm_tokens_per_s=progress.warm_tokens_per_s(t_loop), new_shape_steps=progress.new_shape_steps,
-        new_shape_s=progress.new_shape_s,
+        **progress.step_rates(t_loop),
         resumed_from_step=progress.resumed_from, wall_s=time.perf_counter() - t_start, num_sequences=len(data),
         world_size=world, config=parts.config.to_hf_dict(), data_stats=data_stats, draft_tokens=progress.draft_tokens,
         sequence_tokens=progress.tokens_seen, draft_slots=progress.draft_slots, context_slots=progress.context_slots,
